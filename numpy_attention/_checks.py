@@ -1,0 +1,96 @@
+"""Argument checks shared by every public entry point.
+
+A leaf module: it imports nothing of the package, so the one-way import rule of
+DESIGN.md still holds (every module may use it; it uses none of them).
+
+Every failure is a ValueError (wrong value or shape) or a TypeError (wrong kind
+of object), and its message names the argument and the shapes involved.
+
+dtype rule (DESIGN.md): float32 stays float32, float64 stays float64, complex
+stays complex (for complex-step gradient checks), float16 computes in float32,
+integers are cast to float64. Booleans, strings and objects are rejected.
+"""
+import numpy as np
+
+
+def as_float_array(x, name):
+    """Return `x` as a floating (or complex) ndarray under the dtype rule.
+
+    The result may share memory with `x`; callers never write into it.
+    """
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # ragged nested lists and the like
+        raise TypeError(f"{name} must be a numeric array, got {type(x).__name__}: {exc}") from None
+    kind = arr.dtype.kind
+    if kind in "fc":
+        return arr.astype(np.float32) if arr.dtype == np.float16 else arr
+    if kind in "iu":
+        return arr.astype(np.float64)
+    raise TypeError(f"{name} must be a numeric (integer, float or complex) array, "
+                    f"got dtype {arr.dtype} with shape {arr.shape}")
+
+
+def result_dtype(*arrays):
+    """The dtype a computation over `arrays` runs in (None entries ignored)."""
+    return np.result_type(*[a for a in arrays if a is not None])
+
+
+def require_ndim(x, name, min_ndim, legend):
+    """Raise ValueError unless x.ndim >= min_ndim; `legend` names the axes."""
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} axes {legend}, got shape {x.shape}")
+
+
+def require_positive_int(value, name):
+    """Return `value` as an int, raising unless it is an integer > 0."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def require_choice(value, name, choices):
+    """Raise ValueError unless `value` is one of `choices`."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def require_same_shape(grad, expected_shape, name):
+    """Check an upstream gradient against the forward output it belongs to."""
+    if np.shape(grad) != tuple(expected_shape):
+        raise ValueError(f"{name} must have the forward output's shape {tuple(expected_shape)}, "
+                         f"got {np.shape(grad)}")
+
+
+def require_cache(cache, cache_type, function):
+    """Raise TypeError unless `cache` is the NamedTuple the matching forward returned."""
+    if not isinstance(cache, cache_type):
+        raise TypeError(f"{function} needs the {cache_type.__name__} returned by its forward, "
+                        f"got {type(cache).__name__}")
+
+
+def broadcast_shape_to(x, name, target_shape, legend):
+    """Raise ValueError unless array `x` broadcasts to `target_shape`."""
+    try:
+        shape = np.broadcast_shapes(x.shape, tuple(target_shape))
+    except ValueError:
+        shape = None
+    if shape != tuple(target_shape):
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to {legend} "
+                         f"{tuple(target_shape)}")
+
+
+def as_mask(mask, name, target_shape, legend):
+    """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape."""
+    arr = np.asarray(mask)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be a bool, integer or float array (nonzero = attend), "
+                        f"got dtype {arr.dtype} with shape {arr.shape}")
+    if arr.dtype.kind == "f" and np.isnan(arr).any():
+        raise ValueError(f"{name} contains NaN; a mask is True/nonzero = attend "
+                         f"(put an additive mask in `bias`)")
+    broadcast_shape_to(arr, name, target_shape, legend)
+    return arr != 0

@@ -1,0 +1,361 @@
+"""Scaled dot-product attention, forward and hand-written backward.
+
+Shape legend:
+    ...   leading batch axes (any number, the same for q, k and v)
+    H     query heads,  H_kv key/value heads (H_kv divides H; G = H / H_kv queries share a kv head)
+    N_q   query length,  N_k key length,  d_k query/key width,  d_v value width
+
+    q [..., H, N_q, d_k]   k [..., H_kv, N_k, d_k]   v [..., H_kv, N_k, d_v]   ->   out [..., H, N_q, d_v]
+
+Arrays with two axes ([N, d]) are a single head.
+
+Forward, in this order (documented once, here):
+    1. S = scale * q k^T                    scale defaults to 1 / sqrt(d_k)
+    2. S = softcap * tanh(S / softcap)      only when softcap is set
+    3. S = S + bias                         bias broadcasts to [..., H, N_q, N_k]
+    4. S = -inf where not kept              keep = mask & causal & window (True = attend)
+    5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy
+    6. P~ = P * dropout_mask / (1 - dropout_p)
+    7. out = P~ v
+
+Backward, the same steps in reverse (derivations in docs/derivations.md):
+    7. dv = P~^T dout,  dP~ = dout v^T
+    6. dP = dP~ * dropout_mask / (1 - dropout_p)
+    5. dS = P * (dP - rowsum(P * dP))       = P * (dP - D),  D = rowsum(dout * out)
+    4. dS = 0 where S = -inf                 (masked scores do not depend on anything)
+    3. dbias = dS summed to bias's shape
+    2. dS = dS * (1 - tanh^2(S / softcap))
+    1. dq = scale * dS k,  dk = scale * dS^T q   (dk, dv summed over each query group)
+
+Grouped-query attention folds the G query heads that share a kv head into the
+row axis: q [..., H, N_q, d] -> [..., H_kv, G*N_q, d]; then every step is one
+batched matmul against k [..., H_kv, N_k, d] and the group sums in dk, dv are
+part of that matmul.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_cache, require_choice,
+                      require_same_shape, result_dtype)
+from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
+
+FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
+ALIGNMENTS = ("top_left", "bottom_right")
+BACKWARD_METHODS = ("vjp", "jacobian", "flash")
+
+
+class AttentionCache(NamedTuple):
+    q: np.ndarray                   # [..., H, N_q, d_k]
+    k: np.ndarray                   # [..., H_kv, N_k, d_k]
+    v: np.ndarray                   # [..., H_kv, N_k, d_v]
+    scale: float
+    softcap: Optional[float]
+    softcap_tanh: Optional[np.ndarray]   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
+    bias_shape: Optional[tuple]     # the bias's own shape, for dbias; None without a bias
+    scores: np.ndarray              # [..., H, N_q, N_k] S, the softmax input (-inf where masked)
+    weights: np.ndarray             # [..., H, N_q, N_k] P, before dropout
+    lse: np.ndarray                 # [..., H, N_q] logsumexp of each row of S (-inf: fully masked)
+    dropout_scale: Optional[np.ndarray]  # broadcastable to P: dropout_mask / (1 - dropout_p), or None
+    out: np.ndarray                 # [..., H, N_q, d_v]
+    fully_masked: str
+
+
+class AttentionStages(NamedTuple):
+    dP: np.ndarray                  # [..., H, N_q, N_k] gradient w.r.t. P (before dropout)
+    dS: np.ndarray                  # [..., H, N_q, N_k] gradient w.r.t. S (the softmax input)
+    D: np.ndarray                   # [..., H, N_q] rowsum(dout * out) = rowsum(P * dP)
+
+
+class AttentionGrads(NamedTuple):
+    dq: np.ndarray                  # [..., H, N_q, d_k]
+    dk: np.ndarray                  # [..., H_kv, N_k, d_k]
+    dv: np.ndarray                  # [..., H_kv, N_k, d_v]
+    dbias: Optional[np.ndarray]     # bias's shape, or None without a bias
+    stages: Optional[AttentionStages] = None   # with return_stages=True
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _fold(x, h_kv):
+    """[..., H, N, X] -> [..., H_kv, G*N, X]: the G heads of a group become rows."""
+    return x.reshape(*x.shape[:-3], h_kv, -1, x.shape[-1])
+
+
+def _unfold(x, h):
+    """[..., H_kv, G*N, X] -> [..., H, N, X], the inverse of `_fold`."""
+    return x.reshape(*x.shape[:-3], h, -1, x.shape[-1])
+
+
+def _unbroadcast(g, shape):
+    """Sum g over the axes along which an array of `shape` was broadcast to g.shape."""
+    g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+def _resolve_alignment(causal, align):
+    """One diagonal alignment for causal and window: 'top_left' (torch is_causal) by default."""
+    if isinstance(causal, str):
+        require_choice(causal, "causal", ALIGNMENTS)
+        if align is not None and align != causal:
+            raise ValueError(f"causal={causal!r} contradicts align={align!r}")
+        return True, causal
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}")
+    if align is not None:
+        require_choice(align, "align", ALIGNMENTS)
+    return bool(causal), align or "top_left"
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    ok = (isinstance(window, (tuple, list)) and len(window) == 2
+          and all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+                  and w >= -1 for w in window))
+    if not ok:
+        raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
+                         f"(-1 = unbounded), got {window!r}")
+    return int(window[0]), int(window[1])
+
+
+def positional_keep(rows, cols, n_q, n_k, causal, window, align):
+    """Which (query row, key column) pairs causal masking and the window keep.
+
+    rows [r] and cols [c] are absolute positions (a tiled kernel passes one block's).
+    The diagonal is i == j for 'top_left' (torch is_causal) and i + (N_k - N_q) == j for
+    'bottom_right' (FlashAttention 2.1+). Causal keeps j <= diagonal; window (left, right)
+    keeps diagonal - left <= j <= diagonal + right, -1 meaning unbounded.
+
+    Returns:
+        [r, c] bool array, or None when nothing is masked by position.
+    """
+    if not causal and window is None:
+        return None
+    diag = np.asarray(rows)[:, None] + (n_k - n_q if align == "bottom_right" else 0)
+    j = np.asarray(cols)[None, :]
+    keep = np.ones((len(rows), len(cols)), dtype=bool)
+    if causal:
+        keep &= j <= diag
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep &= j >= diag - left
+        if right >= 0:
+            keep &= j <= diag + right
+    return keep
+
+
+def _check_scale(scale, d_k):
+    if scale is None:
+        return 1.0 / math.sqrt(d_k)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return float(scale)
+
+
+def _check_softcap(softcap):
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be a real number or None, got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
+    return float(softcap)
+
+
+def _check_qkv(q, k, v):
+    """Validate shapes; return (q, k, v) as arrays of one dtype, each with >= 3 axes view."""
+    q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 axes [..., N, d], got shape {x.shape}")
+    if not q.ndim == k.ndim == v.ndim:
+        raise ValueError(f"q, k, v must have the same number of axes, got shapes "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
+        raise ValueError(f"q, k, v must share their leading batch axes, got shapes "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same width d_k, got q {q.shape}, k {k.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same heads and length [..., H_kv, N_k], "
+                         f"got k {k.shape}, v {v.shape}")
+    if q.ndim >= 3 and q.shape[-3] % k.shape[-3]:
+        raise ValueError(f"k's heads H_kv={k.shape[-3]} must divide q's heads H={q.shape[-3]} "
+                         f"(grouped-query attention), got q {q.shape}, k {k.shape}")
+    dtype = result_dtype(q, k, v)
+    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+
+
+def _check_finite(name, x, allow_neginf=False):
+    bad = np.isnan(x) | (np.isposinf(x.real) if allow_neginf else ~np.isfinite(x))
+    if bad.any():
+        raise ValueError(f"{name} (shape {x.shape}) has {int(bad.sum())} non-finite entries "
+                         f"(check_finite=True)")
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
+                      scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
+                      fully_masked="zero", check_finite=False):
+    """out = softmax(scale * q k^T [+ options]) v, materializing the [N_q, N_k] scores.
+
+    Args:
+        q: [..., H, N_q, d_k]; k: [..., H_kv, N_k, d_k]; v: [..., H_kv, N_k, d_v].
+        mask: keep-mask broadcastable to [..., H, N_q, N_k]; True/nonzero = attend.
+        bias: additive float scores broadcastable to [..., H, N_q, N_k]; gets a gradient.
+            An additive mask (0 / -inf) belongs here.
+        causal: False, True, 'top_left' (torch is_causal) or 'bottom_right' (FlashAttention).
+        align: diagonal alignment for causal=True and for window: 'top_left' (default)
+            or 'bottom_right'.
+        window: (left, right) sliding window around the diagonal, -1 = unbounded
+            (FlashAttention's window_size).
+        scale: multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled experiment.
+        softcap: S <- softcap * tanh(S / softcap), after scaling and before bias and masks.
+        dropout_mask, dropout_p: explicit keep-mask (broadcastable to the weights) and
+            drop probability: P <- P * dropout_mask / (1 - dropout_p). No RNG inside.
+        fully_masked: a row with every score -inf gives
+            'zero'    output 0 and gradient 0 (torch 2.5+ SDPA, FlashAttention, ONNX);
+            'uniform' the mean of v's rows (the seed's -1e9 fill, JAX), gradient 0 to q, k;
+            'nan'     NaN output (the SDPA formula written out).
+        check_finite: raise ValueError on NaN/Inf in q, k, v (and NaN/+inf in bias)
+            instead of letting them poison the rows they touch.
+    Returns:
+        out [..., H, N_q, d_v] and an AttentionCache (scores S, weights P, lse inside).
+    """
+    q, k, v = _check_qkv(q, k, v)
+    causal, align = _resolve_alignment(causal, align)
+    window = _check_window(window)
+    scale = _check_scale(scale, q.shape[-1])
+    softcap = _check_softcap(softcap)
+    require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
+    score_shape = q.shape[:-1] + (k.shape[-2],)                  # [..., H, N_q, N_k]
+    legend = "the scores [..., H, N_q, N_k]"
+    if bias is not None:
+        bias = as_float_array(bias, "bias")
+        broadcast_shape_to(bias, "bias", score_shape, legend)
+    keep = None if mask is None else as_mask(mask, "mask", score_shape, legend)
+    dropout_scale = _dropout_scale(dropout_mask, dropout_p, score_shape, legend)
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_finite(name, x)
+        if bias is not None:
+            _check_finite("bias", bias, allow_neginf=True)
+    dtype = q.dtype if bias is None else result_dtype(q, bias)
+    q, k, v = q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+
+    q3, k3, v3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))   # a head axis always
+    h, h_kv = q3.shape[-3], k3.shape[-3]
+    n_q, n_k = q.shape[-2], k.shape[-2]
+
+    # 1. S = scale * q k^T, with each group's query heads folded into rows
+    s = _unfold(_fold(q3 * scale, h_kv) @ np.swapaxes(k3, -1, -2), h)   # [..., H, N_q, N_k]
+    s = s.reshape(score_shape)
+    # 2. softcap
+    t = None
+    if softcap is not None:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    # 3. additive bias
+    if bias is not None:
+        s = s + bias
+    # 4. masks: -inf where a pair is not kept
+    pos = positional_keep(np.arange(n_q), np.arange(n_k), n_q, n_k, causal, window, align)
+    if pos is not None:
+        keep = pos if keep is None else keep & pos
+    if keep is not None:
+        s = np.where(keep, s, -np.inf)
+    # 5. softmax (rows of all -inf come out as zeros), then the fully-masked policy
+    p, _ = softmax_forward(s)
+    lse = logsumexp(s)                                           # [..., H, N_q]
+    if fully_masked != "zero":
+        dead = np.isneginf(lse.real)[..., None]
+        p = np.where(dead, 1.0 / n_k if fully_masked == "uniform" else np.nan, p)
+    # 6. dropout with the caller's keep-mask
+    p_drop = p if dropout_scale is None else p * dropout_scale
+    # 7. out = P~ v
+    p3 = p_drop if p_drop.ndim >= 3 else p_drop[None]
+    out = _unfold(_fold(p3, h_kv) @ v3, h).reshape(q.shape[:-1] + (v.shape[-1],))
+    cache = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=t,
+                           bias_shape=None if bias is None else bias.shape, scores=s, weights=p,
+                           lse=lse, dropout_scale=dropout_scale, out=out, fully_masked=fully_masked)
+    return out, cache
+
+
+def _dropout_scale(dropout_mask, dropout_p, score_shape, legend):
+    """dropout_mask / (1 - dropout_p), checked; None when there is no dropout."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_mask is None:
+        if dropout_p > 0:
+            raise ValueError("dropout_p > 0 needs an explicit dropout_mask (keep = True); "
+                             "attention_forward draws no random numbers")
+        return None
+    keep = as_mask(dropout_mask, "dropout_mask", score_shape, legend)
+    return keep / (1.0 - dropout_p)
+
+
+def attention_backward(dout, cache, *, method="vjp", return_stages=False):
+    """Gradients of `attention_forward` w.r.t. q, k, v and bias.
+
+    Args:
+        dout: [..., H, N_q, d_v] upstream gradient.
+        cache: the AttentionCache from attention_forward.
+        method: how step 5 (softmax) is differentiated; all three agree to rounding:
+            'vjp'      dS = P * (dP - rowsum(P * dP))             (softmax_backward)
+            'jacobian' dS = J dP with J = diag(P) - P P^T per row  (softmax_jacobian; O(N_k^2) per row)
+            'flash'    dS = P * (dP - D), D = rowsum(dout * out), P recomputed as exp(S - lse)
+                       (FlashAttention's backward)
+        return_stages: also return AttentionStages(dP, dS, D) for per-stage comparison.
+    Returns:
+        AttentionGrads(dq, dk, dv, dbias, stages).
+    """
+    require_cache(cache, AttentionCache, "attention_backward")
+    require_same_shape(dout, cache.out.shape, "dout")
+    require_choice(method, "method", BACKWARD_METHODS)
+    dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)
+    q, k, v, p = cache.q, cache.k, cache.v, cache.weights
+    q3, k3, v3, dout3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v, dout))
+    h, h_kv = q3.shape[-3], k3.shape[-3]
+    as_weights = lambda x: x.reshape(p.shape)                    # [..., H, N_q, N_k] (drop the head axis of 2-axis inputs)
+
+    # 7. out = P~ v:  dv = P~^T dout (summed over the group),  dP~ = dout v^T
+    p_drop = p if cache.dropout_scale is None else p * cache.dropout_scale
+    p_drop3 = p_drop if p_drop.ndim >= 3 else p_drop[None]
+    dout_f = _fold(dout3, h_kv)                                  # [..., H_kv, G*N_q, d_v]
+    dv = (np.swapaxes(_fold(p_drop3, h_kv), -1, -2) @ dout_f).reshape(v.shape)
+    dp = as_weights(_unfold(dout_f @ np.swapaxes(v3, -1, -2), h))
+    # 6. dropout:  dP = dP~ * mask / (1 - p)
+    if cache.dropout_scale is not None:
+        dp = dp * cache.dropout_scale
+    # 5. softmax:  dS = P * (dP - rowsum(P * dP))
+    D = np.sum(dout * cache.out, axis=-1)                        # [..., H, N_q] = rowsum(P * dP)
+    if method == "vjp":
+        ds = softmax_backward(dp, SoftmaxCache(p=p))
+    elif method == "jacobian":
+        ds = (softmax_jacobian(p) @ dp[..., None])[..., 0]      # [..., N_k, N_k] @ [..., N_k, 1]
+    else:
+        with np.errstate(invalid="ignore"):                      # -inf - (-inf) in fully masked rows
+            p_re = np.exp(cache.scores - cache.lse[..., None])
+        ds = np.where(np.isnan(p_re), 0, p_re) * (dp - D[..., None])
+    # 4. masks: a score that is -inf is a constant; nothing flows through it
+    ds = np.where(np.isneginf(cache.scores.real), 0, ds)
+    stages = AttentionStages(dP=dp, dS=ds, D=D) if return_stages else None
+    # 3. bias:  S = S + bias  ->  dbias = dS, summed over the axes bias was broadcast along
+    dbias = None if cache.bias_shape is None else _unbroadcast(ds, cache.bias_shape)
+    # 2. softcap:  S = c tanh(S0 / c)  ->  dS0 = dS (1 - tanh^2)
+    if cache.softcap_tanh is not None:
+        ds = ds * (1 - cache.softcap_tanh ** 2)
+    # 1. S = scale * q k^T:  dq = scale * dS k,  dk = scale * dS^T q (summed over the group)
+    ds_f = _fold(ds if ds.ndim >= 3 else ds[None], h_kv)         # [..., H_kv, G*N_q, N_k]
+    dq = (cache.scale * _unfold(ds_f @ k3, h)).reshape(q.shape)
+    dk = (cache.scale * (np.swapaxes(ds_f, -1, -2) @ _fold(q3, h_kv))).reshape(k.shape)
+    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, stages=stages)

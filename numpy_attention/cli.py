@@ -1,0 +1,48 @@
+"""The `numpy-attention` command (also `python -m numpy_attention`).
+
+    numpy-attention demo                   the seed's example, every gradient verified
+    numpy-attention gradcheck              complex-step check of every op's backward
+    numpy-attention vanishing [...]        the 1/sqrt(d_k) study
+    numpy-attention crosscheck CASE.npz    judge another implementation against the oracle
+
+Exit codes: 0 success, 1 a check failed, 2 bad arguments or input (one line on stderr).
+Each subcommand lives in its own module, which provides add_arguments(parser)
+and run(args) -> exit code.
+"""
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("numpy_attention.demo", "the seed's example, with every gradient verified"),
+    "gradcheck": ("numpy_attention.selfcheck", "check every op's backward by complex step"),
+}
+
+
+class UsageError(Exception):
+    """Bad arguments or input: reported as one line, exit code 2. Subcommands raise it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser():
+    parser = _Parser(prog="numpy-attention", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module, help_text) in COMMANDS.items():
+        command = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv=None):
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.run(args))
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2

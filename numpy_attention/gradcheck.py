@@ -1,0 +1,304 @@
+"""Check a hand-written backward against finite differences.
+
+Imports nothing of the package: it only calls the functions it is given.
+
+    report = gradcheck(forward, backward, inputs)     # forward(*inputs) -> (out, cache)
+    bool(report)                                      # True iff every check passed
+    print(report)                                     # a table, one row per input
+
+`backward(dout, cache)` returns gradients in the order of `inputs` (extra
+trailing entries are ignored; None for an input that has no gradient).
+
+Methods (f is the forward output, x one input, e a unit or random direction):
+    central      (f(x + h e) - f(x - h e)) / 2h              error O(h^2) + O(eps_mach |f| / h)
+    richardson   (4 D(h/2) - D(h)) / 3 on the central D(h)   error O(h^4) + O(eps_mach |f| / h)
+    complex      Im f(x + i h e) / h                         error O(h^2) with no cancellation:
+                                                             h = 1e-20 gives ~1e-16 relative.
+                 Needs a forward that accepts complex input and is analytic in it.
+Modes:
+    full         the whole Jacobian J [out.size, x.size], entry by entry: numeric column by
+                 column (perturb each entry of x), analytic row by row (backward of each unit
+                 upstream gradient), so every possible upstream gradient is covered.
+    projection   <u, J v> for random u (upstream gradient) and random v (direction), compared
+                 with <backward(u), v>: two forwards and one backward per check, cheap at any size.
+
+Verdict per input: max |analytic - numeric| <= atol + rtol * scale, scale = the largest
+|entry| of either (a normwise criterion: one tiny entry cannot fail or pass the check).
+Default tolerances, per input dtype and method (see DEFAULTS):
+    complex    float64: h 1e-20, rtol 1e-12              float32: h 1e-20, rtol 1e-5
+    central    float64: h 1e-6,  rtol 1e-6               float32: h 1e-3,  rtol 1e-2
+    richardson float64: h 1e-3,  rtol 1e-8               float32: h 1e-2,  rtol 1e-3
+    atol defaults to a roundoff floor (the report's "tol" column shows each row's bound):
+    complex     100 * eps_mach * the largest derivative of any checked input in the call: a
+                gradient that is exactly zero (a key bias's: softmax ignores a constant
+                shift of a row) is computed as cancelling terms and lands near eps, not 0;
+    central /   10 * eps_mach * |f| / h, below which finite differences see only noise (|f|
+    richardson  is the largest |output| in full mode, sum |u * f| in projection mode).
+`taylor_test` is eps-free: it shows the first-order Taylor remainder shrinking as O(h^2).
+"""
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+METHODS = ("central", "complex", "richardson")
+MODES = ("full", "projection")
+
+# (dtype, method) -> (eps, rtol); atol is 0 for complex and the roundoff floor otherwise
+DEFAULTS = {
+    ("float64", "complex"): (1e-20, 1e-12), ("float32", "complex"): (1e-20, 1e-5),
+    ("float64", "central"): (1e-6, 1e-6), ("float32", "central"): (1e-3, 1e-2),
+    ("float64", "richardson"): (1e-3, 1e-8), ("float32", "richardson"): (1e-2, 1e-3),
+}
+
+
+class GradcheckError(AssertionError):
+    """Raised by gradcheck(..., raise_on_failure=True); its message is the report table."""
+
+
+class CheckRow(NamedTuple):
+    name: str               # which input
+    check: str              # "jacobian" (full mode) or "projection"
+    max_abs_err: float      # max |analytic - numeric|
+    max_rel_err: float      # max_abs_err / scale
+    worst_index: tuple      # (output index, input index) in full mode, (projection number,) otherwise
+    analytic: float         # the analytic value at worst_index
+    numeric: float          # the numeric value at worst_index
+    tol: float              # atol + rtol * scale: the bound max_abs_err was held to
+    passed: bool
+
+
+class GradcheckReport(NamedTuple):
+    rows: list
+    method: str
+    mode: str
+    eps: float
+    rtol: float
+    atol: Optional[float]   # None: the default roundoff floor (see the module docstring)
+    dtype: str
+
+    def __bool__(self):
+        return all(row.passed for row in self.rows)
+
+    def __str__(self):
+        atol = "floor" if self.atol is None else f"{self.atol:g}"
+        head = (f"gradcheck  method={self.method}  mode={self.mode}  dtype={self.dtype}  "
+                f"h={self.eps:g}  rtol={self.rtol:g}  atol={atol}  -> "
+                f"{'PASS' if self else 'FAIL'}")
+        cols = f"{'input':<14}{'check':<12}{'max abs err':>12}{'max rel err':>12}  " \
+               f"{'worst index':<22}{'analytic':>13}{'numeric':>13}{'tol':>10}  ok"
+        lines = [head, cols]
+        for r in self.rows:
+            lines.append(f"{r.name:<14}{r.check:<12}{r.max_abs_err:>12.2e}{r.max_rel_err:>12.2e}  "
+                         f"{str(r.worst_index):<22}{r.analytic:>13.5e}{r.numeric:>13.5e}"
+                         f"{r.tol:>10.1e}  {'yes' if r.passed else 'NO'}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+def _real_dtype_name(x):
+    return "float32" if np.asarray(x).real.dtype == np.float32 else "float64"
+
+
+def _directional(f_of, x, direction, method, h):
+    """d/dt f_of(x + t * direction) at t = 0 by `method`; f_of returns an array."""
+    if method == "complex":
+        return np.imag(f_of(x.astype(np.result_type(x.dtype, np.complex64)) + 1j * h * direction)) / h
+    central = lambda step: (f_of(x + step * direction) - f_of(x - step * direction)) / (2 * step)
+    if method == "central":
+        return central(h)
+    return (4 * central(h / 2) - central(h)) / 3        # richardson
+
+
+def _compare(name, check, analytic, numeric, index_of, rtol, atol):
+    """One report row: the normwise verdict and the worst entry."""
+    analytic, numeric = np.asarray(analytic, dtype=float), np.asarray(numeric, dtype=float)
+    nan_mismatch = np.isnan(analytic) != np.isnan(numeric)
+    err = np.where(np.isnan(analytic) & np.isnan(numeric), 0.0, np.abs(analytic - numeric))
+    err = np.where(nan_mismatch, np.inf, err)
+    scale = max(np.max(np.abs(np.nan_to_num(analytic)), initial=0.0),
+                np.max(np.abs(np.nan_to_num(numeric)), initial=0.0))
+    worst = int(np.argmax(err)) if err.size else 0
+    max_abs = float(err.flat[worst]) if err.size else 0.0
+    tol = atol + rtol * scale
+    rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    return CheckRow(name, check, max_abs, rel, index_of(worst),
+                    float(analytic.flat[worst]) if err.size else 0.0,
+                    float(numeric.flat[worst]) if err.size else 0.0, tol, bool(max_abs <= tol))
+
+
+def _gradient(backward, dout, cache, i, shape, name):
+    """backward(dout, cache)[i] as an array of `shape` (zeros for None)."""
+    g = backward(dout, cache)[i]
+    if g is None:
+        return np.zeros(shape)
+    if np.shape(g) != shape:
+        raise ValueError(f"backward's gradient for {name} has shape {np.shape(g)}, "
+                         f"expected the input's shape {shape}")
+    return np.asarray(g)
+
+
+def _full_jacobians(forward, backward, inputs, i, name, method, h):
+    """(analytic J, numeric J, index_of(flat) -> (out index, in index), max |out|)."""
+    x = np.asarray(inputs[i])
+    out, cache = forward(*inputs)
+    out_shape = np.shape(out)
+    f_of = lambda xi: np.asarray(forward(*inputs[:i], xi, *inputs[i + 1:])[0]).ravel()
+    numeric = np.empty((out.size, x.size))
+    for j in range(x.size):                              # one column per input entry
+        e = np.zeros(x.size)
+        e[j] = 1.0
+        numeric[:, j] = np.real(_directional(f_of, x, e.reshape(x.shape), method, h))
+    analytic = np.empty_like(numeric)
+    for r in range(out.size):                            # one row per unit upstream gradient
+        u = np.zeros(out.size, dtype=np.asarray(out).real.dtype)
+        u[r] = 1.0
+        analytic[r] = np.real(_gradient(backward, u.reshape(out_shape), cache, i, x.shape, name)).ravel()
+    index_of = lambda flat: tuple(tuple(int(a) for a in np.unravel_index(n, shape))
+                                  for n, shape in ((flat // x.size, out_shape), (flat % x.size, x.shape)))
+    return analytic, numeric, index_of, np.max(np.abs(out), initial=0)
+
+
+def _projections(forward, backward, inputs, i, name, method, h, rng, n):
+    """(analytic <backward(u), v>, numeric <u, J v>, index_of, max sum |u * out|) for n pairs."""
+    x = np.asarray(inputs[i])
+    out, cache = forward(*inputs)
+    analytic, numeric, floors = [], [], []
+    for _ in range(n):
+        u = rng.standard_normal(np.shape(out)).astype(np.asarray(out).real.dtype)  # upstream gradient
+        v = rng.standard_normal(x.shape).astype(x.real.dtype)                      # direction
+        L_of = lambda xi: np.sum(u * np.asarray(forward(*inputs[:i], xi, *inputs[i + 1:])[0]))
+        numeric.append(float(np.real(_directional(L_of, x, v, method, h))))
+        analytic.append(float(np.real(np.sum(_gradient(backward, u, cache, i, x.shape, name) * v))))
+        floors.append(np.sum(np.abs(u * out)))
+    return np.array(analytic), np.array(numeric), lambda k: (k,), max(floors)
+
+
+def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=None, atol=None,
+              rtol=None, seed=0, raise_on_failure=False, wrt=None, names=None, n_projections=3):
+    """Compare backward's gradients with finite differences of forward.
+
+    Args:
+        forward: forward(*inputs) -> (out, cache); out an array.
+        backward: backward(dout, cache) -> gradients in input order.
+        inputs: sequence of inputs; the floating (or complex) arrays among them are checked.
+        method: 'central', 'complex' (complex step) or 'richardson'.
+        mode: 'full' (whole Jacobian) or 'projection' (<u, J v> for random u, v).
+        eps: step h; default per dtype and method (module docstring).
+        atol, rtol: tolerances; defaults per dtype and method.
+        seed: seeds the random upstream gradients and directions.
+        raise_on_failure: raise GradcheckError (an AssertionError) with the table.
+        wrt: indices of the inputs to check (default: every floating array).
+        names: display names of the inputs (default "input 0", ...).
+        n_projections: random (u, v) pairs per input in projection mode.
+    Returns:
+        GradcheckReport: truthy iff every check passed; prints as a table.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not callable(forward) or not callable(backward):
+        raise TypeError("forward and backward must be callables")
+    if isinstance(inputs, np.ndarray) or not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"inputs must be a list or tuple of the forward's arguments, "
+                        f"got {type(inputs).__name__}")
+    inputs = list(inputs)
+    if wrt is None:
+        wrt = [i for i, x in enumerate(inputs)
+               if isinstance(x, np.ndarray) and x.dtype.kind in "fc"]
+    if not wrt:
+        raise ValueError("gradcheck found no floating-point array among the inputs to check")
+    for i in wrt:
+        if not (0 <= i < len(inputs)) or np.asarray(inputs[i]).dtype.kind not in "fc":
+            raise ValueError(f"wrt index {i} does not name a floating-point input")
+    names = names or [f"input {i}" for i in range(len(inputs))]
+    if len(names) != len(inputs):
+        raise ValueError(f"names has {len(names)} entries for {len(inputs)} inputs")
+    dtype = _real_dtype_name(inputs[wrt[0]])
+    default_eps, default_rtol = DEFAULTS[(dtype, method)]
+    h = default_eps if eps is None else float(eps)
+    rtol = default_rtol if rtol is None else float(rtol)
+    rng = np.random.default_rng(seed)
+    results = {i: (_full_jacobians(forward, backward, inputs, i, names[i], method, h) if mode == "full"
+                   else _projections(forward, backward, inputs, i, names[i], method, h, rng, n_projections))
+               for i in wrt}
+    eps_mach = np.finfo(np.float32 if dtype == "float32" else np.float64).eps
+    # complex step: 100 eps times the largest derivative anywhere in this call, the roundoff
+    # left by the cancelling terms of a gradient that is exactly zero (a key bias's, say)
+    largest = max(max(np.max(np.abs(np.nan_to_num(a)), initial=0), np.max(np.abs(np.nan_to_num(n)), initial=0))
+                  for a, n, _, _ in results.values())
+    rows = []
+    for i, (analytic, numeric, index_of, f_size) in results.items():
+        if atol is not None:
+            row_atol = atol
+        elif method == "complex":
+            row_atol = 100 * eps_mach * largest
+        else:                                # the roundoff floor of finite differences of f
+            row_atol = 10 * eps_mach * max(1.0, f_size) / h
+        rows.append(_compare(names[i], "jacobian" if mode == "full" else "projection",
+                             analytic, numeric, index_of, rtol, row_atol))
+    report = GradcheckReport(rows, method, mode, h, rtol, atol, dtype)
+    if raise_on_failure and not report:
+        raise GradcheckError("\n" + str(report))
+    return report
+
+
+# ----------------------------------------------------------------------------- eps-free check
+
+class TaylorReport(NamedTuple):
+    steps: np.ndarray       # h, halving
+    r0: np.ndarray          # |L(x + h v) - L(x)|                  ~ O(h)
+    r1: np.ndarray          # |L(x + h v) - L(x) - h <g, v>|       ~ O(h^2) iff g is right
+    orders: np.ndarray      # log2(r1(h) / r1(h/2)) for consecutive steps
+    order: float            # median observed order of r1
+    passed: bool            # order >= 1.8
+
+    def __bool__(self):
+        return self.passed
+
+    def __str__(self):
+        lines = [f"taylor test: observed order of the remainder {self.order:.3f} "
+                 f"(2 for a right gradient, 1 for a wrong one) -> {'PASS' if self else 'FAIL'}",
+                 f"{'h':>10}{'|L(x+hv)-L(x)|':>18}{'|... - h<g,v>|':>18}{'order':>8}"]
+        for j, h in enumerate(self.steps):
+            order = f"{self.orders[j - 1]:8.3f}" if j else " " * 8
+            lines.append(f"{h:>10.3e}{self.r0[j]:>18.3e}{self.r1[j]:>18.3e}{order}")
+        return "\n".join(lines)
+
+
+def taylor_test(forward, backward, inputs, *, wrt=None, seed=0, h0=1e-1, n_steps=8):
+    """Eps-free gradient check: the first-order Taylor remainder of L = <u, forward(x)>.
+
+    With a random upstream gradient u and a random direction v over the checked inputs,
+        r1(h) = |L(x + h v) - L(x) - h <backward(u), v>|
+    falls as O(h^2) (order 2: each halving of h divides r1 by 4) if and only if the
+    gradient is right; a wrong gradient leaves an O(h) remainder (order 1). No step
+    size has to be chosen well: the order is read off a whole sweep h0, h0/2, ...
+    Steps whose remainder sinks to the roundoff floor are left out of the order.
+    """
+    inputs = list(inputs)
+    if wrt is None:
+        wrt = [i for i, x in enumerate(inputs) if isinstance(x, np.ndarray) and x.dtype.kind in "f"]
+    rng = np.random.default_rng(seed)
+    out, cache = forward(*inputs)
+    u = rng.standard_normal(np.shape(out))
+    grads = backward(u, cache)
+    dirs = {i: rng.standard_normal(np.shape(inputs[i])) for i in wrt}
+    slope = sum(float(np.sum(np.asarray(grads[i]) * dirs[i])) for i in wrt if grads[i] is not None)
+
+    def L(h):
+        moved = [x + h * dirs[i] if i in dirs else x for i, x in enumerate(inputs)]
+        return float(np.sum(u * forward(*moved)[0]))
+
+    L0 = L(0.0)
+    steps = h0 / 2.0 ** np.arange(n_steps)
+    r0 = np.array([abs(L(h) - L0) for h in steps])
+    r1 = np.array([abs(L(h) - L0 - h * slope) for h in steps])
+    floor = 1e3 * np.finfo(float).eps * max(1.0, abs(L0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        orders = np.log2(r1[:-1] / r1[1:])
+    usable = orders[(r1[1:] > floor) & np.isfinite(orders)]
+    order = float(np.median(usable)) if usable.size else math.inf   # all below floor: exact
+    return TaylorReport(steps, r0, r1, orders, order, bool(order >= 1.8))

@@ -1,0 +1,77 @@
+"""Linear projection in the blog's math layout: Y = X W + b.
+
+Shape legend:  ... any leading axes (batch, sequence),  d_in / d_out widths.
+
+    x  [..., d_in]     W  [d_in, d_out]     b  [d_out]     y  [..., d_out]
+
+(torch's nn.Linear stores its weight as [d_out, d_in] and computes x W^T + b;
+`MultiHeadAttention` converts at its state_dict boundary, never here.)
+"""
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from ._checks import as_float_array, require_cache, require_ndim, require_same_shape
+
+
+class LinearCache(NamedTuple):
+    x: np.ndarray            # [..., d_in]   the input, as the forward saw it
+    W: np.ndarray            # [d_in, d_out]
+    has_bias: bool           # whether a bias took part (db is None otherwise)
+    out_shape: tuple         # [..., d_out]  the forward output's shape
+
+
+def linear_forward(x, W, b=None):
+    """y = x W + b.
+
+    Forward:   y[..., j] = sum_i x[..., i] W[i, j] + b[j]
+    Backward:  see `linear_backward`.
+
+    Args:
+        x: [..., d_in] input, any number of leading axes (at least one axis).
+        W: [d_in, d_out] weight, math layout.
+        b: optional [d_out] bias.
+    Returns:
+        y [..., d_out] and a LinearCache.
+    """
+    x = as_float_array(x, "x")
+    W = as_float_array(W, "W")
+    require_ndim(x, "x", 1, "[..., d_in]")
+    if W.ndim != 2:
+        raise ValueError(f"W must have 2 axes [d_in, d_out], got shape {W.shape}")
+    if x.shape[-1] != W.shape[0]:
+        raise ValueError(f"x's last axis (d_in={x.shape[-1]}, x shape {x.shape}) must equal "
+                         f"W's first axis (W shape {W.shape})")
+    y = x @ W                                            # [..., d_in] @ [d_in, d_out] -> [..., d_out]
+    if b is not None:
+        b = as_float_array(b, "b")
+        if b.shape != (W.shape[1],):
+            raise ValueError(f"b must have shape (d_out,) = ({W.shape[1]},), got {b.shape}")
+        y = y + b
+    return y, LinearCache(x=x, W=W, has_bias=b is not None, out_shape=y.shape)
+
+
+def linear_backward(dy, cache):
+    """Gradients of y = x W + b.
+
+    Backward (derivation in docs/derivations.md, "Linear"):
+        dx = dy W^T                                  [..., d_out] @ [d_out, d_in]
+        dW = sum over leading axes of x^T dy          [d_in, N] @ [N, d_out], N = prod(...)
+        db = sum over leading axes of dy              [d_out]   (None without a bias)
+
+    Returns:
+        (dx, dW, db)
+    """
+    require_cache(cache, LinearCache, "linear_backward")
+    require_same_shape(dy, cache.out_shape, "dy")
+    dy = as_float_array(dy, "dy")
+    x, W = cache.x, cache.W
+    # 1. dx: the forward was y = x @ W, so dx = dy @ W^T
+    dx = dy @ W.T                                        # [..., d_out] @ [d_out, d_in] -> [..., d_in]
+    # 2. dW: every leading position contributes an outer product x^T dy
+    x2 = x.reshape(-1, x.shape[-1])                      # [N, d_in]
+    dy2 = dy.reshape(-1, dy.shape[-1])                   # [N, d_out]
+    dW = x2.T @ dy2                                      # [d_in, N] @ [N, d_out] -> [d_in, d_out]
+    # 3. db: b was broadcast over the leading axes, so its gradient sums over them
+    db = dy2.sum(axis=0) if cache.has_bias else None     # [d_out]
+    return dx, dW, db
