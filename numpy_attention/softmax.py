@@ -2,16 +2,23 @@
 
 Shape legend:  ... any leading axes,  n the softmax axis (the last).
 
-    z [..., n] -> p [..., n],   p_i = exp(z_i - m) / sum_j exp(z_j - m),   m = max_j Re z_j
+    z [..., n] -> p [..., n],   p_i = exp(z_i) / sum_j exp(z_j)
 
 Numerical choices:
-- Max shift: subtracting the row maximum makes exp never overflow; logits of
-  +-1e4 (and beyond) give exact one-hot rows, never NaN.
+- Max shift: every row is shifted by its top entry z_top (the largest real
+  part), so exp never overflows; logits of +-1e4 (and beyond) give exact
+  one-hot rows, never NaN.
+- The top entry's exp(0) = 1 is kept apart from the others' mass t:
+  sum_j exp(z_j - z_top) = 1 + t, lse = z_top + log1p(t). Nothing computes
+  1 - p_top by subtraction, so a saturated row (p nearly one-hot) keeps the
+  small quantities 1 - p_top = t / (1 + t) to full relative accuracy. This
+  is what lets a complex-step check reach ~1e-15 on gradients of 1e-13.
 - A row whose entries are all -inf has no distribution: softmax returns zeros
   there (the "safe softmax" of torch 2.5+ SDPA) and logsumexp returns -inf.
   Attention builds its fully-masked-row policies on this.
-- Complex input is accepted (for complex-step gradient checks): the shift uses
-  the real part, which is constant in the imaginary perturbation.
+- Complex input is accepted (for complex-step gradient checks): the top entry
+  is chosen by real part, and the shift subtracts the (complex) top entry
+  itself, so the perturbation is carried without cancellation.
 """
 from typing import NamedTuple
 
@@ -24,16 +31,32 @@ class SoftmaxCache(NamedTuple):
     p: np.ndarray            # [..., n] the softmax output: all the backward needs
 
 
-def _row_max(z):
-    """m = max_j Re z_j per row, with rows of all -inf (or empty) shifted by 0 instead."""
+def _split_at_top(z):
+    """Split each row at its largest entry (by real part): z_top and the rest relative to it.
+
+    Returns:
+        z_top [..., 1]  the row's top entry (-inf for a row of all -inf)
+        is_top [..., n] True at the top entry (False everywhere in an all -inf row)
+        e [..., n]      exp(z_j - z_top) for j != top, 0 at the top entry
+        t [..., 1]      sum_j e_j, the other entries' mass relative to the top one
+    so that sum_j exp(z_j - z_top) = 1 + t with the 1 exact and never added to t.
+    """
     if z.shape[-1] == 0:
-        return np.zeros(z.shape[:-1] + (1,), dtype=z.real.dtype)
-    m = np.max(z.real, axis=-1, keepdims=True)           # [..., 1]
-    return np.where(np.isneginf(m), 0.0, m).astype(z.real.dtype)
+        z_top = np.full(z.shape[:-1] + (1,), -np.inf, dtype=z.dtype)
+        return z_top, np.zeros(z.shape, bool), np.zeros(z.shape, z.dtype), np.zeros(z_top.shape, z.dtype)
+    top = np.argmax(z.real, axis=-1)[..., None]                   # a NaN row picks a NaN: poisoned
+    z_top = np.take_along_axis(z, top, axis=-1)                   # [..., 1]
+    dead = np.isneginf(z_top.real)
+    is_top = (np.arange(z.shape[-1]) == top) & ~dead
+    e = np.exp(z - np.where(dead, 0, z_top))                      # in [0, 1]; all 0 in a dead row
+    e = np.where(is_top, 0, e)
+    return z_top, is_top, e, np.sum(e, axis=-1, keepdims=True)
 
 
 def logsumexp(z, axis=-1, keepdims=False):
-    """lse = m + log(sum_j exp(z_j - m)) over the last axis; -inf for a row of all -inf.
+    """lse = z_top + log1p(sum_{j != top} exp(z_j - z_top)) over the last axis.
+
+    Equal to log(sum_j exp(z_j)), never overflowing; -inf for a row of all -inf.
 
     Args:
         z: [..., n] logits (real or complex).
@@ -45,17 +68,16 @@ def logsumexp(z, axis=-1, keepdims=False):
         raise ValueError(f"logsumexp reduces the last axis only, got axis={axis}")
     z = as_float_array(z, "z")
     require_ndim(z, "z", 1, "[..., n]")
-    m = _row_max(z)                                      # [..., 1]
-    s = np.sum(np.exp(z - m), axis=-1, keepdims=True)    # [..., 1], 0 for an all -inf row
-    with np.errstate(divide="ignore"):                   # log(0) = -inf for an all -inf row
-        lse = m + np.log(s)
+    z_top, _, _, t = _split_at_top(z)
+    lse = z_top + np.log1p(t)                                     # [..., 1]
     return lse if keepdims else lse[..., 0]
 
 
 def softmax_forward(z):
-    """p = softmax(z) over the last axis, max-shifted.
+    """p = softmax(z) over the last axis, shifted by each row's top entry.
 
-    Forward:   p_i = exp(z_i - m) / sum_j exp(z_j - m)
+    Forward:   p_i = exp(z_i - z_top) / (1 + t),   t = sum_{j != top} exp(z_j - z_top)
+               (= exp(z_i) / sum_j exp(z_j))
     Backward:  dz = p * (dp - sum(dp * p))   (see `softmax_backward`)
 
     Args:
@@ -65,9 +87,8 @@ def softmax_forward(z):
     """
     z = as_float_array(z, "z")
     require_ndim(z, "z", 1, "[..., n]")
-    e = np.exp(z - _row_max(z))                          # [..., n], every entry in [0, 1]
-    s = np.sum(e, axis=-1, keepdims=True)                # [..., 1], >= 1 unless the row is all -inf
-    p = e / np.where(s == 0, 1, s)                       # an all -inf row stays all zeros
+    _, is_top, e, t = _split_at_top(z)
+    p = np.where(is_top, 1, e) / (1 + t)                          # an all -inf row stays all zeros
     return p, SoftmaxCache(p=p)
 
 
@@ -78,7 +99,9 @@ def softmax_backward(dp, cache):
         dz_i = sum_j dp_j (p_j [i == j] - p_j p_i) = p_i (dp_i - sum_j dp_j p_j)
 
     Uses only the output p, never z. Equal to `softmax_jacobian(p) @ dp`
-    (J is symmetric) at O(n) instead of O(n^2) per row.
+    (J is symmetric) at O(n) instead of O(n^2) per row. dp is first shifted by its
+    value at the row's largest p (the result is unchanged because J 1 = 0), which
+    keeps vanishing gradients of saturated rows accurate to rounding, relatively.
 
     Returns:
         dz [..., n]
@@ -87,6 +110,12 @@ def softmax_backward(dp, cache):
     require_same_shape(dp, cache.p.shape, "dp")
     dp = as_float_array(dp, "dp")
     p = cache.p
+    # J 1 = 0, so dz does not change if a row of dp is shifted by a constant. Shifting by dp at
+    # the row's largest p makes that entry's bracket exactly 0: in a saturated row (p nearly
+    # one-hot) the tiny gradient is then a sum of small terms, not a difference of O(1) ones,
+    # and keeps full relative accuracy instead of an absolute error of eps.
+    top = np.argmax(p.real, axis=-1)[..., None] if p.shape[-1] else np.zeros(p.shape[:-1] + (1,), int)
+    dp = dp - np.take_along_axis(dp, top, axis=-1)
     return p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
 
 

@@ -1,0 +1,82 @@
+"""softmax_forward / softmax_backward / softmax_jacobian / logsumexp."""
+import numpy as np
+import pytest
+import scipy.special
+
+import numpy_attention as na
+
+
+def wrong_softmax_backward(dp, cache):
+    """The classic bug: the row-sum term forgotten (dz = p * dp)."""
+    return [cache.p * dp]
+
+
+def test_forward_matches_scipy_and_rows_sum_to_one():
+    z = 3 * np.random.default_rng(0).standard_normal((4, 5, 7))
+    p, _ = na.softmax_forward(z)
+    np.testing.assert_allclose(p, scipy.special.softmax(z, axis=-1), rtol=1e-14)
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("big", [1e4, 1e6, 1e30])
+def test_stable_at_huge_logits(dtype, big):
+    z = np.array([[big, -big, 0.0], [-big, -big, -big + 1]], dtype=dtype)
+    p, cache = na.softmax_forward(z)
+    assert p.dtype == dtype and np.isfinite(p).all()
+    np.testing.assert_array_equal(p[0], [1, 0, 0])
+    dz = na.softmax_backward(np.ones_like(z) * np.array([1, 2, 3], dtype=dtype), cache)
+    assert np.isfinite(dz).all()
+    lse = na.logsumexp(z)
+    assert np.isfinite(lse).all()
+    np.testing.assert_allclose(lse[0], big, rtol=1e-6)
+
+
+def test_all_minus_inf_row_gives_zeros_and_minus_inf_lse():
+    z = np.array([[-np.inf, -np.inf], [0.0, -np.inf]])
+    p, cache = na.softmax_forward(z)
+    np.testing.assert_array_equal(p, [[0, 0], [1, 0]])
+    np.testing.assert_array_equal(na.logsumexp(z), [-np.inf, 0.0])
+    np.testing.assert_array_equal(na.softmax_backward(np.ones_like(z), cache), 0)
+
+
+def test_logsumexp_matches_scipy():
+    z = 10 * np.random.default_rng(1).standard_normal((3, 6))
+    np.testing.assert_allclose(na.logsumexp(z), scipy.special.logsumexp(z, axis=-1), rtol=1e-14)
+    assert na.logsumexp(z, keepdims=True).shape == (3, 1)
+
+
+def test_jacobian_times_vector_equals_vjp():
+    rng = np.random.default_rng(2)
+    z, dp = 2 * rng.standard_normal((3, 4, 6)), rng.standard_normal((3, 4, 6))
+    p, cache = na.softmax_forward(z)
+    J = na.softmax_jacobian(p)
+    assert J.shape == (3, 4, 6, 6)
+    np.testing.assert_allclose(J, np.swapaxes(J, -1, -2), rtol=0, atol=0)       # symmetric
+    np.testing.assert_allclose((J @ dp[..., None])[..., 0], na.softmax_backward(dp, cache),
+                               rtol=1e-13, atol=1e-15)
+
+
+def test_jacobian_is_the_complex_step_jacobian():
+    z = 2 * np.random.default_rng(3).standard_normal(5)
+    p, _ = na.softmax_forward(z)
+    h = 1e-20
+    numeric = np.stack([np.imag(na.softmax_forward(z + 1j * h * e)[0]) / h for e in np.eye(5)], axis=1)
+    np.testing.assert_allclose(na.softmax_jacobian(p), numeric, rtol=1e-13, atol=1e-16)
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_backward_against_complex_step(scale):
+    z = scale * np.random.default_rng(4).standard_normal((3, 6))
+    report = na.gradcheck(na.softmax_forward, lambda d, c: [na.softmax_backward(d, c)], [z],
+                          method="complex")
+    assert report and report.rows[0].max_rel_err <= 1e-12, report
+
+
+@pytest.mark.parametrize("method", ["complex", "central"])
+@pytest.mark.parametrize("mode", ["full", "projection"])
+def test_wrong_backward_fails(method, mode):
+    z = np.random.default_rng(5).standard_normal((3, 6))
+    report = na.gradcheck(na.softmax_forward, wrong_softmax_backward, [z], method=method, mode=mode)
+    assert not report
+    assert report.rows[0].max_rel_err > 1e-2
