@@ -1,0 +1,117 @@
+"""gradcheck and taylor_test: they pass right gradients, fail wrong ones, and say why."""
+import ast
+import inspect
+
+import numpy as np
+import pytest
+
+import numpy_attention as na
+from numpy_attention import gradcheck as gradcheck_module
+
+
+def softmax_case(seed=0):
+    return na.softmax_forward, (lambda d, c: [na.softmax_backward(d, c)]), \
+        [np.random.default_rng(seed).standard_normal((3, 5))]
+
+
+def wrong_softmax_backward(dp, cache):
+    return [cache.p * dp]                                  # no row-sum term
+
+
+@pytest.mark.parametrize("method", ["central", "complex", "richardson"])
+@pytest.mark.parametrize("mode", ["full", "projection"])
+def test_right_gradient_passes_wrong_one_fails(method, mode):
+    forward, backward, inputs = softmax_case()
+    assert na.gradcheck(forward, backward, inputs, method=method, mode=mode)
+    assert not na.gradcheck(forward, wrong_softmax_backward, inputs, method=method, mode=mode)
+
+
+def test_error_levels_per_method():
+    """complex step ~1e-16, Richardson ~1e-11, central ~1e-10 on the same float64 problem."""
+    forward, backward, inputs = softmax_case(1)
+    err = {m: na.gradcheck(forward, backward, inputs, method=m).rows[0].max_rel_err
+           for m in ("complex", "richardson", "central")}
+    assert err["complex"] < 1e-14
+    assert err["complex"] < err["richardson"] < 1e-8
+    assert err["complex"] < err["central"] < 1e-7
+
+
+def test_report_table_names_everything():
+    forward, backward, inputs = softmax_case()
+    report = na.gradcheck(forward, backward, inputs, method="complex", names=["z"])
+    text = str(report)
+    for word in ("method=complex", "mode=full", "rtol=1e-12", "max abs err", "max rel err",
+                 "worst index", "analytic", "numeric", "PASS", "z"):
+        assert word in text
+    row = report.rows[0]
+    assert row.passed and row.max_abs_err <= row.tol
+    assert len(row.worst_index) == 2                       # (output index, input index)
+
+
+def test_raise_on_failure():
+    forward, _, inputs = softmax_case()
+    with pytest.raises(na.GradcheckError, match="FAIL"):
+        na.gradcheck(forward, wrong_softmax_backward, inputs, raise_on_failure=True)
+    with pytest.raises(AssertionError):
+        na.gradcheck(forward, wrong_softmax_backward, inputs, raise_on_failure=True)
+
+
+def test_upstream_gradient_is_random_not_ones():
+    """A backward that is right only for dout = ones (sum(softmax) = 1 has zero gradient)."""
+    forward, _, inputs = softmax_case()
+    zero_backward = lambda dp, cache: [np.zeros_like(cache.p)]
+    assert not na.gradcheck(forward, zero_backward, inputs, mode="projection")
+    assert not na.gradcheck(forward, zero_backward, inputs, mode="full")
+
+
+def test_projection_mode_is_seeded_and_deterministic():
+    forward, backward, inputs = softmax_case()
+    a = na.gradcheck(forward, backward, inputs, mode="projection", seed=3)
+    b = na.gradcheck(forward, backward, inputs, mode="projection", seed=3)
+    assert a.rows == b.rows
+
+
+def test_float32_inputs_use_float32_tolerances():
+    forward, backward, inputs = softmax_case()
+    report = na.gradcheck(forward, backward, [inputs[0].astype(np.float32)], method="central")
+    assert report.dtype == "float32" and report.rtol == 1e-2 and report
+
+
+def test_wrt_and_none_gradients():
+    rng = np.random.default_rng(2)
+    x, W = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+    report = na.gradcheck(na.linear_forward, na.linear_backward, [x, W, None], wrt=[1], method="complex")
+    assert [r.name for r in report.rows] == ["input 1"] and report
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"method": "forward"}, ValueError), ({"mode": "diagonal"}, ValueError),
+    ({"wrt": [5]}, ValueError), ({"names": ["a", "b"]}, ValueError)])
+def test_bad_arguments(kwargs, error):
+    forward, backward, inputs = softmax_case()
+    with pytest.raises(error):
+        na.gradcheck(forward, backward, inputs, **kwargs)
+
+
+def test_backward_with_wrong_gradient_shape_is_named():
+    forward, _, inputs = softmax_case()
+    with pytest.raises(ValueError, match="shape"):
+        na.gradcheck(forward, lambda d, c: [np.zeros(3)], inputs)
+
+
+def test_taylor_remainder_order_two_for_right_one_for_wrong():
+    forward, backward, inputs = softmax_case()
+    right = na.taylor_test(forward, backward, inputs)
+    wrong = na.taylor_test(forward, wrong_softmax_backward, inputs)
+    assert right and abs(right.order - 2) < 0.2
+    assert not wrong and abs(wrong.order - 1) < 0.2
+    assert "order" in str(right)
+
+
+def test_gradcheck_imports_nothing_of_the_package():
+    tree = ast.parse(inspect.getsource(gradcheck_module))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("numpy_attention")
+        if isinstance(node, ast.Import):
+            assert all(not a.name.startswith("numpy_attention") for a in node.names)

@@ -1,0 +1,177 @@
+"""MultiHeadAttention against the seed's PyTorch class (retyped here) and torch.nn.MultiheadAttention."""
+import math
+
+import numpy as np
+import pytest
+
+import numpy_attention as na
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+
+class SeedMultiHeadAttention(nn.Module):
+    """The seed blog's class (section 6), retyped without its comments."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        assert d_model % num_heads == 0
+        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        self.W_q = nn.Linear(d_model, d_model)
+        self.W_k = nn.Linear(d_model, d_model)
+        self.W_v = nn.Linear(d_model, d_model)
+        self.W_o = nn.Linear(d_model, d_model)
+
+    def scaled_dot_product_attention(self, Q, K, V, mask=None):
+        scores = torch.matmul(Q, K.transpose(-2, -1))
+        scores = scores / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        attn_weights = F.softmax(scores, dim=-1)
+        output = torch.matmul(attn_weights, V)
+        return output, attn_weights
+
+    def forward(self, query, key, value, mask=None):
+        batch_size = query.size(0)
+        Q, K, V = self.W_q(query), self.W_k(key), self.W_v(value)
+        Q = Q.view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
+        K = K.view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
+        V = V.view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
+        attn_output, attn_weights = self.scaled_dot_product_attention(Q, K, V, mask)
+        attn_output = attn_output.transpose(1, 2).contiguous()
+        concat_output = attn_output.view(batch_size, -1, self.d_model)
+        return self.W_o(concat_output), attn_weights
+
+
+def rel(a, b):
+    """Normwise relative error max|a - b| / max|b| (the absolute error where b is exactly 0)."""
+    err, scale = np.max(np.abs(a - b)), np.max(np.abs(b))
+    return err / scale if scale > 0 else err
+
+
+def run_both(d_model, num_heads, B, n_q, n_k, mask=None, fully_masked="zero", seed=0):
+    """Run the seed (torch, float64) and ours with the same weights; return both outputs and grads."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    seed_mha = SeedMultiHeadAttention(d_model, num_heads).double()
+    ours = na.MultiHeadAttention(d_model, num_heads, fully_masked=fully_masked)
+    ours.load_state_dict(seed_mha.state_dict())
+    x = [rng.standard_normal((B, n, d_model)) for n in (n_q, n_k, n_k)]
+    xt = [torch.tensor(a, requires_grad=True) for a in x]
+    out_t, w_t = seed_mha(*xt, mask=None if mask is None else torch.tensor(mask))
+    out, w = ours(*x, mask=mask)
+    dout = rng.standard_normal(out.shape)
+    out_t.backward(torch.tensor(dout))
+    grads = ours.backward(dout)
+    torch_grads = {"query": xt[0].grad, "key": xt[1].grad, "value": xt[2].grad}
+    torch_grads.update({name: p.grad for name, p in seed_mha.named_parameters()})
+    return (out, w, grads), (out_t.detach().numpy(), w_t.detach().numpy(),
+                             {k: v.numpy() for k, v in torch_grads.items()})
+
+
+def assert_match(ours, theirs, tol=1e-10):
+    (out, w, grads), (out_t, w_t, grads_t) = ours, theirs
+    assert rel(out, out_t) <= tol and rel(w, w_t) <= tol
+    assert set(grads) == set(grads_t)
+    for name in grads:
+        if name == "W_k.bias":          # exactly zero: both sides are rounding noise
+            assert np.max(np.abs(grads[name])) < 1e-12 and np.max(np.abs(grads_t[name])) < 1e-12
+        else:
+            assert rel(grads[name], grads_t[name]) <= tol, name
+
+
+@pytest.mark.parametrize("d_model,num_heads,B,n_q,n_k", [
+    (512, 8, 2, 10, 10),     # the seed's example
+    (16, 4, 3, 5, 7),        # cross-attention, N_q != N_k
+    (6, 3, 1, 1, 1),         # N = 1, B = 1
+    (5, 1, 2, 3, 4),         # H = 1, odd width
+    (21, 7, 1, 9, 2),        # odd sizes
+])
+def test_against_the_seed_without_mask(d_model, num_heads, B, n_q, n_k):
+    assert_match(*run_both(d_model, num_heads, B, n_q, n_k))
+
+
+def test_against_the_seed_with_causal_mask():
+    mask = np.tril(np.ones((6, 6), bool))[None, None]        # broadcast over batch and heads
+    assert_match(*run_both(16, 4, 2, 6, 6, mask=mask))
+
+
+def test_against_the_seed_with_padding_mask_and_unequal_lengths():
+    mask = np.ones((3, 1, 1, 7), bool)
+    mask[0, ..., 5:] = False                                 # batch 0: the last two keys are padding
+    mask[2, ..., 1:] = False
+    assert_match(*run_both(16, 4, 3, 5, 7, mask=mask))
+
+
+def test_fully_masked_rows_equal_the_seed_under_uniform():
+    mask = np.ones((2, 4, 5, 5), bool)
+    mask[1, 2, 3] = False                                    # one row masked everywhere
+    assert_match(*run_both(16, 4, 2, 5, 5, mask=mask, fully_masked="uniform"))
+
+
+def test_float_0_1_mask_means_nonzero_attends():
+    mask = np.tril(np.ones((6, 6)))                          # float 0/1, like the seed allows
+    assert_match(*run_both(8, 2, 2, 6, 6, mask=mask))
+
+
+def test_torch_nn_multiheadattention_weights():
+    """load_state_dict takes nn.MultiheadAttention's packed keys; forward and gradients agree."""
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    D, H, B, n_q, n_k = 12, 3, 2, 4, 6
+    tmha = nn.MultiheadAttention(D, H, batch_first=True).double()
+    ours = na.MultiHeadAttention(D, H)
+    ours.load_state_dict(tmha.state_dict())
+    x = [rng.standard_normal((B, n, D)) for n in (n_q, n_k, n_k)]
+    xt = [torch.tensor(a, requires_grad=True) for a in x]
+    out_t, w_t = tmha(*xt, average_attn_weights=False)
+    out, w = ours(*x)
+    assert rel(out, out_t.detach().numpy()) <= 1e-10 and rel(w, w_t.detach().numpy()) <= 1e-10
+    dout = rng.standard_normal(out.shape)
+    out_t.backward(torch.tensor(dout))
+    g = ours.backward(dout)
+    for i, name in enumerate(("query", "key", "value")):
+        assert rel(g[name], xt[i].grad.numpy()) <= 1e-10
+    packed = np.concatenate([g["W_q.weight"], g["W_k.weight"], g["W_v.weight"]])
+    assert rel(packed, tmha.in_proj_weight.grad.numpy()) <= 1e-10
+    assert rel(g["W_o.weight"], tmha.out_proj.weight.grad.numpy()) <= 1e-10
+    assert rel(g["W_o.bias"], tmha.out_proj.bias.grad.numpy()) <= 1e-10
+
+
+def test_state_dict_keys_and_layouts():
+    mha = na.MultiHeadAttention(8, 2)
+    sd = mha.state_dict()
+    assert list(sd) == ["W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
+                        "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias"]
+    assert all(sd[k].shape == ((8, 8) if k.endswith("weight") else (8,)) for k in sd)
+    sd["W_q.weight"][:] = 0                                  # a copy: the module is unchanged
+    assert np.abs(mha.state_dict()["W_q.weight"]).sum() > 0
+    other = na.MultiHeadAttention(8, 2, seed=5)
+    other.load_state_dict(mha.state_dict())
+    x = np.random.default_rng(0).standard_normal((1, 3, 8))
+    np.testing.assert_array_equal(other(x, x, x)[0], mha(x, x, x)[0])
+
+
+def test_self_attention_gradient_is_the_sum_of_the_three():
+    mha = na.MultiHeadAttention(8, 2)
+    X = np.random.default_rng(2).standard_normal((2, 4, 8))
+    out, _ = mha(X, X, X)
+    dout = np.random.default_rng(3).standard_normal(out.shape)
+    g = mha.backward(dout)
+    dX = g["query"] + g["key"] + g["value"]
+    h = 1e-20
+    V = np.random.default_rng(4).standard_normal(X.shape)
+    numeric = np.sum(dout * np.imag(mha(X + 1j * h * V, X + 1j * h * V, X + 1j * h * V)[0])) / h
+    assert abs(np.sum(dX * V) - numeric) <= 1e-12 * abs(numeric)
+
+
+def test_float32_model_computes_in_float32():
+    mha = na.MultiHeadAttention(8, 2, dtype=np.float32)
+    X = np.random.default_rng(5).standard_normal((2, 3, 8))
+    out, w = mha(X, X, X)
+    assert out.dtype == w.dtype == np.float32
+    g = mha.backward(np.ones_like(out))
+    assert all(v.dtype == np.float32 for v in g.values())
+    ref = na.MultiHeadAttention(8, 2)
+    ref.load_state_dict(mha.state_dict())
+    np.testing.assert_allclose(out, ref(X, X, X)[0], rtol=1e-5, atol=1e-6)
