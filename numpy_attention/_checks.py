@@ -10,6 +10,9 @@ dtype rule (DESIGN.md): float32 stays float32, float64 stays float64, complex
 stays complex (for complex-step gradient checks), float16 computes in float32,
 integers are cast to float64. Booleans, strings and objects are rejected.
 """
+import math
+from collections.abc import Mapping
+
 import numpy as np
 
 
@@ -49,6 +52,57 @@ def require_positive_int(value, name):
     if value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value}")
     return int(value)
+
+
+def require_bool(value, name):
+    """Return `value` as a bool, raising TypeError unless it is True or False."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _require_real_number(value, name, expected):
+    """Raise TypeError unless `value` is a Python or NumPy real scalar (not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def require_positive_real(value, name):
+    """Return `value` as a float, raising unless it is a finite real number > 0."""
+    _require_real_number(value, name, "a finite real number > 0")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite real number > 0, got {value}")
+    return float(value)
+
+
+def require_probability(value, name):
+    """Return `value` as a float, raising unless it is a real number in [0, 1)."""
+    _require_real_number(value, name, "a real number in [0, 1)")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a real number in [0, 1), got {value}")
+    return float(value)
+
+
+def require_mapping(value, name):
+    """Raise TypeError unless `value` is a dict-like mapping of names to arrays."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a mapping of names to arrays (a dict), "
+                        f"got {type(value).__name__}")
+
+
+def require_keys(mapping, name, expected):
+    """Raise ValueError naming every missing and unexpected key of `mapping`."""
+    missing, unexpected = sorted(set(expected) - set(mapping)), sorted(set(mapping) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{name} keys do not match: missing {missing}, unexpected {unexpected}")
+
+
+def require_shapes(arrays, name, shapes):
+    """Raise ValueError naming the first entry arrays[key] whose shape is not shapes[key]."""
+    for key, shape in shapes.items():
+        if np.shape(arrays[key]) != tuple(shape):
+            raise ValueError(f"{name}[{key!r}] must have shape {tuple(shape)}, "
+                             f"got {np.shape(arrays[key])}")
 
 
 def require_choice(value, name, choices):

@@ -28,7 +28,7 @@ def split_heads(x, num_heads):
         raise ValueError(f"x's last axis (D={d_model}, shape {x.shape}) must be divisible by "
                          f"num_heads={num_heads}")
     xh = x.reshape(*lead, n, num_heads, d_model // num_heads)   # [..., N, H, d]
-    return np.ascontiguousarray(np.swapaxes(xh, -2, -3))        # [..., H, N, d], a fresh array
+    return np.swapaxes(xh, -2, -3).copy()                       # [..., H, N, d], a fresh array
 
 
 def merge_heads(xh):
@@ -36,5 +36,5 @@ def merge_heads(xh):
     xh = as_float_array(xh, "xh")
     require_ndim(xh, "xh", 3, "[..., H, N, d]")
     *lead, h, n, d = xh.shape
-    x = np.swapaxes(xh, -2, -3)                                 # [..., N, H, d]
+    x = np.swapaxes(xh, -2, -3).copy()                          # [..., N, H, d], a fresh array
     return x.reshape(*lead, n, h * d)                           # [..., N, D]

@@ -15,8 +15,8 @@ from ._checks import as_float_array, require_cache, require_ndim, require_same_s
 
 
 class LinearCache(NamedTuple):
-    x: np.ndarray            # [..., d_in]   the input, as the forward saw it
-    W: np.ndarray            # [d_in, d_out]
+    x: np.ndarray            # [..., d_in]   a copy of the input, as the forward saw it
+    W: np.ndarray            # [d_in, d_out] a copy
     has_bias: bool           # whether a bias took part (db is None otherwise)
     out_shape: tuple         # [..., d_out]  the forward output's shape
 
@@ -48,7 +48,8 @@ def linear_forward(x, W, b=None):
         if b.shape != (W.shape[1],):
             raise ValueError(f"b must have shape (d_out,) = ({W.shape[1]},), got {b.shape}")
         y = y + b
-    return y, LinearCache(x=x, W=W, has_bias=b is not None, out_shape=y.shape)
+    # copies: changing the caller's x or W after the forward cannot change the backward
+    return y, LinearCache(x=x.copy(), W=W.copy(), has_bias=b is not None, out_shape=y.shape)
 
 
 def linear_backward(dy, cache):

@@ -24,12 +24,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import as_float_array, require_choice, require_positive_int
+from ._checks import (as_float_array, require_cache, require_choice, require_keys, require_mapping,
+                      require_positive_int, require_same_shape, require_shapes)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
 
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
+TORCH_KEYS = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
 
 
 class MultiHeadCache(NamedTuple):
@@ -52,12 +54,18 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     Returns:
         out [B, N_q, D], attn_weights [B, H, N_q, N_k], MultiHeadCache.
     """
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if np.ndim(x) != 3:
-            raise ValueError(f"{name} must have 3 axes [B, N, d_model], got shape {np.shape(x)}")
-    if not np.shape(query)[0] == np.shape(key)[0] == np.shape(value)[0]:
-        raise ValueError(f"query, key, value must have the same batch size, got "
-                         f"{np.shape(query)}, {np.shape(key)}, {np.shape(value)}")
+    query, key, value = (as_float_array(x, name) for name, x in
+                         (("query", query), ("key", key), ("value", value)))
+    shapes = f"query {query.shape}, key {key.shape}, value {value.shape}"
+    if not query.ndim == key.ndim == value.ndim == 3:
+        raise ValueError(f"query, key, value must each have 3 axes [B, N, d_model], got {shapes}")
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(f"query, key, value must have the same batch size B, got {shapes}")
+    if not query.shape[2] == key.shape[2] == value.shape[2]:
+        raise ValueError(f"query, key, value must have the same width d_model, got {shapes}")
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(f"key and value must have the same length N_k, got {shapes}")
+    params = _check_params(params, query.shape[2], "params")
     # 1. linear projections (math layout W = weight^T)
     Q, cq = linear_forward(query, params["W_q.weight"].T, params["W_q.bias"])   # [B, N_q, D]
     K, ck = linear_forward(key, params["W_k.weight"].T, params["W_k.bias"])     # [B, N_k, D]
@@ -71,7 +79,7 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     # 5. output projection
     out, co = linear_forward(concat, params["W_o.weight"].T, params["W_o.bias"])  # [B, N_q, D]
     cache = MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads)
-    return out, ca.weights, cache
+    return out, ca.weights.copy(), cache              # a copy: the caller may write into it
 
 
 def multihead_backward(dout, cache):
@@ -81,6 +89,8 @@ def multihead_backward(dout, cache):
         dict with "query", "key", "value" and one entry per state_dict key, each in that
         key's layout (weights [out, in]).
     """
+    require_cache(cache, MultiHeadCache, "multihead_backward")
+    require_same_shape(dout, cache.o.out_shape, "dout")
     H = cache.num_heads
     dconcat, dWo, dbo = linear_backward(dout, cache.o)                   # 5. output projection
     dattn = split_heads(dconcat, H)                                      # 4. merge_heads' backward
@@ -94,16 +104,27 @@ def multihead_backward(dout, cache):
             "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}
 
 
+def _check_params(params, d_model, name):
+    """The parameter arrays, checked: exactly the seed's keys, weights [D, D], biases [D]."""
+    require_mapping(params, name)
+    shapes = {f"{p}.{kind}": (d_model, d_model) if kind == "weight" else (d_model,)
+              for p in PROJECTIONS for kind in ("weight", "bias")}
+    require_keys(params, name, shapes)
+    arrays = {key: as_float_array(_to_numpy(params[key]), f"{name}[{key!r}]") for key in shapes}
+    require_shapes(arrays, name, shapes)
+    return arrays
+
+
 def _from_torch_mha(sd, d_model):
     """torch.nn.MultiheadAttention's packed keys -> the seed's keys (same [out, in] layout)."""
+    sd = {key: _to_numpy(sd[key]) for key in TORCH_KEYS}
+    require_shapes(sd, "state_dict", dict(zip(TORCH_KEYS, ((3 * d_model, d_model), (3 * d_model,),
+                                                           (d_model, d_model), (d_model,)))))
     w, b = sd["in_proj_weight"], sd["in_proj_bias"]                      # [3D, D], [3D]
-    if np.shape(w) != (3 * d_model, d_model) or np.shape(b) != (3 * d_model,):
-        raise ValueError(f"in_proj_weight must be {(3 * d_model, d_model)} and in_proj_bias "
-                         f"{(3 * d_model,)}, got {np.shape(w)} and {np.shape(b)}")
     out = {}
     for i, name in enumerate(("W_q", "W_k", "W_v")):
-        out[f"{name}.weight"] = np.asarray(w)[i * d_model:(i + 1) * d_model]
-        out[f"{name}.bias"] = np.asarray(b)[i * d_model:(i + 1) * d_model]
+        out[f"{name}.weight"] = w[i * d_model:(i + 1) * d_model]
+        out[f"{name}.bias"] = b[i * d_model:(i + 1) * d_model]
     out["W_o.weight"], out["W_o.bias"] = sd["out_proj.weight"], sd["out_proj.bias"]
     return out
 
@@ -130,11 +151,17 @@ class MultiHeadAttention:
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         self.d_k = d_model // num_heads
-        self.dtype = np.dtype(dtype)
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be a floating or complex dtype, got {dtype!r}") from None
         if self.dtype.kind not in "fc":
             raise TypeError(f"dtype must be a floating or complex dtype, got {self.dtype}")
         self.fully_masked = require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
-        rng = np.random.default_rng(seed)
+        try:
+            rng = np.random.default_rng(seed)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"seed must be a non-negative integer (or None), got {seed!r}: {exc}") from None
         bound = 1.0 / np.sqrt(d_model)
         self.params = {}
         for name in PROJECTIONS:
@@ -165,7 +192,9 @@ class MultiHeadAttention:
     def backward(self, grad_output):
         """Gradients of the last forward: dict with "query", "key", "value" and every state_dict key."""
         if self._cache is None:
-            raise RuntimeError("MultiHeadAttention.backward called before any forward")
+            raise ValueError("MultiHeadAttention.backward needs a forward first: call "
+                             "mha(query, key, value) before mha.backward(grad_output)")
+        require_same_shape(grad_output, self._cache.o.out_shape, "grad_output")
         return multihead_backward(grad_output, self._cache)
 
     def state_dict(self):
@@ -175,26 +204,16 @@ class MultiHeadAttention:
     def load_state_dict(self, state_dict):
         """Load the seed's keys, or torch.nn.MultiheadAttention's (in_proj_weight, in_proj_bias,
         out_proj.weight, out_proj.bias). Arrays are copied; torch tensors are accepted."""
-        sd = {name: _to_numpy(value) for name, value in dict(state_dict).items()}
-        if "in_proj_weight" in sd:
-            extra = set(sd) - {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}
-            if extra:
-                raise ValueError(f"unexpected keys for nn.MultiheadAttention weights: {sorted(extra)}")
-            missing = {"in_proj_bias", "out_proj.weight", "out_proj.bias"} - set(sd)
-            if missing:
-                raise ValueError(f"missing keys for nn.MultiheadAttention weights: {sorted(missing)}")
-            sd = _from_torch_mha(sd, self.d_model)
-        missing, unexpected = set(self.params) - set(sd), set(sd) - set(self.params)
-        if missing or unexpected:
-            raise ValueError(f"state_dict keys do not match: missing {sorted(missing)}, "
-                             f"unexpected {sorted(unexpected)}")
-        new = {}
-        for name, value in sd.items():
-            arr = as_float_array(value, name)
-            if arr.shape != self.params[name].shape:
-                raise ValueError(f"{name} must have shape {self.params[name].shape}, got {arr.shape}")
-            new[name] = arr.astype(self.dtype)                       # a copy: the caller keeps theirs
-        self.params = new
+        require_mapping(state_dict, "state_dict")
+        if "in_proj_weight" in state_dict:
+            require_keys(state_dict, "state_dict (nn.MultiheadAttention layout)", TORCH_KEYS)
+            state_dict = _from_torch_mha(state_dict, self.d_model)
+        params = _check_params(state_dict, self.d_model, "state_dict")
+        for name, arr in params.items():
+            if arr.dtype.kind == "c" and self.dtype.kind != "c":
+                raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "
+                                f"the module's dtype is {self.dtype}")
+        self.params = {name: arr.astype(self.dtype) for name, arr in params.items()}  # copies
 
 
 def _to_numpy(value):

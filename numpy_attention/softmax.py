@@ -89,7 +89,7 @@ def softmax_forward(z):
     require_ndim(z, "z", 1, "[..., n]")
     _, is_top, e, t = _split_at_top(z)
     p = np.where(is_top, 1, e) / (1 + t)                          # an all -inf row stays all zeros
-    return p, SoftmaxCache(p=p)
+    return p, SoftmaxCache(p=p.copy())                            # the caller may write into p
 
 
 def softmax_backward(dp, cache):
@@ -114,8 +114,9 @@ def softmax_backward(dp, cache):
     # the row's largest p makes that entry's bracket exactly 0: in a saturated row (p nearly
     # one-hot) the tiny gradient is then a sum of small terms, not a difference of O(1) ones,
     # and keeps full relative accuracy instead of an absolute error of eps.
-    top = np.argmax(p.real, axis=-1)[..., None] if p.shape[-1] else np.zeros(p.shape[:-1] + (1,), int)
-    dp = dp - np.take_along_axis(dp, top, axis=-1)
+    if p.shape[-1]:                                               # an empty row has nothing to shift
+        top = np.argmax(p.real, axis=-1)[..., None]
+        dp = dp - np.take_along_axis(dp, top, axis=-1)
     return p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
 
 

@@ -1,0 +1,268 @@
+"""Nothing is lost: no public function writes into its arguments, caches own their arrays,
+and every result is bitwise the same on every call.
+
+- Read-only inputs: every public function is called with arrays whose `writeable` flag is
+  off (a write would raise) and gives bitwise the result it gives on writeable copies.
+- Caches are immutable from outside: a forward copies the caller's arrays into its cache,
+  and no array of a cache shares memory with an argument or a returned array. Changing the
+  caller's arrays (or the returned ones) after the forward leaves the backward unchanged.
+- Determinism: repeated and interleaved calls give bitwise identical results.
+"""
+import numpy as np
+import pytest
+
+import numpy_attention as na
+
+rng = np.random.default_rng(7)
+
+
+def readonly(x):
+    y = np.array(x, copy=True)
+    y.flags.writeable = False
+    return y
+
+
+def arrays_in(obj):
+    """Every ndarray inside a (nested) cache, grads tuple, dict or list."""
+    if isinstance(obj, np.ndarray):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [a for item in obj for a in arrays_in(item)]
+    return []
+
+
+def assert_bitwise_equal(a, b):
+    a, b = arrays_in(a), arrays_in(b)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(x, y, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- the calls
+
+def attention_inputs(n_q=3, n_k=5):
+    q = rng.standard_normal((2, 4, n_q, 6))
+    k = rng.standard_normal((2, 2, n_k, 6))
+    v = rng.standard_normal((2, 2, n_k, 5))
+    options = dict(mask=rng.random((n_q, n_k)) > 0.3, bias=rng.standard_normal((4, 1, n_k)),
+                   dropout_mask=rng.random((2, 4, n_q, n_k)) > 0.2, dropout_p=0.2,
+                   causal="bottom_right", window=(2, -1), softcap=5.0)
+    return (q, k, v), options
+
+
+TILED = ("mask", "bias", "causal", "window")     # the options the tiled path (block_size) takes
+
+
+def tiled(options, block_size=2):
+    return {**{key: options[key] for key in TILED}, "block_size": block_size}
+
+
+def run_attention(q, k, v, options, dout, method):
+    out, cache = na.attention_forward(q, k, v, **options)
+    return out, na.attention_backward(dout, cache, method=method, return_stages=True)
+
+
+def run_mha(query, key, value, mask, dout, state_dict):
+    m = na.MultiHeadAttention(8, 2, seed=3)
+    m.load_state_dict(state_dict)
+    out, weights = m(query, key, value, mask=mask)
+    return out, weights, m.backward(dout), m.state_dict()
+
+
+def public_calls():
+    """(id, function, argument arrays): every public entry point with its array arguments."""
+    x, W, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)
+    z = rng.standard_normal((3, 6))
+    (q, k, v), options = attention_inputs()
+    _, lcache = na.linear_forward(x, W, b)
+    _, scache = na.softmax_forward(z)
+    _, acache = na.attention_forward(q, k, v, **options)
+    _, tcache = na.attention_forward(q, k, v, **tiled(options))
+    query, key = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8))
+    sd = na.MultiHeadAttention(8, 2, seed=1).state_dict()
+    _, _, mcache = na.multihead_forward(query, key, key, sd, 2)
+    return [
+        ("linear_forward", lambda x, W, b: na.linear_forward(x, W, b), [x, W, b]),
+        ("linear_backward", lambda dy: na.linear_backward(dy, lcache), [rng.standard_normal((2, 3, 5))]),
+        ("softmax_forward", na.softmax_forward, [z]),
+        ("softmax_backward", lambda dp: na.softmax_backward(dp, scache), [rng.standard_normal((3, 6))]),
+        ("softmax_jacobian", na.softmax_jacobian, [scache.p]),
+        ("logsumexp", na.logsumexp, [z]),
+        ("split_heads", lambda x: na.split_heads(x, 2), [x]),
+        ("merge_heads", na.merge_heads, [q]),
+        ("attention_forward",
+         lambda q, k, v, mask, bias, dm: na.attention_forward(
+             q, k, v, **{**options, "mask": mask, "bias": bias, "dropout_mask": dm}),
+         [q, k, v, options["mask"], options["bias"], options["dropout_mask"]]),
+        *[(f"attention_backward-{method}",
+           lambda dout, method=method: na.attention_backward(dout, acache, method=method, return_stages=True),
+           [rng.standard_normal((2, 4, 3, 5))]) for method in ("vjp", "jacobian", "flash")],
+        ("attention_forward-tiled",
+         lambda q, k, v, mask, bias: na.attention_forward(q, k, v, **tiled({**options, "mask": mask, "bias": bias})),
+         [q, k, v, options["mask"], options["bias"]]),
+        *[(f"attention_backward-tiled-{method}",
+           lambda dout, method=method: na.attention_backward(dout, tcache, method=method),
+           [rng.standard_normal((2, 4, 3, 5))]) for method in ("vjp", "flash")],
+        ("multihead_forward",
+         lambda query, key, value, mask, *params: na.multihead_forward(
+             query, key, value, dict(zip(sd, params)), 2, mask=mask),
+         [query, key, key, rng.random((3, 5)) > 0.3, *sd.values()]),
+        ("multihead_backward", lambda dout: na.multihead_backward(dout, mcache), [rng.standard_normal((2, 3, 8))]),
+        ("MultiHeadAttention",
+         lambda query, key, value, mask, dout, *params: run_mha(query, key, value, mask, dout,
+                                                                 dict(zip(sd, params))),
+         [query, key, key, rng.random((2, 1, 3, 5)) > 0.3, rng.standard_normal((2, 3, 8)), *sd.values()]),
+        ("gradcheck",
+         lambda x, W, b: tuple(na.gradcheck(na.linear_forward, na.linear_backward, [x, W, b],
+                                            method="complex", mode="projection").rows),
+         [x[:1, :2], W, b]),
+        ("taylor_test",
+         lambda x, W, b: na.taylor_test(na.linear_forward, na.linear_backward, [x, W, b]),
+         [x, W, b]),
+    ]
+
+
+CALLS = public_calls()
+
+
+@pytest.mark.parametrize("function, args", [(f, a) for _, f, a in CALLS], ids=[c[0] for c in CALLS])
+def test_read_only_inputs_are_accepted_and_left_alone(function, args):
+    before = [np.array(a, copy=True) for a in args]
+    from_readonly = function(*[readonly(a) for a in args])
+    from_writeable = function(*[np.array(a, copy=True) for a in args])
+    assert_bitwise_equal(from_readonly, from_writeable)
+    function(*args)
+    for a, b in zip(args, before):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("function, args", [(f, a) for _, f, a in CALLS], ids=[c[0] for c in CALLS])
+def test_results_are_bitwise_identical_across_calls(function, args):
+    first = function(*args)
+    assert_bitwise_equal(function(*args), first)
+    assert_bitwise_equal(function(*args), first)
+
+
+# ----------------------------------------------------------------------------- caches own their arrays
+
+def forwards():
+    """(id, forward's arguments, forward's (out..., cache)) for every op with a cache."""
+    x, W, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)
+    z = rng.standard_normal((3, 6))
+    (q, k, v), options = attention_inputs()
+    query, key = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8))
+    sd = na.MultiHeadAttention(8, 2, seed=1).state_dict()
+    mask = rng.random((3, 5)) > 0.3
+    return [
+        ("linear", [x, W, b], na.linear_forward(x, W, b)),
+        ("softmax", [z], na.softmax_forward(z)),
+        ("attention", [q, k, v, *options.values()], na.attention_forward(q, k, v, **options)),
+        ("attention-2-axes", [q[0, 0], k[0, 0], v[0, 0]], na.attention_forward(q[0, 0], k[0, 0], v[0, 0])),
+        ("attention-tiled", [q, k, v, options["mask"], options["bias"]],
+         na.attention_forward(q, k, v, **tiled(options))),
+        ("multihead", [query, key, mask, *sd.values()], na.multihead_forward(query, key, key, sd, 2, mask=mask)),
+    ]
+
+
+@pytest.mark.parametrize("args, results", [(a, r) for _, a, r in forwards()], ids=[f[0] for f in forwards()])
+def test_cache_shares_no_memory_with_arguments_or_results(args, results):
+    *outputs, cache = results
+    outside = arrays_in(args) + arrays_in(outputs)
+    for held in arrays_in(cache):
+        for a in outside:
+            assert not np.shares_memory(held, a), (held.shape, a.shape)
+
+
+def test_linear_backward_ignores_later_changes_to_x_and_W():
+    x, W, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)
+    dy = rng.standard_normal((2, 3, 5))
+    y, cache = na.linear_forward(x, W, b)
+    expected = na.linear_backward(dy, cache)
+    x[...], W[...], y[...] = 7.0, -3.0, 0.0
+    assert_bitwise_equal(na.linear_backward(dy, cache), expected)
+
+
+def test_softmax_backward_ignores_later_changes_to_z_and_p():
+    z, dp = rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
+    p, cache = na.softmax_forward(z)
+    expected = na.softmax_backward(dp, cache)
+    z[...], p[...] = 0.0, 0.5
+    assert_bitwise_equal(na.softmax_backward(dp, cache), expected)
+
+
+@pytest.mark.parametrize("method, block_size", [("vjp", None), ("jacobian", None), ("flash", None),
+                                                ("vjp", 2), ("flash", 2)])
+def test_attention_backward_ignores_later_changes_to_every_input_and_output(method, block_size):
+    (q, k, v), options = attention_inputs()
+    if block_size:
+        options = tiled(options, block_size)
+    dout = rng.standard_normal((2, 4, 3, 5))
+    out, cache = na.attention_forward(q, k, v, **options)
+    expected = na.attention_backward(dout, cache, method=method)
+    for a in (q, k, v, options["bias"], out):
+        a[...] = 1e3
+    for key in ("mask", "dropout_mask"):
+        if key in options:
+            options[key][...] = False
+    assert_bitwise_equal(na.attention_backward(dout, cache, method=method), expected)
+
+
+def test_mha_backward_ignores_later_changes_to_inputs_outputs_and_weights():
+    m = na.MultiHeadAttention(8, 2, seed=4)
+    query, key = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8))
+    mask, dout = rng.random((3, 5)) > 0.3, rng.standard_normal((2, 3, 8))
+    out, weights = m(query, key, key, mask=mask)
+    expected = m.backward(dout)
+    for a in (query, key, out, weights, *m.params.values()):     # in place, even the module's own
+        a[...] = 2.0
+    mask[...] = False
+    assert_bitwise_equal(m.backward(dout), expected)
+    m.load_state_dict(na.MultiHeadAttention(8, 2, seed=5).state_dict())   # new weights, same cache
+    assert_bitwise_equal(m.backward(dout), expected)
+
+
+def test_state_dict_and_load_state_dict_copy():
+    m = na.MultiHeadAttention(8, 2, seed=4)
+    sd = m.state_dict()
+    sd["W_q.weight"][...] = 0.0                               # the caller's copy, not the module's
+    assert np.array_equal(m.state_dict()["W_q.weight"], na.MultiHeadAttention(8, 2, seed=4).params["W_q.weight"])
+    m.load_state_dict(sd)
+    sd["W_q.weight"][...] = 1.0                               # loaded arrays were copied in
+    assert np.all(m.params["W_q.weight"] == 0.0)
+
+
+def test_forward_leaves_the_module_weights_unchanged():
+    m = na.MultiHeadAttention(8, 2, seed=4)
+    before = m.state_dict()
+    query = rng.standard_normal((2, 3, 8))
+    m(query, query, query)
+    m.backward(rng.standard_normal((2, 3, 8)))
+    assert_bitwise_equal(m.state_dict(), before)
+
+
+@pytest.mark.parametrize("shape, heads", [((2, 1, 4), 2), ((2, 3, 4), 1), ((1, 1, 6), 3), ((3, 2, 6), 3)])
+def test_split_and_merge_never_return_a_view_of_their_argument(shape, heads):
+    x = rng.standard_normal(shape)
+    xh = na.split_heads(x, heads)
+    assert not np.shares_memory(xh, x)
+    assert not np.shares_memory(na.merge_heads(xh), xh)
+
+
+def test_interleaved_calls_do_not_influence_each_other():
+    """No global state: a call in between with other inputs and options changes nothing."""
+    (q, k, v), options = attention_inputs()
+    dout = rng.standard_normal((2, 4, 3, 5))
+    first = run_attention(q, k, v, options, dout, "flash")
+    (q2, k2, v2), options2 = attention_inputs(n_q=4, n_k=4)
+    run_attention(q2.astype(np.float32), k2, v2, {**options2, "fully_masked": "nan"},
+                  rng.standard_normal((2, 4, 4, 5)), "jacobian")
+    assert_bitwise_equal(run_attention(q, k, v, options, dout, "flash"), first)
+
+
+def test_same_seed_same_module():
+    a, b = na.MultiHeadAttention(8, 2, seed=11), na.MultiHeadAttention(8, 2, seed=11)
+    assert_bitwise_equal(a.state_dict(), b.state_dict())
+    assert not np.array_equal(a.params["W_q.weight"], na.MultiHeadAttention(8, 2, seed=12).params["W_q.weight"])
