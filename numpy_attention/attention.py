@@ -37,8 +37,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_cache, require_choice,
-                      require_same_shape, result_dtype)
+from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_cache,
+                      require_choice, require_positive_real, require_probability, require_same_shape,
+                      result_dtype)
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
@@ -80,12 +81,12 @@ class AttentionGrads(NamedTuple):
 
 def _fold(x, h_kv):
     """[..., H, N, X] -> [..., H_kv, G*N, X]: the G heads of a group become rows."""
-    return x.reshape(*x.shape[:-3], h_kv, -1, x.shape[-1])
+    return x.reshape(*x.shape[:-3], h_kv, x.shape[-3] // h_kv * x.shape[-2], x.shape[-1])
 
 
 def _unfold(x, h):
     """[..., H_kv, G*N, X] -> [..., H, N, X], the inverse of `_fold`."""
-    return x.reshape(*x.shape[:-3], h, -1, x.shape[-1])
+    return x.reshape(*x.shape[:-3], h, x.shape[-3] * x.shape[-2] // h, x.shape[-1])
 
 
 def _unbroadcast(g, shape):
@@ -149,27 +150,19 @@ def positional_keep(rows, cols, n_q, n_k, causal, window, align):
 
 
 def _check_scale(scale, d_k):
-    if scale is None:
-        return 1.0 / math.sqrt(d_k)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a real number, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
-    return float(scale)
+    return 1.0 / math.sqrt(d_k) if scale is None else require_positive_real(scale, "scale")
 
 
 def _check_softcap(softcap):
-    if softcap is None:
-        return None
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
-        raise TypeError(f"softcap must be a real number or None, got {softcap!r}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
-    return float(softcap)
+    return None if softcap is None else require_positive_real(softcap, "softcap")
 
 
 def _check_qkv(q, k, v):
-    """Validate shapes; return (q, k, v) as arrays of one dtype, each with >= 3 axes view."""
+    """Validate shapes; return (q, k, v) as fresh arrays of one dtype.
+
+    Fresh: the cache then never shares memory with the caller's arrays, so changing them
+    after the forward cannot change the backward (a copy is O(N d), the scores O(N^2 d)).
+    """
     q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim < 2:
@@ -185,11 +178,22 @@ def _check_qkv(q, k, v):
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must have the same heads and length [..., H_kv, N_k], "
                          f"got k {k.shape}, v {v.shape}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a width d_k >= 1, got q {q.shape}, k {k.shape}")
+    if q.ndim >= 3 and min(q.shape[-3], k.shape[-3]) == 0:
+        raise ValueError(f"q and k must have at least one head (H >= 1, H_kv >= 1), "
+                         f"got q {q.shape}, k {k.shape}")
     if q.ndim >= 3 and q.shape[-3] % k.shape[-3]:
         raise ValueError(f"k's heads H_kv={k.shape[-3]} must divide q's heads H={q.shape[-3]} "
                          f"(grouped-query attention), got q {q.shape}, k {k.shape}")
     dtype = result_dtype(q, k, v)
-    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)          # astype copies
+
+
+def _tiled():
+    """The tiled path's module, imported on use: it builds on the helpers of this one."""
+    from . import tiled
+    return tiled
 
 
 def _check_finite(name, x, allow_neginf=False):
@@ -203,7 +207,7 @@ def _check_finite(name, x, allow_neginf=False):
 
 def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
-                      fully_masked="zero", check_finite=False):
+                      fully_masked="zero", check_finite=False, block_size=None):
     """out = softmax(scale * q k^T [+ options]) v, materializing the [N_q, N_k] scores.
 
     Args:
@@ -226,8 +230,12 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             'nan'     NaN output (the SDPA formula written out).
         check_finite: raise ValueError on NaN/Inf in q, k, v (and NaN/+inf in bias)
             instead of letting them poison the rows they touch.
+        block_size: an int b selects the tiled path (tiled.py, FlashAttention's algorithm):
+            no [N_q, N_k] array, O(N) memory, the same results; mask, bias, causal,
+            window, scale, GQA and fully_masked='zero' only (ValueError for the rest).
     Returns:
-        out [..., H, N_q, d_v] and an AttentionCache (scores S, weights P, lse inside).
+        out [..., H, N_q, d_v] and an AttentionCache (scores S, weights P, lse inside),
+        or a TiledAttentionCache (out, lse) with block_size.
     """
     q, k, v = _check_qkv(q, k, v)
     causal, align = _resolve_alignment(causal, align)
@@ -235,6 +243,9 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     scale = _check_scale(scale, q.shape[-1])
     softcap = _check_softcap(softcap)
     require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
+    if fully_masked != "zero" and k.shape[-2] == 0:     # every row is fully masked, P is [N_q, 0]
+        raise ValueError(f"fully_masked={fully_masked!r} needs at least one key; with N_k = 0 "
+                         f"only 'zero' defines the output: k {k.shape}, v {v.shape}")
     score_shape = q.shape[:-1] + (k.shape[-2],)                  # [..., H, N_q, N_k]
     legend = "the scores [..., H, N_q, N_k]"
     if bias is not None:
@@ -242,13 +253,18 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         broadcast_shape_to(bias, "bias", score_shape, legend)
     keep = None if mask is None else as_mask(mask, "mask", score_shape, legend)
     dropout_scale = _dropout_scale(dropout_mask, dropout_p, score_shape, legend)
-    if check_finite:
+    if require_bool(check_finite, "check_finite"):
         for name, x in (("q", q), ("k", k), ("v", v)):
             _check_finite(name, x)
         if bias is not None:
             _check_finite("bias", bias, allow_neginf=True)
     dtype = q.dtype if bias is None else result_dtype(q, bias)
     q, k, v = q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+    if block_size is not None:                                   # the tiled path, O(N) memory
+        block_size = _tiled().check_tiled_options(block_size, softcap, dropout_scale, fully_masked)
+        bias = None if bias is None else bias.copy()             # the tiled cache keeps it
+        return _tiled().tiled_forward(q, k, v, keep=keep, bias=bias, scale=scale, causal=causal,
+                                      window=window, align=align, block_size=block_size)
 
     q3, k3, v3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))   # a head axis always
     h, h_kv = q3.shape[-3], k3.shape[-3]
@@ -284,16 +300,13 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     out = _unfold(_fold(p3, h_kv) @ v3, h).reshape(q.shape[:-1] + (v.shape[-1],))
     cache = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=t,
                            bias_shape=None if bias is None else bias.shape, scores=s, weights=p,
-                           lse=lse, dropout_scale=dropout_scale, out=out, fully_masked=fully_masked)
+                           lse=lse, dropout_scale=dropout_scale, out=out.copy(), fully_masked=fully_masked)
     return out, cache
 
 
 def _dropout_scale(dropout_mask, dropout_p, score_shape, legend):
     """dropout_mask / (1 - dropout_p), checked; None when there is no dropout."""
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
-        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    dropout_p = require_probability(dropout_p, "dropout_p")
     if dropout_mask is None:
         if dropout_p > 0:
             raise ValueError("dropout_p > 0 needs an explicit dropout_mask (keep = True); "
@@ -315,9 +328,13 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
             'flash'    dS = P * (dP - D), D = rowsum(dout * out), P recomputed as exp(S - lse)
                        (FlashAttention's backward)
         return_stages: also return AttentionStages(dP, dS, D) for per-stage comparison.
+    A TiledAttentionCache (block_size) goes to the tiled backward: method 'vjp' or 'flash'
+    (the same there), no stages.
     Returns:
         AttentionGrads(dq, dk, dv, dbias, stages).
     """
+    if isinstance(cache, _tiled().TiledAttentionCache):
+        return _tiled().tiled_backward(dout, cache, method=method, return_stages=return_stages)
     require_cache(cache, AttentionCache, "attention_backward")
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", BACKWARD_METHODS)

@@ -19,6 +19,10 @@ Modes:
     full         the whole Jacobian J [out.size, x.size], entry by entry: numeric column by
                  column (perturb each entry of x), analytic row by row (backward of each unit
                  upstream gradient), so every possible upstream gradient is covered.
+                 Vectorized: a chunk of perturbed copies of x (of unit upstream gradients) is
+                 stacked along a new leading axis of every array input and evaluated in one
+                 forward (backward) call, when a probe shows the functions broadcast over that
+                 axis; one at a time otherwise (`batched`, `chunk_size`). Same numbers either way.
     projection   <u, J v> for random u (upstream gradient) and random v (direction), compared
                  with <backward(u), v>: two forwards and one backward per check, cheap at any size.
 
@@ -42,6 +46,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 METHODS = ("central", "complex", "richardson")
+_CHUNK_ENTRIES = 2 ** 20           # full mode: entries per stacked tensor in one evaluation
 MODES = ("full", "projection")
 
 # (dtype, method) -> (eps, rtol); atol is 0 for complex and the roundoff floor otherwise
@@ -139,22 +144,97 @@ def _gradient(backward, dout, cache, i, shape, name):
     return np.asarray(g)
 
 
-def _full_jacobians(forward, backward, inputs, i, name, method, h):
-    """(analytic J, numeric J, index_of(flat) -> (out index, in index), max |out|)."""
+def _stack(inputs, i, xs):
+    """The inputs with a leading axis of len(xs): input i is the stack xs, every other array
+    input is repeated (a read-only view, no copy); non-array inputs pass unchanged."""
+    return [xs if j == i else np.broadcast_to(x, (len(xs),) + x.shape) if isinstance(x, np.ndarray) else x
+            for j, x in enumerate(inputs)]
+
+
+def _looped(forward, backward, inputs, i, cache, name):
+    """(f, g) evaluated one stack entry at a time: works for any forward.
+
+    f(xs [C, *x]) -> [C, out.size] the outputs;  g(us [C, *out]) -> [C, x.size] the gradients.
+    """
+    x = np.asarray(inputs[i])
+    f = lambda xs: np.stack([np.ravel(forward(*inputs[:i], xi, *inputs[i + 1:])[0]) for xi in xs])
+    g = lambda us: np.stack([np.ravel(_gradient(backward, u, cache, i, x.shape, name)) for u in us])
+    return f, g
+
+
+def _vectorized(forward, backward, inputs, i, name):
+    """(f, g) as in `_looped`, but one forward (and backward) over the whole stack: needs a
+    forward that broadcasts over a new leading axis of every array input."""
+    x = np.asarray(inputs[i])
+    f = lambda xs: np.asarray(forward(*_stack(inputs, i, xs))[0]).reshape(len(xs), -1)
+
+    def g(us):
+        _, cache = forward(*_stack(inputs, i, np.broadcast_to(x, (len(us),) + x.shape)))
+        return _gradient(backward, us, cache, i, (len(us),) + x.shape, name).reshape(len(us), -1)
+    return f, g
+
+
+def _evaluators(forward, backward, inputs, i, cache, name, batched, rng):
+    """The vectorized (f, g) when `batched` allows it and they agree with the looped ones on a
+    two-entry probe (to sqrt(eps) of the largest value); the looped ones otherwise.
+
+    batched: True (vectorized, ValueError if the probe fails), False (looped) or None (auto:
+    vectorized if the probe passes, else looped; the numbers agree to rounding either way).
+    """
+    looped = _looped(forward, backward, inputs, i, cache, name)
+    if batched is False:
+        return looped
+    vectorized = _vectorized(forward, backward, inputs, i, name)
+    x, out = np.asarray(inputs[i]), np.asarray(forward(*inputs)[0])
+    probe_x = x + rng.standard_normal((2,) + x.shape).astype(x.dtype) * 1e-3
+    probe_u = rng.standard_normal((2,) + out.shape).astype(out.real.dtype)
+    try:
+        agree = all(_close(vec(p), loop(p), x.real.dtype)
+                    for vec, loop, p in zip(vectorized, looped, (probe_x, probe_u)))
+    except Exception as exc:            # the forward rejects the extra axis: shape checks and the like
+        if batched:
+            raise ValueError(f"batched=True, but the forward/backward fail on inputs stacked along "
+                             f"a new leading axis: {type(exc).__name__}: {exc}") from exc
+        return looped
+    if batched and not agree:
+        raise ValueError("batched=True, but the forward/backward give different numbers on inputs "
+                         "stacked along a new leading axis than one at a time")
+    return vectorized if agree else looped
+
+
+def _close(a, b, dtype):
+    scale = max(np.max(np.abs(b), initial=0.0), np.finfo(dtype).tiny)
+    return a.shape == b.shape and bool(np.max(np.abs(a - b), initial=0.0) <= np.sqrt(np.finfo(dtype).eps) * scale)
+
+
+def _chunks(n, inputs, out_size, chunk_size):
+    """Index chunks of range(n); by default each stacks at most ~2^20 entries of any one tensor."""
+    if chunk_size is None:
+        largest = max([out_size] + [np.size(x) for x in inputs if isinstance(x, np.ndarray)])
+        chunk_size = max(1, _CHUNK_ENTRIES // max(1, largest))
+    return [np.arange(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)]
+
+
+def _full_jacobians(forward, backward, inputs, i, name, method, h, batched, chunk_size, rng):
+    """(analytic J, numeric J, index_of(flat) -> (out index, in index), max |out|).
+
+    Numeric J column by column (perturb each entry of x), analytic J row by row (backward
+    of each unit upstream gradient), both a chunk of columns / rows per evaluation.
+    """
     x = np.asarray(inputs[i])
     out, cache = forward(*inputs)
     out_shape = np.shape(out)
-    f_of = lambda xi: np.asarray(forward(*inputs[:i], xi, *inputs[i + 1:])[0]).ravel()
+    f, g = _evaluators(forward, backward, inputs, i, cache, name, batched, rng)
     numeric = np.empty((out.size, x.size))
-    for j in range(x.size):                              # one column per input entry
-        e = np.zeros(x.size)
-        e[j] = 1.0
-        numeric[:, j] = np.real(_directional(f_of, x, e.reshape(x.shape), method, h))
+    for cols in _chunks(x.size, inputs, out.size, chunk_size):     # unit directions e_j, stacked
+        e = np.zeros((len(cols), x.size), dtype=x.real.dtype)
+        e[np.arange(len(cols)), cols] = 1.0
+        numeric[:, cols] = np.real(_directional(f, x, e.reshape((-1,) + x.shape), method, h)).T
     analytic = np.empty_like(numeric)
-    for r in range(out.size):                            # one row per unit upstream gradient
-        u = np.zeros(out.size, dtype=np.asarray(out).real.dtype)
-        u[r] = 1.0
-        analytic[r] = np.real(_gradient(backward, u.reshape(out_shape), cache, i, x.shape, name)).ravel()
+    for rows in _chunks(out.size, inputs, out.size, chunk_size):   # unit upstream gradients, stacked
+        u = np.zeros((len(rows), out.size), dtype=np.asarray(out).real.dtype)
+        u[np.arange(len(rows)), rows] = 1.0
+        analytic[rows] = np.real(g(u.reshape((-1,) + out_shape)))
     index_of = lambda flat: tuple(tuple(int(a) for a in np.unravel_index(n, shape))
                                   for n, shape in ((flat // x.size, out_shape), (flat % x.size, x.shape)))
     return analytic, numeric, index_of, np.max(np.abs(out), initial=0)
@@ -176,7 +256,8 @@ def _projections(forward, backward, inputs, i, name, method, h, rng, n):
 
 
 def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=None, atol=None,
-              rtol=None, seed=0, raise_on_failure=False, wrt=None, names=None, n_projections=3):
+              rtol=None, seed=0, raise_on_failure=False, wrt=None, names=None, n_projections=3,
+              batched=None, chunk_size=None):
     """Compare backward's gradients with finite differences of forward.
 
     Args:
@@ -192,6 +273,13 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
         wrt: indices of the inputs to check (default: every floating array).
         names: display names of the inputs (default "input 0", ...).
         n_projections: random (u, v) pairs per input in projection mode.
+        batched: full mode only. None (default): evaluate a chunk of perturbations (and of
+            unit upstream gradients) in one forward (backward) call, stacked along a new
+            leading axis of every array input, if a two-entry probe shows the functions
+            broadcast over that axis (same numbers as one at a time); one at a time
+            otherwise. True: require the stacked evaluation (ValueError if the probe fails);
+            False: always one at a time. The verdict does not depend on it.
+        chunk_size: perturbations per stacked call (default: ~2^20 entries per tensor).
     Returns:
         GradcheckReport: truthy iff every check passed; prints as a table.
     """
@@ -221,7 +309,13 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
     h = default_eps if eps is None else float(eps)
     rtol = default_rtol if rtol is None else float(rtol)
     rng = np.random.default_rng(seed)
-    results = {i: (_full_jacobians(forward, backward, inputs, i, names[i], method, h) if mode == "full"
+    if batched not in (None, True, False):
+        raise TypeError(f"batched must be None, True or False, got {batched!r}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    results = {i: (_full_jacobians(forward, backward, inputs, i, names[i], method, h, batched,
+                                   chunk_size, np.random.default_rng(seed)) if mode == "full"
                    else _projections(forward, backward, inputs, i, names[i], method, h, rng, n_projections))
                for i in wrt}
     eps_mach = np.finfo(np.float32 if dtype == "float32" else np.float64).eps

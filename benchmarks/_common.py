@@ -1,0 +1,93 @@
+"""Helpers shared by the benchmark scripts: timing, matmul peak, peak memory, environment.
+
+Timing: the median of repeats, contenders timed in alternation (the machine is shared and
+noisy); compare ratios measured in the same run, not absolute times across runs.
+Peak memory: each configuration runs in a fresh child process that reports its own peak
+resident set size (VmHWM), so one configuration's peak cannot hide another's.
+"""
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def median_time(fn, repeats=5, budget=20.0):
+    """Median wall time of fn() over `repeats` runs (fewer if one run exceeds budget / repeats)."""
+    fn()                                                 # warm-up (allocator, BLAS threads)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if sum(times) > budget and len(times) >= 3:
+            break
+    return statistics.median(times)
+
+
+def median_times(fns, repeats=5, budget=60.0):
+    """Median wall time of each of fns, timed in alternation (round robin), so that the noise
+    of a shared machine hits every contender alike; fewer repeats if the budget runs out."""
+    for fn in fns:
+        fn()                                             # warm-up
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        if sum(map(sum, times)) > budget and len(times[0]) >= 3:
+            break
+    return [statistics.median(ts) for ts in times]
+
+
+def matmul_gflops(dtype, n=2048, repeats=5):
+    """The machine's ceiling: GFLOP/s of one n x n matmul in numpy, `dtype`."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
+    return 2 * n ** 3 / median_time(lambda: a @ b, repeats) / 1e9
+
+
+def run_child(code):
+    """Run `code` (a Python snippet) in a fresh interpreter; return (peak RSS in MiB, stdout)."""
+    probe = ("\nfor line in open('/proc/self/status'):\n"
+             "    if line.startswith('VmHWM'):\n"
+             "        print('VMHWM', int(line.split()[1]))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root()] + sys.path))
+    res = subprocess.run([sys.executable, "-c", code + probe], capture_output=True, text=True, env=env)
+    if res.returncode:
+        raise RuntimeError(f"child failed:\n{res.stderr[-2000:]}")
+    kib = [int(l.split()[1]) for l in res.stdout.splitlines() if l.startswith("VMHWM")][0]
+    return kib / 1024, res.stdout
+
+
+def repo_root():
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine_line():
+    """One line saying on what machine and with what BLAS settings a table was measured."""
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blas = ", ".join(f"{k}={os.environ[k]}" for k in BLAS_ENV if k in os.environ) or "no BLAS env vars"
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"numpy {np.__version__}, {blas}")
+
+
+def table(header, rows):
+    """A plain-text table: header and rows of already formatted strings."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+

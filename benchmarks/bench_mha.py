@@ -1,0 +1,146 @@
+"""Forward + backward of MultiHeadAttention: ours against PyTorch CPU autograd, one run.
+
+    python3 benchmarks/bench_mha.py [--repeats 5] [--no-memory] [--dtypes float64 float32]
+
+For each (B, N, d_model, heads) and dtype: the median time of one forward + backward
+(inputs query, key, value distinct; random upstream gradient), its GFLOP/s, the % of
+numpy's own matmul GFLOP/s measured in the same run (the ceiling), the time ratio
+torch / ours (> 1: ours is faster), and the peak RSS of a child process that runs one
+forward + backward. torch runs the seed's class with the same weights and thread count.
+
+FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
+(q k^T and P v); backward twice that.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import machine_line, matmul_gflops, median_times, run_child, table  # noqa: E402
+from numpy_attention import MultiHeadAttention  # noqa: E402
+
+SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
+
+
+def flops(B, N, D):
+    return 3 * (8 * B * N * D * D + 4 * B * N * N * D)
+
+
+def make_inputs(B, N, D, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((B, N, D)).astype(dtype) for _ in range(4)]   # query, key, value, dout
+
+
+def ours_step(B, N, D, H, dtype):
+    mha = MultiHeadAttention(D, H, seed=0, dtype=dtype)
+    query, key, value, dout = make_inputs(B, N, D, dtype)
+
+    def step():
+        mha(query, key, value)
+        return mha.backward(dout)
+    return mha, step
+
+
+def torch_seed_class():
+    """The seed's MultiHeadAttention (blog section 6), verbatim apart from comments."""
+    import math
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class SeedMHA(nn.Module):
+        def __init__(self, d_model, num_heads):
+            super().__init__()
+            self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+            self.W_q, self.W_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+            self.W_v, self.W_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+        def scaled_dot_product_attention(self, Q, K, V, mask=None):
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.d_k)
+            if mask is not None:
+                scores = scores.masked_fill(mask == 0, -1e9)
+            attn_weights = F.softmax(scores, dim=-1)
+            return torch.matmul(attn_weights, V), attn_weights
+
+        def forward(self, query, key, value, mask=None):
+            b = query.size(0)
+            Q = self.W_q(query).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
+            K = self.W_k(key).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
+            V = self.W_v(value).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
+            out, w = self.scaled_dot_product_attention(Q, K, V, mask)
+            out = out.transpose(1, 2).contiguous().view(b, -1, self.d_model)
+            return self.W_o(out), w
+    return SeedMHA
+
+
+def torch_step(B, N, D, H, dtype, threads):
+    import torch
+    torch.set_num_threads(threads)
+    mha, _ = ours_step(B, 1, D, H, dtype)
+    model = torch_seed_class()(D, H).to(getattr(torch, np.dtype(dtype).name))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in mha.state_dict().items()})
+    query, key, value, dout = (torch.from_numpy(x) for x in make_inputs(B, N, D, dtype))
+    for x in (query, key, value):
+        x.requires_grad_(True)
+
+    def step():
+        for p in [query, key, value, *model.parameters()]:
+            p.grad = None
+        out, _ = model(query, key, value)
+        out.backward(dout)
+    return step
+
+
+def memory(which, B, N, D, H, dtype, threads):
+    code = (f"import numpy as np\nfrom benchmarks.bench_mha import {which}_step\n"
+            f"step = {which}_step({B}, {N}, {D}, {H}, np.{dtype}"
+            + (f", {threads})\n" if which == "torch" else ")[1]\n") + "step()\n")
+    return run_child(code)[0]
+
+
+def blas_threads():
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return os.cpu_count()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
+    ap.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES")
+    args = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    threads = blas_threads()
+    print(machine_line() + f", threads {threads}"
+          + (f", torch {torch.__version__}" if torch else ", torch not installed"))
+    for dtype in args.dtypes:
+        peak = matmul_gflops(np.dtype(dtype))
+        print(f"\n{dtype}: numpy matmul peak (2048^3) {peak:.1f} GFLOP/s")
+        rows = []
+        for idx in args.shapes or range(len(SHAPES)):
+            B, N, D, H = SHAPES[idx]
+            steps = [ours_step(B, N, D, H, dtype)[1]] + ([torch_step(B, N, D, H, dtype, threads)] if torch else [])
+            t_ours, t_torch = (median_times(steps, args.repeats) + [None])[:2]
+            gf = flops(B, N, D) / t_ours / 1e9
+            row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", f"{gf:.1f}", f"{100 * gf / peak:.0f}%"]
+            row += [f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x"] if torch else ["-", "-"]
+            if not args.no_memory:
+                row.append(f"{memory('ours', B, N, D, H, dtype, threads):.0f}")
+                row.append(f"{memory('torch', B, N, D, H, dtype, threads):.0f}" if torch else "-")
+            rows.append(row)
+        header = ["(B,N,D,H)", "ours ms", "GFLOP/s", "% peak", "torch ms", "torch/ours"]
+        header += [] if args.no_memory else ["ours MiB", "torch MiB"]
+        print(table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
