@@ -1,0 +1,136 @@
+"""`numpy-attention vanishing`: the 1/sqrt(d_k) study on the command line.
+
+    numpy-attention vanishing [--d-k 1,4,...] [--n-keys 8,128] [--trials N] [--seed S]
+                              [--alpha-d-k D] [--json PATH|-] [--csv PATH|-] [--plot PATH.png]
+    numpy-attention vanishing --train [--optimizer sgd|adam] [--steps N] [--lr 0.01,0.1] [--plot PATH.png]
+
+Prints the sweep table and the scale = d_k^-alpha table (unless --json or --csv writes to
+stdout); --json / --csv hold the sweep's records. Progress goes to stderr once a run has
+taken more than a second.
+"""
+import argparse
+import sys
+import time
+
+from ..cli import UsageError
+from . import plot, report, training, vanishing
+
+
+def _list(kind):
+    """An argparse type: a comma-separated list of `kind` values, e.g. '16,64'."""
+    def parse(text):
+        try:
+            values = tuple(kind(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list of "
+                                             f"{'integers' if kind is int else 'numbers'}, got {text!r}") from None
+        if not all(x > 0 for x in values):
+            raise argparse.ArgumentTypeError(f"values must be > 0, got {text!r}") from None
+        return values
+    return parse
+
+
+def _positive_int(text):
+    """An argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_arguments(parser):
+    parser.add_argument("--d-k", type=_list(int), default=vanishing.DEFAULT_D_K,
+                        help="key widths to sweep (default 1,4,16,64,256,1024,4096)")
+    parser.add_argument("--n-keys", type=_list(int), default=vanishing.DEFAULT_N_KEYS,
+                        help="numbers of keys to sweep (default 8,128)")
+    parser.add_argument("--trials", type=_positive_int, default=vanishing.DEFAULT_TRIALS,
+                        help=f"samples per cell (default {vanishing.DEFAULT_TRIALS})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every sample (default 0)")
+    parser.add_argument("--alpha-d-k", type=_positive_int, default=256,
+                        help="d_k of the scale = d_k^-alpha table (default 256)")
+    parser.add_argument("--json", metavar="PATH", help="write the sweep's records as JSON ('-': stdout)")
+    parser.add_argument("--csv", metavar="PATH", help="write the sweep's records as CSV ('-': stdout)")
+    parser.add_argument("--plot", metavar="PATH.png", help="save the figure (needs matplotlib)")
+    parser.add_argument("--train", action="store_true",
+                        help="run the training demo instead of the sweep")
+    parser.add_argument("--optimizer", choices=training.OPTIMIZERS, default="sgd",
+                        help="training demo optimizer (default sgd with momentum)")
+    parser.add_argument("--steps", type=_positive_int, default=300,
+                        help="training demo steps (default 300)")
+    parser.add_argument("--lr", type=_list(float), default=training.LEARNING_RATES,
+                        help="training demo learning rates (default 0.001,0.01,0.1,1)")
+
+
+def _progress(what):
+    """A progress callback that reports on stderr once the run has taken more than 1 s."""
+    start = time.monotonic()
+
+    def report_progress(done, total, *where):
+        if time.monotonic() - start > 1.0:
+            at = f" (d_k={where[0]}, n_keys={where[1]})" if where else ""
+            print(f"{what}: {done}/{total}{at}, {time.monotonic() - start:.0f} s", file=sys.stderr)
+    return report_progress
+
+
+def _plot(plot_function, data, path):
+    try:
+        plot_function(data, path)
+    except OSError as exc:
+        raise UsageError(f"--plot: cannot write {path!r}: {exc.strerror}") from None
+    print(f"figure written to {path}", file=sys.stderr)
+
+
+def _write(writer, records, path, option):
+    try:
+        writer(records, path)
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write {path!r}: {exc.strerror}") from None
+
+
+def run_sweep(args):
+    records = vanishing.sweep(args.d_k, args.n_keys, args.trials, args.seed, _progress("sweep"))
+    alphas = vanishing.scale_sweep(args.alpha_d_k, args.n_keys, trials=args.trials, seed=args.seed)
+    if "-" not in (args.json, args.csv):
+        print(f"float64, {args.trials} trials per cell, seed {args.seed}; medians over trials, "
+              f"Var S pooled, err = max over trials\n")
+        print(report.format_table(records))
+        print(f"\nscale = d_k^-alpha at d_k = {args.alpha_d_k} (0.5 keeps Var S = 1)\n")
+        print(report.format_table(alphas, report.ALPHA_COLUMNS))
+    if args.json:
+        _write(report.write_json, records, args.json, "--json")
+    if args.csv:
+        _write(report.write_csv, records, args.csv, "--csv")
+    if args.plot:
+        _plot(plot.plot_sweep, records, args.plot)
+    return 0
+
+
+def run_training(args):
+    task = training.Task()
+    curves = training.compare(task, lrs=args.lr, optimizer=args.optimizer, steps=args.steps,
+                              seed=args.seed, progress=_progress("training"))
+    print(f"retrieval task {task}, optimizer {args.optimizer}, seed {args.seed}")
+    print(f"{'scale':<10}{'lr':>8}  held-out loss at steps {', '.join(map(str, curves[0].steps))}")
+    for c in curves:
+        print(f"{'1/sqrt(d_k)' if c.scaled else 'unscaled':<11}{c.lr:>7g}  "
+              + " ".join(f"{x:.3g}" for x in c.loss))
+    print(f"\n{'scale':<10}{'lr':>8}{'final loss':>12}{'accuracy':>10}{'vanished steps':>16}")
+    for c in curves:
+        print(f"{'1/sqrt(d_k)' if c.scaled else 'unscaled':<11}{c.lr:>7g}{c.loss[-1]:>12.3g}"
+              f"{c.accuracy[-1]:>10.2f}{c.vanished:>16.0%}")
+    print(f"(vanished: the step's ||dW|| < {training.VANISHED:g})")
+    if args.plot:
+        _plot(plot.plot_training, curves, args.plot)
+    return 0
+
+
+def run(args):
+    if args.plot:                                          # before the work, not after it
+        try:
+            plot.pyplot()
+        except ImportError as exc:
+            raise UsageError(f"--plot: {exc}") from None
+    return run_training(args) if args.train else run_sweep(args)

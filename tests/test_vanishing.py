@@ -1,0 +1,142 @@
+"""The 1/sqrt(d_k) study: its numbers, its gradient verification, its CLI."""
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from numpy_attention import attention_backward, attention_forward
+from numpy_attention.cli import main
+from numpy_attention.experiments import directional_error, measure, scale_sweep, sweep, train
+
+KEYS = {"d_k": int, "n_keys": int, "scaled": bool, "logit_var": float, "entropy": float,
+        "max_weight": float, "jacobian_norm": float, "grad_norm": float,
+        "complex_step_err": float, "central_diff_err": float}
+
+
+def cell(records, d_k, n_keys, scaled):
+    (record,) = [r for r in records if (r["d_k"], r["n_keys"], r["scaled"]) == (d_k, n_keys, scaled)]
+    return record
+
+
+# trials chosen so that 5% is >= 5 standard errors of the pooled variance: per trial the
+# relative variance of the estimate is about 2/d_k + 2/N_k (3(1 + 2/N_k) - 1 at d_k = 1)
+@pytest.mark.parametrize("d_k, n_keys, trials", [(1, 8, 30000), (64, 8, 3000), (256, 128, 300)])
+def test_logit_variance_is_d_k_unscaled_and_1_scaled(d_k, n_keys, trials):
+    scaled, unscaled = measure(d_k, n_keys, (d_k ** -0.5, 1.0), trials, seed=3)
+    assert unscaled["logit_var_theory"] == d_k and scaled["logit_var_theory"] == pytest.approx(1.0)
+    for record in (scaled, unscaled):
+        assert record["logit_var"] == pytest.approx(record["logit_var_theory"], rel=0.05)
+
+
+def test_unscaled_gradient_vanishes_with_8_keys_scaled_does_not():
+    records = sweep(d_ks=(64, 1024), n_keys=(8,), trials=100)
+    unscaled = cell(records, 64, 8, False)["grad_norm"] / cell(records, 1024, 8, False)["grad_norm"]
+    scaled = cell(records, 64, 8, True)["grad_norm"] / cell(records, 1024, 8, True)["grad_norm"]
+    assert unscaled > 1e3
+    assert 1 / 3 < scaled < 3
+
+
+def test_complex_step_verifies_every_cell_central_differences_cannot():
+    records = sweep(d_ks=(1, 16, 256, 4096), n_keys=(8, 128), trials=20)
+    for r in records:
+        assert r["complex_step_err"] < 1e-13, r
+    vanished = [r for r in records if r["grad_norm_min"] < 1e-12]
+    assert vanished                                   # the check did meet vanished gradients
+    assert max(r["central_diff_err"] for r in vanished) > 1e-2      # where the central check is blind
+
+
+def test_directional_error_sees_a_gradient_wrong_by_one_part_in_a_million():
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((4, 1, 64)), rng.standard_normal((4, 8, 64))
+    v, dout = rng.standard_normal((4, 8, 3)), rng.standard_normal((4, 1, 3))
+    w = rng.standard_normal((4, 1, 64))
+    w /= np.linalg.norm(w, axis=-1, keepdims=True)
+    dq = attention_backward(dout, attention_forward(q, k, v, scale=1.0)[1]).dq
+    assert np.all(directional_error(q, k, v, dout, w, 1.0, dq, "complex") < 1e-14)
+    wrong = dq + 1e-6 * np.linalg.norm(dq, axis=-1, keepdims=True) * w   # error 1e-6 ||dq|| along w
+    assert np.all(directional_error(q, k, v, dout, w, 1.0, wrong, "complex") > 0.5e-6)
+
+
+def test_many_keys_small_d_k_unscaled_jacobian_is_larger():
+    # a near-uniform softmax has ||J||_F ~ 1/sqrt(N_k): saturating a little first *raises* it
+    records = sweep(d_ks=(16,), n_keys=(128,), trials=200)
+    assert cell(records, 16, 128, False)["jacobian_norm"] > 2 * cell(records, 16, 128, True)["jacobian_norm"]
+    assert cell(records, 16, 128, True)["jacobian_norm"] == pytest.approx(128 ** -0.5, rel=0.6)
+
+
+def test_scale_sweep_alpha_half_preserves_variance_larger_alpha_flattens():
+    by_alpha = {r["alpha"]: r for r in scale_sweep(256, n_keys=(8,), trials=400)}
+    assert by_alpha[0.5]["logit_var"] == pytest.approx(1.0, rel=0.1)
+    assert by_alpha[0.0]["max_weight"] > 0.99                       # saturated
+    assert by_alpha[1.0]["entropy"] == pytest.approx(np.log(8), rel=0.01)   # near uniform
+    grads = [by_alpha[a]["grad_norm"] for a in (0.5, 0.75, 1.0)]
+    assert grads[0] > grads[1] > grads[2]                           # dL/dq shrinks with the scale
+
+
+def test_each_cell_is_reproducible_on_its_own():
+    alone = sweep(d_ks=(16,), n_keys=(8,), trials=30, seed=5)
+    among = sweep(d_ks=(4, 16), n_keys=(8,), trials=30, seed=5)
+    assert alone == [r for r in among if r["d_k"] == 16]
+    assert alone != sweep(d_ks=(16,), n_keys=(8,), trials=30, seed=6)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"trials": 0}, "trials"), ({"d_ks": ()}, "d_ks"),
+                                          ({"n_keys": (8, -1)}, "n_keys")])
+def test_sweep_rejects_bad_arguments_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        sweep(**kwargs)
+
+
+def test_cli_json_and_csv_schema(tmp_path, capsys):
+    path_json, path_csv = tmp_path / "v.json", tmp_path / "v.csv"
+    assert main(["vanishing", "--d-k", "4,64", "--n-keys", "8", "--trials", "10",
+                 "--json", str(path_json), "--csv", str(path_csv)]) == 0
+    assert "err CS" in capsys.readouterr().out                      # the table
+    records = json.loads(path_json.read_text())
+    assert isinstance(records, list) and len(records) == 4
+    for r in records:
+        for key, kind in KEYS.items():
+            assert isinstance(r[key], kind), (key, r[key])
+    assert {(r["d_k"], r["scaled"]) for r in records} == {(4, True), (4, False), (64, True), (64, False)}
+    with open(path_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(records[0]) and len(rows) == 4
+    assert float(rows[1]["grad_norm"]) == records[1]["grad_norm"]
+
+
+def test_cli_json_to_stdout_is_pure_json(capsys):
+    assert main(["vanishing", "--d-k", "4", "--n-keys", "8", "--trials", "5", "--json", "-"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 2
+
+
+@pytest.mark.parametrize("argv, option", [(["--d-k", "abc"], "--d-k"), (["--trials", "0"], "--trials"),
+                                          (["--n-keys", "8,0"], "--n-keys"), (["--lr", "x"], "--lr")])
+def test_cli_bad_arguments_exit_2_with_one_line(argv, option, capsys):
+    assert main(["vanishing", *argv]) == 2
+    err = capsys.readouterr().err
+    assert option in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")          # the optional extra; installed where this runs
+    path = tmp_path / "v.png"
+    assert main(["vanishing", "--d-k", "4,64", "--n-keys", "8", "--trials", "5", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_unscaled_stalls_where_scaled_learns():
+    # same initialization, data and learning rate (SGD, lr 1): the unscaled model saturates
+    # onto wrong keys and its gradient vanishes; the scaled one learns the retrieval
+    scaled = train(scaled=True, lr=1.0, steps=40, eval_every=20)
+    unscaled = train(scaled=False, lr=1.0, steps=40, eval_every=20)
+    assert scaled.accuracy[-1] > 0.9 and scaled.loss[-1] < 0.2 * scaled.loss[0]
+    assert unscaled.accuracy[-1] < 0.3 and unscaled.vanished > 0.3
+
+
+def test_cli_training_prints_curves_and_plots(tmp_path, capsys):
+    path = tmp_path / "t.png"
+    assert main(["vanishing", "--train", "--steps", "4", "--lr", "0.1", "--plot", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "unscaled" in out and "held-out loss" in out
+    assert path.read_bytes()[:4] == b"\x89PNG"
