@@ -9,9 +9,11 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     attention_forward / attention_backward     softmax(scale * q k^T + ...) v
     MultiHeadAttention                         the seed's module
     gradcheck, taylor_test                     finite-difference checks
+    crosscheck, from_torch                     judge another attention against the oracle
 """
 from .attention import (AttentionCache, AttentionGrads, AttentionStages, attention_backward,
                         attention_forward)
+from .crosscheck import CrosscheckReport, crosscheck, from_torch
 from .gradcheck import GradcheckError, GradcheckReport, gradcheck, taylor_test
 from .heads import merge_heads, split_heads
 from .linear import LinearCache, linear_backward, linear_forward
@@ -27,4 +29,5 @@ __all__ = [
     "attention_forward", "attention_backward", "AttentionCache", "AttentionGrads", "AttentionStages",
     "MultiHeadAttention", "multihead_forward", "multihead_backward",
     "gradcheck", "taylor_test", "GradcheckReport", "GradcheckError",
+    "crosscheck", "CrosscheckReport", "from_torch",
 ]

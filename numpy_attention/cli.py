@@ -16,6 +16,9 @@ import sys
 COMMANDS = {
     "demo": ("numpy_attention.demo", "the seed's example, with every gradient verified"),
     "gradcheck": ("numpy_attention.selfcheck", "check every op's backward by complex step"),
+    "crosscheck": ("numpy_attention.crosscheck.command",
+                   "judge another attention's results against the float64 oracle"),
+    "vanishing": ("numpy_attention.experiments.command", "the 1/sqrt(d_k) vanishing-gradient study"),
 }
 
 

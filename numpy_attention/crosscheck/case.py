@@ -1,0 +1,149 @@
+"""The `.npz` exchange format: one attention case and a candidate's results.
+
+Any language that writes NumPy's .npz (numpy.savez; cnpy in C++; npyz in Rust;
+NPZ.jl) can produce a case. Keys (shape legend of attention.py):
+
+    inputs      q [..., H, N_q, d_k]  k [..., H_kv, N_k, d_k]  v [..., H_kv, N_k, d_v]
+                dout [..., H, N_q, d_v]            (needed when a gradient is given)
+    options     mask          keep-mask broadcastable to [..., H, N_q, N_k], True/nonzero = attend
+                bias          additive float scores, broadcastable like mask
+                causal        0-d bool, or the alignment name 'top_left' / 'bottom_right'
+                align         0-d 'top_left' / 'bottom_right': the diagonal of causal and window
+                scale         0-d float (default 1 / sqrt(d_k))
+                window        int [2]: (left, right), -1 = unbounded
+                softcap       0-d float
+                dropout_mask  keep-mask broadcastable like mask;  dropout_p  0-d float
+                fully_masked  0-d 'zero' / 'uniform' / 'nan' (default 'zero')
+    candidate   out [..., H, N_q, d_v]   (required)
+                lse [..., H, N_q]        dq, dk, dv (the shapes of q, k, v)   dbias (bias's shape)
+
+The candidate's dtype is that of its tensors (float16, float32 or float64);
+the order of operations is attention.py's: scale -> softcap -> bias -> masks
+-> softmax -> dropout -> @ v.
+"""
+import numpy as np
+
+from ..attention import attention_backward, attention_forward
+
+INPUTS = ("q", "k", "v", "dout")
+OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
+           "dropout_p", "fully_masked")
+CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias")
+GRADIENTS = ("dq", "dk", "dv", "dbias")
+KEYS = INPUTS + OPTIONS + CANDIDATES
+
+
+class CaseError(ValueError):
+    """A malformed case: the one-line message names the key and the shapes."""
+
+
+def _scalar(arrays, name, kind):
+    """A 0-d option as a Python value; `kind` is 'bool', 'float' or 'str'."""
+    x = np.asarray(arrays[name])
+    ok = {"bool": "b", "float": "fiu", "str": "U"}[kind]
+    if x.ndim != 0 or x.dtype.kind not in ok:
+        raise CaseError(f"{name} must be a 0-d {kind}, got dtype {x.dtype} with shape {x.shape}")
+    return x.item()
+
+
+def _causal(arrays):
+    x = np.asarray(arrays["causal"])
+    if x.ndim == 0 and x.dtype.kind == "U":
+        return x.item()
+    return _scalar(arrays, "causal", "bool")
+
+
+def _window(arrays):
+    x = np.asarray(arrays["window"])
+    if x.shape != (2,) or x.dtype.kind not in "iu":
+        raise CaseError(f"window must be an integer array of shape (2,), got dtype {x.dtype} "
+                        f"with shape {x.shape}")
+    return int(x[0]), int(x[1])
+
+
+_DECODE = {"causal": _causal, "window": _window,
+           "align": lambda a: _scalar(a, "align", "str"),
+           "scale": lambda a: _scalar(a, "scale", "float"),
+           "softcap": lambda a: _scalar(a, "softcap", "float"),
+           "dropout_p": lambda a: _scalar(a, "dropout_p", "float"),
+           "fully_masked": lambda a: _scalar(a, "fully_masked", "str")}
+
+
+def _float_array(arrays, name):
+    x = np.asarray(arrays[name])
+    if x.dtype.kind != "f":
+        raise CaseError(f"{name} must be a float array, got dtype {x.dtype} with shape {x.shape}")
+    return x
+
+
+def _require_shape(arrays, name, shape):
+    if arrays[name].shape != tuple(shape):
+        raise CaseError(f"{name} must have shape {tuple(shape)}, got {arrays[name].shape}")
+
+
+def split_case(arrays):
+    """Validate a case; return (inputs, options, candidates), three dicts.
+
+    inputs hold q, k, v (and dout) as float arrays; options are attention_forward's
+    keyword arguments; candidates hold out (and lse, dq, dk, dv, dbias) as given.
+    Raises CaseError naming the missing or unknown key, or the wrong shape or dtype.
+    """
+    unknown = sorted(set(arrays) - set(KEYS))
+    if unknown:
+        raise CaseError(f"unknown key {unknown[0]!r}; a case has keys {', '.join(KEYS)}")
+    for name in ("q", "k", "v", "out"):
+        if name not in arrays:
+            raise CaseError(f"missing key {name!r}")
+    arrays = {name: (_float_array(arrays, name) if name in INPUTS + CANDIDATES + ("bias",)
+                     else arrays[name]) for name in arrays}
+    gradients = [name for name in GRADIENTS if name in arrays]
+    if gradients and "dout" not in arrays:
+        raise CaseError(f"missing key 'dout': the upstream gradient that {gradients[0]} belongs to")
+    if "dbias" in arrays and "bias" not in arrays:
+        raise CaseError("dbias is given but bias is not")
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    out_shape = q.shape[:-1] + v.shape[-1:]
+    for name, shape in (("out", out_shape), ("dout", out_shape), ("lse", q.shape[:-1]),
+                        ("dq", q.shape), ("dk", k.shape), ("dv", v.shape),
+                        ("dbias", np.shape(arrays.get("bias")))):
+        if name in arrays:
+            _require_shape(arrays, name, shape)
+    options = {name: _DECODE[name](arrays) if name in _DECODE else arrays[name]
+               for name in OPTIONS if name in arrays}
+    inputs = {name: arrays[name] for name in INPUTS if name in arrays}
+    candidates = {name: arrays[name] for name in CANDIDATES if name in arrays}
+    return inputs, options, candidates
+
+
+def load_case(path):
+    """Read a .npz case into a dict of arrays; CaseError for a file that is not one."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise CaseError(f"cannot read {path} as a .npz case: {exc}") from None
+
+
+def save_case(path, **arrays):
+    """Write a case (keys as in the module docstring); Python values become 0-d arrays."""
+    split_case({name: np.asarray(x) for name, x in arrays.items()})     # refuse to write a bad case
+    np.savez(path, **arrays)
+
+
+def write_example_case(path, *, seed=0):
+    """Write an example case: float32 results of our own attention for a causal GQA case.
+
+    q [2, 4, 6, 8], k and v [2, 2, 9, 8] (two query heads per kv head, N_q != N_k), a
+    bias [4, 6, 9] with its gradient, bottom-right causal. Returns the arrays written.
+    """
+    rng = np.random.default_rng(seed)
+    arrays = {"q": rng.standard_normal((2, 4, 6, 8)), "k": rng.standard_normal((2, 2, 9, 8)),
+              "v": rng.standard_normal((2, 2, 9, 8)), "dout": rng.standard_normal((2, 4, 6, 8)),
+              "bias": rng.standard_normal((4, 6, 9)), "causal": np.array("bottom_right")}
+    f32 = {name: x.astype(np.float32) for name, x in arrays.items() if name != "causal"}
+    out, cache = attention_forward(f32["q"], f32["k"], f32["v"], bias=f32["bias"],
+                                   causal="bottom_right")
+    g = attention_backward(f32["dout"], cache)
+    arrays.update(out=out, lse=cache.lse, dq=g.dq, dk=g.dk, dv=g.dv, dbias=g.dbias)
+    save_case(path, **arrays)
+    return arrays

@@ -1,0 +1,134 @@
+"""Judge another attention's results: the oracle, the baseline and the rule, from arrays.
+
+    report = crosscheck(q=q, k=k, v=v, dout=dout, out=out, dq=dq, dk=dk, dv=dv, causal=True)
+    print(report); assert report                   # a CrosscheckReport, truthy iff all PASS
+
+The keyword names are the .npz keys (case.py). For each candidate tensor X:
+    oracle    attention.py in a wider dtype (oracle_dtype): float64 for float32 / float16
+              candidates, np.longdouble for float64 ones;
+    baseline  naive.py in the candidate's dtype (float16 computes in float32, then rounds);
+    verdict   rule.judge: err(candidate) <= k * err(baseline) + atol, where
+              atol = ATOL_ULPS * eps(dtype) * |X|max and |X|max (term_magnitudes) is the
+              largest sum of absolute terms that makes an entry of X, e.g. for dq
+              scale * max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|: rounding error is relative
+              to the terms, not to the result (a gradient that cancels to 0 still rounds).
+"""
+import numpy as np
+
+from ..attention import _unbroadcast, attention_backward, attention_forward
+from ..multihead import _to_numpy
+from .case import CANDIDATES, GRADIENTS, CaseError, split_case
+from .naive import naive_attention
+from .rule import CrosscheckReport, atol_for, judge
+
+
+def oracle_dtype(candidate_dtype):
+    """np.longdouble for float64 candidates (no wider where longdouble is float64), else float64."""
+    return np.dtype(np.longdouble if np.dtype(candidate_dtype) == np.float64 else np.float64)
+
+
+def _cast_inputs(inputs, options, dtype):
+    """(q, k, v, dout, options, scale): inputs rounded to `dtype`, then held in its compute dtype."""
+    work = np.result_type(dtype, np.float32)             # float16 computes in float32
+    cast = lambda x: None if x is None else x.astype(dtype).astype(work)
+    options = dict(options)
+    if "bias" in options:
+        options["bias"] = cast(options["bias"])
+    q, k, v, dout = (cast(inputs.get(name)) for name in ("q", "k", "v", "dout"))
+    scale = options.pop("scale", None)
+    scale = 1 / np.sqrt(work.type(q.shape[-1])) if scale is None else work.type(scale)
+    return q, k, v, dout, options, scale
+
+
+def reference(inputs, options, dtype, gradients=True):
+    """The oracle: attention.py with every input cast to `dtype`.
+
+    The scale multiplies q before the call (scale=1.0 inside): attention_forward keeps a
+    scale as a Python float, and a default 1/sqrt(d_k) rounded to float64 would cost an
+    np.longdouble oracle its extra digits.
+
+    Returns:
+        dict with out [..., H, N_q, d_v], lse [..., H, N_q], the weights P and P~ (after
+        dropout) [..., H, N_q, N_k], and with gradients and dout: dq, dk, dv (dbias with a
+        bias) and the stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
+    """
+    q, k, v, dout, options, scale = _cast_inputs(inputs, options, dtype)
+    out, cache = attention_forward(q * scale, k, v, scale=1.0, **options)
+    p_drop = cache.weights if cache.dropout_scale is None else cache.weights * cache.dropout_scale
+    result = {"out": out, "lse": cache.lse, "S": cache.scores, "P": cache.weights, "P~": p_drop}
+    if gradients and dout is not None:
+        g = attention_backward(dout, cache, return_stages=True)
+        result.update(dq=scale * g.dq, dk=g.dk, dv=g.dv, dP=g.stages.dP, dS=g.stages.dS,
+                      D=g.stages.D)
+        if g.dbias is not None:
+            result["dbias"] = g.dbias
+    return result
+
+
+def baseline(inputs, options, dtype, gradients=True):
+    """The naive baseline (naive.py) in the candidate's dtype: dict out, lse (dq, dk, dv, dbias).
+
+    Its scale is one ulp off, scale * (1 + eps): a kernel holds the scale in its own
+    precision (1/sqrt(d_k) rounded, or torch's sqrt(scale) applied to q and to k), and
+    that error is systematic over a whole row of scores; with a sharp softmax it is what
+    the result is most sensitive to.
+    """
+    q, k, v, dout, options, scale = _cast_inputs(inputs, options, dtype)
+    scale = scale * (1 + np.finfo(scale.dtype).eps)
+    return naive_attention(q, k, v, dout if gradients else None, scale=scale, **options)
+
+
+def term_magnitudes(truth, inputs, options):
+    """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages."""
+    q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
+    scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
+    h_kv = k.shape[-3] if k.ndim >= 3 else 1
+    group = lambda x: x.reshape(x.shape[:-3] + (h_kv, -1, x.shape[-1])) if x.ndim >= 3 else x
+    p_drop = np.asarray(truth["P~"], dtype=np.float64)
+    kept = np.asarray(truth["S"], dtype=np.float64)
+    mags = {"out": np.sum(p_drop, -1).max(initial=0) * v.max(initial=0),
+            "lse": np.abs(kept[np.isfinite(kept)]).max(initial=0) + np.log(max(k.shape[-2], 1))}
+    if "dS" in truth:
+        dout = np.abs(inputs["dout"]).astype(np.float64)
+        terms = np.asarray(truth["P"], dtype=np.float64) * (
+            np.abs(np.asarray(truth["dP"], dtype=np.float64))
+            + np.abs(np.asarray(truth["D"], dtype=np.float64))[..., None])   # |dS|'s terms
+        terms = np.nan_to_num(terms)
+        mags.update(dv=np.sum(group(p_drop), -2).max(initial=0) * dout.max(initial=0),
+                    dq=scale * np.sum(terms, -1).max(initial=0) * k.max(initial=0),
+                    dk=scale * np.sum(group(terms), -2).max(initial=0) * q.max(initial=0))
+        if "bias" in options:
+            mags["dbias"] = _unbroadcast(terms, np.shape(options["bias"])).max(initial=0)
+    return mags
+
+
+def crosscheck(*, k_factors=None, atol=None, **arrays):
+    """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
+
+    Args:
+        arrays: q, k, v, dout, the options and the candidate's out, lse, dq, dk, dv, dbias
+            (numpy arrays, torch tensors or anything np.asarray takes).
+        k_factors: {tensor name: k} overriding rule.K_DEFAULT.
+        atol: one absolute tolerance for every tensor, overriding the default.
+    Returns:
+        CrosscheckReport. Raises CaseError (a ValueError) for a malformed case.
+    """
+    inputs, options, candidates = split_case({name: _to_numpy(x) for name, x in arrays.items()})
+    dtype = np.result_type(*candidates.values())
+    wide = oracle_dtype(dtype)
+    want_grads = any(name in candidates for name in GRADIENTS)
+    try:
+        truth = reference(inputs, options, wide, want_grads)
+    except (ValueError, TypeError) as exc:
+        raise CaseError(str(exc)) from None
+    base = baseline(inputs, options, dtype, want_grads)
+    mags = term_magnitudes(truth, inputs, options)
+    k_factors = k_factors or {}
+    rows = []
+    for name in (n for n in CANDIDATES if n in candidates):
+        cand = candidates[name]
+        tol = atol_for(cand.dtype, mags[name]) if atol is None else atol
+        rows.append(judge(name, cand, truth[name], base[name].astype(cand.dtype),
+                          k=k_factors.get(name), atol=tol))
+    return CrosscheckReport(rows=rows, oracle_dtype=str(wide),
+                            baseline_dtype=f"{np.dtype(dtype)} (naive, sums left to right)")

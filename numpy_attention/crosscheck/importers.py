@@ -1,0 +1,104 @@
+"""Torch modules -> our modules, with the weights copied and torch's conventions converted.
+
+    mha = from_torch(module)              # torch is imported by the caller, never here
+    out, weights = mha(query, key, value, ...)           # same call signature as the module
+    grads = mha.backward(grad_output)                    # keyed like module.named_parameters()
+
+- The seed's MultiHeadAttention (W_q, W_k, W_v, W_o nn.Linear): our MultiHeadAttention
+  with the same state_dict, and fully_masked="uniform", which is what its -1e9 fill gives.
+- torch.nn.MultiheadAttention: TorchMultiheadAttention below. Packed in_proj_weight, or
+  q/k/v_proj_weight when kdim/vdim differ from embed_dim; batch_first=False means
+  [N, B, E] tensors; attn_mask and key_padding_mask True = *ignore* (the opposite of
+  ours) and float masks are added to the scores (our `bias`); weights are averaged
+  over heads unless average_attn_weights=False. A query with every key masked gives
+  NaN, as the module does with need_weights=True (fully_masked="nan").
+  Not supported: add_bias_kv, add_zero_attn, dropout > 0 in training mode.
+"""
+import numpy as np
+
+from ..multihead import MultiHeadAttention, _to_numpy, multihead_backward, multihead_forward
+
+SEED_KEYS = ("W_q", "W_k", "W_v", "W_o")
+
+
+def from_torch(module, *, dtype=np.float64):
+    """Our module for a torch module (the seed's class or nn.MultiheadAttention), in `dtype`."""
+    if all(hasattr(module, name) for name in SEED_KEYS + ("num_heads", "d_model")):
+        mha = MultiHeadAttention(module.d_model, module.num_heads, dtype=dtype, fully_masked="uniform")
+        mha.load_state_dict(module.state_dict())
+        return mha
+    if all(hasattr(module, name) for name in ("embed_dim", "num_heads", "out_proj", "batch_first")):
+        return TorchMultiheadAttention(module, dtype=dtype)
+    raise TypeError(f"from_torch takes the seed's MultiHeadAttention or torch.nn.MultiheadAttention, "
+                    f"got {type(module).__name__}")
+
+
+class TorchMultiheadAttention:
+    """torch.nn.MultiheadAttention's forward and call signature, on multihead_forward/backward."""
+
+    def __init__(self, module, *, dtype=np.float64):
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported")
+        if module.training and module.dropout > 0:
+            raise ValueError(f"dropout={module.dropout} in training mode draws random numbers; "
+                             f"call module.eval() first")
+        sd = {name: _to_numpy(x).astype(dtype) for name, x in module.state_dict().items()}
+        e = module.embed_dim
+        self.packed = "in_proj_weight" in sd
+        weights = (np.split(sd["in_proj_weight"], 3) if self.packed
+                   else [sd[f"{c}_proj_weight"] for c in "qkv"])
+        biases = np.split(sd.get("in_proj_bias", np.zeros(3 * e, dtype)), 3)
+        self.has_bias = "in_proj_bias" in sd
+        self.params = {f"{name}.weight": w for name, w in zip(SEED_KEYS[:3], weights)}
+        self.params.update({f"{name}.bias": b for name, b in zip(SEED_KEYS[:3], biases)})
+        self.params["W_o.weight"] = sd["out_proj.weight"]
+        self.params["W_o.bias"] = sd.get("out_proj.bias", np.zeros(e, dtype))
+        self.num_heads, self.batch_first, self.dtype = module.num_heads, module.batch_first, dtype
+        self._cache = None
+
+    def _masks(self, key_padding_mask, attn_mask, batch, n_q, n_k):
+        """torch's masks (True = ignore, or additive floats) -> our (keep, bias), [B, H|1, N_q, N_k]."""
+        keep, bias = None, None
+        for name, m, shape in (("key_padding_mask", key_padding_mask, (batch, 1, 1, n_k)),
+                               ("attn_mask", attn_mask, (batch, self.num_heads, n_q, n_k))):
+            if m is None:
+                continue
+            m = _to_numpy(m)
+            m = m.reshape(shape) if m.ndim == 3 or name == "key_padding_mask" else m
+            if m.dtype == bool:
+                keep = ~m if keep is None else keep & ~m
+            else:
+                bias = m.astype(self.dtype) if bias is None else bias + m
+        return keep, bias
+
+    def __call__(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                 average_attn_weights=True):
+        """(attn_output, attn_weights) as the torch module returns them (weights None unless needed)."""
+        layout = (lambda x: x) if self.batch_first else (lambda x: np.swapaxes(x, 0, 1))
+        query, key, value = (layout(_to_numpy(x).astype(self.dtype)) for x in (query, key, value))
+        keep, bias = self._masks(key_padding_mask, attn_mask, query.shape[0], query.shape[1], key.shape[1])
+        out, weights, self._cache = multihead_forward(query, key, value, self.params, self.num_heads,
+                                                      mask=keep, bias=bias, fully_masked="nan")
+        if not need_weights:
+            return layout(out), None
+        return layout(out), weights.mean(axis=1) if average_attn_weights else weights
+
+    forward = __call__
+
+    def backward(self, grad_output):
+        """dict: "query", "key", "value" (in the call's layout) and the module's parameter names."""
+        if self._cache is None:
+            raise RuntimeError("TorchMultiheadAttention.backward called before any forward")
+        layout = (lambda x: x) if self.batch_first else (lambda x: np.swapaxes(x, 0, 1))
+        g = multihead_backward(layout(np.asarray(grad_output)), self._cache)
+        grads = {name: layout(g[name]) for name in ("query", "key", "value")}
+        dw = [g[f"{name}.weight"] for name in SEED_KEYS[:3]]
+        if self.packed:
+            grads["in_proj_weight"] = np.concatenate(dw)
+        else:
+            grads.update({f"{c}_proj_weight": w for c, w in zip("qkv", dw)})
+        if self.has_bias:
+            grads["in_proj_bias"] = np.concatenate([g[f"{name}.bias"] for name in SEED_KEYS[:3]])
+            grads["out_proj.bias"] = g["W_o.bias"]
+        grads["out_proj.weight"] = g["W_o.weight"]
+        return grads

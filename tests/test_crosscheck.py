@@ -1,0 +1,222 @@
+"""The cross-check: the .npz format, the tolerance rule, the command, and its verdicts on torch.
+
+Verdicts are tested both ways: honest results (torch's own SDPA, float32 and float64,
+1,000 random cases) must pass, and results with planted bugs must fail.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from numpy_attention import attention_backward, attention_forward
+from numpy_attention.cli import main
+from numpy_attention.crosscheck import (CaseError, crosscheck, judge, load_case, save_case,
+                                        write_example_case)
+from numpy_attention.crosscheck.naive import naive_attention, recursive_matmul
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+VARIANTS = ("plain", "mask", "bias", "causal", "scale")
+
+
+def torch_case(rng, dtype, variant, max_len=300, min_len=1):
+    """A random case and torch SDPA's results for it (the .npz keys)."""
+    b, h_kv, g = (int(x) for x in (rng.integers(1, 3), rng.integers(1, 3), rng.choice([1, 2, 3])))
+    n_q, n_k = (int(np.exp(rng.uniform(np.log(min_len), np.log(max_len)))) for _ in range(2))
+    d_k, d_v = (int(x) for x in rng.choice([1, 3, 8, 16, 32, 64], 2))
+    amp = rng.uniform(0.5, 3.0)
+    arrays = {"q": amp * rng.standard_normal((b, h_kv * g, n_q, d_k)),
+              "k": rng.standard_normal((b, h_kv, n_k, d_k)),
+              "v": rng.standard_normal((b, h_kv, n_k, d_v)),
+              "dout": rng.standard_normal((b, h_kv * g, n_q, d_v))}
+    arrays = {name: x.astype(dtype) for name, x in arrays.items()}
+    t = {name: torch.from_numpy(x).requires_grad_(name != "dout") for name, x in arrays.items()}
+    kw = {"enable_gqa": g > 1}
+    if variant == "mask":
+        arrays["mask"] = rng.random((b, 1, n_q, n_k)) < rng.uniform(0.3, 1.0)
+        kw["attn_mask"] = torch.from_numpy(arrays["mask"])
+    elif variant == "bias":
+        shape = [(n_q, n_k), (h_kv * g, n_q, n_k), (b, 1, 1, n_k)][rng.integers(3)]
+        arrays["bias"] = rng.standard_normal(shape).astype(dtype)
+        t["bias"] = kw["attn_mask"] = torch.from_numpy(arrays["bias"]).requires_grad_()
+    elif variant == "causal":
+        arrays["causal"] = np.array(True)
+        kw["is_causal"] = True
+    elif variant == "scale":
+        kw["scale"] = float(rng.uniform(0.05, 2.0) / np.sqrt(d_k))
+        arrays["scale"] = np.array(kw["scale"])
+    out = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], **kw)
+    out.backward(t["dout"])
+    arrays.update(out=out.detach().numpy(), dq=t["q"].grad.numpy(), dk=t["k"].grad.numpy(),
+                  dv=t["v"].grad.numpy())
+    if "bias" in t:
+        arrays["dbias"] = t["bias"].grad.numpy()
+    return arrays
+
+
+# ----------------------------------------------------------------------------- the rule
+
+def test_rule_is_nan_aware_both_ways():
+    oracle = np.array([1.0, np.nan, np.inf, 2.0])
+    base = oracle.astype(np.float32)
+    assert judge("out", base, oracle, base).passed                  # NaN = NaN, inf = inf
+    for bad in ([np.nan, np.nan, np.inf, 2.0], [1.0, 0.0, np.inf, 2.0], [1.0, np.nan, -np.inf, 2.0]):
+        verdict = judge("out", np.array(bad, np.float32), oracle, base)
+        assert not verdict.passed and verdict.max_abs_err == np.inf
+
+
+def test_rule_bound_is_k_times_baseline_plus_atol():
+    oracle = np.zeros(4)
+    base = np.array([0, 1e-3, 0, 0], np.float32)
+    assert judge("dq", np.array([0, 3e-3, 0, 0], np.float32), oracle, base, atol=0).passed
+    verdict = judge("dq", np.array([0, 3.1e-3, 0, 0], np.float32), oracle, base, atol=0)
+    assert not verdict.passed and verdict.worst_index == (1,) and verdict.k == 3
+    assert not judge("out", np.array([0, 2.1e-3, 0, 0], np.float32), oracle, base, atol=0).passed
+
+
+def test_naive_baseline_matches_the_oracle_in_float64():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 5, 4))
+    left_to_right = np.zeros((2, 3, 4))
+    for i in range(5):                                 # ((a0 b0 + a1 b1) + a2 b2) + ...
+        left_to_right = left_to_right + a[..., :, i, None] * b[..., i, None, :]
+    assert np.array_equal(recursive_matmul(a, b), left_to_right)
+    q, k, v = rng.standard_normal((2, 4, 3, 5)), rng.standard_normal((2, 2, 6, 5)), rng.standard_normal((2, 2, 6, 3))
+    dout, bias = rng.standard_normal((2, 4, 3, 3)), rng.standard_normal((4, 3, 6))
+    opts = dict(bias=bias, causal="bottom_right", window=(2, 0), softcap=2.0,
+                dropout_mask=rng.random((2, 4, 3, 6)) < 0.8, dropout_p=0.2)
+    out, cache = attention_forward(q, k, v, scale=0.3, **opts)
+    g = attention_backward(dout, cache)
+    naive = naive_attention(q, k, v, dout, scale=0.3, **opts)
+    for name, want in dict(out=out, lse=cache.lse, dq=g.dq, dk=g.dk, dv=g.dv, dbias=g.dbias).items():
+        np.testing.assert_allclose(naive[name], want, rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- format and command
+
+def test_example_case_round_trips_and_passes(tmp_path, capsys):
+    path = tmp_path / "case.npz"
+    assert main(["crosscheck", "--write-example", str(path)]) == 0
+    arrays = load_case(path)
+    assert {"q", "k", "v", "dout", "bias", "causal", "out", "lse", "dq", "dk", "dv", "dbias"} <= set(arrays)
+    capsys.readouterr()
+    assert main(["crosscheck", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "oracle float64" in lines[0] and lines[0].endswith("-> PASS")
+    assert [line.split()[-1] for line in lines[2:]] == ["PASS"] * 6
+    assert main(["crosscheck", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and [r["name"] for r in report["tensors"]] == ["out", "lse", "dq", "dk", "dv", "dbias"]
+
+
+def test_command_exit_1_on_a_wrong_result(tmp_path, capsys):
+    arrays = write_example_case(tmp_path / "good.npz")
+    arrays["dk"] = arrays["dk"] * 1.01
+    save_case(tmp_path / "bad.npz", **arrays)
+    assert main(["crosscheck", str(tmp_path / "bad.npz")]) == 1
+    rows = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["dk"] == "FAIL" and rows["dq"] == "PASS"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: [a.pop(name) for name in ("out", "lse", "dq", "dk", "dv", "dbias")], "missing key 'out'"),
+    (lambda a: a.pop("dout"), "missing key 'dout'"),
+    (lambda a: a.update(dq=a["dq"][..., :3]), "dq must have shape (2, 4, 6, 8), got (2, 4, 6, 3)"),
+    (lambda a: a.update(causal=np.array(2.0)), "causal must be a 0-d bool"),
+    (lambda a: a.update(extra=np.zeros(1)), "unknown key 'extra'"),
+    (lambda a: a.update(bias=np.zeros((5, 9)), dbias=np.zeros((5, 9))), "bias of shape (5, 9) does not broadcast"),
+])
+def test_command_exit_2_on_a_malformed_case(tmp_path, capsys, change, message):
+    arrays = write_example_case(tmp_path / "good.npz")
+    change(arrays)
+    np.savez(tmp_path / "bad.npz", **arrays)                # np.savez: save_case refuses bad cases
+    assert main(["crosscheck", str(tmp_path / "bad.npz")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_command_exit_2_on_a_file_that_is_not_a_case(tmp_path, capsys):
+    (tmp_path / "x.npz").write_text("not a zip file")
+    assert main(["crosscheck", str(tmp_path / "x.npz")]) == 2
+    assert main(["crosscheck", str(tmp_path / "missing.npz")]) == 2
+    assert capsys.readouterr().err.count("\n") == 2
+    with pytest.raises(CaseError, match="missing key 'q'"):
+        crosscheck(k=np.zeros((2, 3)), v=np.zeros((2, 3)), out=np.zeros((2, 3)))
+
+
+# ----------------------------------------------------------------------------- verdicts on torch
+
+def test_float64_candidates_get_a_longdouble_oracle():
+    report = crosscheck(**torch_case(np.random.default_rng(1), np.float64, "bias", max_len=20))
+    assert report, str(report)
+    assert report.oracle_dtype == str(np.dtype(np.longdouble))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_torch_float32_sdpa_passes(variant):
+    arrays = torch_case(np.random.default_rng(2), np.float32, variant, max_len=64)
+    report = crosscheck(**arrays)
+    assert report, str(report)
+    assert {row.name for row in report.rows} >= {"out", "dq", "dk", "dv"}
+
+
+def test_no_false_failure_over_1000_torch_cases():
+    rng = np.random.default_rng(2024)
+    failures = []
+    for i in range(1000):
+        dtype = (np.float32, np.float64)[i % 2]
+        variant = VARIANTS[(i // 2) % len(VARIANTS)]
+        report = crosscheck(**torch_case(rng, dtype, variant, max_len=300 if i % 10 == 0 else 48))
+        if not report:
+            failures.append(f"case {i} ({np.dtype(dtype)}, {variant}):\n{report}")
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------- planted bugs
+
+def _buggy_grads(arrays, forget_rowsum=False):
+    """float32 gradients by hand: dS = P (dP - D), or P dP when forget_rowsum (one head group)."""
+    q, k, v, dout = (arrays[n].astype(np.float32) for n in ("q", "k", "v", "dout"))
+    _, cache = attention_forward(q, k, v, causal=bool(arrays.get("causal", False)))
+    g = attention_backward(dout, cache, return_stages=True)
+    p, dp = cache.weights, g.stages.dP
+    ds = p * dp if forget_rowsum else g.stages.dS
+    return cache.scale * ds @ k, cache.scale * np.swapaxes(ds, -1, -2) @ q
+
+
+def test_planted_bug_one_dq_element_off_by_one_percent():
+    detected = 0
+    for seed in range(20):                             # N_k >= 2: with one key, dq = 0 exactly
+        arrays = torch_case(np.random.default_rng(seed), (np.float32, np.float64)[seed % 2], "plain", 64, 2)
+        dq = arrays["dq"].copy()
+        dq[(0,) * dq.ndim] += 0.01 * np.abs(dq).max()
+        report = crosscheck(**{**arrays, "dq": dq})
+        rows = {row.name: row.passed for row in report.rows}
+        detected += not rows["dq"]
+        assert rows["out"] and rows["dk"] and rows["dv"]
+    assert detected == 20
+
+
+def test_planted_bug_softmax_backward_without_the_row_sum():
+    for seed in range(10):
+        arrays = torch_case(np.random.default_rng(seed), np.float32, "causal", 64)
+        if arrays["k"].shape[-3] != arrays["q"].shape[-3] or arrays["k"].shape[-2] == 1:
+            continue                                   # one kv head per query head; N_k = 1 has dq = 0
+        dq, dk = _buggy_grads(arrays, forget_rowsum=True)
+        rows = {row.name: row.passed for row in crosscheck(**{**arrays, "dq": dq, "dk": dk}).rows}
+        assert not rows["dq"] and not rows["dk"] and rows["dv"] and rows["out"]
+        honest_dq, honest_dk = _buggy_grads(arrays)
+        assert crosscheck(**{**arrays, "dq": honest_dq, "dk": honest_dk})
+
+
+def test_planted_bug_causal_alignment_swapped():
+    for seed in range(10):
+        arrays = torch_case(np.random.default_rng(seed), np.float32, "causal", 64)
+        if arrays["q"].shape[-2] == arrays["k"].shape[-2]:
+            continue                                   # the alignments agree when N_q == N_k
+        q, k, v = (torch.from_numpy(arrays[n]) for n in "qkv")
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - q.shape[-2])
+        swapped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        report = crosscheck(**{**arrays, "out": swapped.numpy()})
+        assert not report.rows[0].passed, str(report)

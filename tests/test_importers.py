@@ -1,0 +1,134 @@
+"""Importers: the seed's torch class and nn.MultiheadAttention against torch float64 autograd."""
+import math
+
+import numpy as np
+import pytest
+
+from numpy_attention.crosscheck.importers import from_torch
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+
+class SeedMultiHeadAttention(nn.Module):
+    """The seed's class (section 6), verbatim but for comments."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        self.W_q, self.W_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.W_v, self.W_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def scaled_dot_product_attention(self, Q, K, V, mask=None):
+        scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        attn_weights = F.softmax(scores, dim=-1)
+        return torch.matmul(attn_weights, V), attn_weights
+
+    def forward(self, query, key, value, mask=None):
+        b = query.size(0)
+        Q, K, V = (w(x).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
+                   for w, x in ((self.W_q, query), (self.W_k, key), (self.W_v, value)))
+        out, weights = self.scaled_dot_product_attention(Q, K, V, mask)
+        out = out.transpose(1, 2).contiguous().view(b, -1, self.d_model)
+        return self.W_o(out), weights
+
+
+def assert_close(ours, theirs, name, rtol=1e-12, scale=None):
+    """max |ours - theirs| <= rtol * scale, scale = max |theirs| unless given."""
+    theirs = theirs.detach().numpy()
+    err = np.max(np.abs(ours - theirs)) / (np.max(np.abs(theirs)) if scale is None else scale)
+    assert err <= rtol, f"{name}: relative error {err:.2e}"
+
+
+def check_against_autograd(module, ours, inputs, call_kw, torch_kw=None, out_index=0):
+    """Forward outputs and every gradient of ours equal torch's (random upstream gradient)."""
+    t = [torch.tensor(x, requires_grad=True) for x in inputs]
+    out_t, weights_t = module(*t, **(torch_kw or call_kw))
+    dout = np.random.default_rng(99).standard_normal(tuple(out_t.shape))
+    out_t.backward(torch.tensor(dout))
+    out, weights = ours(*inputs, **call_kw)
+    assert_close(out, out_t, "out")
+    assert_close(weights, weights_t, "weights")
+    grads = ours.backward(dout)
+    for name, x in zip(("query", "key", "value"), t):
+        assert_close(grads[name], x.grad, name)
+    params = dict(module.named_parameters())
+    assert set(grads) - {"query", "key", "value"} == set(params)
+    for name, p in params.items():
+        assert_close(grads[name], p.grad, name)
+
+
+def test_seed_class():
+    torch.manual_seed(0)
+    seed = SeedMultiHeadAttention(8, 2).double()
+    ours = from_torch(seed)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8))
+    mask = rng.random((2, 1, 3, 5)) < 0.6
+    mask[1, :, 2] = False                                       # a fully masked row: the -1e9 fill
+    t = [torch.tensor(a, requires_grad=True) for a in (x, y, y)]
+    out_t, w_t = seed(*t, mask=torch.tensor(mask))
+    dout = rng.standard_normal(tuple(out_t.shape))
+    out_t.backward(torch.tensor(dout))
+    out, w = ours(x, y, y, mask=mask)
+    assert_close(out, out_t, "out")
+    assert_close(w, w_t, "weights")
+    grads = ours.backward(dout)
+    for name, a in zip(("query", "key", "value"), t):
+        assert_close(grads[name], a.grad, name)
+    for name, p in seed.named_parameters():
+        # W_k.bias's gradient is 0 up to rounding (softmax ignores a row's constant shift):
+        # measured against the size of W_k.weight's gradient
+        scale = np.max(np.abs(grads["W_k.weight"])) if name == "W_k.bias" else None
+        assert_close(grads[name], p.grad, name, scale=scale)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("average", [True, False])
+def test_nn_multihead_attention_packed(batch_first, average):
+    torch.manual_seed(1)
+    module = nn.MultiheadAttention(12, 3, batch_first=batch_first, dtype=torch.float64)
+    ours = from_torch(module)
+    rng = np.random.default_rng(1)
+    b, n_q, n_k = 2, 4, 6
+    shape = (lambda n: (b, n, 12)) if batch_first else (lambda n: (n, b, 12))
+    kpm = np.zeros((b, n_k), bool)
+    kpm[0, 4:] = True                                           # True = ignore, torch's polarity
+    attn_mask = np.triu(np.ones((n_q, n_k), bool), 3)           # True = not allowed
+    kw = dict(key_padding_mask=kpm, attn_mask=attn_mask, average_attn_weights=average)
+    torch_kw = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+    check_against_autograd(module, ours, [rng.standard_normal(shape(n)) for n in (n_q, n_k, n_k)], kw, torch_kw)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="multihead_forward refuses key/value widths other than d_model")
+def test_nn_multihead_attention_kdim_vdim_and_float_mask():
+    torch.manual_seed(2)
+    module = nn.MultiheadAttention(8, 2, kdim=5, vdim=3, batch_first=True, dtype=torch.float64)
+    ours = from_torch(module)
+    rng = np.random.default_rng(2)
+    bias = rng.standard_normal((2 * 2, 4, 6))                   # [B * H, N_q, N_k], added to scores
+    kw = dict(attn_mask=bias)
+    inputs = [rng.standard_normal((2, 4, 8)), rng.standard_normal((2, 6, 5)), rng.standard_normal((2, 6, 3))]
+    check_against_autograd(module, ours, inputs, kw, {"attn_mask": torch.tensor(bias)})
+
+
+def test_fully_masked_query_is_nan_like_torch():
+    module = nn.MultiheadAttention(4, 2, dtype=torch.float64)
+    kpm = np.array([[False, False, False], [True, True, True]])
+    x = np.random.default_rng(3).standard_normal((3, 2, 4))
+    out_t, _ = module(*[torch.tensor(x)] * 3, key_padding_mask=torch.tensor(kpm))
+    out, _ = from_torch(module)(x, x, x, key_padding_mask=kpm)
+    assert np.isnan(out[:, 1]).all() and torch.isnan(out_t[:, 1]).all()
+    assert_close(out[:, 0], out_t[:, 0], "out")
+
+
+def test_unsupported_modules_are_refused():
+    with pytest.raises(TypeError, match="from_torch takes"):
+        from_torch(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        from_torch(nn.MultiheadAttention(4, 2, add_bias_kv=True))
+    with pytest.raises(ValueError, match="eval"):
+        from_torch(nn.MultiheadAttention(4, 2, dropout=0.1))
