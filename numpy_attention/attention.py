@@ -40,7 +40,7 @@ import numpy as np
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_cache,
                       require_choice, require_positive_real, require_probability, require_same_shape,
                       result_dtype)
-from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
+from .softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -61,6 +61,7 @@ class AttentionCache(NamedTuple):
     dropout_scale: Optional[np.ndarray]  # broadcastable to P: dropout_mask / (1 - dropout_p), or None
     out: np.ndarray                 # [..., H, N_q, d_v]
     fully_masked: str
+    masked: bool                    # whether step 4 set any score to -inf
 
 
 class AttentionStages(NamedTuple):
@@ -273,6 +274,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     # 1. S = scale * q k^T, with each group's query heads folded into rows
     s = _unfold(_fold(q3 * scale, h_kv) @ np.swapaxes(k3, -1, -2), h)   # [..., H, N_q, N_k]
     s = s.reshape(score_shape)
+    # (s is this function's own array from here on: steps 3-5 work on it in place)
     # 2. softcap
     t = None
     if softcap is not None:
@@ -280,19 +282,18 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         s = softcap * t
     # 3. additive bias
     if bias is not None:
-        s = s + bias
+        s += bias
     # 4. masks: -inf where a pair is not kept
     pos = positional_keep(np.arange(n_q), np.arange(n_k), n_q, n_k, causal, window, align)
     if pos is not None:
         keep = pos if keep is None else keep & pos
     if keep is not None:
-        s = np.where(keep, s, -np.inf)
-    # 5. softmax (rows of all -inf come out as zeros), then the fully-masked policy
-    p, _ = softmax_forward(s)
-    lse = logsumexp(s)                                           # [..., H, N_q]
+        np.copyto(s, -np.inf, where=~keep)
+    # 5. softmax (rows of all -inf come out as zeros) and lse, then the fully-masked policy
+    p, lse = softmax_and_logsumexp(s)                            # [..., H, N_q, N_k], [..., H, N_q]
     if fully_masked != "zero":
         dead = np.isneginf(lse.real)[..., None]
-        p = np.where(dead, 1.0 / n_k if fully_masked == "uniform" else np.nan, p)
+        np.copyto(p, 1.0 / n_k if fully_masked == "uniform" else np.nan, where=dead)
     # 6. dropout with the caller's keep-mask
     p_drop = p if dropout_scale is None else p * dropout_scale
     # 7. out = P~ v
@@ -300,7 +301,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     out = _unfold(_fold(p3, h_kv) @ v3, h).reshape(q.shape[:-1] + (v.shape[-1],))
     cache = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=t,
                            bias_shape=None if bias is None else bias.shape, scores=s, weights=p,
-                           lse=lse, dropout_scale=dropout_scale, out=out.copy(), fully_masked=fully_masked)
+                           lse=lse, dropout_scale=dropout_scale, out=out.copy(), fully_masked=fully_masked,
+                           masked=keep is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
     return out, cache
 
 
@@ -352,11 +354,11 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     dp = as_weights(_unfold(dout_f @ np.swapaxes(v3, -1, -2), h))
     # 6. dropout:  dP = dP~ * mask / (1 - p)
     if cache.dropout_scale is not None:
-        dp = dp * cache.dropout_scale
+        dp *= cache.dropout_scale                                # dp is this function's own array
     # 5. softmax:  dS = P * (dP - rowsum(P * dP))
     D = np.sum(dout * cache.out, axis=-1)                        # [..., H, N_q] = rowsum(P * dP)
     if method == "vjp":
-        ds = softmax_backward(dp, SoftmaxCache(p=p))
+        ds = softmax_backward(dp, SoftmaxCache(p=p), overwrite_dp=not return_stages)
     elif method == "jacobian":
         ds = (softmax_jacobian(p) @ dp[..., None])[..., 0]      # [..., N_k, N_k] @ [..., N_k, 1]
     else:
@@ -364,7 +366,8 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
             p_re = np.exp(cache.scores - cache.lse[..., None])
         ds = np.where(np.isnan(p_re), 0, p_re) * (dp - D[..., None])
     # 4. masks: a score that is -inf is a constant; nothing flows through it
-    ds = np.where(np.isneginf(cache.scores.real), 0, ds)
+    if cache.masked:
+        np.copyto(ds, 0, where=np.isneginf(cache.scores.real))  # ds is this function's own array
     stages = AttentionStages(dP=dp, dS=ds, D=D) if return_stages else None
     # 3. bias:  S = S + bias  ->  dbias = dS, summed over the axes bias was broadcast along
     dbias = None if cache.bias_shape is None else _unbroadcast(ds, cache.bias_shape)

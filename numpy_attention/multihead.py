@@ -1,6 +1,7 @@
 """Multi-head attention, the seed's module: composition only.
 
-Shape legend:  B batch,  N_q / N_k lengths,  D = d_model,  H = num_heads,  d_k = D / H.
+Shape legend:  B batch,  N_q / N_k lengths,  D = d_model,  H = num_heads,  d_k = D / H,
+               kdim / vdim the key / value widths (D unless set, like torch's kdim / vdim).
 
     MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o,   head_i = Attention(Q W_q^i, K W_k^i, V W_v^i)
 
@@ -8,14 +9,17 @@ Forward                                             Backward (reverse order, one
     1. Q = query W_q + b_q    [B, N_q, D]               5. linear_backward (W_o)
        K = key   W_k + b_k    [B, N_k, D]               4. split_heads (merge's backward)
        V = value W_v + b_v    [B, N_k, D]               3. attention_backward
+       (query [B, N_q, D], key [B, N_k, kdim], value [B, N_k, vdim];
+        W_k [kdim, D], W_v [vdim, D] in the math layout)
     2. split_heads            [B, H, N, d_k]            2. merge_heads (split's backward)
     3. attention_forward      [B, H, N_q, d_k]          1. linear_backward (W_q, W_k, W_v)
     4. merge_heads            [B, N_q, D]
     5. out = concat W_o + b_o [B, N_q, D]
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
-`state_dict()` has the seed's keys and layouts; the math layout W = weight^T is
-what `linear_forward` receives.
+`state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
+[D, vdim], the others [D, D]); the math layout W = weight^T is what
+`linear_forward` receives.
 
 Self-attention: when the same array is passed as query, key and value, the
 gradient w.r.t. that array is grads["query"] + grads["key"] + grads["value"].
@@ -31,7 +35,11 @@ from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
 
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
-TORCH_KEYS = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+# torch.nn.MultiheadAttention's state_dict: packed when kdim == vdim == embed_dim, else separate
+TORCH_PACKED = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+TORCH_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight",
+                  "in_proj_bias", "out_proj.weight", "out_proj.bias")
+TORCH_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
 class MultiHeadCache(NamedTuple):
@@ -47,8 +55,10 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     """The seed's MultiHeadAttention.forward as a pure function.
 
     Args:
-        query [B, N_q, D], key [B, N_k, D], value [B, N_k, D].
-        params: dict of state_dict arrays ("W_q.weight" [D, D] as [out, in], "W_q.bias" [D], ...).
+        query [B, N_q, D], key [B, N_k, kdim], value [B, N_k, vdim].
+        params: dict of state_dict arrays, weights as [out, in]: "W_q.weight" [D, D],
+            "W_k.weight" [D, kdim], "W_v.weight" [D, vdim], "W_o.weight" [D, D], each
+            bias [D]. D is query's width; kdim and vdim are read from W_k and W_v.
         mask: keep-mask broadcastable to [B, H, N_q, N_k] (True/nonzero = attend).
         attention_options: passed to attention_forward (causal, bias, fully_masked, ...).
     Returns:
@@ -58,18 +68,21 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
                          (("query", query), ("key", key), ("value", value)))
     shapes = f"query {query.shape}, key {key.shape}, value {value.shape}"
     if not query.ndim == key.ndim == value.ndim == 3:
-        raise ValueError(f"query, key, value must each have 3 axes [B, N, d_model], got {shapes}")
+        raise ValueError(f"query, key, value must each have 3 axes [B, N, width], got {shapes}")
     if not query.shape[0] == key.shape[0] == value.shape[0]:
         raise ValueError(f"query, key, value must have the same batch size B, got {shapes}")
-    if not query.shape[2] == key.shape[2] == value.shape[2]:
-        raise ValueError(f"query, key, value must have the same width d_model, got {shapes}")
     if key.shape[1] != value.shape[1]:
         raise ValueError(f"key and value must have the same length N_k, got {shapes}")
-    params = _check_params(params, query.shape[2], "params")
+    params = _check_params(params, "params", query.shape[2])
+    for name, x, weight, width in (("key", key, "W_k.weight", "kdim"),
+                                   ("value", value, "W_v.weight", "vdim")):
+        if x.shape[2] != params[weight].shape[1]:
+            raise ValueError(f"{name}'s width {x.shape[2]} is not the input width of params[{weight!r}] "
+                             f"of shape {params[weight].shape} = [d_model, {width}]; got {shapes}")
     # 1. linear projections (math layout W = weight^T)
     Q, cq = linear_forward(query, params["W_q.weight"].T, params["W_q.bias"])   # [B, N_q, D]
-    K, ck = linear_forward(key, params["W_k.weight"].T, params["W_k.bias"])     # [B, N_k, D]
-    V, cv = linear_forward(value, params["W_v.weight"].T, params["W_v.bias"])   # [B, N_k, D]
+    K, ck = linear_forward(key, params["W_k.weight"].T, params["W_k.bias"])     # kdim -> [B, N_k, D]
+    V, cv = linear_forward(value, params["W_v.weight"].T, params["W_v.bias"])   # vdim -> [B, N_k, D]
     # 2. split heads: [B, N, D] -> [B, H, N, d_k]
     Qh, Kh, Vh = (split_heads(x, num_heads) for x in (Q, K, V))
     # 3. attention per head
@@ -86,8 +99,8 @@ def multihead_backward(dout, cache):
     """Gradients of `multihead_forward`: the children's backwards in reverse, one line each.
 
     Returns:
-        dict with "query", "key", "value" and one entry per state_dict key, each in that
-        key's layout (weights [out, in]).
+        dict with "query" [B, N_q, D], "key" [B, N_k, kdim], "value" [B, N_k, vdim] and one
+        entry per state_dict key, each in that key's layout (weights [out, in]).
     """
     require_cache(cache, MultiHeadCache, "multihead_backward")
     require_same_shape(dout, cache.o.out_shape, "dout")
@@ -104,29 +117,68 @@ def multihead_backward(dout, cache):
             "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}
 
 
-def _check_params(params, d_model, name):
-    """The parameter arrays, checked: exactly the seed's keys, weights [D, D], biases [D]."""
+def param_shapes(d_model, kdim, vdim):
+    """state_dict key -> shape: weights [out, in] = [D, input width], biases [D]."""
+    shapes = {}
+    for name, d_in in zip(PROJECTIONS, (d_model, kdim, vdim, d_model)):
+        shapes[f"{name}.weight"], shapes[f"{name}.bias"] = (d_model, d_in), (d_model,)
+    return shapes
+
+
+def _check_params(params, name, d_model, kdim=None, vdim=None):
+    """The parameter arrays, checked: exactly the seed's keys, shapes as param_shapes.
+
+    kdim / vdim None: the input widths W_k.weight / W_v.weight have (the caller checks
+    them against key / value).
+    """
     require_mapping(params, name)
-    shapes = {f"{p}.{kind}": (d_model, d_model) if kind == "weight" else (d_model,)
-              for p in PROJECTIONS for kind in ("weight", "bias")}
-    require_keys(params, name, shapes)
-    arrays = {key: as_float_array(_to_numpy(params[key]), f"{name}[{key!r}]") for key in shapes}
-    require_shapes(arrays, name, shapes)
+    keys = param_shapes(d_model, d_model, d_model)
+    require_keys(params, name, keys)
+    arrays = {key: as_float_array(_to_numpy(params[key]), f"{name}[{key!r}]") for key in keys}
+    kdim = _input_width(arrays["W_k.weight"], d_model) if kdim is None else kdim
+    vdim = _input_width(arrays["W_v.weight"], d_model) if vdim is None else vdim
+    require_shapes(arrays, name, param_shapes(d_model, kdim, vdim))
     return arrays
 
 
-def _from_torch_mha(sd, d_model):
-    """torch.nn.MultiheadAttention's packed keys -> the seed's keys (same [out, in] layout)."""
-    sd = {key: _to_numpy(sd[key]) for key in TORCH_KEYS}
-    require_shapes(sd, "state_dict", dict(zip(TORCH_KEYS, ((3 * d_model, d_model), (3 * d_model,),
-                                                           (d_model, d_model), (d_model,)))))
-    w, b = sd["in_proj_weight"], sd["in_proj_bias"]                      # [3D, D], [3D]
+def _input_width(weight, d_model):
+    """A weight's input width (its last axis), d_model for a weight that is not 2-D."""
+    return weight.shape[1] if weight.ndim == 2 else d_model
+
+
+def torch_to_seed_keys(sd, d_model, kdim, vdim):
+    """torch.nn.MultiheadAttention's keys -> the seed's keys (same [out, in] layout).
+
+    Packed: in_proj_weight [3D, D] (torch's layout when kdim == vdim == D). Separate:
+    q_proj_weight [D, D], k_proj_weight [D, kdim], v_proj_weight [D, vdim]. Both with
+    in_proj_bias [3D], out_proj.weight [D, D], out_proj.bias [D].
+    """
+    packed = "in_proj_weight" in sd
+    keys = TORCH_PACKED if packed else TORCH_SEPARATE
+    require_keys(sd, f"state_dict (nn.MultiheadAttention layout, {'packed' if packed else 'separate'} "
+                     f"in-projection weights)", keys)
+    if packed and not kdim == vdim == d_model:
+        raise ValueError(f"state_dict has the packed in_proj_weight, which needs kdim == vdim == d_model; "
+                         f"this module has d_model={d_model}, kdim={kdim}, vdim={vdim}: "
+                         f"pass q_proj_weight, k_proj_weight, v_proj_weight instead")
+    sd = {key: _to_numpy(sd[key]) for key in keys}
+    require_shapes(sd, "state_dict", _torch_shapes(packed, d_model, kdim, vdim))
+    weights = np.split(sd["in_proj_weight"], 3) if packed else [sd[f"{c}_proj_weight"] for c in "qkv"]
     out = {}
-    for i, name in enumerate(("W_q", "W_k", "W_v")):
-        out[f"{name}.weight"] = w[i * d_model:(i + 1) * d_model]
-        out[f"{name}.bias"] = b[i * d_model:(i + 1) * d_model]
+    for name, w, b in zip(PROJECTIONS, weights, np.split(sd["in_proj_bias"], 3)):
+        out[f"{name}.weight"], out[f"{name}.bias"] = w, b
     out["W_o.weight"], out["W_o.bias"] = sd["out_proj.weight"], sd["out_proj.bias"]
     return out
+
+
+def _torch_shapes(packed, d_model, kdim, vdim):
+    """key -> shape of nn.MultiheadAttention's state_dict, packed or separate."""
+    if packed:
+        shapes = {"in_proj_weight": (3 * d_model, d_model)}
+    else:
+        shapes = {f"{c}_proj_weight": (d_model, d_in) for c, d_in in zip("qkv", (d_model, kdim, vdim))}
+    return {**shapes, "in_proj_bias": (3 * d_model,), "out_proj.weight": (d_model, d_model),
+            "out_proj.bias": (d_model,)}
 
 
 class MultiHeadAttention:
@@ -136,8 +188,12 @@ class MultiHeadAttention:
         out, attn_weights = mha(query, key, value, mask=None)    # [B, N_q, D], [B, H, N_q, N_k]
         grads = mha.backward(grad_output)                        # dict, see multihead_backward
 
-    Weights are initialized like nn.Linear: U(-1/sqrt(D), 1/sqrt(D)), from
-    numpy.random.default_rng(seed). The module remembers the last forward's
+    kdim, vdim: the widths of key [B, N_k, kdim] and value [B, N_k, vdim] (default d_model),
+    like torch.nn.MultiheadAttention's; W_k.weight is [D, kdim], W_v.weight [D, vdim].
+
+    Weights are initialized like nn.Linear: U(-1/sqrt(in), 1/sqrt(in)), in the projection's
+    input width, from numpy.random.default_rng(seed), projection by projection (weight, then
+    bias; W_q, W_k, W_v, W_o). The module remembers the last forward's
     cache for `backward`; the computation itself is the pure pair
     multihead_forward / multihead_backward.
 
@@ -145,12 +201,15 @@ class MultiHeadAttention:
     ('zero' by default; 'uniform' reproduces the seed's -1e9 fill exactly).
     """
 
-    def __init__(self, d_model, num_heads, *, seed=0, dtype=np.float64, fully_masked="zero"):
+    def __init__(self, d_model, num_heads, *, kdim=None, vdim=None, seed=0, dtype=np.float64,
+                 fully_masked="zero"):
         self.d_model = require_positive_int(d_model, "d_model")
         self.num_heads = require_positive_int(num_heads, "num_heads")
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         self.d_k = d_model // num_heads
+        self.kdim = d_model if kdim is None else require_positive_int(kdim, "kdim")
+        self.vdim = d_model if vdim is None else require_positive_int(vdim, "vdim")
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
@@ -162,20 +221,23 @@ class MultiHeadAttention:
             rng = np.random.default_rng(seed)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"seed must be a non-negative integer (or None), got {seed!r}: {exc}") from None
-        bound = 1.0 / np.sqrt(d_model)
+        shapes = param_shapes(self.d_model, self.kdim, self.vdim)
         self.params = {}
-        for name in PROJECTIONS:
-            self.params[f"{name}.weight"] = rng.uniform(-bound, bound, (d_model, d_model)).astype(self.dtype)
-            self.params[f"{name}.bias"] = rng.uniform(-bound, bound, d_model).astype(self.dtype)
+        for key, shape in shapes.items():                     # weight, then bias, per projection
+            bound = 1.0 / np.sqrt(shapes[key.replace(".bias", ".weight")][1])   # nn.Linear: 1/sqrt(in)
+            self.params[key] = rng.uniform(-bound, bound, shape).astype(self.dtype)
         self._cache = None
 
     def __call__(self, query, key, value, mask=None, **attention_options):
-        """(output [B, N_q, D], attn_weights [B, H, N_q, N_k]); options go to attention_forward."""
+        """query [B, N_q, D], key [B, N_k, kdim], value [B, N_k, vdim] ->
+        (output [B, N_q, D], attn_weights [B, H, N_q, N_k]); options go to attention_forward."""
         inputs = [self._as_model_dtype(x, name)
                   for name, x in (("query", query), ("key", key), ("value", value))]
-        for name, x in zip(("query", "key", "value"), inputs):
-            if x.ndim != 3 or x.shape[-1] != self.d_model:
-                raise ValueError(f"{name} must have shape [B, N, d_model={self.d_model}], got {x.shape}")
+        widths = (("d_model", self.d_model), ("kdim", self.kdim), ("vdim", self.vdim))
+        for name, x, (width_name, width) in zip(("query", "key", "value"), inputs, widths):
+            if x.ndim != 3 or x.shape[-1] != width:
+                raise ValueError(f"{name} must have shape [B, N, {width_name}={width}], got {x.shape} "
+                                 f"(d_model={self.d_model}, kdim={self.kdim}, vdim={self.vdim})")
         attention_options.setdefault("fully_masked", self.fully_masked)
         out, weights, self._cache = multihead_forward(*inputs, self.params, self.num_heads,
                                                       mask=mask, **attention_options)
@@ -202,13 +264,14 @@ class MultiHeadAttention:
         return {name: value.copy() for name, value in self.params.items()}
 
     def load_state_dict(self, state_dict):
-        """Load the seed's keys, or torch.nn.MultiheadAttention's (in_proj_weight, in_proj_bias,
-        out_proj.weight, out_proj.bias). Arrays are copied; torch tensors are accepted."""
+        """Load the seed's keys, or torch.nn.MultiheadAttention's: in_proj_weight [3D, D] (packed)
+        or q_proj_weight [D, D], k_proj_weight [D, kdim], v_proj_weight [D, vdim] (separate,
+        torch's layout when kdim or vdim is set), with in_proj_bias [3D], out_proj.weight [D, D],
+        out_proj.bias [D]. Arrays are copied; torch tensors are accepted."""
         require_mapping(state_dict, "state_dict")
-        if "in_proj_weight" in state_dict:
-            require_keys(state_dict, "state_dict (nn.MultiheadAttention layout)", TORCH_KEYS)
-            state_dict = _from_torch_mha(state_dict, self.d_model)
-        params = _check_params(state_dict, self.d_model, "state_dict")
+        if any(key in state_dict for key in TORCH_WEIGHTS):
+            state_dict = torch_to_seed_keys(state_dict, self.d_model, self.kdim, self.vdim)
+        params = _check_params(state_dict, "state_dict", self.d_model, self.kdim, self.vdim)
         for name, arr in params.items():
             if arr.dtype.kind == "c" and self.dtype.kind != "c":
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "

@@ -31,26 +31,38 @@ class SoftmaxCache(NamedTuple):
     p: np.ndarray            # [..., n] the softmax output: all the backward needs
 
 
-def _split_at_top(z):
-    """Split each row at its largest entry (by real part): z_top and the rest relative to it.
+def _exp_below_top(z):
+    """Split each row at its top entry z_top (largest real part) and exponentiate the rest.
 
     Returns:
-        z_top [..., 1]  the row's top entry (-inf for a row of all -inf)
-        is_top [..., n] True at the top entry (False everywhere in an all -inf row)
-        e [..., n]      exp(z_j - z_top) for j != top, 0 at the top entry
+        e [..., n]      exp(z_j - z_top) for j != top, 0 at the top entry: a fresh array
+        top [..., 1]    the top entry's index
         t [..., 1]      sum_j e_j, the other entries' mass relative to the top one
+        z_top [..., 1]  the top entry (-inf for a row of all -inf, where e and t are 0)
     so that sum_j exp(z_j - z_top) = 1 + t with the 1 exact and never added to t.
+    A row of NaN picks a NaN as its top entry and comes out all NaN.
+    """
+    top = np.argmax(z.real, axis=-1)[..., None]                   # [..., 1]
+    z_top = np.take_along_axis(z, top, axis=-1)                   # [..., 1]
+    e = np.subtract(z, np.where(np.isneginf(z_top.real), 0, z_top))   # fresh; -inf rows stay -inf
+    np.exp(e, out=e)                                              # in [0, 1]
+    np.put_along_axis(e, top, 0, axis=-1)
+    return e, top, np.sum(e, axis=-1, keepdims=True), z_top
+
+
+def softmax_and_logsumexp(z):
+    """(p [..., n], lse [...]) of the rows of z in one pass; p is a fresh array.
+
+    p_i = exp(z_i - z_top) / (1 + t) and lse = z_top + log1p(t), t = sum_{j != top} exp(z_j - z_top).
+    A row of all -inf gives p = 0 and lse = -inf; an empty row gives lse = -inf.
     """
     if z.shape[-1] == 0:
-        z_top = np.full(z.shape[:-1] + (1,), -np.inf, dtype=z.dtype)
-        return z_top, np.zeros(z.shape, bool), np.zeros(z.shape, z.dtype), np.zeros(z_top.shape, z.dtype)
-    top = np.argmax(z.real, axis=-1)[..., None]                   # a NaN row picks a NaN: poisoned
-    z_top = np.take_along_axis(z, top, axis=-1)                   # [..., 1]
-    dead = np.isneginf(z_top.real)
-    is_top = (np.arange(z.shape[-1]) == top) & ~dead
-    e = np.exp(z - np.where(dead, 0, z_top))                      # in [0, 1]; all 0 in a dead row
-    e = np.where(is_top, 0, e)
-    return z_top, is_top, e, np.sum(e, axis=-1, keepdims=True)
+        return np.zeros(z.shape, z.dtype), np.full(z.shape[:-1], -np.inf, z.dtype)
+    e, top, t, z_top = _exp_below_top(z)
+    inv = 1 / (1 + t)                                             # [..., 1]
+    e *= inv                                                      # e becomes p (ours: in place)
+    np.put_along_axis(e, top, np.where(np.isneginf(z_top.real), 0, inv), axis=-1)
+    return e, (z_top + np.log1p(t))[..., 0]
 
 
 def logsumexp(z, axis=-1, keepdims=False):
@@ -68,9 +80,8 @@ def logsumexp(z, axis=-1, keepdims=False):
         raise ValueError(f"logsumexp reduces the last axis only, got axis={axis}")
     z = as_float_array(z, "z")
     require_ndim(z, "z", 1, "[..., n]")
-    z_top, _, _, t = _split_at_top(z)
-    lse = z_top + np.log1p(t)                                     # [..., 1]
-    return lse if keepdims else lse[..., 0]
+    lse = softmax_and_logsumexp(z)[1]
+    return lse[..., None] if keepdims else lse
 
 
 def softmax_forward(z):
@@ -87,12 +98,11 @@ def softmax_forward(z):
     """
     z = as_float_array(z, "z")
     require_ndim(z, "z", 1, "[..., n]")
-    _, is_top, e, t = _split_at_top(z)
-    p = np.where(is_top, 1, e) / (1 + t)                          # an all -inf row stays all zeros
+    p = softmax_and_logsumexp(z)[0]
     return p, SoftmaxCache(p=p.copy())                            # the caller may write into p
 
 
-def softmax_backward(dp, cache):
+def softmax_backward(dp, cache, *, overwrite_dp=False):
     """Vector-Jacobian product of softmax: dz = J^T dp with J = diag(p) - p p^T.
 
     Backward (docs/derivations.md, "Softmax"):
@@ -102,6 +112,9 @@ def softmax_backward(dp, cache):
     (J is symmetric) at O(n) instead of O(n^2) per row. dp is first shifted by its
     value at the row's largest p (the result is unchanged because J 1 = 0), which
     keeps vanishing gradients of saturated rows accurate to rounding, relatively.
+
+    overwrite_dp=True lets the function compute dz in dp's memory (as scipy's overwrite_a):
+    for callers that own dp and do not need it afterwards.
 
     Returns:
         dz [..., n]
@@ -114,10 +127,16 @@ def softmax_backward(dp, cache):
     # the row's largest p makes that entry's bracket exactly 0: in a saturated row (p nearly
     # one-hot) the tiny gradient is then a sum of small terms, not a difference of O(1) ones,
     # and keeps full relative accuracy instead of an absolute error of eps.
-    if p.shape[-1]:                                               # an empty row has nothing to shift
-        top = np.argmax(p.real, axis=-1)[..., None]
-        dp = dp - np.take_along_axis(dp, top, axis=-1)
-    return p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+    if p.shape[-1] == 0:                                          # an empty row has no gradient
+        return np.zeros(np.broadcast_shapes(p.shape, dp.shape), np.result_type(p, dp))
+    top = np.argmax(p.real, axis=-1)[..., None]
+    shift = np.take_along_axis(dp, top, axis=-1)
+    dtype = np.result_type(dp, p)
+    dz = np.subtract(dp, shift, dtype=dtype, out=dp if overwrite_dp and dp.dtype == dtype else None)
+    # dz is ours from here (fresh, or dp's memory by permission) and is worked in place
+    dz -= np.einsum("...i,...i->...", dz, p)[..., None]           # dp - sum(dp * p)
+    dz *= p                                                       # p * (dp - sum(dp * p))
+    return dz
 
 
 def softmax_jacobian(p):

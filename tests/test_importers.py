@@ -102,8 +102,6 @@ def test_nn_multihead_attention_packed(batch_first, average):
     check_against_autograd(module, ours, [rng.standard_normal(shape(n)) for n in (n_q, n_k, n_k)], kw, torch_kw)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="multihead_forward refuses key/value widths other than d_model")
 def test_nn_multihead_attention_kdim_vdim_and_float_mask():
     torch.manual_seed(2)
     module = nn.MultiheadAttention(8, 2, kdim=5, vdim=3, batch_first=True, dtype=torch.float64)

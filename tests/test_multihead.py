@@ -114,28 +114,86 @@ def test_float_0_1_mask_means_nonzero_attends():
     assert_match(*run_both(8, 2, 2, 6, 6, mask=mask))
 
 
-def test_torch_nn_multiheadattention_weights():
-    """load_state_dict takes nn.MultiheadAttention's packed keys; forward and gradients agree."""
+def as_torch_parameters(g, packed):
+    """Our gradients under nn.MultiheadAttention's parameter names and layouts."""
+    w = [g[f"W_{c}.weight"] for c in "qkv"]
+    named = {"in_proj_weight": np.concatenate(w)} if packed else {f"{c}_proj_weight": x for c, x in zip("qkv", w)}
+    named["in_proj_bias"] = np.concatenate([g[f"W_{c}.bias"] for c in "qkv"])
+    named["out_proj.weight"], named["out_proj.bias"] = g["W_o.weight"], g["W_o.bias"]
+    return named
+
+
+@pytest.mark.parametrize("kdim,vdim", [(None, None), (5, 7), (12, 3), (2, 2)],
+                         ids=["packed", "kdim5-vdim7", "vdim3", "kdim2-vdim2"])
+def test_torch_nn_multiheadattention_weights(kdim, vdim):
+    """load_state_dict takes nn.MultiheadAttention's keys (packed, or q/k/v_proj_weight with
+    kdim/vdim); forward, weights and every gradient agree with torch autograd."""
     torch.manual_seed(1)
     rng = np.random.default_rng(1)
     D, H, B, n_q, n_k = 12, 3, 2, 4, 6
-    tmha = nn.MultiheadAttention(D, H, batch_first=True).double()
-    ours = na.MultiHeadAttention(D, H)
+    tmha = nn.MultiheadAttention(D, H, kdim=kdim, vdim=vdim, batch_first=True).double()
+    packed = "in_proj_weight" in tmha.state_dict()
+    assert packed == (kdim in (None, D) and vdim in (None, D))
+    ours = na.MultiHeadAttention(D, H, kdim=kdim, vdim=vdim)
     ours.load_state_dict(tmha.state_dict())
-    x = [rng.standard_normal((B, n, D)) for n in (n_q, n_k, n_k)]
+    x = [rng.standard_normal((B, n, d)) for n, d in ((n_q, D), (n_k, kdim or D), (n_k, vdim or D))]
+    ignore = rng.random((B, n_k)) < 0.3                      # torch's key_padding_mask: True = ignore
+    ignore[:, 0] = False
     xt = [torch.tensor(a, requires_grad=True) for a in x]
-    out_t, w_t = tmha(*xt, average_attn_weights=False)
-    out, w = ours(*x)
+    out_t, w_t = tmha(*xt, key_padding_mask=torch.tensor(ignore), average_attn_weights=False)
+    out, w = ours(*x, mask=~ignore[:, None, None, :])
     assert rel(out, out_t.detach().numpy()) <= 1e-10 and rel(w, w_t.detach().numpy()) <= 1e-10
     dout = rng.standard_normal(out.shape)
     out_t.backward(torch.tensor(dout))
     g = ours.backward(dout)
     for i, name in enumerate(("query", "key", "value")):
-        assert rel(g[name], xt[i].grad.numpy()) <= 1e-10
-    packed = np.concatenate([g["W_q.weight"], g["W_k.weight"], g["W_v.weight"]])
-    assert rel(packed, tmha.in_proj_weight.grad.numpy()) <= 1e-10
-    assert rel(g["W_o.weight"], tmha.out_proj.weight.grad.numpy()) <= 1e-10
-    assert rel(g["W_o.bias"], tmha.out_proj.bias.grad.numpy()) <= 1e-10
+        assert g[name].shape == x[i].shape and rel(g[name], xt[i].grad.numpy()) <= 1e-10, name
+    named = as_torch_parameters(g, packed)
+    params = dict(tmha.named_parameters())
+    assert set(named) == set(params)
+    for name, p in params.items():
+        assert rel(named[name], p.grad.numpy()) <= 1e-10, name
+
+
+def test_kdim_vdim_gradients_against_complex_step():
+    """multihead_forward with D = 6, kdim = 4, vdim = 3, a mask: the whole Jacobian of every input."""
+    rng = np.random.default_rng(11)
+    mha = na.MultiHeadAttention(6, 2, kdim=4, vdim=3, seed=2)
+    keys = list(mha.params)
+    mask = rng.random((2, 1, 3, 5)) < 0.7
+    mask[..., 0] = True
+
+    def forward(query, key, value, *params):
+        out, _, cache = na.multihead_forward(query, key, value, dict(zip(keys, params)), 2, mask=mask)
+        return out, cache
+
+    def backward(dout, cache):
+        g = na.multihead_backward(dout, cache)
+        return [g[name] for name in ["query", "key", "value"] + keys]
+
+    inputs = [rng.standard_normal(shape) for shape in ((2, 3, 6), (2, 5, 4), (2, 5, 3))]
+    report = na.gradcheck(forward, backward, inputs + list(mha.params.values()), method="complex",
+                          names=["query", "key", "value"] + keys)
+    assert report, report
+    # W_k.bias's gradient is exactly zero (softmax ignores a per-row shift): rounding only
+    assert max(r.max_rel_err for r in report.rows if r.name != "W_k.bias") <= 1e-12, report
+
+
+@pytest.mark.parametrize("kdim,vdim", [(None, None), (5, 3)])
+def test_initialization_is_nn_linear_in_the_input_width(kdim, vdim):
+    """U(-1/sqrt(in), 1/sqrt(in)) per projection, weight then bias, W_q, W_k, W_v, W_o, from
+    default_rng(seed): with kdim = vdim = d_model, exactly the seed's sequence."""
+    D = 8
+    rng = np.random.default_rng(3)
+    expected = {}
+    for name, d_in in zip(("W_q", "W_k", "W_v", "W_o"), (D, kdim or D, vdim or D, D)):
+        bound = 1.0 / np.sqrt(d_in)
+        expected[f"{name}.weight"] = rng.uniform(-bound, bound, (D, d_in))
+        expected[f"{name}.bias"] = rng.uniform(-bound, bound, D)
+    sd = na.MultiHeadAttention(D, 2, kdim=kdim, vdim=vdim, seed=3).state_dict()
+    assert list(sd) == list(expected)
+    for key in sd:
+        np.testing.assert_array_equal(sd[key], expected[key], err_msg=key)
 
 
 def test_state_dict_keys_and_layouts():

@@ -32,8 +32,13 @@ def attn(**changes):
     return lambda: na.attention_forward(**args)
 
 
-def mha():
-    return na.MultiHeadAttention(8, 2, seed=0)
+def mha(**options):
+    return na.MultiHeadAttention(8, 2, seed=0, **options)
+
+
+def mha_kv():
+    """A module with key width kdim = 5 and value width vdim = 3 (d_model = 8)."""
+    return mha(kdim=5, vdim=3)
 
 
 def mha_call(query=QUERY, key=KEYS, value=KEYS, **options):
@@ -52,11 +57,21 @@ def load(**changes):
     return lambda: mha().load_state_dict({k: v for k, v in sd.items() if v is not None})
 
 
-def load_torch(**changes):
-    """load_state_dict of torch.nn.MultiheadAttention-style keys (8 = d_model)."""
-    sd = {"in_proj_weight": np.zeros((24, 8)), "in_proj_bias": np.zeros(24),
-          "out_proj.weight": np.zeros((8, 8)), "out_proj.bias": np.zeros(8), **changes}
-    return lambda: mha().load_state_dict({k: v for k, v in sd.items() if v is not None})
+TORCH_OUT = {"in_proj_bias": np.zeros(24), "out_proj.weight": np.zeros((8, 8)), "out_proj.bias": np.zeros(8)}
+TORCH_PACKED = {"in_proj_weight": np.zeros((24, 8)), **TORCH_OUT}          # 8 = d_model
+TORCH_SEPARATE = {"q_proj_weight": np.zeros((8, 8)), "k_proj_weight": np.zeros((8, 5)),
+                  "v_proj_weight": np.zeros((8, 3)), **TORCH_OUT}          # kdim = 5, vdim = 3
+
+
+def load_torch(base=TORCH_PACKED, module=mha, **changes):
+    """load_state_dict of torch.nn.MultiheadAttention-style keys with some replaced (None: removed)."""
+    sd = {**base, **changes}
+    return lambda: module().load_state_dict({k: v for k, v in sd.items() if v is not None})
+
+
+def load_torch_separate(**changes):
+    """load_torch of the separate q/k/v_proj_weight layout into the kdim = 5, vdim = 3 module."""
+    return load_torch(TORCH_SEPARATE, mha_kv, **changes)
 
 
 def mh_forward(params=None, **changes):
@@ -193,11 +208,18 @@ BAD_INPUTS = [
     case("mha-seed-string", T, ["seed", "'zero'"], lambda: na.MultiHeadAttention(8, 2, seed="zero")),
     case("mha-seed-negative", E, ["seed", "-1"], lambda: na.MultiHeadAttention(8, 2, seed=-1)),
     case("mha-fully-masked-word", E, ["fully_masked", "'skip'"], lambda: na.MultiHeadAttention(8, 2, fully_masked="skip")),
+    case("mha-kdim-zero", E, ["kdim", "0"], lambda: mha(kdim=0)),
+    case("mha-kdim-float", T, ["kdim", "2.5"], lambda: mha(kdim=2.5)),
+    case("mha-kdim-string", T, ["kdim", "'5'"], lambda: mha(kdim="5")),
+    case("mha-vdim-negative", E, ["vdim", "-3"], lambda: mha(vdim=-3)),
+    case("mha-vdim-bool", T, ["vdim", "True"], lambda: mha(vdim=True)),
     # ---- MultiHeadAttention: call and backward
     case("mha-query-2-axes", E, ["query", "d_model=8", "(3, 8)"], mha_call(query=QUERY[0])),
     case("mha-query-width", E, ["query", "d_model=8", "(2, 3, 7)"], mha_call(query=np.ones((2, 3, 7)))),
     case("mha-batch-mismatch", E, ["batch", "(2, 3, 8)", "(1, 5, 8)"], mha_call(key=KEYS[:1], value=KEYS[:1])),
     case("mha-key-value-length", E, ["N_k", "(2, 5, 8)", "(2, 4, 8)"], mha_call(value=KEYS[:, :4])),
+    case("mha-key-not-kdim", E, ["key", "kdim=5", "(2, 5, 8)"], lambda: mha_kv()(QUERY, KEYS, KEYS[..., :3])),
+    case("mha-value-not-vdim", E, ["value", "vdim=3", "(2, 5, 8)"], lambda: mha_kv()(QUERY, KEYS[..., :5], KEYS)),
     case("mha-query-strings", T, ["query", "<U"], mha_call(query=np.full((2, 3, 8), "q"))),
     case("mha-mask-not-broadcasting", E, ["mask", "(3, 4)", "(2, 2, 3, 5)"], mha_call(mask=np.ones((3, 4)))),
     case("mha-backward-before-forward", E, ["backward", "forward first"],
@@ -218,12 +240,27 @@ BAD_INPUTS = [
          load_torch(in_proj_weight=np.zeros((24, 7)))),
     case("load-torch-out-proj-shape", E, ["out_proj.weight", "(8, 8)", "(8, 9)"],
          load_torch(**{"out_proj.weight": np.zeros((8, 9))})),
+    case("load-kdim-seed-keys-shape", E, ["W_k.weight", "(8, 5)", "(8, 8)"],
+         lambda: mha_kv().load_state_dict(mha().state_dict())),
+    case("load-torch-separate-missing", E, ["missing", "v_proj_weight"], load_torch_separate(v_proj_weight=None)),
+    case("load-torch-both-layouts", E, ["packed", "unexpected", "q_proj_weight"],
+         load_torch_separate(in_proj_weight=np.zeros((24, 8)))),
+    case("load-torch-separate-shape", E, ["k_proj_weight", "(8, 5)", "(8, 4)"],
+         load_torch_separate(k_proj_weight=np.zeros((8, 4)))),
+    case("load-torch-packed-into-kdim", E, ["in_proj_weight", "kdim=5", "q_proj_weight"],
+         load_torch(module=mha_kv)),
     # ---- multihead_forward / multihead_backward (the pure pair)
     case("mh-forward-params-missing", E, ["params", "missing", "W_q.weight"], mh_forward(params={})),
     case("mh-forward-params-not-mapping", T, ["params", "list"], mh_forward(params=[])),
     case("mh-forward-params-shape", E, ["params", "W_o.weight", "(8, 8)", "(4, 4)"],
          mh_forward(params={**mha().state_dict(), "W_o.weight": np.zeros((4, 4))})),
     case("mh-forward-width-mismatch", E, ["d_model", "(2, 5, 6)"], mh_forward(key=np.ones((2, 5, 6)))),
+    case("mh-forward-value-width", E, ["value", "W_v.weight", "(8, 8)", "(2, 5, 6)"],
+         mh_forward(value=np.ones((2, 5, 6)))),
+    case("mh-forward-key-not-kdim", E, ["key", "W_k.weight", "(8, 5)", "(2, 5, 8)"],
+         mh_forward(params=mha_kv().state_dict(), value=KEYS[..., :3])),
+    case("mh-forward-W_k-1-axis", E, ["params", "W_k.weight", "(8,)"],
+         mh_forward(params={**mha().state_dict(), "W_k.weight": np.zeros(8)})),
     case("mh-backward-foreign-cache", T, ["MultiHeadCache", "AttentionCache"],
          lambda: na.multihead_backward(np.ones((2, 3, 8)), CACHE)),
     # ---- gradcheck
@@ -276,6 +313,9 @@ def test_the_good_inputs_behind_the_table_work():
     mha_call()()
     load()()
     load_torch()()
+    load_torch_separate()()
+    mha_kv()(QUERY, KEYS[..., :5], KEYS[..., :3])
+    mh_forward(params=mha_kv().state_dict(), key=KEYS[..., :5], value=KEYS[..., :3])()
     mh_forward()()
     mha_after_forward().backward(np.ones((2, 3, 8)))
     assert gradcheck()()

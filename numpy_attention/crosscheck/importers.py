@@ -7,7 +7,8 @@
 - The seed's MultiHeadAttention (W_q, W_k, W_v, W_o nn.Linear): our MultiHeadAttention
   with the same state_dict, and fully_masked="uniform", which is what its -1e9 fill gives.
 - torch.nn.MultiheadAttention: TorchMultiheadAttention below. Packed in_proj_weight, or
-  q/k/v_proj_weight when kdim/vdim differ from embed_dim; batch_first=False means
+  q/k/v_proj_weight when kdim/vdim differ from embed_dim (key [.., kdim], value [.., vdim]);
+  bias=False loads as zero biases (and reports no bias gradients); batch_first=False means
   [N, B, E] tensors; attn_mask and key_padding_mask True = *ignore* (the opposite of
   ours) and float masks are added to the scores (our `bias`); weights are averaged
   over heads unless average_attn_weights=False. A query with every key masked gives
@@ -16,7 +17,8 @@
 """
 import numpy as np
 
-from ..multihead import MultiHeadAttention, _to_numpy, multihead_backward, multihead_forward
+from ..multihead import (MultiHeadAttention, _check_params, _to_numpy, multihead_backward,
+                         multihead_forward, torch_to_seed_keys)
 
 SEED_KEYS = ("W_q", "W_k", "W_v", "W_o")
 
@@ -44,15 +46,10 @@ class TorchMultiheadAttention:
                              f"call module.eval() first")
         sd = {name: _to_numpy(x).astype(dtype) for name, x in module.state_dict().items()}
         e = module.embed_dim
-        self.packed = "in_proj_weight" in sd
-        weights = (np.split(sd["in_proj_weight"], 3) if self.packed
-                   else [sd[f"{c}_proj_weight"] for c in "qkv"])
-        biases = np.split(sd.get("in_proj_bias", np.zeros(3 * e, dtype)), 3)
-        self.has_bias = "in_proj_bias" in sd
-        self.params = {f"{name}.weight": w for name, w in zip(SEED_KEYS[:3], weights)}
-        self.params.update({f"{name}.bias": b for name, b in zip(SEED_KEYS[:3], biases)})
-        self.params["W_o.weight"] = sd["out_proj.weight"]
-        self.params["W_o.bias"] = sd.get("out_proj.bias", np.zeros(e, dtype))
+        self.packed, self.has_bias = "in_proj_weight" in sd, "in_proj_bias" in sd
+        zero_biases = {"in_proj_bias": np.zeros(3 * e, dtype), "out_proj.bias": np.zeros(e, dtype)}
+        params = torch_to_seed_keys({**zero_biases, **sd}, e, module.kdim, module.vdim)
+        self.params = _check_params(params, "module.state_dict()", e, module.kdim, module.vdim)
         self.num_heads, self.batch_first, self.dtype = module.num_heads, module.batch_first, dtype
         self._cache = None
 
