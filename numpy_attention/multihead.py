@@ -62,7 +62,9 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         mask: keep-mask broadcastable to [B, H, N_q, N_k] (True/nonzero = attend).
         attention_options: passed to attention_forward (causal, bias, fully_masked, ...).
     Returns:
-        out [B, N_q, D], attn_weights [B, H, N_q, N_k], MultiHeadCache.
+        out [B, N_q, D], attn_weights [B, H, N_q, N_k], MultiHeadCache. attn_weights is a
+        read-only view of the cache's P (like a tensor torch saved for backward, it must not
+        change); np.array(attn_weights) is a writable copy.
     """
     query, key, value = (as_float_array(x, name) for name, x in
                          (("query", query), ("key", key), ("value", value)))
@@ -92,7 +94,9 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     # 5. output projection
     out, co = linear_forward(concat, params["W_o.weight"].T, params["W_o.bias"])  # [B, N_q, D]
     cache = MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads)
-    return out, ca.weights.copy(), cache              # a copy: the caller may write into it
+    weights = ca.weights.view()                       # read-only: the backward needs P unchanged,
+    weights.flags.writeable = False                   # and a copy would cost another [B, H, N_q, N_k]
+    return out, weights, cache
 
 
 def multihead_backward(dout, cache):
