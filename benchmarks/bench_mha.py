@@ -17,7 +17,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/seed_model.py
 from benchmarks._common import machine_line, matmul_gflops, median_times, run_child, table  # noqa: E402
 from numpy_attention import MultiHeadAttention  # noqa: E402
 
@@ -43,44 +44,12 @@ def ours_step(B, N, D, H, dtype):
     return mha, step
 
 
-def torch_seed_class():
-    """The seed's MultiHeadAttention (blog section 6), verbatim apart from comments."""
-    import math
-
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    class SeedMHA(nn.Module):
-        def __init__(self, d_model, num_heads):
-            super().__init__()
-            self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
-            self.W_q, self.W_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-            self.W_v, self.W_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-
-        def scaled_dot_product_attention(self, Q, K, V, mask=None):
-            scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.d_k)
-            if mask is not None:
-                scores = scores.masked_fill(mask == 0, -1e9)
-            attn_weights = F.softmax(scores, dim=-1)
-            return torch.matmul(attn_weights, V), attn_weights
-
-        def forward(self, query, key, value, mask=None):
-            b = query.size(0)
-            Q = self.W_q(query).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
-            K = self.W_k(key).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
-            V = self.W_v(value).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
-            out, w = self.scaled_dot_product_attention(Q, K, V, mask)
-            out = out.transpose(1, 2).contiguous().view(b, -1, self.d_model)
-            return self.W_o(out), w
-    return SeedMHA
-
-
 def torch_step(B, N, D, H, dtype, threads):
     import torch
     torch.set_num_threads(threads)
     mha, _ = ours_step(B, 1, D, H, dtype)
-    model = torch_seed_class()(D, H).to(getattr(torch, np.dtype(dtype).name))
+    from seed_model import SeedMultiHeadAttention
+    model = SeedMultiHeadAttention(D, H).to(getattr(torch, np.dtype(dtype).name))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in mha.state_dict().items()})
     query, key, value, dout = (torch.from_numpy(x) for x in make_inputs(B, N, D, dtype))
     for x in (query, key, value):

@@ -34,8 +34,9 @@ Default tolerances, per input dtype and method (see DEFAULTS):
     richardson float64: h 1e-3,  rtol 1e-8               float32: h 1e-2,  rtol 1e-3
     atol defaults to a roundoff floor (the report's "tol" column shows each row's bound):
     complex     100 * eps_mach * the largest derivative of any checked input in the call: a
-                gradient that is exactly zero (a key bias's: softmax ignores a constant
-                shift of a row) is computed as cancelling terms and lands near eps, not 0;
+                gradient that is exactly zero (a key bias's without softcap: softmax ignores
+                a constant shift of a row) is computed as cancelling terms and lands near
+                eps, not 0;
     central /   10 * eps_mach * |f| / h, below which finite differences see only noise (|f|
     richardson  is the largest |output| in full mode, sum |u * f| in projection mode).
 `taylor_test` is eps-free: it shows the first-order Taylor remainder shrinking as O(h^2).
@@ -106,8 +107,12 @@ def _real_dtype_name(x):
     return "float32" if np.asarray(x).real.dtype == np.float32 else "float64"
 
 
-def _directional(f_of, x, direction, method, h):
-    """d/dt f_of(x + t * direction) at t = 0 by `method`; f_of returns an array."""
+def directional_derivative(f_of, x, direction, method, h):
+    """d/dt f_of(x + t * direction) at t = 0 by `method` with step h; f_of returns an array.
+
+    The finite-difference formula behind every check (see the module docstring); public
+    so that studies can differentiate along their own directions with the same steps.
+    """
     if method == "complex":
         return np.imag(f_of(x.astype(np.result_type(x.dtype, np.complex64)) + 1j * h * direction)) / h
     central = lambda step: (f_of(x + step * direction) - f_of(x - step * direction)) / (2 * step)
@@ -229,7 +234,7 @@ def _full_jacobians(forward, backward, inputs, i, name, method, h, batched, chun
     for cols in _chunks(x.size, inputs, out.size, chunk_size):     # unit directions e_j, stacked
         e = np.zeros((len(cols), x.size), dtype=x.real.dtype)
         e[np.arange(len(cols)), cols] = 1.0
-        numeric[:, cols] = np.real(_directional(f, x, e.reshape((-1,) + x.shape), method, h)).T
+        numeric[:, cols] = np.real(directional_derivative(f, x, e.reshape((-1,) + x.shape), method, h)).T
     analytic = np.empty_like(numeric)
     for rows in _chunks(out.size, inputs, out.size, chunk_size):   # unit upstream gradients, stacked
         u = np.zeros((len(rows), out.size), dtype=np.asarray(out).real.dtype)
@@ -249,7 +254,7 @@ def _projections(forward, backward, inputs, i, name, method, h, rng, n):
         u = rng.standard_normal(np.shape(out)).astype(np.asarray(out).real.dtype)  # upstream gradient
         v = rng.standard_normal(x.shape).astype(x.real.dtype)                      # direction
         L_of = lambda xi: np.sum(u * np.asarray(forward(*inputs[:i], xi, *inputs[i + 1:])[0]))
-        numeric.append(float(np.real(_directional(L_of, x, v, method, h))))
+        numeric.append(float(np.real(directional_derivative(L_of, x, v, method, h))))
         analytic.append(float(np.real(np.sum(_gradient(backward, u, cache, i, x.shape, name) * v))))
         floors.append(np.sum(np.abs(u * out)))
     return np.array(analytic), np.array(numeric), lambda k: (k,), max(floors)

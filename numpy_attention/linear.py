@@ -7,7 +7,7 @@ Shape legend:  ... any leading axes (batch, sequence),  d_in / d_out widths.
 (torch's nn.Linear stores its weight as [d_out, d_in] and computes x W^T + b;
 `MultiHeadAttention` converts at its state_dict boundary, never here.)
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 

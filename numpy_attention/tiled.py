@@ -128,7 +128,7 @@ def tiled_forward(q, k, v, *, keep, bias, scale, causal, window, align, block_si
     """
     q3, k3, v3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))   # a head axis always
     h, h_kv = q3.shape[-3], k3.shape[-3]
-    n_q, n_k = q3.shape[-2], k3.shape[-2]
+    n_q = q3.shape[-2]
     c = TiledAttentionCache(q=q, k=k, v=v, keep=_at_least_2d(keep), bias=_at_least_2d(bias),
                             bias_shape=None if bias is None else bias.shape, scale=scale,
                             causal=causal, window=window, align=align, block_size=block_size,

@@ -1,38 +1,12 @@
 """Importers: the seed's torch class and nn.MultiheadAttention against torch float64 autograd."""
-import math
-
 import numpy as np
 import pytest
 
 from numpy_attention.crosscheck.importers import from_torch
 
 torch = pytest.importorskip("torch")
-nn, F = torch.nn, torch.nn.functional
-
-
-class SeedMultiHeadAttention(nn.Module):
-    """The seed's class (section 6), verbatim but for comments."""
-
-    def __init__(self, d_model, num_heads):
-        super().__init__()
-        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
-        self.W_q, self.W_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-        self.W_v, self.W_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-
-    def scaled_dot_product_attention(self, Q, K, V, mask=None):
-        scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.d_k)
-        if mask is not None:
-            scores = scores.masked_fill(mask == 0, -1e9)
-        attn_weights = F.softmax(scores, dim=-1)
-        return torch.matmul(attn_weights, V), attn_weights
-
-    def forward(self, query, key, value, mask=None):
-        b = query.size(0)
-        Q, K, V = (w(x).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
-                   for w, x in ((self.W_q, query), (self.W_k, key), (self.W_v, value)))
-        out, weights = self.scaled_dot_product_attention(Q, K, V, mask)
-        out = out.transpose(1, 2).contiguous().view(b, -1, self.d_model)
-        return self.W_o(out), weights
+nn = torch.nn
+from seed_model import SeedMultiHeadAttention  # noqa: E402  (after the torch check)
 
 
 def assert_close(ours, theirs, name, rtol=1e-12, scale=None):

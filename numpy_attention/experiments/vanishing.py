@@ -30,7 +30,7 @@ from scipy.special import entr
 
 from .._checks import require_positive_int
 from ..attention import attention_backward, attention_forward
-from ..gradcheck import DEFAULTS, _directional
+from ..gradcheck import DEFAULTS, directional_derivative
 from ..softmax import softmax_jacobian
 
 D_V = 16
@@ -67,7 +67,7 @@ def directional_error(q, k, v, dout, direction, scale, dq, method):
     of 1e-13 as for one of 1. Returns [T]; 0/0 (an exactly zero gradient, matched) is 0.
     """
     L = lambda x: np.sum(dout * attention_forward(x, k, v, scale=scale)[0], axis=(-2, -1))
-    numeric = np.real(_directional(L, q, direction, method, DEFAULTS[("float64", method)][0]))
+    numeric = np.real(directional_derivative(L, q, direction, method, DEFAULTS[("float64", method)][0]))
     err = np.abs(np.sum(dq * direction, axis=(-2, -1)) - numeric)
     norm = np.linalg.norm(dq, axis=(-2, -1))
     return np.divide(err, norm, out=np.where(err == 0, 0.0, np.inf), where=norm > 0)
