@@ -148,3 +148,10 @@ def as_mask(mask, name, target_shape, legend):
                          f"(put an additive mask in `bias`)")
     broadcast_shape_to(arr, name, target_shape, legend)
     return arr != 0
+
+
+def to_numpy(value):
+    """A torch tensor (detached, on the CPU) or array-like -> ndarray."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)

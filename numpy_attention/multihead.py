@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._checks import (as_float_array, require_cache, require_choice, require_keys, require_mapping,
-                      require_positive_int, require_same_shape, require_shapes)
+                      require_positive_int, require_same_shape, require_shapes, to_numpy)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
@@ -138,7 +138,7 @@ def _check_params(params, name, d_model, kdim=None, vdim=None):
     require_mapping(params, name)
     keys = param_shapes(d_model, d_model, d_model)
     require_keys(params, name, keys)
-    arrays = {key: as_float_array(_to_numpy(params[key]), f"{name}[{key!r}]") for key in keys}
+    arrays = {key: as_float_array(to_numpy(params[key]), f"{name}[{key!r}]") for key in keys}
     kdim = _input_width(arrays["W_k.weight"], d_model) if kdim is None else kdim
     vdim = _input_width(arrays["W_v.weight"], d_model) if vdim is None else vdim
     require_shapes(arrays, name, param_shapes(d_model, kdim, vdim))
@@ -165,7 +165,7 @@ def torch_to_seed_keys(sd, d_model, kdim, vdim):
         raise ValueError(f"state_dict has the packed in_proj_weight, which needs kdim == vdim == d_model; "
                          f"this module has d_model={d_model}, kdim={kdim}, vdim={vdim}: "
                          f"pass q_proj_weight, k_proj_weight, v_proj_weight instead")
-    sd = {key: _to_numpy(sd[key]) for key in keys}
+    sd = {key: to_numpy(sd[key]) for key in keys}
     require_shapes(sd, "state_dict", _torch_shapes(packed, d_model, kdim, vdim))
     weights = np.split(sd["in_proj_weight"], 3) if packed else [sd[f"{c}_proj_weight"] for c in "qkv"]
     out = {}
@@ -281,10 +281,3 @@ class MultiHeadAttention:
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "
                                 f"the module's dtype is {self.dtype}")
         self.params = {name: arr.astype(self.dtype) for name, arr in params.items()}  # copies
-
-
-def _to_numpy(value):
-    """A torch tensor (detached, on the CPU) or array-like -> ndarray."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)

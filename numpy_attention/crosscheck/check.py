@@ -16,7 +16,7 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
 import numpy as np
 
 from ..attention import _unbroadcast, attention_backward, attention_forward
-from ..multihead import _to_numpy
+from .._checks import to_numpy
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
 from .naive import naive_attention
 from .rule import CrosscheckReport, atol_for, judge
@@ -113,7 +113,7 @@ def crosscheck(*, k_factors=None, atol=None, **arrays):
     Returns:
         CrosscheckReport. Raises CaseError (a ValueError) for a malformed case.
     """
-    inputs, options, candidates = split_case({name: _to_numpy(x) for name, x in arrays.items()})
+    inputs, options, candidates = split_case({name: to_numpy(x) for name, x in arrays.items()})
     dtype = np.result_type(*candidates.values())
     wide = oracle_dtype(dtype)
     want_grads = any(name in candidates for name in GRADIENTS)

@@ -17,7 +17,8 @@
 """
 import numpy as np
 
-from ..multihead import (MultiHeadAttention, _check_params, _to_numpy, multihead_backward,
+from .._checks import to_numpy
+from ..multihead import (MultiHeadAttention, _check_params, multihead_backward,
                          multihead_forward, torch_to_seed_keys)
 
 SEED_KEYS = ("W_q", "W_k", "W_v", "W_o")
@@ -44,7 +45,7 @@ class TorchMultiheadAttention:
         if module.training and module.dropout > 0:
             raise ValueError(f"dropout={module.dropout} in training mode draws random numbers; "
                              f"call module.eval() first")
-        sd = {name: _to_numpy(x).astype(dtype) for name, x in module.state_dict().items()}
+        sd = {name: to_numpy(x).astype(dtype) for name, x in module.state_dict().items()}
         e = module.embed_dim
         self.packed, self.has_bias = "in_proj_weight" in sd, "in_proj_bias" in sd
         zero_biases = {"in_proj_bias": np.zeros(3 * e, dtype), "out_proj.bias": np.zeros(e, dtype)}
@@ -60,7 +61,7 @@ class TorchMultiheadAttention:
                                ("attn_mask", attn_mask, (batch, self.num_heads, n_q, n_k))):
             if m is None:
                 continue
-            m = _to_numpy(m)
+            m = to_numpy(m)
             m = m.reshape(shape) if m.ndim == 3 or name == "key_padding_mask" else m
             if m.dtype == bool:
                 keep = ~m if keep is None else keep & ~m
@@ -72,7 +73,7 @@ class TorchMultiheadAttention:
                  average_attn_weights=True):
         """(attn_output, attn_weights) as the torch module returns them (weights None unless needed)."""
         layout = (lambda x: x) if self.batch_first else (lambda x: np.swapaxes(x, 0, 1))
-        query, key, value = (layout(_to_numpy(x).astype(self.dtype)) for x in (query, key, value))
+        query, key, value = (layout(to_numpy(x).astype(self.dtype)) for x in (query, key, value))
         keep, bias = self._masks(key_padding_mask, attn_mask, query.shape[0], query.shape[1], key.shape[1])
         out, weights, self._cache = multihead_forward(query, key, value, self.params, self.num_heads,
                                                       mask=keep, bias=bias, fully_masked="nan")
