@@ -40,7 +40,9 @@ import numpy as np
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_cache,
                       require_choice, require_positive_real, require_probability, require_same_shape,
                       result_dtype)
+from ._layout import fold, positional_keep, unbroadcast, unfold, with_head_axis
 from .softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
+from .tiled import TiledAttentionCache, check_tiled_options, tiled_backward, tiled_forward
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -80,23 +82,6 @@ class AttentionGrads(NamedTuple):
 
 # ----------------------------------------------------------------------------- helpers
 
-def _fold(x, h_kv):
-    """[..., H, N, X] -> [..., H_kv, G*N, X]: the G heads of a group become rows."""
-    return x.reshape(*x.shape[:-3], h_kv, x.shape[-3] // h_kv * x.shape[-2], x.shape[-1])
-
-
-def _unfold(x, h):
-    """[..., H_kv, G*N, X] -> [..., H, N, X], the inverse of `_fold`."""
-    return x.reshape(*x.shape[:-3], h, x.shape[-3] * x.shape[-2] // h, x.shape[-1])
-
-
-def _unbroadcast(g, shape):
-    """Sum g over the axes along which an array of `shape` was broadcast to g.shape."""
-    g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    return g.sum(axis=axes, keepdims=True) if axes else g
-
-
 def _resolve_alignment(causal, align):
     """One diagonal alignment for causal and window: 'top_left' (torch is_causal) by default."""
     if isinstance(causal, str):
@@ -121,33 +106,6 @@ def _check_window(window):
         raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
                          f"(-1 = unbounded), got {window!r}")
     return int(window[0]), int(window[1])
-
-
-def positional_keep(rows, cols, n_q, n_k, causal, window, align):
-    """Which (query row, key column) pairs causal masking and the window keep.
-
-    rows [r] and cols [c] are absolute positions (a tiled kernel passes one block's).
-    The diagonal is i == j for 'top_left' (torch is_causal) and i + (N_k - N_q) == j for
-    'bottom_right' (FlashAttention 2.1+). Causal keeps j <= diagonal; window (left, right)
-    keeps diagonal - left <= j <= diagonal + right, -1 meaning unbounded.
-
-    Returns:
-        [r, c] bool array, or None when nothing is masked by position.
-    """
-    if not causal and window is None:
-        return None
-    diag = np.asarray(rows)[:, None] + (n_k - n_q if align == "bottom_right" else 0)
-    j = np.asarray(cols)[None, :]
-    keep = np.ones((len(rows), len(cols)), dtype=bool)
-    if causal:
-        keep &= j <= diag
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            keep &= j >= diag - left
-        if right >= 0:
-            keep &= j <= diag + right
-    return keep
 
 
 def _check_scale(scale, d_k):
@@ -189,12 +147,6 @@ def _check_qkv(q, k, v):
                          f"(grouped-query attention), got q {q.shape}, k {k.shape}")
     dtype = result_dtype(q, k, v)
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)          # astype copies
-
-
-def _tiled():
-    """The tiled path's module, imported on use: it builds on the helpers of this one."""
-    from . import tiled
-    return tiled
 
 
 def _check_finite(name, x, allow_neginf=False):
@@ -261,18 +213,20 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             _check_finite("bias", bias, allow_neginf=True)
     dtype = q.dtype if bias is None else result_dtype(q, bias)
     q, k, v = q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+    if dropout_scale is not None:                                # keep / (1 - p) in the scores' dtype
+        dropout_scale = dropout_scale.astype(q.real.dtype)
     if block_size is not None:                                   # the tiled path, O(N) memory
-        block_size = _tiled().check_tiled_options(block_size, softcap, dropout_scale, fully_masked)
+        block_size = check_tiled_options(block_size, softcap, dropout_scale, fully_masked)
         bias = None if bias is None else bias.copy()             # the tiled cache keeps it
-        return _tiled().tiled_forward(q, k, v, keep=keep, bias=bias, scale=scale, causal=causal,
-                                      window=window, align=align, block_size=block_size)
+        return tiled_forward(q, k, v, keep=keep, bias=bias, scale=scale, causal=causal,
+                             window=window, align=align, block_size=block_size)
 
-    q3, k3, v3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))   # a head axis always
+    q3, k3, v3 = map(with_head_axis, (q, k, v))                  # a head axis always
     h, h_kv = q3.shape[-3], k3.shape[-3]
     n_q, n_k = q.shape[-2], k.shape[-2]
 
     # 1. S = scale * q k^T, with each group's query heads folded into rows
-    s = _unfold(_fold(q3 * scale, h_kv) @ np.swapaxes(k3, -1, -2), h)   # [..., H, N_q, N_k]
+    s = unfold(fold(q3 * scale, h_kv) @ np.swapaxes(k3, -1, -2), h)   # [..., H, N_q, N_k]
     s = s.reshape(score_shape)
     # (s is this function's own array from here on: steps 3-5 work on it in place)
     # 2. softcap
@@ -297,8 +251,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     # 6. dropout with the caller's keep-mask
     p_drop = p if dropout_scale is None else p * dropout_scale
     # 7. out = P~ v
-    p3 = p_drop if p_drop.ndim >= 3 else p_drop[None]
-    out = _unfold(_fold(p3, h_kv) @ v3, h).reshape(q.shape[:-1] + (v.shape[-1],))
+    p3 = with_head_axis(p_drop)
+    out = unfold(fold(p3, h_kv) @ v3, h).reshape(q.shape[:-1] + (v.shape[-1],))
     cache = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=t,
                            bias_shape=None if bias is None else bias.shape, scores=s, weights=p,
                            lse=lse, dropout_scale=dropout_scale, out=out.copy(), fully_masked=fully_masked,
@@ -335,23 +289,23 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     Returns:
         AttentionGrads(dq, dk, dv, dbias, stages).
     """
-    if isinstance(cache, _tiled().TiledAttentionCache):
-        return _tiled().tiled_backward(dout, cache, method=method, return_stages=return_stages)
+    if isinstance(cache, TiledAttentionCache):
+        return AttentionGrads(*tiled_backward(dout, cache, method=method, return_stages=return_stages))
     require_cache(cache, AttentionCache, "attention_backward")
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", BACKWARD_METHODS)
     dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)
     q, k, v, p = cache.q, cache.k, cache.v, cache.weights
-    q3, k3, v3, dout3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v, dout))
+    q3, k3, v3, dout3 = map(with_head_axis, (q, k, v, dout))
     h, h_kv = q3.shape[-3], k3.shape[-3]
     as_weights = lambda x: x.reshape(p.shape)                    # [..., H, N_q, N_k] (drop the head axis of 2-axis inputs)
 
     # 7. out = P~ v:  dv = P~^T dout (summed over the group),  dP~ = dout v^T
     p_drop = p if cache.dropout_scale is None else p * cache.dropout_scale
-    p_drop3 = p_drop if p_drop.ndim >= 3 else p_drop[None]
-    dout_f = _fold(dout3, h_kv)                                  # [..., H_kv, G*N_q, d_v]
-    dv = (np.swapaxes(_fold(p_drop3, h_kv), -1, -2) @ dout_f).reshape(v.shape)
-    dp = as_weights(_unfold(dout_f @ np.swapaxes(v3, -1, -2), h))
+    p_drop3 = with_head_axis(p_drop)
+    dout_f = fold(dout3, h_kv)                                  # [..., H_kv, G*N_q, d_v]
+    dv = (np.swapaxes(fold(p_drop3, h_kv), -1, -2) @ dout_f).reshape(v.shape)
+    dp = as_weights(unfold(dout_f @ np.swapaxes(v3, -1, -2), h))
     # 6. dropout:  dP = dP~ * mask / (1 - p)
     if cache.dropout_scale is not None:
         dp *= cache.dropout_scale                                # dp is this function's own array
@@ -370,12 +324,12 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
         np.copyto(ds, 0, where=np.isneginf(cache.scores.real))  # ds is this function's own array
     stages = AttentionStages(dP=dp, dS=ds, D=D) if return_stages else None
     # 3. bias:  S = S + bias  ->  dbias = dS, summed over the axes bias was broadcast along
-    dbias = None if cache.bias_shape is None else _unbroadcast(ds, cache.bias_shape)
+    dbias = None if cache.bias_shape is None else unbroadcast(ds, cache.bias_shape)
     # 2. softcap:  S = c tanh(S0 / c)  ->  dS0 = dS (1 - tanh^2)
     if cache.softcap_tanh is not None:
         ds = ds * (1 - cache.softcap_tanh ** 2)
     # 1. S = scale * q k^T:  dq = scale * dS k,  dk = scale * dS^T q (summed over the group)
-    ds_f = _fold(ds if ds.ndim >= 3 else ds[None], h_kv)         # [..., H_kv, G*N_q, N_k]
-    dq = (cache.scale * _unfold(ds_f @ k3, h)).reshape(q.shape)
-    dk = (cache.scale * (np.swapaxes(ds_f, -1, -2) @ _fold(q3, h_kv))).reshape(k.shape)
+    ds_f = fold(with_head_axis(ds), h_kv)         # [..., H_kv, G*N_q, N_k]
+    dq = (cache.scale * unfold(ds_f @ k3, h)).reshape(q.shape)
+    dk = (cache.scale * (np.swapaxes(ds_f, -1, -2) @ fold(q3, h_kv))).reshape(k.shape)
     return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, stages=stages)

@@ -17,7 +17,8 @@ INPUTS = ("query", "key", "value")
 
 
 def mha_functions(mha, **attention_options):
-    """(forward, backward, inputs, names) over (query, key, value, *params) for gradcheck."""
+    """(forward, backward, parameter keys): the module as a function of
+    (query, key, value, *params) in state_dict order, for gradcheck."""
     keys = list(mha.params)
 
     def forward(query, key, value, *params):
@@ -95,7 +96,8 @@ def run_demo(seed=0, out=print):
 
 
 def add_arguments(parser):
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and X (default 0)")
+    from .cli import integer
+    parser.add_argument("--seed", type=integer(0), default=0, help="seeds the weights and X (default 0)")
 
 
 def run(args):

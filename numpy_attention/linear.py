@@ -70,8 +70,9 @@ def linear_backward(dy, cache):
     # 1. dx: the forward was y = x @ W, so dx = dy @ W^T
     dx = dy @ W.T                                        # [..., d_out] @ [d_out, d_in] -> [..., d_in]
     # 2. dW: every leading position contributes an outer product x^T dy
-    x2 = x.reshape(-1, x.shape[-1])                      # [N, d_in]
-    dy2 = dy.reshape(-1, dy.shape[-1])                   # [N, d_out]
+    n = int(np.prod(x.shape[:-1]))                       # N, the number of leading positions
+    x2 = x.reshape(n, x.shape[-1])                       # [N, d_in]
+    dy2 = dy.reshape(n, dy.shape[-1])                    # [N, d_out]
     dW = x2.T @ dy2                                      # [d_in, N] @ [N, d_out] -> [d_in, d_out]
     # 3. db: b was broadcast over the leading axes, so its gradient sums over them
     db = dy2.sum(axis=0) if cache.has_bias else None     # [d_out]

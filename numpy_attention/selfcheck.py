@@ -11,7 +11,8 @@ from .attention import attention_backward, attention_forward
 from .gradcheck import METHODS, gradcheck, taylor_test
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
-from .multihead import MultiHeadAttention, multihead_backward, multihead_forward
+from .demo import mha_functions
+from .multihead import MultiHeadAttention
 from .softmax import softmax_backward, softmax_forward
 
 
@@ -35,17 +36,10 @@ def cases(rng):
     """name -> (forward, backward, inputs, names), every op and attention variant."""
     mask = rng.random((2, 1, 3, 5)) < 0.7
     mask[..., 0] = True                                  # no fully masked row here
+    dead = np.ones((2, 2, 3, 5), bool)
+    dead[0, 1, 2] = dead[1, 0, 0] = False                # two fully masked rows
     mha = MultiHeadAttention(8, 2, seed=1)
-    keys = list(mha.params)
-
-    def mha_forward(query, key, value, *params):
-        out, _, cache = multihead_forward(query, key, value, dict(zip(keys, params)), 2)
-        return out, cache
-
-    def mha_backward(dout, cache):
-        g = multihead_backward(dout, cache)
-        return [g[n] for n in ["query", "key", "value"] + keys]
-
+    mha_forward, mha_backward, keys = mha_functions(mha)
     return {
         "linear": (linear_forward, linear_backward,
                    [rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)],
@@ -66,6 +60,11 @@ def cases(rng):
         "softcap 1.5": attention_case(rng, softcap=1.5),
         "dropout": attention_case(rng, dropout_mask=rng.random((2, 2, 3, 5)) < 0.8, dropout_p=0.2),
         "unscaled d_k=256": attention_case(rng, (1, 1, 3, 256), (1, 1, 4, 256), scale=1.0),
+        "fully masked rows, zero": attention_case(rng, mask=dead),
+        "fully masked rows, uniform": attention_case(rng, mask=dead, fully_masked="uniform"),
+        "one head, [N, d] arrays": attention_case(rng, (3, 4), (5, 4)),
+        "tiled, causal, bias, GQA": attention_case(rng, shape_q=(1, 4, 5, 4), shape_kv=(1, 2, 7, 4),
+                                                   bias=(4, 5, 7), causal="bottom_right", block_size=3),
         "multihead": (mha_forward, mha_backward,
                       [rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 4, 8)),
                        rng.standard_normal((2, 4, 8))] + [mha.params[k] for k in keys],
@@ -76,7 +75,8 @@ def cases(rng):
 def add_arguments(parser):
     parser.add_argument("--method", choices=METHODS, default="complex",
                         help="finite-difference method (default complex)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    from .cli import integer
+    parser.add_argument("--seed", type=integer(0), default=0, help="seed of the random inputs")
 
 
 def run(args):

@@ -72,12 +72,12 @@ def logsumexp(z, axis=-1, keepdims=False):
 
     Args:
         z: [..., n] logits (real or complex).
-        axis: must be -1 (the softmax axis); accepted for familiarity with scipy.
+        axis: must be -1 (the softmax axis; scipy's axis=None, all axes, is refused).
     Returns:
         [...] (or [..., 1] with keepdims).
     """
-    if axis not in (-1, None) and axis != np.ndim(z) - 1:
-        raise ValueError(f"logsumexp reduces the last axis only, got axis={axis}")
+    if axis is None or (axis != -1 and axis != np.ndim(z) - 1):
+        raise ValueError(f"logsumexp reduces the last axis only (axis=-1), got axis={axis}")
     z = as_float_array(z, "z")
     require_ndim(z, "z", 1, "[..., n]")
     lse = softmax_and_logsumexp(z)[1]

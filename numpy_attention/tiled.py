@@ -8,7 +8,8 @@ Shape legend (as in attention.py):
 
 The same function as the materialized `attention_forward`, but no [N_q, N_k] array is
 ever formed: only one [..., H, b, b] block of scores exists at a time, and the cache
-keeps out and the row logsumexp lse [..., H, N_q] (O(N) memory instead of O(N^2)).
+keeps out and the row logsumexp lse [..., H, N_q] (O(N) memory instead of O(N^2), plus a
+copy of the mask and bias the caller passed, if any).
 
 Forward, per query block i (online softmax over the key blocks j):
     S_ij = scale * q_i k_j^T + bias_ij, -inf where not kept      [..., H, b, b]
@@ -36,7 +37,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ._checks import as_float_array, require_choice, require_positive_int, require_same_shape, result_dtype
-from .attention import AttentionGrads, _fold, _unbroadcast, _unfold, positional_keep
+from ._layout import fold, positional_keep, unbroadcast, unfold, with_head_axis
 
 
 class TiledAttentionCache(NamedTuple):
@@ -107,7 +108,7 @@ def _block_scores(c, q_f, k_j, rows, cols, keep, h):
 
     q_f is the query block, scaled and folded: [..., H_kv, G*b_q, d_k].
     """
-    s = _unfold(q_f @ np.swapaxes(k_j, -1, -2), h)              # [..., H, b_q, b_k]
+    s = unfold(q_f @ np.swapaxes(k_j, -1, -2), h)              # [..., H, b_q, b_k]
     bias = _score_block(c.bias, rows, cols)
     if bias is not None:
         s += bias
@@ -126,7 +127,7 @@ def tiled_forward(q, k, v, *, keep, bias, scale, causal, window, align, block_si
     Returns:
         out [..., H, N_q, d_v] and a TiledAttentionCache (out and lse inside).
     """
-    q3, k3, v3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))   # a head axis always
+    q3, k3, v3 = map(with_head_axis, (q, k, v))
     h, h_kv = q3.shape[-3], k3.shape[-3]
     n_q = q3.shape[-2]
     c = TiledAttentionCache(q=q, k=k, v=v, keep=_at_least_2d(keep), bias=_at_least_2d(bias),
@@ -136,7 +137,7 @@ def tiled_forward(q, k, v, *, keep, bias, scale, causal, window, align, block_si
     out = np.empty(q3.shape[:-1] + (v3.shape[-1],), dtype=q3.dtype)   # [..., H, N_q, d_v]
     lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                       # [..., H, N_q]
     for rows in _blocks(n_q, block_size):
-        q_f = _fold(q3[..., rows, :] * scale, h_kv)                     # [..., H_kv, G*b_q, d_k]
+        q_f = fold(q3[..., rows, :] * scale, h_kv)                     # [..., H_kv, G*b_q, d_k]
         out[..., rows, :], lse[..., rows] = _forward_row_block(c, q_f, k3, v3, rows, h, h_kv)
     out, lse = out.reshape(q.shape[:-1] + (v.shape[-1],)), lse.reshape(q.shape[:-1])
     return out, c._replace(out=out.copy(), lse=lse)
@@ -160,7 +161,7 @@ def _forward_row_block(c, q_f, k3, v3, rows, h, h_kv):
         p = np.exp(s, out=s)                                            # P_ij = exp(S_ij - m'), in place
         a = np.exp(m - shift)                                           # rescales the earlier blocks
         l = a * l + p.sum(axis=-1)
-        acc = a[..., None] * acc + _unfold(_fold(p, h_kv) @ v3[..., cols, :], h)
+        acc = a[..., None] * acc + unfold(fold(p, h_kv) @ v3[..., cols, :], h)
         m = m_new
     dead = l == 0                                                       # fully masked rows
     out = acc / np.where(dead, 1, l)[..., None]                        # 0 in a dead row
@@ -176,7 +177,7 @@ def tiled_backward(dout, cache, *, method="flash", return_stages=False):
     are the same computation here; 'jacobian' and return_stages need the [N_q, N_k]
     weights, which the tiled path never forms: ValueError.
     Returns:
-        AttentionGrads(dq, dk, dv, dbias, stages=None), the materialized path's grads.
+        (dq, dk, dv, dbias); attention_backward returns them as AttentionGrads.
     """
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", ("vjp", "flash"))
@@ -185,7 +186,7 @@ def tiled_backward(dout, cache, *, method="flash", return_stages=False):
                          "(block_size) never forms; use block_size=None")
     dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)
     c = cache
-    q3, k3, v3, dout3 = (x if x.ndim >= 3 else x[None] for x in (c.q, c.k, c.v, dout))
+    q3, k3, v3, dout3 = map(with_head_axis, (c.q, c.k, c.v, dout))
     h, h_kv = q3.shape[-3], k3.shape[-3]
     n_q, n_k = q3.shape[-2], k3.shape[-2]
     dtype = dout3.dtype
@@ -194,8 +195,8 @@ def tiled_backward(dout, cache, *, method="flash", return_stages=False):
     dq, dk, dv = np.zeros(q3.shape, dtype), np.zeros(k3.shape, dtype), np.zeros(v3.shape, dtype)
     dbias = None if c.bias is None else np.zeros(c.bias.shape, dtype)
     for rows in _blocks(n_q, c.block_size):
-        q_f = _fold(q3[..., rows, :] * c.scale, h_kv)                  # [..., H_kv, G*b_q, d_k]
-        dout_f = _fold(dout3[..., rows, :], h_kv)                       # [..., H_kv, G*b_q, d_v]
+        q_f = fold(q3[..., rows, :] * c.scale, h_kv)                  # [..., H_kv, G*b_q, d_k]
+        dout_f = fold(dout3[..., rows, :], h_kv)                       # [..., H_kv, G*b_q, d_v]
         for cols in _blocks(n_k, c.block_size):
             keep, skip = _block_keep(c, rows, cols, n_q, n_k)
             if skip:
@@ -203,16 +204,15 @@ def tiled_backward(dout, cache, *, method="flash", return_stages=False):
             s = _block_scores(c, q_f, k3[..., cols, :], rows, cols, keep, h)
             s -= lse[..., rows, None]
             p = np.exp(s, out=s)                                        # P_ij = exp(S_ij - lse_i)
-            dv[..., cols, :] += np.swapaxes(_fold(p, h_kv), -1, -2) @ dout_f   # dv_j += P_ij^T dout_i
-            ds = _unfold(dout_f @ np.swapaxes(v3[..., cols, :], -1, -2), h)    # dP_ij = dout_i v_j^T
+            dv[..., cols, :] += np.swapaxes(fold(p, h_kv), -1, -2) @ dout_f   # dv_j += P_ij^T dout_i
+            ds = unfold(dout_f @ np.swapaxes(v3[..., cols, :], -1, -2), h)    # dP_ij = dout_i v_j^T
             ds -= D[..., rows, None]
             ds *= p                                                     # dS_ij = P_ij (dP_ij - D_i)
             if dbias is not None:
                 block = _score_block(dbias, rows, cols)
-                block += _unbroadcast(ds, block.shape)
-            ds_f = _fold(ds, h_kv)                                      # [..., H_kv, G*b_q, b_k]
-            dq[..., rows, :] += c.scale * _unfold(ds_f @ k3[..., cols, :], h)  # dq_i += scale dS k_j
+                block += unbroadcast(ds, block.shape)
+            ds_f = fold(ds, h_kv)                                      # [..., H_kv, G*b_q, b_k]
+            dq[..., rows, :] += c.scale * unfold(ds_f @ k3[..., cols, :], h)  # dq_i += scale dS k_j
             dk[..., cols, :] += np.swapaxes(ds_f, -1, -2) @ q_f         # dk_j += dS^T (scale q_i)
     dbias = None if dbias is None else dbias.reshape(c.bias_shape)
-    return AttentionGrads(dq=dq.reshape(c.q.shape), dk=dk.reshape(c.k.shape),
-                          dv=dv.reshape(c.v.shape), dbias=dbias)
+    return dq.reshape(c.q.shape), dk.reshape(c.k.shape), dv.reshape(c.v.shape), dbias

@@ -174,3 +174,18 @@ def test_three_backward_methods_agree():
         g = na.attention_backward(dout, cache, method=method)
         for a, b in zip(g[:4], ref[:4]):
             np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14 * np.abs(b).max())
+
+
+def test_dropout_keeps_float32():
+    rng = np.random.default_rng(18)
+    q = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    out, cache = na.attention_forward(q, q, q, dropout_mask=rng.random((2, 3, 3)) < 0.8, dropout_p=0.2)
+    g = na.attention_backward(np.ones_like(out), cache)
+    assert out.dtype == g.dq.dtype == g.dk.dtype == g.dv.dtype == np.float32
+
+
+def test_multihead_refuses_the_tiled_path_clearly():
+    mha = na.MultiHeadAttention(8, 2)
+    x = np.zeros((1, 3, 8))
+    with pytest.raises(ValueError, match="block_size"):
+        mha(x, x, x, block_size=2)

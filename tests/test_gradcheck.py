@@ -115,3 +115,19 @@ def test_gradcheck_imports_nothing_of_the_package():
             assert node.level == 0 and not (node.module or "").startswith("numpy_attention")
         if isinstance(node, ast.Import):
             assert all(not a.name.startswith("numpy_attention") for a in node.names)
+
+
+def test_a_small_gradient_is_held_to_its_own_scale():
+    """Complex step: an input whose gradient is ~1e-13 of another's, wrong by 1%, must fail
+    (an atol scaled by the largest gradient in the call, 1.3e-13 here, would let it pass)."""
+    x, y = np.array([3.0, -2.0, 4.0]), np.array([1.0, 2.0, 3.0])
+    forward = lambda x, y: (1e-13 * x ** 2 + y ** 2, (x, y))
+    right = lambda d, c: [2e-13 * c[0] * d, 2 * c[1] * d]
+    wrong = lambda d, c: [2e-13 * 1.01 * c[0] * d, 2 * c[1] * d]
+    assert na.gradcheck(forward, right, [x, y], method="complex")
+    assert [r.passed for r in na.gradcheck(forward, wrong, [x, y], method="complex").rows] == [False, True]
+
+
+def test_directional_derivative_refuses_unknown_methods():
+    with pytest.raises(ValueError, match="method"):
+        na.directional_derivative(np.sin, np.zeros(2), np.ones(2), "centrall", 1e-6)

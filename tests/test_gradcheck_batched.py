@@ -110,3 +110,15 @@ def test_batched_is_checked():
     forward, backward, inputs, _ = attention_case(np.random.default_rng(0))
     with pytest.raises(TypeError, match="batched"):
         na.gradcheck(forward, backward, inputs, batched="yes")
+
+
+def test_auto_mode_falls_back_when_a_real_chunk_trips_the_forward():
+    """A bias of lower rank than q with B = 2: the two-entry probe broadcasts by chance, a chunk
+    of another size does not; auto mode must fall back to one-at-a-time, not raise."""
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 3))
+    bias = rng.standard_normal((2, 3, 5))                              # [H, N_q, N_k]
+    forward = lambda q, k, v: na.attention_forward(q, k, v, bias=bias)
+    auto = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex")
+    looped = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex", batched=False)
+    assert auto and [r.max_abs_err for r in auto.rows] == [r.max_abs_err for r in looped.rows]

@@ -50,3 +50,10 @@ def test_central_differences_agree_to_their_accuracy():
     report = na.gradcheck(na.linear_forward, na.linear_backward, inputs, method="central")
     assert report, report
     assert max(r.max_rel_err for r in report.rows) < 1e-8
+
+
+def test_zero_width_input():
+    y, cache = na.linear_forward(np.zeros((3, 0)), np.zeros((0, 2)), np.ones(2))
+    dx, dW, db = na.linear_backward(np.ones((3, 2)), cache)
+    assert dx.shape == (3, 0) and dW.shape == (0, 2)
+    np.testing.assert_array_equal(db, [3, 3])

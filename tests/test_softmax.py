@@ -80,3 +80,10 @@ def test_wrong_backward_fails(method, mode):
     report = na.gradcheck(na.softmax_forward, wrong_softmax_backward, [z], method=method, mode=mode)
     assert not report
     assert report.rows[0].max_rel_err > 1e-2
+
+
+def test_logsumexp_refuses_other_axes():
+    with pytest.raises(ValueError, match="axis"):
+        na.logsumexp(np.zeros((2, 3)), axis=None)
+    with pytest.raises(ValueError, match="axis"):
+        na.logsumexp(np.zeros((2, 3)), axis=0)
