@@ -26,6 +26,19 @@ class UsageError(Exception):
     """Bad arguments or input: reported as one line, exit code 2. Subcommands raise it."""
 
 
+def integer(minimum):
+    """An argparse type: an integer >= minimum (integer(0) for seeds, integer(1) for counts)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(f"{self.prog}: {message}")
@@ -42,10 +55,20 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
+def _run(args):
+    """args.run(args) as an exit code; an OSError escaping it (a file that cannot be read or
+    written) is bad input too, the last safety net that keeps a traceback from the user."""
     try:
-        args = build_parser().parse_args(argv)
         return int(args.run(args))
+    except OSError as exc:
+        what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
+        raise UsageError(f"numpy-attention {args.command}: {what}") from None
+
+
+def main(argv=None):
+    """Run the command: exit code 0, 1, or 2 with one line on stderr for bad arguments or input."""
+    try:
+        return _run(build_parser().parse_args(argv))
     except UsageError as exc:
-        print(exc, file=sys.stderr)
+        print(" ".join(str(exc).split()), file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
 """The numpy-attention command: demo, gradcheck, and its answers to bad arguments."""
+import importlib
 import subprocess
 import sys
 
@@ -36,6 +37,31 @@ def test_python_dash_m_is_the_same_command():
 
 @pytest.mark.parametrize("argv", [[], ["nonsense"], ["demo", "--seed", "x"], ["gradcheck", "--method", "exact"]])
 def test_bad_arguments_one_line_exit_2(argv, capsys):
+    assert "numpy-attention" in usage_error(argv, capsys)
+
+
+def usage_error(argv, capsys):
+    """Run main(argv); assert exit 2, one line on stderr, no traceback; return that line."""
+    capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "numpy-attention" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", ["demo", "gradcheck", "vanishing"])
+@pytest.mark.parametrize("seed", ["-1", "1.5", "x"])
+def test_seed_must_be_a_non_negative_integer(command, seed, capsys):
+    # default_rng(-1) raises ValueError: argparse must answer before the command runs
+    assert "--seed" in usage_error([command, "--seed", seed], capsys)
+
+
+def test_an_oserror_from_a_command_is_one_line_exit_2(monkeypatch, capsys):
+    # the last safety net: a file that cannot be read or written is bad input, not a crash
+    command = importlib.import_module("numpy_attention.crosscheck.command")    # na.crosscheck is a function
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(command, "load_case", unreadable)
+    err = usage_error(["crosscheck", "case.npz"], capsys)
+    assert "crosscheck" in err and "case.npz: Permission denied" in err

@@ -4,6 +4,7 @@ Verdicts are tested both ways: honest results (torch's own SDPA, float32 and flo
 1,000 random cases) must pass, and results with planted bugs must fail.
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from numpy_attention.cli import main
 from numpy_attention.crosscheck import (CaseError, crosscheck, judge, load_case, save_case,
                                         write_example_case)
 from numpy_attention.crosscheck.naive import naive_attention, recursive_matmul
+from test_cli import usage_error
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -143,6 +145,78 @@ def test_command_exit_2_on_a_file_that_is_not_a_case(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 2
     with pytest.raises(CaseError, match="missing key 'q'"):
         crosscheck(k=np.zeros((2, 3)), v=np.zeros((2, 3)), out=np.zeros((2, 3)))
+
+
+def test_command_exit_2_on_a_npy_file(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros(3))                  # np.load gives an ndarray, not an archive
+    assert "not an .npz archive" in usage_error(["crosscheck", str(tmp_path / "x.npy")], capsys)
+
+
+def test_command_exit_2_when_the_example_cannot_be_written(tmp_path, capsys):
+    path = str(tmp_path / "no-such-dir" / "x.npz")
+    assert path in usage_error(["crosscheck", "--write-example", path], capsys)
+
+
+def _small_case(**options):
+    """A float32 case from our own attention: q [1, 2, 4, 8], k, v [1, 2, 5, 8], with out and lse."""
+    rng = np.random.default_rng(0)
+    arrays = {"q": rng.standard_normal((1, 2, 4, 8)), "k": rng.standard_normal((1, 2, 5, 8)),
+              "v": rng.standard_normal((1, 2, 5, 8)), **options}
+    out, cache = attention_forward(*(arrays[n].astype(np.float32) for n in "qkv"), **options)
+    return {**arrays, "out": out, "lse": cache.lse}
+
+
+@pytest.mark.parametrize("key, shape", [("q", ()), ("k", (8,)), ("v", ()), ("out", (8,))])
+def test_case_with_too_few_axes_names_the_key_and_shape(key, shape, tmp_path, capsys):
+    arrays = {**_small_case(), key: np.zeros(shape, np.float32)}
+    with pytest.raises(CaseError, match=rf"{key} must .*{re.escape(str(shape))}"):
+        crosscheck(**arrays)
+    np.savez(tmp_path / "bad.npz", **arrays)
+    assert key in usage_error(["crosscheck", str(tmp_path / "bad.npz")], capsys)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("scale", np.nan), ("scale", -1.0), ("scale", 0.0), ("scale", np.inf), ("scale", 0),
+    ("softcap", np.nan), ("softcap", -2.0), ("dropout_p", 1.0), ("dropout_p", -0.1),
+    ("window", np.array([-2, 3])), ("causal", np.array("diagonal")),
+    ("align", np.array("top_right")), ("fully_masked", np.array("one")),
+])
+def test_case_options_are_checked_like_attention_forward(key, value, tmp_path, capsys):
+    arrays = {**_small_case(), key: np.asarray(value)}
+    with pytest.raises(CaseError, match=key):
+        crosscheck(**arrays)
+    np.savez(tmp_path / "bad.npz", **arrays)
+    assert key in usage_error(["crosscheck", str(tmp_path / "bad.npz")], capsys)
+
+
+def test_case_causal_contradicting_align_is_refused():
+    with pytest.raises(CaseError, match="contradicts align"):
+        crosscheck(**_small_case(), causal=np.array("top_left"), align=np.array("bottom_right"))
+
+
+def test_a_valid_scale_is_used():
+    arrays = _small_case(scale=0.5)
+    assert crosscheck(**arrays)
+    assert not crosscheck(**{**arrays, "scale": np.array(0.25)})
+
+
+def test_lse_of_a_fully_masked_row_may_be_plus_or_minus_inf():
+    # FlashAttention 2 (non-split) writes +inf where every key is masked, we and torch -inf
+    mask = np.ones((4, 5), bool)
+    mask[2] = False
+    arrays = _small_case(mask=mask)
+    assert np.isneginf(arrays["lse"][..., 2]).all()
+    plus = arrays["lse"].copy()
+    plus[..., 2] = np.inf
+    for lse in (arrays["lse"], plus):
+        assert crosscheck(**{**arrays, "lse": lse})
+        assert judge("lse", lse, arrays["lse"].astype(np.float64), arrays["lse"]).passed
+    wrong = arrays["lse"].copy()
+    wrong[..., 1] = np.inf                                    # a row with keys: +inf is wrong
+    assert not crosscheck(**{**arrays, "lse": wrong})
+    finite = arrays["lse"].copy()
+    finite[..., 2] = 0.0                                      # a masked row: finite is wrong
+    assert not crosscheck(**{**arrays, "lse": finite})
 
 
 # ----------------------------------------------------------------------------- verdicts on torch

@@ -8,6 +8,7 @@ import pytest
 from numpy_attention import attention_backward, attention_forward
 from numpy_attention.cli import main
 from numpy_attention.experiments import directional_error, measure, scale_sweep, sweep, train
+from test_cli import usage_error
 
 KEYS = {"d_k": int, "n_keys": int, "scaled": bool, "logit_var": float, "entropy": float,
         "max_weight": float, "jacobian_norm": float, "grad_norm": float,
@@ -116,6 +117,38 @@ def test_cli_bad_arguments_exit_2_with_one_line(argv, option, capsys):
     assert main(["vanishing", *argv]) == 2
     err = capsys.readouterr().err
     assert option in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+SMALL = ["vanishing", "--d-k", "4", "--n-keys", "8", "--trials", "2"]
+
+
+@pytest.mark.parametrize("argv", [["--lr", "inf"], ["--lr", "0.1,nan"], ["--lr", "-1"], ["--lr", "0"]])
+def test_cli_training_refuses_a_learning_rate_that_is_not_finite_and_positive(argv, capsys):
+    assert "--lr" in usage_error(["vanishing", "--train", *argv], capsys)
+
+
+def test_cli_plot_of_an_unknown_format_is_refused_before_the_work(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    err = usage_error([*SMALL, "--plot", str(tmp_path / "x.xyz")], capsys)
+    assert "--plot" in err and "'xyz'" in err
+    assert not (tmp_path / "x.xyz").exists()
+
+
+@pytest.mark.parametrize("option, name", [("--json", "no-such-dir/x.json"), ("--csv", "no-such-dir/x.csv"),
+                                          ("--plot", "no-such-dir/x.png"), ("--json", ".")])
+def test_cli_unwritable_output_is_one_line_exit_2(option, name, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    err = usage_error([*SMALL, option, str(tmp_path / name)], capsys)
+    assert option in err and "cannot write" in err
+
+
+def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    monkeypatch.setitem(matplotlib.rcParams, "backend", "pdf")      # e.g. a notebook's choice
+    path = tmp_path / "v.png"
+    assert main([*SMALL, "--plot", str(path)]) == 0
+    assert matplotlib.rcParams["backend"] == "pdf"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_plot_writes_a_png(tmp_path):

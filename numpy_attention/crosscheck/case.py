@@ -9,21 +9,26 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
                 bias          additive float scores, broadcastable like mask
                 causal        0-d bool, or the alignment name 'top_left' / 'bottom_right'
                 align         0-d 'top_left' / 'bottom_right': the diagonal of causal and window
-                scale         0-d float (default 1 / sqrt(d_k))
+                scale         0-d float > 0, finite (default 1 / sqrt(d_k))
                 window        int [2]: (left, right), -1 = unbounded
-                softcap       0-d float
-                dropout_mask  keep-mask broadcastable like mask;  dropout_p  0-d float
+                softcap       0-d float > 0, finite
+                dropout_mask  keep-mask broadcastable like mask;  dropout_p  0-d float in [0, 1)
                 fully_masked  0-d 'zero' / 'uniform' / 'nan' (default 'zero')
     candidate   out [..., H, N_q, d_v]   (required)
                 lse [..., H, N_q]        dq, dk, dv (the shapes of q, k, v)   dbias (bias's shape)
+                (lse of a fully masked row: -inf, or FlashAttention's +inf; rule.py)
 
 The candidate's dtype is that of its tensors (float16, float32 or float64);
 the order of operations is attention.py's: scale -> softcap -> bias -> masks
 -> softmax -> dropout -> @ v.
 """
+import zipfile
+
 import numpy as np
 
-from ..attention import attention_backward, attention_forward
+from .._checks import require_choice, require_positive_real, require_probability
+from ..attention import (ALIGNMENTS, FULLY_MASKED_POLICIES, _check_window, _resolve_alignment,
+                         attention_backward, attention_forward)
 
 INPUTS = ("q", "k", "v", "dout")
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
@@ -46,27 +51,44 @@ def _scalar(arrays, name, kind):
     return x.item()
 
 
-def _causal(arrays):
-    x = np.asarray(arrays["causal"])
+def _causal(arrays, name):
+    x = np.asarray(arrays[name])
     if x.ndim == 0 and x.dtype.kind == "U":
-        return x.item()
-    return _scalar(arrays, "causal", "bool")
+        return require_choice(x.item(), name, ALIGNMENTS)
+    return _scalar(arrays, name, "bool")
 
 
-def _window(arrays):
-    x = np.asarray(arrays["window"])
+def _window(arrays, name):
+    x = np.asarray(arrays[name])
     if x.shape != (2,) or x.dtype.kind not in "iu":
-        raise CaseError(f"window must be an integer array of shape (2,), got dtype {x.dtype} "
+        raise CaseError(f"{name} must be an integer array of shape (2,), got dtype {x.dtype} "
                         f"with shape {x.shape}")
-    return int(x[0]), int(x[1])
+    return _check_window((int(x[0]), int(x[1])))
 
 
-_DECODE = {"causal": _causal, "window": _window,
-           "align": lambda a: _scalar(a, "align", "str"),
-           "scale": lambda a: _scalar(a, "scale", "float"),
-           "softcap": lambda a: _scalar(a, "softcap", "float"),
-           "dropout_p": lambda a: _scalar(a, "dropout_p", "float"),
-           "fully_masked": lambda a: _scalar(a, "fully_masked", "str")}
+def _word(choices):
+    return lambda arrays, name: require_choice(_scalar(arrays, name, "str"), name, choices)
+
+
+def _real(check):
+    return lambda arrays, name: check(_scalar(arrays, name, "float"), name)
+
+
+# option -> decode(arrays, name): its Python value, checked by attention_forward's rules
+_DECODE = {"causal": _causal, "window": _window, "align": _word(ALIGNMENTS),
+           "scale": _real(require_positive_real), "softcap": _real(require_positive_real),
+           "dropout_p": _real(require_probability), "fully_masked": _word(FULLY_MASKED_POLICIES)}
+
+
+def _decode_options(arrays):
+    """attention_forward's keyword arguments from the case; CaseError naming a bad option."""
+    try:
+        options = {name: _DECODE[name](arrays, name) if name in _DECODE else arrays[name]
+                   for name in OPTIONS if name in arrays}
+        _resolve_alignment(options.get("causal", False), options.get("align"))
+    except (ValueError, TypeError) as exc:
+        raise CaseError(str(exc)) from None
+    return options
 
 
 def _float_array(arrays, name):
@@ -102,14 +124,16 @@ def split_case(arrays):
     if "dbias" in arrays and "bias" not in arrays:
         raise CaseError("dbias is given but bias is not")
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise CaseError(f"{name} must have at least 2 axes [..., N, d], got shape {x.shape}")
     out_shape = q.shape[:-1] + v.shape[-1:]
     for name, shape in (("out", out_shape), ("dout", out_shape), ("lse", q.shape[:-1]),
                         ("dq", q.shape), ("dk", k.shape), ("dv", v.shape),
                         ("dbias", np.shape(arrays.get("bias")))):
         if name in arrays:
             _require_shape(arrays, name, shape)
-    options = {name: _DECODE[name](arrays) if name in _DECODE else arrays[name]
-               for name in OPTIONS if name in arrays}
+    options = _decode_options(arrays)
     inputs = {name: arrays[name] for name in INPUTS if name in arrays}
     candidates = {name: arrays[name] for name in CANDIDATES if name in arrays}
     return inputs, options, candidates
@@ -118,9 +142,12 @@ def split_case(arrays):
 def load_case(path):
     """Read a .npz case into a dict of arrays; CaseError for a file that is not one."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError(f"not an .npz archive (a single {type(data).__name__})")
+        with data:
             return {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise CaseError(f"cannot read {path} as a .npz case: {exc}") from None
 
 

@@ -15,7 +15,8 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
 """
 import numpy as np
 
-from ..attention import _unbroadcast, attention_backward, attention_forward
+from .._layout import unbroadcast
+from ..attention import attention_backward, attention_forward
 from .._checks import to_numpy
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
 from .naive import naive_attention
@@ -98,7 +99,7 @@ def term_magnitudes(truth, inputs, options):
                     dq=scale * np.sum(terms, -1).max(initial=0) * k.max(initial=0),
                     dk=scale * np.sum(group(terms), -2).max(initial=0) * q.max(initial=0))
         if "bias" in options:
-            mags["dbias"] = _unbroadcast(terms, np.shape(options["bias"])).max(initial=0)
+            mags["dbias"] = unbroadcast(terms, np.shape(options["bias"])).max(initial=0)
     return mags
 
 

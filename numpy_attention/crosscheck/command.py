@@ -19,7 +19,10 @@ def add_arguments(parser):
 
 def run(args):
     if args.write_example:
-        write_example_case(args.case)
+        try:
+            write_example_case(args.case)
+        except OSError as exc:
+            raise UsageError(f"crosscheck: cannot write {args.case}: {exc.strerror or exc}") from None
         print(f"wrote an example case to {args.case}")
         return 0
     try:

@@ -54,6 +54,10 @@ class TorchMultiheadAttention:
         self.num_heads, self.batch_first, self.dtype = module.num_heads, module.batch_first, dtype
         self._cache = None
 
+    def _layout(self, x):
+        """[N, B, E] <-> [B, N, E] unless batch_first (its own inverse)."""
+        return x if self.batch_first else np.swapaxes(x, 0, 1)
+
     def _masks(self, key_padding_mask, attn_mask, batch, n_q, n_k):
         """torch's masks (True = ignore, or additive floats) -> our (keep, bias), [B, H|1, N_q, N_k]."""
         keep, bias = None, None
@@ -72,14 +76,13 @@ class TorchMultiheadAttention:
     def __call__(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                  average_attn_weights=True):
         """(attn_output, attn_weights) as the torch module returns them (weights None unless needed)."""
-        layout = (lambda x: x) if self.batch_first else (lambda x: np.swapaxes(x, 0, 1))
-        query, key, value = (layout(to_numpy(x).astype(self.dtype)) for x in (query, key, value))
+        query, key, value = (self._layout(to_numpy(x).astype(self.dtype)) for x in (query, key, value))
         keep, bias = self._masks(key_padding_mask, attn_mask, query.shape[0], query.shape[1], key.shape[1])
         out, weights, self._cache = multihead_forward(query, key, value, self.params, self.num_heads,
                                                       mask=keep, bias=bias, fully_masked="nan")
         if not need_weights:
-            return layout(out), None
-        return layout(out), weights.mean(axis=1) if average_attn_weights else weights
+            return self._layout(out), None
+        return self._layout(out), weights.mean(axis=1) if average_attn_weights else weights
 
     forward = __call__
 
@@ -87,9 +90,8 @@ class TorchMultiheadAttention:
         """dict: "query", "key", "value" (in the call's layout) and the module's parameter names."""
         if self._cache is None:
             raise RuntimeError("TorchMultiheadAttention.backward called before any forward")
-        layout = (lambda x: x) if self.batch_first else (lambda x: np.swapaxes(x, 0, 1))
-        g = multihead_backward(layout(np.asarray(grad_output)), self._cache)
-        grads = {name: layout(g[name]) for name in ("query", "key", "value")}
+        g = multihead_backward(self._layout(np.asarray(grad_output)), self._cache)
+        grads = {name: self._layout(g[name]) for name in ("query", "key", "value")}
         dw = [g[f"{name}.weight"] for name in SEED_KEYS[:3]]
         if self.packed:
             grads["in_proj_weight"] = np.concatenate(dw)

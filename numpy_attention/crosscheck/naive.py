@@ -21,7 +21,8 @@ Shapes as in attention.py; the steps are attention.py's, with recursive sums:
 """
 import numpy as np
 
-from ..attention import _resolve_alignment, _unbroadcast, positional_keep
+from .._layout import positional_keep, unbroadcast
+from ..attention import _resolve_alignment
 
 
 def recursive_matmul(a, b):
@@ -92,7 +93,7 @@ def naive_attention(q, k, v, dout=None, *, mask=None, bias=None, causal=False, a
     ds = p * (dp - recursive_rowsum(dout * out))
     ds = np.where(np.isneginf(s), 0, ds)
     if bias is not None:
-        result["dbias"] = _unbroadcast(ds, np.shape(bias))
+        result["dbias"] = unbroadcast(ds, np.shape(bias))
     if t is not None:
         ds = ds * (1 - t ** 2)
     result["dq"] = scale * recursive_matmul(fold(ds), k).reshape(q.shape)

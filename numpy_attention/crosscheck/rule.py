@@ -23,6 +23,12 @@ accurate as PyTorch's naive implementation in the same dtype"):
       float32    1.2e-07    4 * 1.2e-07 * M
       float64    2.2e-16    4 * 2.2e-16 * M     (np.longdouble oracle)
 
+Fully masked rows of lse: where the oracle's lse is -inf (a query row with every key
+masked), a candidate lse of +inf passes as well as -inf. Both conventions exist:
+log(sum of no terms) = -inf is ours and torch's, while FlashAttention 2 writes +inf
+there in its non-split kernels (softmax.h: `(sum == 0.f || sum != sum) ? (Split ?
+-INFINITY : INFINITY) : ...`), so that a later exp(S - lse) gives 0.
+
 NaN-aware both ways: an entry where exactly one of (candidate, oracle) is NaN,
 or where they are different infinities, has error inf; entries where both are
 NaN, or both the same infinity, have error 0.
@@ -99,12 +105,15 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None):
     """One TensorVerdict: err(candidate) <= k * err(baseline) + atol.
 
     Args:
-        candidate, baseline: arrays of the oracle's shape (any float dtype).
+        candidate, baseline: arrays of the oracle's shape (any float dtype); for "lse",
+            +inf in the candidate counts as -inf where the oracle is -inf.
         oracle: the reference in a wider dtype.
         k: default K_DEFAULT[name] (3 for a name it does not know).
         atol: default atol_for(candidate's dtype, max|oracle| over its finite entries).
     """
     candidate = np.asarray(candidate)
+    if name == "lse":                    # FlashAttention's +inf for a fully masked row (docstring)
+        candidate = np.where(np.isneginf(oracle) & np.isposinf(candidate), -np.inf, candidate)
     k = K_DEFAULT.get(name, 3.0) if k is None else float(k)
     if atol is None:
         atol = atol_for(candidate.dtype, np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))

@@ -9,36 +9,26 @@ stdout); --json / --csv hold the sweep's records. Progress goes to stderr once a
 taken more than a second.
 """
 import argparse
+import math
 import sys
 import time
 
-from ..cli import UsageError
+from ..cli import UsageError, integer
 from . import plot, report, training, vanishing
 
 
 def _list(kind):
-    """An argparse type: a comma-separated list of `kind` values, e.g. '16,64'."""
+    """An argparse type: a comma-separated list of finite `kind` values > 0, e.g. '16,64'."""
     def parse(text):
         try:
             values = tuple(kind(x) for x in text.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a comma-separated list of "
                                              f"{'integers' if kind is int else 'numbers'}, got {text!r}") from None
-        if not all(x > 0 for x in values):
-            raise argparse.ArgumentTypeError(f"values must be > 0, got {text!r}") from None
+        if not all(math.isfinite(x) and x > 0 for x in values):
+            raise argparse.ArgumentTypeError(f"values must be finite and > 0, got {text!r}")
         return values
     return parse
-
-
-def _positive_int(text):
-    """An argparse type: an integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def add_arguments(parser):
@@ -46,19 +36,20 @@ def add_arguments(parser):
                         help="key widths to sweep (default 1,4,16,64,256,1024,4096)")
     parser.add_argument("--n-keys", type=_list(int), default=vanishing.DEFAULT_N_KEYS,
                         help="numbers of keys to sweep (default 8,128)")
-    parser.add_argument("--trials", type=_positive_int, default=vanishing.DEFAULT_TRIALS,
+    parser.add_argument("--trials", type=integer(1), default=vanishing.DEFAULT_TRIALS,
                         help=f"samples per cell (default {vanishing.DEFAULT_TRIALS})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every sample (default 0)")
-    parser.add_argument("--alpha-d-k", type=_positive_int, default=256,
+    parser.add_argument("--seed", type=integer(0), default=0, help="seed of every sample (default 0)")
+    parser.add_argument("--alpha-d-k", type=integer(1), default=256,
                         help="d_k of the scale = d_k^-alpha table (default 256)")
     parser.add_argument("--json", metavar="PATH", help="write the sweep's records as JSON ('-': stdout)")
     parser.add_argument("--csv", metavar="PATH", help="write the sweep's records as CSV ('-': stdout)")
-    parser.add_argument("--plot", metavar="PATH.png", help="save the figure (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PATH.png",
+                        help="save the figure, PNG or the format of its extension (needs matplotlib)")
     parser.add_argument("--train", action="store_true",
                         help="run the training demo instead of the sweep")
     parser.add_argument("--optimizer", choices=training.OPTIMIZERS, default="sgd",
                         help="training demo optimizer (default sgd with momentum)")
-    parser.add_argument("--steps", type=_positive_int, default=300,
+    parser.add_argument("--steps", type=integer(1), default=300,
                         help="training demo steps (default 300)")
     parser.add_argument("--lr", type=_list(float), default=training.LEARNING_RATES,
                         help="training demo learning rates (default 0.001,0.01,0.1,1)")
@@ -75,19 +66,14 @@ def _progress(what):
     return report_progress
 
 
-def _plot(plot_function, data, path):
+def _save(function, data, path, option):
+    """function(data, path), a file writer; a path it cannot write is bad input (exit 2)."""
     try:
-        plot_function(data, path)
+        function(data, path)
     except OSError as exc:
-        raise UsageError(f"--plot: cannot write {path!r}: {exc.strerror}") from None
-    print(f"figure written to {path}", file=sys.stderr)
-
-
-def _write(writer, records, path, option):
-    try:
-        writer(records, path)
-    except OSError as exc:
-        raise UsageError(f"{option}: cannot write {path!r}: {exc.strerror}") from None
+        raise UsageError(f"{option}: cannot write {path!r}: {exc.strerror or exc}") from None
+    if path != "-":
+        print(f"{option}: wrote {path}", file=sys.stderr)
 
 
 def run_sweep(args):
@@ -100,11 +86,11 @@ def run_sweep(args):
         print(f"\nscale = d_k^-alpha at d_k = {args.alpha_d_k} (0.5 keeps Var S = 1)\n")
         print(report.format_table(alphas, report.ALPHA_COLUMNS))
     if args.json:
-        _write(report.write_json, records, args.json, "--json")
+        _save(report.write_json, records, args.json, "--json")
     if args.csv:
-        _write(report.write_csv, records, args.csv, "--csv")
+        _save(report.write_csv, records, args.csv, "--csv")
     if args.plot:
-        _plot(plot.plot_sweep, records, args.plot)
+        _save(plot.plot_sweep, records, args.plot, "--plot")
     return 0
 
 
@@ -123,14 +109,14 @@ def run_training(args):
               f"{c.accuracy[-1]:>10.2f}{c.vanished:>16.0%}")
     print(f"(vanished: the step's ||dW|| < {training.VANISHED:g})")
     if args.plot:
-        _plot(plot.plot_training, curves, args.plot)
+        _save(plot.plot_training, curves, args.plot, "--plot")
     return 0
 
 
 def run(args):
     if args.plot:                                          # before the work, not after it
         try:
-            plot.pyplot()
-        except ImportError as exc:
+            plot.check_path(args.plot)
+        except (ImportError, ValueError) as exc:
             raise UsageError(f"--plot: {exc}") from None
     return run_training(args) if args.train else run_sweep(args)

@@ -1,21 +1,51 @@
-"""Figures of the study (matplotlib, the optional `plot` extra, imported only here, lazily)."""
+"""Figures of the study (matplotlib, the optional `plot` extra, imported only here, lazily).
+
+Each figure is a matplotlib.figure.Figure on its own Agg canvas: no pyplot, so the
+caller's backend and pyplot's list of open figures are left alone (e.g. in a notebook).
+"""
+import os
 
 
-def pyplot():
+def _matplotlib():
+    """(Figure, FigureCanvasAgg), or ImportError naming the optional extra."""
     try:
-        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("plotting needs matplotlib, the optional 'plot' extra: "
                           "pip install 'numpy-attention[plot]'") from None
-    matplotlib.use("Agg")                         # files only, no display needed
-    import matplotlib.pyplot as plt
-    return plt
+    return Figure, FigureCanvasAgg
+
+
+def check_path(path):
+    """Raise ImportError without matplotlib, ValueError if it cannot write `path`'s format.
+
+    The format is the file's extension (PNG without one), as in Figure.savefig.
+    """
+    _, canvas = _matplotlib()
+    extension = os.path.splitext(path)[1][1:].lower()
+    formats = canvas.get_supported_filetypes()
+    if extension and extension not in formats:
+        raise ValueError(f"cannot write {path!r}: unknown figure format {extension!r} "
+                         f"(one of {', '.join(sorted(formats))})")
+
+
+def _figure(**subplots):
+    """(figure, its two axes side by side) on an Agg canvas of its own."""
+    figure, canvas = _matplotlib()
+    fig = figure(figsize=(11, 4.2))
+    canvas(fig)
+    return fig, fig.subplots(1, 2, **subplots)
+
+
+def _save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def plot_sweep(records, path):
     """||dL/dq|| and ||J||_F against d_k on log axes: scaled solid, unscaled dashed, a colour per N_k."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = _figure()
     n_keys = sorted({r["n_keys"] for r in records})
     for ax, key, title in zip(axes, ("grad_norm", "jacobian_norm"),
                               ("median ||dL/dq||", "median ||diag(p) - p p^T||_F")):
@@ -27,15 +57,12 @@ def plot_sweep(records, path):
         ax.set(xscale="log", yscale="log", xlabel="d_k", title=title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_training(curves, path):
     """Held-out loss against step, one panel per scale, a line per learning rate."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = _figure(sharey=True)
     for ax, scaled in zip(axes, (True, False)):
         for c in (c for c in curves if c.scaled is scaled):
             ax.plot(c.steps, c.loss, "-o", markersize=3, label=f"lr={c.lr:g}")
@@ -43,6 +70,4 @@ def plot_training(curves, path):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("held-out loss")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)

@@ -3,6 +3,7 @@
 A record is a flat dict of numbers and bools (see vanishing.py); every writer takes a
 path or '-' for stdout, and the JSON / CSV columns are the records' keys, in order.
 """
+import contextlib
 import csv
 import json
 import sys
@@ -26,28 +27,26 @@ def format_table(records, columns=SWEEP_COLUMNS):
     return "\n".join([line([h for _, h, _ in columns])] + [line(row) for row in rows])
 
 
-def _open(path):
-    return sys.stdout if path == "-" else open(path, "w", newline="")
+@contextlib.contextmanager
+def _output(path):
+    """A text file opened for writing, or sys.stdout (left open) for '-'."""
+    if path == "-":
+        yield sys.stdout
+    else:
+        with open(path, "w", newline="") as f:
+            yield f
 
 
 def write_json(records, path):
     """A JSON list of the records (path '-' for stdout)."""
-    f = _open(path)
-    try:
+    with _output(path) as f:
         json.dump(records, f, indent=1)
         f.write("\n")
-    finally:
-        if f is not sys.stdout:
-            f.close()
 
 
 def write_csv(records, path):
     """CSV with the records' keys as columns (path '-' for stdout)."""
-    f = _open(path)
-    try:
+    with _output(path) as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()
         writer.writerows(records)
-    finally:
-        if f is not sys.stdout:
-            f.close()
