@@ -85,6 +85,28 @@ def machine_line():
             f"numpy {np.__version__}, {blas}")
 
 
+def set_numpy_hugepages(enabled):
+    """Turn numpy's madvise(MADV_HUGEPAGE) on large arrays on or off; return a line saying so.
+
+    numpy asks the kernel to back arrays of 4 MiB and more with transparent huge pages. Where
+    the kernel's THP defrag setting is "madvise", every such page fault may compact memory
+    synchronously: a large allocation then stalls, erratically (seen here: one forward +
+    backward of MultiHeadAttention varying from 0.66 s to 1.9 s, the spread in system time).
+    torch's CPU allocator asks for no huge pages. Uses numpy's private switch; a process-wide
+    setting, so only the benchmarks touch it, never the library.
+    """
+    np._core.multiarray._set_madvise_hugepage(enabled)
+    thp = {}
+    for name in ("enabled", "defrag"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                thp[name] = next(w[1:-1] for w in f.read().split() if w.startswith("["))
+        except (OSError, StopIteration):
+            thp[name] = "unknown"
+    return (f"numpy huge pages {'on' if enabled else 'off'} "
+            f"(kernel THP enabled={thp['enabled']}, defrag={thp['defrag']})")
+
+
 def table(header, rows):
     """A plain-text table: header and rows of already formatted strings."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]

@@ -1,6 +1,7 @@
 """Forward + backward of MultiHeadAttention: ours against PyTorch CPU autograd, one run.
 
     python3 benchmarks/bench_mha.py [--repeats 5] [--no-memory] [--dtypes float64 float32]
+                                    [--numpy-hugepages on|off]
 
 For each (B, N, d_model, heads) and dtype: the median time of one forward + backward
 (inputs query, key, value distinct; random upstream gradient), its GFLOP/s, the % of
@@ -19,7 +20,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/seed_model.py
-from benchmarks._common import machine_line, matmul_gflops, median_times, run_child, table  # noqa: E402
+from benchmarks._common import (machine_line, matmul_gflops, median_times, run_child,  # noqa: E402
+                                set_numpy_hugepages, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
@@ -83,14 +85,18 @@ def main():
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     ap.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES")
+    ap.add_argument("--numpy-hugepages", choices=("on", "off"), default="on",
+                    help="numpy's madvise of huge pages for large arrays (default on, numpy's own "
+                         "default; see _common.set_numpy_hugepages)")
     args = ap.parse_args()
+    hugepages = set_numpy_hugepages(args.numpy_hugepages == "on")
     try:
         import torch
     except ImportError:
         torch = None
     threads = blas_threads()
     print(machine_line() + f", threads {threads}"
-          + (f", torch {torch.__version__}" if torch else ", torch not installed"))
+          + (f", torch {torch.__version__}" if torch else ", torch not installed") + f"\n{hugepages}")
     for dtype in args.dtypes:
         peak = matmul_gflops(np.dtype(dtype))
         print(f"\n{dtype}: numpy matmul peak (2048^3) {peak:.1f} GFLOP/s")

@@ -253,10 +253,11 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     # 7. out = P~ v
     p3 = with_head_axis(p_drop)
     out = unfold(fold(p3, h_kv) @ v3, h).reshape(q.shape[:-1] + (v.shape[-1],))
+    masked = keep is not None or (bias is not None and bool(np.isneginf(bias.real).any()))
     cache = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=t,
                            bias_shape=None if bias is None else bias.shape, scores=s, weights=p,
-                           lse=lse, dropout_scale=dropout_scale, out=out.copy(), fully_masked=fully_masked,
-                           masked=keep is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
+                           lse=lse, dropout_scale=dropout_scale, out=out.copy(),
+                           fully_masked=fully_masked, masked=masked)
     return out, cache
 
 
@@ -298,7 +299,7 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     q, k, v, p = cache.q, cache.k, cache.v, cache.weights
     q3, k3, v3, dout3 = map(with_head_axis, (q, k, v, dout))
     h, h_kv = q3.shape[-3], k3.shape[-3]
-    as_weights = lambda x: x.reshape(p.shape)                    # [..., H, N_q, N_k] (drop the head axis of 2-axis inputs)
+    as_weights = lambda x: x.reshape(p.shape)    # [..., H, N_q, N_k]: 2-axis inputs lose the head axis
 
     # 7. out = P~ v:  dv = P~^T dout (summed over the group),  dP~ = dout v^T
     p_drop = p if cache.dropout_scale is None else p * cache.dropout_scale
