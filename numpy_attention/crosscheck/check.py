@@ -15,9 +15,9 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
 """
 import numpy as np
 
-from .._layout import unbroadcast
-from ..attention import attention_backward, attention_forward
 from .._checks import to_numpy
+from .._layout import fold, unbroadcast, with_head_axis
+from ..attention import attention_backward, attention_forward
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
 from .naive import naive_attention
 from .rule import CrosscheckReport, atol_for, judge
@@ -83,8 +83,8 @@ def term_magnitudes(truth, inputs, options):
     """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages."""
     q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
     scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
-    h_kv = k.shape[-3] if k.ndim >= 3 else 1
-    group = lambda x: x.reshape(x.shape[:-3] + (h_kv, -1, x.shape[-1])) if x.ndim >= 3 else x
+    h_kv = with_head_axis(k).shape[-3]
+    group = lambda x: fold(with_head_axis(x), h_kv)             # [..., H_kv, G*N_q, X]
     p_drop = np.asarray(truth["P~"], dtype=np.float64)
     kept = np.asarray(truth["S"], dtype=np.float64)
     mags = {"out": np.sum(p_drop, -1).max(initial=0) * v.max(initial=0),
