@@ -19,7 +19,8 @@ Forward                                             Backward (reverse order, one
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
 `state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
 [D, vdim], the others [D, D]); the math layout W = weight^T is what
-`linear_forward` receives.
+`linear_forward` receives. The layouts, and torch's nn.MultiheadAttention keys
+that load_state_dict also takes, are in params.py.
 
 Self-attention: when the same array is passed as query, key and value, the
 gradient w.r.t. that array is grads["query"] + grads["key"] + grads["value"].
@@ -28,19 +29,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import (as_float_array, require_cache, require_choice, require_keys, require_mapping,
-                      require_positive_int, require_same_shape, require_shapes, to_numpy)
+from ._checks import (as_float_array, require_cache, require_choice, require_mapping,
+                      require_positive_int, require_same_shape)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
-
-PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
-# torch.nn.MultiheadAttention's state_dict: packed when kdim == vdim == embed_dim, else separate
-TORCH_PACKED = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
-TORCH_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight",
-                  "in_proj_bias", "out_proj.weight", "out_proj.bias")
-TORCH_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-
+from .params import TORCH_WEIGHTS, check_params, param_shapes, torch_to_seed_keys
 
 class MultiHeadCache(NamedTuple):
     q: tuple                        # LinearCache of each input projection
@@ -79,7 +73,7 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         raise ValueError(f"query, key, value must have the same batch size B, got {shapes}")
     if key.shape[1] != value.shape[1]:
         raise ValueError(f"key and value must have the same length N_k, got {shapes}")
-    params = _check_params(params, "params", query.shape[2])
+    params = check_params(params, "params", query.shape[2])
     for name, x, weight, width in (("key", key, "W_k.weight", "kdim"),
                                    ("value", value, "W_v.weight", "vdim")):
         if x.shape[2] != params[weight].shape[1]:
@@ -123,70 +117,6 @@ def multihead_backward(dout, cache):
     return {"query": dquery, "key": dkey, "value": dvalue,
             "W_q.weight": dWq.T, "W_q.bias": dbq, "W_k.weight": dWk.T, "W_k.bias": dbk,
             "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}
-
-
-def param_shapes(d_model, kdim, vdim):
-    """state_dict key -> shape: weights [out, in] = [D, input width], biases [D]."""
-    shapes = {}
-    for name, d_in in zip(PROJECTIONS, (d_model, kdim, vdim, d_model)):
-        shapes[f"{name}.weight"], shapes[f"{name}.bias"] = (d_model, d_in), (d_model,)
-    return shapes
-
-
-def _check_params(params, name, d_model, kdim=None, vdim=None):
-    """The parameter arrays, checked: exactly the seed's keys, shapes as param_shapes.
-
-    kdim / vdim None: the input widths W_k.weight / W_v.weight have (the caller checks
-    them against key / value).
-    """
-    require_mapping(params, name)
-    keys = param_shapes(d_model, d_model, d_model)
-    require_keys(params, name, keys)
-    arrays = {key: as_float_array(to_numpy(params[key]), f"{name}[{key!r}]") for key in keys}
-    kdim = _input_width(arrays["W_k.weight"], d_model) if kdim is None else kdim
-    vdim = _input_width(arrays["W_v.weight"], d_model) if vdim is None else vdim
-    require_shapes(arrays, name, param_shapes(d_model, kdim, vdim))
-    return arrays
-
-
-def _input_width(weight, d_model):
-    """A weight's input width (its last axis), d_model for a weight that is not 2-D."""
-    return weight.shape[1] if weight.ndim == 2 else d_model
-
-
-def torch_to_seed_keys(sd, d_model, kdim, vdim):
-    """torch.nn.MultiheadAttention's keys -> the seed's keys (same [out, in] layout).
-
-    Packed: in_proj_weight [3D, D] (torch's layout when kdim == vdim == D). Separate:
-    q_proj_weight [D, D], k_proj_weight [D, kdim], v_proj_weight [D, vdim]. Both with
-    in_proj_bias [3D], out_proj.weight [D, D], out_proj.bias [D].
-    """
-    packed = "in_proj_weight" in sd
-    keys = TORCH_PACKED if packed else TORCH_SEPARATE
-    require_keys(sd, f"state_dict (nn.MultiheadAttention layout, {'packed' if packed else 'separate'} "
-                     f"in-projection weights)", keys)
-    if packed and not kdim == vdim == d_model:
-        raise ValueError(f"state_dict has the packed in_proj_weight, which needs kdim == vdim == d_model; "
-                         f"this module has d_model={d_model}, kdim={kdim}, vdim={vdim}: "
-                         f"pass q_proj_weight, k_proj_weight, v_proj_weight instead")
-    sd = {key: to_numpy(sd[key]) for key in keys}
-    require_shapes(sd, "state_dict", _torch_shapes(packed, d_model, kdim, vdim))
-    weights = np.split(sd["in_proj_weight"], 3) if packed else [sd[f"{c}_proj_weight"] for c in "qkv"]
-    out = {}
-    for name, w, b in zip(PROJECTIONS, weights, np.split(sd["in_proj_bias"], 3)):
-        out[f"{name}.weight"], out[f"{name}.bias"] = w, b
-    out["W_o.weight"], out["W_o.bias"] = sd["out_proj.weight"], sd["out_proj.bias"]
-    return out
-
-
-def _torch_shapes(packed, d_model, kdim, vdim):
-    """key -> shape of nn.MultiheadAttention's state_dict, packed or separate."""
-    if packed:
-        shapes = {"in_proj_weight": (3 * d_model, d_model)}
-    else:
-        shapes = {f"{c}_proj_weight": (d_model, d_in) for c, d_in in zip("qkv", (d_model, kdim, vdim))}
-    return {**shapes, "in_proj_bias": (3 * d_model,), "out_proj.weight": (d_model, d_model),
-            "out_proj.bias": (d_model,)}
 
 
 class MultiHeadAttention:
@@ -279,7 +209,7 @@ class MultiHeadAttention:
         require_mapping(state_dict, "state_dict")
         if any(key in state_dict for key in TORCH_WEIGHTS):
             state_dict = torch_to_seed_keys(state_dict, self.d_model, self.kdim, self.vdim)
-        params = _check_params(state_dict, "state_dict", self.d_model, self.kdim, self.vdim)
+        params = check_params(state_dict, "state_dict", self.d_model, self.kdim, self.vdim)
         for name, arr in params.items():
             if arr.dtype.kind == "c" and self.dtype.kind != "c":
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "

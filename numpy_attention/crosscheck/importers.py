@@ -18,15 +18,13 @@
 import numpy as np
 
 from .._checks import to_numpy
-from ..multihead import (MultiHeadAttention, _check_params, multihead_backward,
-                         multihead_forward, torch_to_seed_keys)
-
-SEED_KEYS = ("W_q", "W_k", "W_v", "W_o")
+from ..multihead import MultiHeadAttention, multihead_backward, multihead_forward
+from ..params import PROJECTIONS, check_params, torch_to_seed_keys
 
 
 def from_torch(module, *, dtype=np.float64):
     """Our module for a torch module (the seed's class or nn.MultiheadAttention), in `dtype`."""
-    if all(hasattr(module, name) for name in SEED_KEYS + ("num_heads", "d_model")):
+    if all(hasattr(module, name) for name in PROJECTIONS + ("num_heads", "d_model")):
         mha = MultiHeadAttention(module.d_model, module.num_heads, dtype=dtype, fully_masked="uniform")
         mha.load_state_dict(module.state_dict())
         return mha
@@ -50,7 +48,7 @@ class TorchMultiheadAttention:
         self.packed, self.has_bias = "in_proj_weight" in sd, "in_proj_bias" in sd
         zero_biases = {"in_proj_bias": np.zeros(3 * e, dtype), "out_proj.bias": np.zeros(e, dtype)}
         params = torch_to_seed_keys({**zero_biases, **sd}, e, module.kdim, module.vdim)
-        self.params = _check_params(params, "module.state_dict()", e, module.kdim, module.vdim)
+        self.params = check_params(params, "module.state_dict()", e, module.kdim, module.vdim)
         self.num_heads, self.batch_first, self.dtype = module.num_heads, module.batch_first, dtype
         self._cache = None
 
@@ -92,13 +90,13 @@ class TorchMultiheadAttention:
             raise RuntimeError("TorchMultiheadAttention.backward called before any forward")
         g = multihead_backward(self._layout(np.asarray(grad_output)), self._cache)
         grads = {name: self._layout(g[name]) for name in ("query", "key", "value")}
-        dw = [g[f"{name}.weight"] for name in SEED_KEYS[:3]]
+        dw = [g[f"{name}.weight"] for name in PROJECTIONS[:3]]
         if self.packed:
             grads["in_proj_weight"] = np.concatenate(dw)
         else:
             grads.update({f"{c}_proj_weight": w for c, w in zip("qkv", dw)})
         if self.has_bias:
-            grads["in_proj_bias"] = np.concatenate([g[f"{name}.bias"] for name in SEED_KEYS[:3]])
+            grads["in_proj_bias"] = np.concatenate([g[f"{name}.bias"] for name in PROJECTIONS[:3]])
             grads["out_proj.bias"] = g["W_o.bias"]
         grads["out_proj.weight"] = g["W_o.weight"]
         return grads
