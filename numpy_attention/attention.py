@@ -40,12 +40,12 @@ import numpy as np
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_cache,
                       require_choice, require_positive_real, require_probability, require_same_shape,
                       result_dtype)
-from ._layout import fold, positional_keep, unbroadcast, unfold, with_head_axis
+from ._layout import (check_window, fold, positional_keep, resolve_alignment, unbroadcast, unfold,
+                      with_head_axis)
 from .softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 from .tiled import TiledAttentionCache, check_tiled_options, tiled_backward, tiled_forward
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
-ALIGNMENTS = ("top_left", "bottom_right")
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
 
 
@@ -81,32 +81,6 @@ class AttentionGrads(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def _resolve_alignment(causal, align):
-    """One diagonal alignment for causal and window: 'top_left' (torch is_causal) by default."""
-    if isinstance(causal, str):
-        require_choice(causal, "causal", ALIGNMENTS)
-        if align is not None and align != causal:
-            raise ValueError(f"causal={causal!r} contradicts align={align!r}")
-        return True, causal
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}")
-    if align is not None:
-        require_choice(align, "align", ALIGNMENTS)
-    return bool(causal), align or "top_left"
-
-
-def _check_window(window):
-    if window is None:
-        return None
-    ok = (isinstance(window, (tuple, list)) and len(window) == 2
-          and all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
-                  and w >= -1 for w in window))
-    if not ok:
-        raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
-                         f"(-1 = unbounded), got {window!r}")
-    return int(window[0]), int(window[1])
-
 
 def _check_scale(scale, d_k):
     return 1.0 / math.sqrt(d_k) if scale is None else require_positive_real(scale, "scale")
@@ -191,8 +165,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         or a TiledAttentionCache (out, lse) with block_size.
     """
     q, k, v = _check_qkv(q, k, v)
-    causal, align = _resolve_alignment(causal, align)
-    window = _check_window(window)
+    causal, align = resolve_alignment(causal, align)
+    window = check_window(window)
     scale = _check_scale(scale, q.shape[-1])
     softcap = _check_softcap(softcap)
     require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)

@@ -27,8 +27,8 @@ import zipfile
 import numpy as np
 
 from .._checks import require_choice, require_positive_real, require_probability
-from ..attention import (ALIGNMENTS, FULLY_MASKED_POLICIES, _check_window, _resolve_alignment,
-                         attention_backward, attention_forward)
+from .._layout import ALIGNMENTS, check_window, resolve_alignment
+from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 
 INPUTS = ("q", "k", "v", "dout")
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
@@ -63,7 +63,7 @@ def _window(arrays, name):
     if x.shape != (2,) or x.dtype.kind not in "iu":
         raise CaseError(f"{name} must be an integer array of shape (2,), got dtype {x.dtype} "
                         f"with shape {x.shape}")
-    return _check_window((int(x[0]), int(x[1])))
+    return check_window((int(x[0]), int(x[1])))
 
 
 def _word(choices):
@@ -85,7 +85,7 @@ def _decode_options(arrays):
     try:
         options = {name: _DECODE[name](arrays, name) if name in _DECODE else arrays[name]
                    for name in OPTIONS if name in arrays}
-        _resolve_alignment(options.get("causal", False), options.get("align"))
+        resolve_alignment(options.get("causal", False), options.get("align"))
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
     return options

@@ -21,8 +21,7 @@ Shapes as in attention.py; the steps are attention.py's, with recursive sums:
 """
 import numpy as np
 
-from .._layout import positional_keep, unbroadcast
-from ..attention import _resolve_alignment
+from .._layout import positional_keep, resolve_alignment, unbroadcast
 
 
 def recursive_matmul(a, b):
@@ -62,7 +61,7 @@ def naive_attention(q, k, v, dout=None, *, mask=None, bias=None, causal=False, a
         s = softcap * t
     if bias is not None:
         s = s + bias
-    causal, align = _resolve_alignment(causal, align)
+    causal, align = resolve_alignment(causal, align)
     keep = positional_keep(np.arange(n_q), np.arange(n_k), n_q, n_k, causal, window, align)
     if mask is not None:
         keep = (np.asarray(mask) != 0) if keep is None else keep & (np.asarray(mask) != 0)
