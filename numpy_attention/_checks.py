@@ -45,12 +45,13 @@ def require_ndim(x, name, min_ndim, legend):
         raise ValueError(f"{name} must have at least {min_ndim} axes {legend}, got shape {x.shape}")
 
 
-def require_positive_int(value, name):
-    """Return `value` as an int, raising unless it is an integer > 0."""
+def require_positive_int(value, name, minimum=1):
+    """Return `value` as an int, raising unless it is an integer >= minimum (default 1)."""
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive integer, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be {what}, got {value}")
     return int(value)
 
 

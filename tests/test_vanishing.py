@@ -173,3 +173,11 @@ def test_cli_training_prints_curves_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "unscaled" in out and "held-out loss" in out
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_library_sweeps_refuse_a_negative_seed():
+    from numpy_attention.experiments.vanishing import scale_sweep, sweep
+    with pytest.raises(ValueError, match="seed"):
+        sweep(d_ks=(4,), n_keys=(8,), trials=2, seed=-1)
+    with pytest.raises(ValueError, match="seed"):
+        scale_sweep(d_k=4, n_keys=(8,), trials=2, seed=-1)

@@ -129,7 +129,7 @@ def sweep(d_ks=DEFAULT_D_K, n_keys=DEFAULT_N_KEYS, trials=DEFAULT_TRIALS, seed=0
     called after each (d_k, n_keys), if given.
     """
     d_ks, n_keys = _positive_ints(d_ks, "d_ks"), _positive_ints(n_keys, "n_keys")
-    trials, seed = require_positive_int(trials, "trials"), int(seed)
+    trials, seed = require_positive_int(trials, "trials"), require_positive_int(seed, "seed", minimum=0)
     records, pairs = [], [(d, n) for n in n_keys for d in d_ks]
     for done, (d, n) in enumerate(pairs, 1):
         for scaled, record in zip((True, False), measure(d, n, (d ** -0.5, 1.0), trials, seed)):
@@ -148,6 +148,7 @@ def scale_sweep(d_k=256, n_keys=DEFAULT_N_KEYS, alphas=ALPHAS, trials=DEFAULT_TR
     """
     d_k, n_keys = require_positive_int(d_k, "d_k"), _positive_ints(n_keys, "n_keys")
     trials, alphas = require_positive_int(trials, "trials"), tuple(float(a) for a in alphas)
+    seed = require_positive_int(seed, "seed", minimum=0)
     records = []
     for n in n_keys:
         for alpha, record in zip(alphas, measure(d_k, n, [d_k ** -a for a in alphas], trials, seed)):
