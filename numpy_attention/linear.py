@@ -47,9 +47,12 @@ def linear_forward(x, W, b=None):
         b = as_float_array(b, "b")
         if b.shape != (W.shape[1],):
             raise ValueError(f"b must have shape (d_out,) = ({W.shape[1]},), got {b.shape}")
-        y = y + b
-    # copies: changing the caller's x or W after the forward cannot change the backward
-    return y, LinearCache(x=x.copy(), W=W.copy(), has_bias=b is not None, out_shape=y.shape)
+        y = np.add(y, b, out=y if np.result_type(y, b) == y.dtype else None)   # in place: y is ours
+    # copies: changing the caller's x or W after the forward cannot change the backward.
+    # order="K" keeps each one's memory layout: W is often a transposed view (weight.T), and a
+    # copy in that order is a plain memcpy, not a transpose
+    return y, LinearCache(x=x.copy(order="K"), W=W.copy(order="K"), has_bias=b is not None,
+                          out_shape=y.shape)
 
 
 def linear_backward(dy, cache):
