@@ -40,7 +40,7 @@ import numpy as np
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_cache,
                       require_choice, require_positive_real, require_probability, require_same_shape,
                       result_dtype)
-from ._layout import (check_window, fold, positional_keep, resolve_alignment, unbroadcast, unfold,
+from ._layout import (check_window, positional_keep, resolve_alignment, unbroadcast,
                       with_head_axis)
 from .softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 from .tiled import TiledAttentionCache, check_tiled_options, tiled_backward, tiled_forward
@@ -56,14 +56,26 @@ class AttentionCache(NamedTuple):
     scale: float
     softcap: Optional[float]
     softcap_tanh: Optional[np.ndarray]   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
-    bias_shape: Optional[tuple]     # the bias's own shape, for dbias; None without a bias
-    scores: np.ndarray              # [..., H, N_q, N_k] S, the softmax input (-inf where masked)
+    keep: Optional[np.ndarray]      # the caller's keep-mask (bool), broadcastable to the scores
+    bias: Optional[np.ndarray]      # a copy of the caller's bias, broadcastable to the scores
+    causal: bool
+    window: Optional[tuple]
+    align: str
     weights: np.ndarray             # [..., H, N_q, N_k] P, before dropout
     lse: np.ndarray                 # [..., H, N_q] logsumexp of each row of S (-inf: fully masked)
     dropout_scale: Optional[np.ndarray]  # broadcastable to P: dropout_mask / (1 - dropout_p), or None
     out: np.ndarray                 # [..., H, N_q, d_v]
     fully_masked: str
-    masked: bool                    # whether step 4 set any score to -inf
+    masked: bool                    # whether step 4 sets any score to -inf
+
+    @property
+    def scores(self):
+        """S [..., H, N_q, N_k], the softmax input (-inf where masked), recomputed from q and k.
+
+        Not stored: the forward only ever holds one block of it (see `_row_blocks`).
+        """
+        g = _grouped(self)
+        return _block_scores(self, g, _whole(g))[0].reshape(self.weights.shape)
 
 
 class AttentionStages(NamedTuple):
@@ -130,12 +142,106 @@ def _check_finite(name, x, allow_neginf=False):
                          f"(check_finite=True)")
 
 
+# ----------------------------------------------------------------------------- blocks of rows
+#
+# The materialized path stores P [..., H, N_q, N_k] whole, but computes everything else
+# one block of rows at a time, so that each element-wise pass over the scores works on a
+# block in the processor's cache instead of streaming [N_q, N_k] arrays through memory
+# (softmax is row-wise: the blocks change nothing but the order of dk's and dv's sums).
+# It works in a grouped layout where the G query heads that share a kv head meet it by
+# broadcasting, so no array is ever copied per group:
+#
+#     q [..., H_kv, G, N_q, d_k]    k [..., H_kv, 1, N_k, d_k]    v [..., H_kv, 1, N_k, d_v]
+#     scores, mask, bias, dropout [..., H_kv, G, N_q, N_k]          (views; G = 1 without GQA)
+#
+# A block is an index tuple ix over [..., H_kv, G, N_q] (slices only, so every axis stays):
+# the scores' block is x[ix], its query rows q[ix], its keys and values k[ix[:-2]], v[ix[:-2]].
+
+BLOCK_BYTES = 8 << 20       # scores per block: the best of 1-32 MiB measured here (a few MiB, about L2)
+
+
+class _Grouped(NamedTuple):
+    q: np.ndarray                   # [..., H_kv, G, N_q, d_k]
+    k: np.ndarray                   # [..., H_kv, 1, N_k, d_k]
+    v: np.ndarray                   # [..., H_kv, 1, N_k, d_v]
+    keep: Optional[np.ndarray]      # [..., H_kv, G, N_q, N_k] broadcast views, or None
+    bias: Optional[np.ndarray]
+    dropout_scale: Optional[np.ndarray]
+
+
+def _grouped(c):
+    """The cache's arrays in the grouped layout (views, no copies)."""
+    q3, k3 = with_head_axis(c.q), with_head_axis(c.k)
+    h_kv, n_q, n_k = k3.shape[-3], q3.shape[-2], k3.shape[-2]
+    lead = q3.shape[:-3] + (h_kv, q3.shape[-3] // h_kv)
+    scores = lead + (n_q, n_k)
+    as_scores = lambda x: None if x is None else np.broadcast_to(x, c.q.shape[:-1] + (n_k,)).reshape(scores)
+    return _Grouped(q=q3.reshape(lead + q3.shape[-2:]), k=k3[..., None, :, :],
+                    v=with_head_axis(c.v)[..., None, :, :], keep=as_scores(c.keep),
+                    bias=as_scores(c.bias), dropout_scale=as_scores(c.dropout_scale))
+
+
+def _whole(g):
+    """The block index of all the scores at once."""
+    return (slice(None),) * (g.q.ndim - 1)
+
+
+def _row_blocks(g, itemsize):
+    """The blocks the materialized path works on, each about BLOCK_BYTES of scores.
+
+    The block space is [..., H_kv, G, N_q] (a row of scores costs N_k * itemsize): its
+    trailing axes are taken whole while they fit, the next axis in chunks, and the axes
+    before it one index at a time. Small problems are one block (one batched matmul per
+    step), a long sequence is one head at a time in slices of rows.
+    """
+    shape = g.q.shape[:-1]
+    fit = max(1, BLOCK_BYTES // max(1, g.k.shape[-2] * itemsize))     # rows per block
+    a, inner = len(shape), 1                                          # shape[a:] fits whole
+    while a > 0 and inner * shape[a - 1] <= fit:
+        a -= 1
+        inner *= shape[a]
+    if a == 0:
+        return [_whole(g)]
+    step, tail = fit // inner, (slice(None),) * (len(shape) - a)
+    return [tuple(slice(i, i + 1) for i in outer) + (slice(j, min(j + step, shape[a - 1])),) + tail
+            for outer in np.ndindex(*shape[:a - 1]) for j in range(0, shape[a - 1], step)]
+
+
+def _block_keep(c, g, ix):
+    """Which scores of block ix are kept: mask & causal & window & (bias != -inf); None: all."""
+    n_q, n_k = g.q.shape[-2], g.k.shape[-2]
+    keep = positional_keep(np.arange(n_q)[ix[-1]], np.arange(n_k), n_q, n_k,
+                           c.causal, c.window, c.align)                  # [rows, N_k] or None
+    for part in (None if g.keep is None else g.keep[ix],
+                 None if g.bias is None else ~np.isneginf(g.bias[ix].real)):
+        if part is not None:
+            keep = part if keep is None else keep & part
+    return keep
+
+
+def _block_scores(c, g, ix):
+    """Steps 1-4 on block ix: (S, tanh(S_1 / softcap) or None), S a fresh [..., rows, N_k]."""
+    s = (g.q[ix] * c.scale) @ np.swapaxes(g.k[ix[:-2]], -1, -2)       # 1. scale q k^T
+    t = None
+    if c.softcap is not None:                                         # 2. softcap
+        t = np.tanh(s / c.softcap)
+        s = np.multiply(t, c.softcap, out=s)
+    if g.bias is not None:                                            # 3. bias
+        s += g.bias[ix]
+    if c.masked:                                                      # 4. -inf where not kept
+        np.copyto(s, -np.inf, where=~_block_keep(c, g, ix))
+    return s, t
+
+
 # ----------------------------------------------------------------------------- forward / backward
 
 def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, block_size=None):
-    """out = softmax(scale * q k^T [+ options]) v, materializing the [N_q, N_k] scores.
+    """out = softmax(scale * q k^T [+ options]) v, materializing the [N_q, N_k] weights P.
+
+    The steps run on blocks of rows of about BLOCK_BYTES of scores (see "blocks of rows"
+    above); only P, which the backward and the caller need, is stored whole.
 
     Args:
         q: [..., H, N_q, d_k]; k: [..., H_kv, N_k, d_k]; v: [..., H_kv, N_k, d_v].
@@ -161,7 +267,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             no [N_q, N_k] array, O(N) memory, the same results; mask, bias, causal,
             window, scale, GQA and fully_masked='zero' only (ValueError for the rest).
     Returns:
-        out [..., H, N_q, d_v] and an AttentionCache (scores S, weights P, lse inside),
+        out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside; cache.scores
+        recomputes S),
         or a TiledAttentionCache (out, lse) with block_size.
     """
     q, k, v = _check_qkv(q, k, v)
@@ -189,50 +296,43 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     q, k, v = q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
     if dropout_scale is not None:                                # keep / (1 - p) in the scores' dtype
         dropout_scale = dropout_scale.astype(q.real.dtype)
+    bias = None if bias is None else bias.copy()                 # the cache keeps it
     if block_size is not None:                                   # the tiled path, O(N) memory
         block_size = check_tiled_options(block_size, softcap, dropout_scale, fully_masked)
-        bias = None if bias is None else bias.copy()             # the tiled cache keeps it
         return tiled_forward(q, k, v, keep=keep, bias=bias, scale=scale, causal=causal,
                              window=window, align=align, block_size=block_size)
 
-    q3, k3, v3 = map(with_head_axis, (q, k, v))                  # a head axis always
-    h, h_kv = q3.shape[-3], k3.shape[-3]
-    n_q, n_k = q.shape[-2], k.shape[-2]
-
-    # 1. S = scale * q k^T, with each group's query heads folded into rows
-    s = unfold(fold(q3 * scale, h_kv) @ np.swapaxes(k3, -1, -2), h)   # [..., H, N_q, N_k]
-    s = s.reshape(score_shape)
-    # (s is this function's own array from here on: steps 3-5 work on it in place)
-    # 2. softcap
-    t = None
-    if softcap is not None:
-        t = np.tanh(s / softcap)
-        s = softcap * t
-    # 3. additive bias
-    if bias is not None:
-        s += bias
-    # 4. masks: -inf where a pair is not kept
-    pos = positional_keep(np.arange(n_q), np.arange(n_k), n_q, n_k, causal, window, align)
-    if pos is not None:
-        keep = pos if keep is None else keep & pos
-    if keep is not None:
-        np.copyto(s, -np.inf, where=~keep)
-    # 5. softmax (rows of all -inf come out as zeros) and lse, then the fully-masked policy
-    p, lse = softmax_and_logsumexp(s)                            # [..., H, N_q, N_k], [..., H, N_q]
-    if fully_masked != "zero":
-        dead = np.isneginf(lse.real)[..., None]
-        np.copyto(p, 1.0 / n_k if fully_masked == "uniform" else np.nan, where=dead)
-    # 6. dropout with the caller's keep-mask
-    p_drop = p if dropout_scale is None else p * dropout_scale
-    # 7. out = P~ v
-    p3 = with_head_axis(p_drop)
-    out = unfold(fold(p3, h_kv) @ v3, h).reshape(q.shape[:-1] + (v.shape[-1],))
-    masked = keep is not None or (bias is not None and bool(np.isneginf(bias.real).any()))
-    cache = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=t,
-                           bias_shape=None if bias is None else bias.shape, scores=s, weights=p,
-                           lse=lse, dropout_scale=dropout_scale, out=out.copy(),
-                           fully_masked=fully_masked, masked=masked)
-    return out, cache
+    masked = (keep is not None or causal or window is not None
+              or (bias is not None and bool(np.isneginf(bias.real).any())))
+    c = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=None, keep=keep,
+                       bias=bias, causal=causal, window=window,
+                       align=align, weights=None, lse=None, dropout_scale=dropout_scale, out=None,
+                       fully_masked=fully_masked, masked=masked)
+    g = _grouped(c)                                               # the grouped layout (views)
+    grouped_shape = g.q.shape[:-1] + (g.k.shape[-2],)             # [..., H_kv, G, N_q, N_k]
+    p = np.empty(grouped_shape, q.dtype)
+    t = None if softcap is None else np.empty(grouped_shape, q.dtype)
+    lse = np.empty(grouped_shape[:-1], q.dtype)                   # [..., H_kv, G, N_q]
+    out = np.empty(grouped_shape[:-1] + (g.v.shape[-1],), q.dtype)   # [..., H_kv, G, N_q, d_v]
+    for ix in _row_blocks(g, p.itemsize):
+        # 1-4. S = scale q k^T, softcap, + bias, -inf where not kept (one block of rows)
+        s, t_block = _block_scores(c, g, ix)
+        if t is not None:
+            t[ix] = t_block
+        # 5. P = softmax(S) (rows of all -inf come out as zeros), lse; the fully-masked policy
+        p_block, lse[ix] = softmax_and_logsumexp(s, out=p[ix], overwrite_z=True)
+        if fully_masked != "zero":
+            dead = np.isneginf(lse[ix].real)[..., None]
+            np.copyto(p_block, 1.0 / g.k.shape[-2] if fully_masked == "uniform" else np.nan, where=dead)
+        # 6. dropout with the caller's keep-mask
+        if g.dropout_scale is not None:
+            p_block = p_block * g.dropout_scale[ix]
+        # 7. out = P~ v
+        np.matmul(p_block, g.v[ix[:-2]], out=out[ix])
+    out = out.reshape(q.shape[:-1] + (v.shape[-1],))              # back to [..., H, ...]
+    c = c._replace(weights=p.reshape(score_shape), lse=lse.reshape(q.shape[:-1]),
+                   softcap_tanh=None if t is None else t.reshape(score_shape), out=out.copy())
+    return out, c
 
 
 def _dropout_scale(dropout_mask, dropout_p, score_shape, legend):
@@ -257,7 +357,7 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
             'vjp'      dS = P * (dP - rowsum(P * dP))             (softmax_backward)
             'jacobian' dS = J dP with J = diag(P) - P P^T per row  (softmax_jacobian; O(N_k^2) per row)
             'flash'    dS = P * (dP - D), D = rowsum(dout * out), P recomputed as exp(S - lse)
-                       (FlashAttention's backward)
+                       with S recomputed from q and k (FlashAttention's backward)
         return_stages: also return AttentionStages(dP, dS, D) for per-stage comparison.
     A TiledAttentionCache (block_size) goes to the tiled backward: method 'vjp' or 'flash'
     (the same there), no stages.
@@ -270,41 +370,67 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", BACKWARD_METHODS)
     dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)
-    q, k, v, p = cache.q, cache.k, cache.v, cache.weights
-    q3, k3, v3, dout3 = map(with_head_axis, (q, k, v, dout))
-    h, h_kv = q3.shape[-3], k3.shape[-3]
-    as_weights = lambda x: x.reshape(p.shape)    # [..., H, N_q, N_k]: 2-axis inputs lose the head axis
+    g = _grouped(cache)                                           # the grouped layout (views)
+    grouped = lambda x: x.reshape(g.q.shape[:-2] + x.shape[-2:])  # [..., H, N_q, X] -> [..., H_kv, G, N_q, X]
+    p, dout_g = grouped(cache.weights), grouped(with_head_axis(dout))
+    t = None if cache.softcap_tanh is None else grouped(cache.softcap_tanh)
+    D = np.sum(dout * cache.out, axis=-1)                         # [..., H, N_q] = rowsum(P * dP)
+    D_g, lse_g = (x.reshape(g.q.shape[:-1]) for x in (D, cache.lse))
+    dtype = np.result_type(dout, p)
+    dq, dk, dv = np.empty(g.q.shape, dtype), np.zeros(g.k.shape, dtype), np.zeros(g.v.shape, dtype)
+    dP = np.empty(p.shape, dtype) if return_stages else None     # whole stages only when asked for,
+    dS = np.empty(p.shape, dtype) if return_stages or cache.bias is not None else None   # or for dbias
+    for ix in _row_blocks(g, p.itemsize):
+        kv = ix[:-2]                                              # the block's k, v (its kv heads)
+        # 7. out = P~ v:  dP~ = dout v^T,  dv = P~^T dout (summed over the group; after step 5,
+        #    which reads the block of P first)
+        dp = dout_g[ix] @ _t(g.v[kv])
+        # 6. dropout:  dP = dP~ * mask / (1 - p)
+        if g.dropout_scale is not None:
+            dp *= g.dropout_scale[ix]                             # dp is this function's own block
+        if dP is not None:
+            dP[ix] = dp
+        # 5. softmax:  dS = P * (dP - rowsum(P * dP))
+        p_block = p[ix]
+        if method == "vjp":
+            ds = softmax_backward(dp, SoftmaxCache(p=p_block), overwrite_dp=True)
+        elif method == "jacobian":
+            ds = (softmax_jacobian(p_block) @ dp[..., None])[..., 0]   # [..., N_k, N_k] @ [..., N_k, 1]
+        else:                                                     # P recomputed from S and lse
+            s = _block_scores(cache, g, ix)[0]
+            with np.errstate(invalid="ignore"):                   # -inf - (-inf) in fully masked rows
+                s -= lse_g[ix][..., None]
+            p_re = np.exp(s, out=s)
+            ds = np.where(np.isnan(p_re), 0, p_re) * (dp - D_g[ix][..., None])
+        # 4. masks: a score that is -inf is a constant; nothing flows through it
+        if cache.masked:
+            np.copyto(ds, 0, where=~_block_keep(cache, g, ix))   # ds is this function's own block
+        if dS is not None:
+            dS[ix] = ds
+        # 7 (dv). dv = P~^T dout, as (dout^T P~)^T: the [N, N_k] operand untransposed is the faster matmul
+        p_drop = p_block if g.dropout_scale is None else p_block * g.dropout_scale[ix]
+        dv[kv] += _group_sum(_t(_t(dout_g[ix]) @ p_drop))
+        # 3. bias: dbias = dS summed over the axes bias was broadcast along (after the loop)
+        # 2. softcap:  S = c tanh(S0 / c)  ->  dS0 = dS (1 - tanh^2)
+        if t is not None:
+            ds *= 1 - t[ix] ** 2
+        # 1. S = scale * q k^T:  dq = scale * dS k,  dk = scale * dS^T q (summed over the group)
+        np.matmul(ds, g.k[kv], out=dq[ix])
+        dk[kv] += _group_sum(_t(_t(g.q[ix]) @ ds))                  # as (q^T dS)^T, like dv
+    dq *= cache.scale
+    dk *= cache.scale
+    score_shape = cache.weights.shape
+    dbias = None if cache.bias is None else unbroadcast(dS.reshape(score_shape), cache.bias.shape)
+    stages = AttentionStages(dP=dP.reshape(score_shape), dS=dS.reshape(score_shape), D=D) if return_stages else None
+    return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
+                          dv=dv.reshape(cache.v.shape), dbias=dbias, stages=stages)
 
-    # 7. out = P~ v:  dv = P~^T dout (summed over the group),  dP~ = dout v^T
-    p_drop = p if cache.dropout_scale is None else p * cache.dropout_scale
-    p_drop3 = with_head_axis(p_drop)
-    dout_f = fold(dout3, h_kv)                                  # [..., H_kv, G*N_q, d_v]
-    dv = (np.swapaxes(fold(p_drop3, h_kv), -1, -2) @ dout_f).reshape(v.shape)
-    dp = as_weights(unfold(dout_f @ np.swapaxes(v3, -1, -2), h))
-    # 6. dropout:  dP = dP~ * mask / (1 - p)
-    if cache.dropout_scale is not None:
-        dp *= cache.dropout_scale                                # dp is this function's own array
-    # 5. softmax:  dS = P * (dP - rowsum(P * dP))
-    D = np.sum(dout * cache.out, axis=-1)                        # [..., H, N_q] = rowsum(P * dP)
-    if method == "vjp":
-        ds = softmax_backward(dp, SoftmaxCache(p=p), overwrite_dp=not return_stages)
-    elif method == "jacobian":
-        ds = (softmax_jacobian(p) @ dp[..., None])[..., 0]      # [..., N_k, N_k] @ [..., N_k, 1]
-    else:
-        with np.errstate(invalid="ignore"):                      # -inf - (-inf) in fully masked rows
-            p_re = np.exp(cache.scores - cache.lse[..., None])
-        ds = np.where(np.isnan(p_re), 0, p_re) * (dp - D[..., None])
-    # 4. masks: a score that is -inf is a constant; nothing flows through it
-    if cache.masked:
-        np.copyto(ds, 0, where=np.isneginf(cache.scores.real))  # ds is this function's own array
-    stages = AttentionStages(dP=dp, dS=ds, D=D) if return_stages else None
-    # 3. bias:  S = S + bias  ->  dbias = dS, summed over the axes bias was broadcast along
-    dbias = None if cache.bias_shape is None else unbroadcast(ds, cache.bias_shape)
-    # 2. softcap:  S = c tanh(S0 / c)  ->  dS0 = dS (1 - tanh^2)
-    if cache.softcap_tanh is not None:
-        ds = ds * (1 - cache.softcap_tanh ** 2)
-    # 1. S = scale * q k^T:  dq = scale * dS k,  dk = scale * dS^T q (summed over the group)
-    ds_f = fold(with_head_axis(ds), h_kv)         # [..., H_kv, G*N_q, N_k]
-    dq = (cache.scale * unfold(ds_f @ k3, h)).reshape(q.shape)
-    dk = (cache.scale * (np.swapaxes(ds_f, -1, -2) @ fold(q3, h_kv))).reshape(k.shape)
-    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, stages=stages)
+
+def _t(x):
+    """The transpose of the last two axes (a view)."""
+    return np.swapaxes(x, -1, -2)
+
+
+def _group_sum(x):
+    """Sum over the G query heads of a group (axis -3 of the grouped layout), keeping the axis."""
+    return x.sum(axis=-3, keepdims=True)

@@ -31,11 +31,12 @@ class SoftmaxCache(NamedTuple):
     p: np.ndarray            # [..., n] the softmax output: all the backward needs
 
 
-def _exp_below_top(z):
+def _exp_below_top(z, overwrite_z=False):
     """Split each row at its top entry z_top (largest real part) and exponentiate the rest.
 
     Returns:
         e [..., n]      exp(z_j - z_top) for j != top, 0 at the top entry: a fresh array
+                        (z's own memory with overwrite_z=True)
         top [..., 1]    the top entry's index
         t [..., 1]      sum_j e_j, the other entries' mass relative to the top one
         z_top [..., 1]  the top entry (-inf for a row of all -inf, where e and t are 0)
@@ -44,25 +45,32 @@ def _exp_below_top(z):
     """
     top = np.argmax(z.real, axis=-1)[..., None]                   # [..., 1]
     z_top = np.take_along_axis(z, top, axis=-1)                   # [..., 1]
-    e = np.subtract(z, np.where(np.isneginf(z_top.real), 0, z_top))   # fresh; -inf rows stay -inf
+    e = np.subtract(z, np.where(np.isneginf(z_top.real), 0, z_top),   # -inf rows stay -inf
+                    out=z if overwrite_z else None)
     np.exp(e, out=e)                                              # in [0, 1]
     np.put_along_axis(e, top, 0, axis=-1)
     return e, top, np.sum(e, axis=-1, keepdims=True), z_top
 
 
-def softmax_and_logsumexp(z):
-    """(p [..., n], lse [...]) of the rows of z in one pass; p is a fresh array.
+def softmax_and_logsumexp(z, *, out=None, overwrite_z=False):
+    """(p [..., n], lse [...]) of the rows of z in one pass.
 
     p_i = exp(z_i - z_top) / (1 + t) and lse = z_top + log1p(t), t = sum_{j != top} exp(z_j - z_top).
     A row of all -inf gives p = 0 and lse = -inf; an empty row gives lse = -inf.
+
+    out: an array of z's shape and dtype to write p into (attention writes each block of
+        rows straight into its weights); p is a fresh array otherwise.
+    overwrite_z=True lets the function use z's memory as scratch (z is lost): for callers
+        that own z and do not need it afterwards.
     """
     if z.shape[-1] == 0:
-        return np.zeros(z.shape, z.dtype), np.full(z.shape[:-1], -np.inf, z.dtype)
-    e, top, t, z_top = _exp_below_top(z)
+        p = np.zeros(z.shape, z.dtype) if out is None else out
+        return p, np.full(z.shape[:-1], -np.inf, z.dtype)
+    e, top, t, z_top = _exp_below_top(z, overwrite_z)
     inv = 1 / (1 + t)                                             # [..., 1]
-    e *= inv                                                      # e becomes p (ours: in place)
-    np.put_along_axis(e, top, np.where(np.isneginf(z_top.real), 0, inv), axis=-1)
-    return e, (z_top + np.log1p(t))[..., 0]
+    p = np.multiply(e, inv, out=e if out is None else out)        # e is ours: p may take its place
+    np.put_along_axis(p, top, np.where(np.isneginf(z_top.real), 0, inv), axis=-1)
+    return p, (z_top + np.log1p(t))[..., 0]
 
 
 def logsumexp(z, axis=-1, keepdims=False):

@@ -1,0 +1,115 @@
+"""The materialized path's blocks of rows (attention.BLOCK_BYTES): any block size gives the
+same numbers as one block, for every option; the blocks cover every row exactly once."""
+import numpy as np
+import pytest
+
+import numpy_attention as na
+from numpy_attention import attention
+
+RTOL = 1e-13          # float64, normwise; only the order of dk's, dv's and dbias's sums differs
+
+# block sizes in bytes: one row of scores per block, a few rows, a few heads, all at once
+SIZES = {"one row": 1, "three rows": 3 * 13 * 8, "heads": 2 * 9 * 13 * 8, "one block": 1 << 40}
+
+RNG = np.random.default_rng(3)
+MASK = RNG.random((2, 1, 9, 13)) < 0.6
+MASK[1, 0, 4] = False                                            # a fully masked row
+BIAS = RNG.standard_normal((3, 1, 13))                           # broadcast over B and N_q
+DROP = RNG.random((2, 3, 9, 13)) < 0.8
+
+OPTIONS = {
+    "plain": {},
+    "mask with a dead row": {"mask": MASK},
+    "bias broadcast": {"bias": BIAS},
+    "bias with -inf": {"bias": np.where(MASK, 0.0, -np.inf)},
+    "causal top_left": {"causal": True},
+    "causal bottom_right": {"causal": "bottom_right"},
+    "window": {"window": (2, 1), "align": "bottom_right"},
+    "softcap": {"softcap": 2.0, "scale": 1.0},
+    "dropout": {"dropout_mask": DROP, "dropout_p": 0.2},
+    "uniform policy": {"mask": MASK, "fully_masked": "uniform"},
+    "nan policy": {"mask": MASK, "fully_masked": "nan"},
+}
+
+
+def run(q, k, v, dout, method, options):
+    out, cache = na.attention_forward(q, k, v, **options)
+    grads = na.attention_backward(dout, cache, method=method, return_stages=True)
+    return {"out": out, "lse": cache.lse, "P": cache.weights, "S": cache.scores, "dq": grads.dq,
+            "dk": grads.dk, "dv": grads.dv, "dbias": grads.dbias, "dP": grads.stages.dP,
+            "dS": grads.stages.dS, "D": grads.stages.D}
+
+
+def assert_same(blocked, whole):
+    for name, b in whole.items():
+        a = blocked[name]
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+        np.testing.assert_array_equal(np.isneginf(a.real), np.isneginf(b.real), err_msg=name)
+        finite = np.isfinite(b)
+        scale = max(np.max(np.abs(b[finite]), initial=0.0), 1e-300)
+        assert np.max(np.abs(a[finite] - b[finite]), initial=0.0) <= RTOL * scale, name
+
+
+def inputs(heads_kv=3, dtype=np.float64):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 9, 4)).astype(dtype)
+    k, v = (rng.standard_normal((2, heads_kv, 13, d)).astype(dtype) for d in (4, 5))
+    return q, k, v, rng.standard_normal((2, 3, 9, 5)).astype(dtype)
+
+
+@pytest.mark.parametrize("size", [s for s in SIZES if s != "one block"])
+@pytest.mark.parametrize("method", ["vjp", "jacobian", "flash"])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_any_block_size_gives_the_numbers_of_one_block(monkeypatch, option, method, size):
+    q, k, v, dout = inputs()
+    whole = run(q, k, v, dout, method, OPTIONS[option])
+    monkeypatch.setattr(attention, "BLOCK_BYTES", SIZES[size])
+    assert_same(run(q, k, v, dout, method, OPTIONS[option]), whole)
+
+
+@pytest.mark.parametrize("size", [s for s in SIZES if s != "one block"])
+@pytest.mark.parametrize("case", ["grouped-query", "complex", "single head [N, d]"])
+def test_blocks_of_grouped_complex_and_single_head_inputs(monkeypatch, case, size):
+    if case == "grouped-query":                                  # G = 3 query heads per kv head
+        q, k, v, dout = inputs(heads_kv=1)
+    elif case == "complex":                                      # complex-step inputs
+        q, k, v, dout = inputs()
+        q = q + 1e-20j * np.random.default_rng(1).standard_normal(q.shape)
+    else:
+        q, k, v, dout = (x[0, 0] for x in inputs())
+    options = {"mask": MASK[0, 0]} if case == "single head [N, d]" else {"causal": True}
+    whole = run(q, k, v, dout, "vjp", options)
+    monkeypatch.setattr(attention, "BLOCK_BYTES", SIZES[size])
+    assert_same(run(q, k, v, dout, "vjp", options), whole)
+
+
+@pytest.mark.parametrize("lead", [(1, 1), (2, 3, 1), (2, 2, 4), (3, 1, 2, 2), (0, 2, 1)])
+@pytest.mark.parametrize("n_q, n_k", [(1, 1), (7, 5), (64, 3), (0, 4), (5, 0)])
+@pytest.mark.parametrize("budget", [1, 40, 300, 5000, 1 << 40])
+def test_row_blocks_cover_every_row_once(monkeypatch, lead, n_q, n_k, budget):
+    monkeypatch.setattr(attention, "BLOCK_BYTES", budget)
+    g = attention._Grouped(q=np.zeros(lead + (n_q, 2)), k=np.zeros(lead[:-1] + (1, n_k, 2)),
+                           v=None, keep=None, bias=None, dropout_scale=None)
+    count = np.zeros(lead + (n_q,), int)
+    for ix in attention._row_blocks(g, 8):
+        assert all(isinstance(s, slice) for s in ix) and len(ix) == len(lead) + 1
+        count[ix] += 1
+        rows = count[ix].size // max(1, np.prod(count[ix].shape[:-1]))
+        assert count[ix].size * n_k * 8 <= max(budget, n_k * 8) or rows == 1
+    np.testing.assert_array_equal(count, 1)
+
+
+def test_the_default_blocks_split_a_long_sequence_by_heads_and_rows():
+    g = attention._Grouped(q=np.zeros((1, 8, 1, 2048, 64)), k=np.zeros((1, 8, 1, 2048, 64)),
+                           v=None, keep=None, bias=None, dropout_scale=None)
+    blocks = attention._row_blocks(g, 8)
+    rows = attention.BLOCK_BYTES // (2048 * 8)
+    assert len(blocks) == 8 * 2048 // rows                      # one head at a time, in slices of rows
+    assert blocks[0] == (slice(0, 1), slice(0, 1), slice(0, 1), slice(0, rows))
+    small = attention._Grouped(q=np.zeros((2, 8, 1, 10, 64)), k=np.zeros((2, 8, 1, 10, 64)),
+                               v=None, keep=None, bias=None, dropout_scale=None)
+    assert attention._row_blocks(small, 8) == [attention._whole(small)]   # the seed's shape: one block
