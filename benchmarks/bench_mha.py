@@ -1,10 +1,11 @@
 """Forward + backward of MultiHeadAttention: ours against PyTorch CPU autograd, one run.
 
-    python3 benchmarks/bench_mha.py [--repeats 5] [--no-memory] [--dtypes float64 float32]
+    python3 benchmarks/bench_mha.py [--rounds 4] [--no-memory] [--dtypes float64 float32]
                                     [--numpy-hugepages on|off]
 
 For each (B, N, d_model, heads) and dtype: the median time of one forward + backward
-(inputs query, key, value distinct; random upstream gradient), its GFLOP/s, the % of
+(inputs query, key, value distinct; random upstream gradient) in steady state, ours and
+torch's timed in interleaved bursts (_common.median_times), its GFLOP/s, the % of
 numpy's own matmul GFLOP/s measured in the same run (the ceiling), the time ratio
 torch / ours (> 1: ours is faster), and the peak RSS of a child process that runs one
 forward + backward. torch runs the seed's class with the same weights and thread count.
@@ -81,7 +82,7 @@ def blas_threads():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4, help="bursts of 3 timed calls per contender")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     ap.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES")
@@ -104,7 +105,7 @@ def main():
         for idx in args.shapes or range(len(SHAPES)):
             B, N, D, H = SHAPES[idx]
             steps = [ours_step(B, N, D, H, dtype)[1]] + ([torch_step(B, N, D, H, dtype, threads)] if torch else [])
-            t_ours, t_torch = (median_times(steps, args.repeats) + [None])[:2]
+            t_ours, t_torch = (median_times(steps, args.rounds) + [None])[:2]
             gf = flops(B, N, D) / t_ours / 1e9
             row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", f"{gf:.1f}", f"{100 * gf / peak:.0f}%"]
             row += [f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x"] if torch else ["-", "-"]
