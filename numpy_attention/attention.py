@@ -27,10 +27,11 @@ Backward, the same steps in reverse (derivations in docs/derivations.md):
     2. dS = dS * (1 - tanh^2(S / softcap))
     1. dq = scale * dS k,  dk = scale * dS^T q   (dk, dv summed over each query group)
 
-Grouped-query attention folds the G query heads that share a kv head into the
-row axis: q [..., H, N_q, d] -> [..., H_kv, G*N_q, d]; then every step is one
-batched matmul against k [..., H_kv, N_k, d] and the group sums in dk, dv are
-part of that matmul.
+Grouped-query attention splits the query heads as [H_kv, G]: q [..., H, N_q, d] is
+viewed as [..., H_kv, G, N_q, d] and meets k [..., H_kv, 1, N_k, d] by broadcasting,
+so every step is one batched matmul, and dk, dv sum over the G axis.
+
+The steps run on blocks of query rows ("blocks of rows" below); only P is stored whole.
 """
 import math
 from typing import NamedTuple, Optional
