@@ -98,8 +98,7 @@ def test_row_blocks_cover_every_row_once(monkeypatch, lead, n_q, n_k, budget):
     for ix in attention._row_blocks(g, 8):
         assert all(isinstance(s, slice) for s in ix) and len(ix) == len(lead) + 1
         count[ix] += 1
-        rows = count[ix].size // max(1, np.prod(count[ix].shape[:-1]))
-        assert count[ix].size * n_k * 8 <= max(budget, n_k * 8) or rows == 1
+        assert count[ix].size * n_k * 8 <= max(budget, n_k * 8)   # within budget, or one row
     np.testing.assert_array_equal(count, 1)
 
 
