@@ -383,8 +383,10 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     dS = np.empty(p.shape, dtype) if return_stages or cache.bias is not None else None   # or for dbias
     for ix in _row_blocks(g, p.itemsize):
         kv = ix[:-2]                                              # the block's k, v (its kv heads)
-        # 7. out = P~ v:  dP~ = dout v^T,  dv = P~^T dout (summed over the group; after step 5,
-        #    which reads the block of P first)
+        # 7. out = P~ v:  dv = P~^T dout (summed over the group),  dP~ = dout v^T
+        p_block = p[ix]
+        p_drop = p_block if g.dropout_scale is None else p_block * g.dropout_scale[ix]
+        dv[kv] += _group_sum(_t(p_drop) @ dout_g[ix])
         dp = dout_g[ix] @ _t(g.v[kv])
         # 6. dropout:  dP = dP~ * mask / (1 - p)
         if g.dropout_scale is not None:
@@ -392,7 +394,6 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
         if dP is not None:
             dP[ix] = dp
         # 5. softmax:  dS = P * (dP - rowsum(P * dP))
-        p_block = p[ix]
         if method == "vjp":
             ds = softmax_backward(dp, SoftmaxCache(p=p_block), overwrite_dp=True)
         elif method == "jacobian":
@@ -408,16 +409,13 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
             np.copyto(ds, 0, where=~_block_keep(cache, g, ix))   # ds is this function's own block
         if dS is not None:
             dS[ix] = ds
-        # 7 (dv). dv = P~^T dout, as (dout^T P~)^T: the [N, N_k] operand untransposed is the faster matmul
-        p_drop = p_block if g.dropout_scale is None else p_block * g.dropout_scale[ix]
-        dv[kv] += _group_sum(_t(_t(dout_g[ix]) @ p_drop))
         # 3. bias: dbias = dS summed over the axes bias was broadcast along (after the loop)
         # 2. softcap:  S = c tanh(S0 / c)  ->  dS0 = dS (1 - tanh^2)
         if t is not None:
             ds *= 1 - t[ix] ** 2
         # 1. S = scale * q k^T:  dq = scale * dS k,  dk = scale * dS^T q (summed over the group)
         np.matmul(ds, g.k[kv], out=dq[ix])
-        dk[kv] += _group_sum(_t(_t(g.q[ix]) @ ds))                  # as (q^T dS)^T, like dv
+        dk[kv] += _group_sum(_t(ds) @ g.q[ix])
     dq *= cache.scale
     dk *= cache.scale
     score_shape = cache.weights.shape
