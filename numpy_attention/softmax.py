@@ -20,7 +20,7 @@ Numerical choices:
   is chosen by real part, and the shift subtracts the (complex) top entry
   itself, so the perturbation is carried without cancellation.
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -29,6 +29,8 @@ from ._checks import as_float_array, require_cache, require_ndim, require_same_s
 
 class SoftmaxCache(NamedTuple):
     p: np.ndarray            # [..., n] the softmax output: all the backward needs
+    top: Optional[np.ndarray] = None   # [..., 1] index of each row's largest p, if known
+                                       # (softmax_backward finds it otherwise)
 
 
 def _exp_below_top(z, overwrite_z=False):
@@ -53,10 +55,11 @@ def _exp_below_top(z, overwrite_z=False):
 
 
 def softmax_and_logsumexp(z, *, out=None, overwrite_z=False):
-    """(p [..., n], lse [...]) of the rows of z in one pass.
+    """(p [..., n], lse [...], top [..., 1]) of the rows of z in one pass.
 
     p_i = exp(z_i - z_top) / (1 + t) and lse = z_top + log1p(t), t = sum_{j != top} exp(z_j - z_top).
-    A row of all -inf gives p = 0 and lse = -inf; an empty row gives lse = -inf.
+    top is the index of each row's top entry, so also of its largest p (SoftmaxCache.top).
+    A row of all -inf gives p = 0 and lse = -inf; an empty row gives lse = -inf (and top 0).
 
     out: an array of z's shape and dtype to write p into (attention writes each block of
         rows straight into its weights); p is a fresh array otherwise.
@@ -65,12 +68,12 @@ def softmax_and_logsumexp(z, *, out=None, overwrite_z=False):
     """
     if z.shape[-1] == 0:
         p = np.zeros(z.shape, z.dtype) if out is None else out
-        return p, np.full(z.shape[:-1], -np.inf, z.dtype)
+        return p, np.full(z.shape[:-1], -np.inf, z.dtype), np.zeros(z.shape[:-1] + (1,), np.intp)
     e, top, t, z_top = _exp_below_top(z, overwrite_z)
     inv = 1 / (1 + t)                                             # [..., 1]
     p = np.multiply(e, inv, out=e if out is None else out)        # e is ours: p may take its place
     np.put_along_axis(p, top, np.where(np.isneginf(z_top.real), 0, inv), axis=-1)
-    return p, (z_top + np.log1p(t))[..., 0]
+    return p, (z_top + np.log1p(t))[..., 0], top
 
 
 def logsumexp(z, axis=-1, keepdims=False):
@@ -106,8 +109,8 @@ def softmax_forward(z):
     """
     z = as_float_array(z, "z")
     require_ndim(z, "z", 1, "[..., n]")
-    p = softmax_and_logsumexp(z)[0]
-    return p, SoftmaxCache(p=p.copy())                            # the caller may write into p
+    p, _, top = softmax_and_logsumexp(z)
+    return p, SoftmaxCache(p=p.copy(), top=top)                   # the caller may write into p
 
 
 def softmax_backward(dp, cache, *, overwrite_dp=False):
@@ -120,6 +123,7 @@ def softmax_backward(dp, cache, *, overwrite_dp=False):
     (J is symmetric) at O(n) instead of O(n^2) per row. dp is first shifted by its
     value at the row's largest p (the result is unchanged because J 1 = 0), which
     keeps vanishing gradients of saturated rows accurate to rounding, relatively.
+    The forward's cache knows where that is (cache.top); without it, it is searched for.
 
     overwrite_dp=True lets the function compute dz in dp's memory (as scipy's overwrite_a):
     for callers that own dp and do not need it afterwards.
@@ -137,7 +141,10 @@ def softmax_backward(dp, cache, *, overwrite_dp=False):
     # and keeps full relative accuracy instead of an absolute error of eps.
     if p.shape[-1] == 0:                                          # an empty row has no gradient
         return np.zeros(np.broadcast_shapes(p.shape, dp.shape), np.result_type(p, dp))
-    top = np.argmax(p.real, axis=-1)[..., None]
+    top = np.argmax(p.real, axis=-1)[..., None] if cache.top is None else np.asarray(cache.top)
+    if top.shape != p.shape[:-1] + (1,) or top.dtype.kind not in "iu":
+        raise ValueError(f"cache.top must be integer indices of shape p.shape[:-1] + (1,) = "
+                         f"{p.shape[:-1] + (1,)} (p {p.shape}), got {top.dtype} {top.shape}")
     shift = np.take_along_axis(dp, top, axis=-1)
     dtype = np.result_type(dp, p)
     dz = np.subtract(dp, shift, dtype=dtype, out=dp if overwrite_dp and dp.dtype == dtype else None)

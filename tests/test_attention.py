@@ -73,7 +73,7 @@ def test_wrong_softmax_backward_inside_attention_is_caught():
     assert [r.passed for r in report.rows] == [False, False, True]
 
 
-def test_cache_exposes_scores_weights_and_lse():
+def test_cache_exposes_scores_weights_lse_and_top():
     rng = np.random.default_rng(11)
     q, k, v = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 2, 5, 4)), rng.standard_normal((1, 2, 5, 4))
     out, cache = na.attention_forward(q, k, v, causal=True)
@@ -81,6 +81,8 @@ def test_cache_exposes_scores_weights_and_lse():
     S = np.where(np.tril(np.ones((3, 5), bool)), S, -np.inf)
     np.testing.assert_allclose(cache.scores, S, rtol=1e-14)
     np.testing.assert_allclose(cache.lse, na.logsumexp(S), rtol=1e-14)
+    np.testing.assert_array_equal(cache.top, np.argmax(S, axis=-1))
+    np.testing.assert_array_equal(cache.top, np.argmax(cache.weights, axis=-1))
     np.testing.assert_allclose(cache.weights, np.exp(S - cache.lse[..., None]), rtol=1e-13)
     np.testing.assert_allclose(out, cache.weights @ v, rtol=1e-14)
 

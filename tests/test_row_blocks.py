@@ -35,7 +35,7 @@ OPTIONS = {
 def run(q, k, v, dout, method, options):
     out, cache = na.attention_forward(q, k, v, **options)
     grads = na.attention_backward(dout, cache, method=method, return_stages=True)
-    return {"out": out, "lse": cache.lse, "P": cache.weights, "S": cache.scores, "dq": grads.dq,
+    return {"out": out, "lse": cache.lse, "top": cache.top, "P": cache.weights, "S": cache.scores, "dq": grads.dq,
             "dk": grads.dk, "dv": grads.dv, "dbias": grads.dbias, "dP": grads.stages.dP,
             "dS": grads.stages.dS, "D": grads.stages.D}
 

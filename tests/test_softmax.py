@@ -73,6 +73,40 @@ def test_backward_against_complex_step(scale):
     assert report and report.rows[0].max_rel_err <= 1e-12, report
 
 
+def test_forward_cache_knows_each_rows_largest_p():
+    z = 3 * np.random.default_rng(6).standard_normal((4, 5, 7))
+    p, cache = na.softmax_forward(z)
+    assert cache.top.shape == (4, 5, 1)
+    np.testing.assert_array_equal(cache.top[..., 0], np.argmax(p, axis=-1))
+    dp = np.random.default_rng(7).standard_normal(z.shape)
+    np.testing.assert_array_equal(na.softmax_backward(dp, cache),                 # searched for
+                                  na.softmax_backward(dp, na.SoftmaxCache(p=cache.p)))  # when not given
+
+
+def test_any_shift_index_gives_the_same_gradient_but_the_largest_p_keeps_it_exact():
+    """J 1 = 0: the shift index cannot change dz; in a saturated row only the largest p's index
+    keeps the vanishing top entry of dz relatively exact (the complex-step Jacobian is the truth)."""
+    z = np.array([[40.0, 3.0, -1.0, 2.0, 0.5]])                 # p_top = 1 - 1e-16
+    dp = np.array([[0.7, -1.3, 0.4, 2.1, -0.2]])
+    p, cache = na.softmax_forward(z)
+    h = 1e-20
+    J = np.stack([np.imag(na.softmax_forward(z + 1j * h * e)[0])[0] / h for e in np.eye(5)], axis=-1)
+    exact = J.T @ dp[0]                                          # ~1e-16 everywhere
+    rel = lambda dz: np.abs(dz[0] - exact) / np.abs(exact)
+    other = na.softmax_backward(dp, cache._replace(top=np.array([[1]])))
+    assert rel(na.softmax_backward(dp, cache)).max() <= 1e-14
+    assert rel(other)[0] > 0.1                                   # absolute error eps, relative O(1)
+    np.testing.assert_allclose(other, na.softmax_backward(dp, cache), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("top", [np.zeros((3, 1)), np.zeros((3,), np.intp), np.zeros((2, 1), np.intp)])
+def test_a_malformed_cache_top_is_refused(top):
+    z = np.random.default_rng(8).standard_normal((3, 6))
+    _, cache = na.softmax_forward(z)
+    with pytest.raises(ValueError, match=r"cache.top must be integer indices of shape .*\(3, 1\)"):
+        na.softmax_backward(np.ones_like(z), cache._replace(top=top))
+
+
 @pytest.mark.parametrize("method", ["complex", "central"])
 @pytest.mark.parametrize("mode", ["full", "projection"])
 def test_wrong_backward_fails(method, mode):
