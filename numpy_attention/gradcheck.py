@@ -147,9 +147,51 @@ def _compare(name, check, analytic, numeric, index_of, rtol, atol):
                     float(numeric.flat[worst]) if err.size else 0.0, tol, bool(max_abs <= tol))
 
 
-def _gradient(backward, dout, cache, i, shape, name):
-    """backward(dout, cache)[i] as an array of `shape` (zeros for None)."""
-    g = backward(dout, cache)[i]
+def _stack(inputs, i, xs):
+    """The inputs with a leading axis of len(xs): input i is the stack xs (None: no input is),
+    every other array input is repeated (a read-only view, no copy); non-arrays pass unchanged."""
+    return [xs if j == i else np.broadcast_to(x, (len(xs),) + x.shape) if isinstance(x, np.ndarray) else x
+            for j, x in enumerate(inputs)]
+
+
+# Full mode evaluates two kinds of stacks, each one entry at a time ("looped": works for any
+# forward) or in one call over the whole stack ("vectorized": needs a forward and backward
+# that broadcast over a new leading axis of every array input):
+#     f(xs [C, *x_i]) -> [C, out.size]                the outputs, input i perturbed
+#     g(us [C, *out]) -> [[C, x_i.size] for i in wrt] every checked input's gradient
+
+def _looped_f(forward, inputs, i):
+    return lambda xs: np.stack([np.ravel(forward(*inputs[:i], xi, *inputs[i + 1:])[0]) for xi in xs])
+
+
+def _vectorized_f(forward, inputs, i):
+    return lambda xs: np.asarray(forward(*_stack(inputs, i, xs))[0]).reshape(len(xs), -1)
+
+
+def _looped_g(backward, cache, inputs, wrt, names):
+    def g(us):
+        grads = [_gradients(backward, u, cache, inputs, wrt, names) for u in us]
+        return [np.stack([np.ravel(per_u[n]) for per_u in grads]) for n in range(len(wrt))]
+    return g
+
+
+def _vectorized_g(forward, backward, inputs, wrt, names):
+    def g(us):
+        stacked = _stack(inputs, None, us)                       # every input repeated len(us) times
+        _, cache = forward(*stacked)
+        grads = _gradients(backward, us, cache, stacked, wrt, names)
+        return [d.reshape(len(us), -1) for d in grads]
+    return g
+
+
+def _gradients(backward, dout, cache, inputs, wrt, names):
+    """backward(dout, cache)[i] for each i in wrt, each an array of inputs[i]'s shape (zeros for None)."""
+    grads = backward(dout, cache)
+    return [_as_gradient(grads[i], np.shape(inputs[i]), names[i]) for i in wrt]
+
+
+def _as_gradient(g, shape, name):
+    """A gradient g that backward returned, as an array of `shape` (zeros for None)."""
     if g is None:
         return np.zeros(shape)
     if np.shape(g) != shape:
@@ -158,53 +200,18 @@ def _gradient(backward, dout, cache, i, shape, name):
     return np.asarray(g)
 
 
-def _stack(inputs, i, xs):
-    """The inputs with a leading axis of len(xs): input i is the stack xs, every other array
-    input is repeated (a read-only view, no copy); non-array inputs pass unchanged."""
-    return [xs if j == i else np.broadcast_to(x, (len(xs),) + x.shape) if isinstance(x, np.ndarray) else x
-            for j, x in enumerate(inputs)]
-
-
-def _looped(forward, backward, inputs, i, cache, name):
-    """(f, g) evaluated one stack entry at a time: works for any forward.
-
-    f(xs [C, *x]) -> [C, out.size] the outputs;  g(us [C, *out]) -> [C, x.size] the gradients.
-    """
-    x = np.asarray(inputs[i])
-    f = lambda xs: np.stack([np.ravel(forward(*inputs[:i], xi, *inputs[i + 1:])[0]) for xi in xs])
-    g = lambda us: np.stack([np.ravel(_gradient(backward, u, cache, i, x.shape, name)) for u in us])
-    return f, g
-
-
-def _vectorized(forward, backward, inputs, i, name):
-    """(f, g) as in `_looped`, but one forward (and backward) over the whole stack: needs a
-    forward that broadcasts over a new leading axis of every array input."""
-    x = np.asarray(inputs[i])
-    f = lambda xs: np.asarray(forward(*_stack(inputs, i, xs))[0]).reshape(len(xs), -1)
-
-    def g(us):
-        _, cache = forward(*_stack(inputs, i, np.broadcast_to(x, (len(us),) + x.shape)))
-        return _gradient(backward, us, cache, i, (len(us),) + x.shape, name).reshape(len(us), -1)
-    return f, g
-
-
-def _evaluators(forward, backward, inputs, i, out, cache, name, batched, rng):
-    """The vectorized (f, g) when `batched` allows it and they agree with the looped ones on a
-    two-entry probe (to sqrt(eps) of the largest value); the looped ones otherwise.
+def _choose(vectorized, looped, probe, batched, dtype):
+    """The vectorized evaluator when `batched` allows it and it agrees with the looped one on a
+    two-entry probe (to sqrt(eps) of the largest value); the looped one otherwise.
 
     batched: True (vectorized, ValueError if the probe fails), False (looped) or None (auto:
     vectorized if the probe passes, else looped; the numbers agree to rounding either way).
     """
-    looped = _looped(forward, backward, inputs, i, cache, name)
     if batched is False:
         return looped
-    vectorized = _vectorized(forward, backward, inputs, i, name)
-    x, out = np.asarray(inputs[i]), np.asarray(out)
-    probe_x = x + rng.standard_normal((2,) + x.shape).astype(x.dtype) * 1e-3
-    probe_u = rng.standard_normal((2,) + out.shape).astype(out.real.dtype)
     try:
-        agree = all(_close(vec(p), loop(p), x.real.dtype)
-                    for vec, loop, p in zip(vectorized, looped, (probe_x, probe_u)))
+        a, b = vectorized(probe), looped(probe)
+        agree = all(_close(x, y, dtype) for x, y in zip(_as_list(a), _as_list(b), strict=True))
     except Exception as exc:            # the forward rejects the extra axis: shape checks and the like
         if batched:
             raise ValueError(f"batched=True, but the forward/backward fail on inputs stacked along "
@@ -215,7 +222,11 @@ def _evaluators(forward, backward, inputs, i, out, cache, name, batched, rng):
                          "stacked along a new leading axis than one at a time")
     if not agree:
         return looped
-    return vectorized if batched else tuple(map(_or_else, vectorized, looped))
+    return vectorized if batched else _or_else(vectorized, looped)
+
+
+def _as_list(a):
+    return a if isinstance(a, list) else [a]
 
 
 def _or_else(vectorized, looped):
@@ -242,29 +253,40 @@ def _chunks(n, inputs, out_size, chunk_size):
     return [np.arange(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)]
 
 
-def _full_jacobians(forward, backward, inputs, i, name, method, h, batched, chunk_size, rng):
-    """(analytic J, numeric J, index_of(flat) -> (out index, in index), max |out|).
+def _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, chunk_size, rng):
+    """{i: (analytic J, numeric J, index_of(flat) -> (out index, in index), max |out|)} for i in wrt.
 
-    Numeric J column by column (perturb each entry of x), analytic J row by row (backward
-    of each unit upstream gradient), both a chunk of columns / rows per evaluation.
+    Numeric J of each input column by column (perturb each entry of x_i). Analytic J row by
+    row (backward of each unit upstream gradient), for all inputs at once, since one backward
+    returns every input's gradient. Both a chunk of columns / rows per evaluation.
     """
-    x = np.asarray(inputs[i])
     out, cache = forward(*inputs)
-    out_shape = np.shape(out)
-    f, g = _evaluators(forward, backward, inputs, i, out, cache, name, batched, rng)
-    numeric = np.empty((out.size, x.size))
-    for cols in _chunks(x.size, inputs, out.size, chunk_size):     # unit directions e_j, stacked
-        e = np.zeros((len(cols), x.size), dtype=x.real.dtype)
-        e[np.arange(len(cols)), cols] = 1.0
-        numeric[:, cols] = np.real(directional_derivative(f, x, e.reshape((-1,) + x.shape), method, h)).T
-    analytic = np.empty_like(numeric)
-    for rows in _chunks(out.size, inputs, out.size, chunk_size):   # unit upstream gradients, stacked
-        u = np.zeros((len(rows), out.size), dtype=np.asarray(out).real.dtype)
+    out = np.asarray(out)
+    xs = {i: np.asarray(inputs[i]) for i in wrt}
+    numeric = {}
+    for i, x in xs.items():
+        probe = x + rng.standard_normal((2,) + x.shape).astype(x.dtype) * 1e-3
+        f = _choose(_vectorized_f(forward, inputs, i), _looped_f(forward, inputs, i), probe,
+                    batched, x.real.dtype)
+        numeric[i] = np.empty((out.size, x.size))
+        for cols in _chunks(x.size, inputs, out.size, chunk_size):     # unit directions e_j, stacked
+            e = np.zeros((len(cols), x.size), dtype=x.real.dtype)
+            e[np.arange(len(cols)), cols] = 1.0
+            numeric[i][:, cols] = np.real(directional_derivative(f, x, e.reshape((-1,) + x.shape), method, h)).T
+    probe = rng.standard_normal((2,) + out.shape).astype(out.real.dtype)
+    g = _choose(_vectorized_g(forward, backward, inputs, wrt, names),
+                _looped_g(backward, cache, inputs, wrt, names), probe, batched, out.real.dtype)
+    analytic = {i: np.empty_like(numeric[i]) for i in wrt}
+    for rows in _chunks(out.size, inputs, out.size, chunk_size):       # unit upstream gradients, stacked
+        u = np.zeros((len(rows), out.size), dtype=out.real.dtype)
         u[np.arange(len(rows)), rows] = 1.0
-        analytic[rows] = np.real(g(u.reshape((-1,) + out_shape)))
-    index_of = lambda flat: tuple(tuple(int(a) for a in np.unravel_index(n, shape))
-                                  for n, shape in ((flat // x.size, out_shape), (flat % x.size, x.shape)))
-    return analytic, numeric, index_of, np.max(np.abs(out), initial=0)
+        for i, rows_of_i in zip(wrt, g(u.reshape((-1,) + out.shape))):
+            analytic[i][rows] = np.real(rows_of_i)
+
+    def index_of(x):
+        return lambda flat: tuple(tuple(int(a) for a in np.unravel_index(n, shape))
+                                  for n, shape in ((flat // x.size, out.shape), (flat % x.size, x.shape)))
+    return {i: (analytic[i], numeric[i], index_of(x), np.max(np.abs(out), initial=0)) for i, x in xs.items()}
 
 
 def _projections(forward, backward, inputs, i, name, method, h, rng, n):
@@ -277,7 +299,7 @@ def _projections(forward, backward, inputs, i, name, method, h, rng, n):
         v = rng.standard_normal(x.shape).astype(x.real.dtype)                      # direction
         L_of = lambda xi: np.sum(u * np.asarray(forward(*inputs[:i], xi, *inputs[i + 1:])[0]))
         numeric.append(float(np.real(directional_derivative(L_of, x, v, method, h))))
-        analytic.append(float(np.real(np.sum(_gradient(backward, u, cache, i, x.shape, name) * v))))
+        analytic.append(float(np.real(np.sum(_as_gradient(backward(u, cache)[i], x.shape, name) * v))))
         floors.append(np.sum(np.abs(u * out)))
     return np.array(analytic), np.array(numeric), lambda k: (k,), max(floors)
 
@@ -341,10 +363,11 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-    results = {i: (_full_jacobians(forward, backward, inputs, i, names[i], method, h, batched,
-                                   chunk_size, np.random.default_rng(seed)) if mode == "full"
-                   else _projections(forward, backward, inputs, i, names[i], method, h, rng, n_projections))
-               for i in wrt}
+    if mode == "full":
+        results = _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, chunk_size, rng)
+    else:
+        results = {i: _projections(forward, backward, inputs, i, names[i], method, h, rng, n_projections)
+                   for i in wrt}
     eps_mach = np.finfo(np.float32 if dtype == "float32" else np.float64).eps
     size = {i: max(_largest(a), _largest(n)) for i, (a, n, _, _) in results.items()}
     zero_floor = 100 * eps_mach * max(size.values())

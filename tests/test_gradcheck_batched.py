@@ -39,13 +39,14 @@ def test_the_whole_jacobian_matches_the_loop():
     """Not just the summary: the Jacobians themselves, entry by entry."""
     from numpy_attention.gradcheck import _full_jacobians
     forward, backward, inputs, _ = attention_case(np.random.default_rng(2), mask=None, causal=True)
-    for i in range(3):
-        loop = _full_jacobians(forward, backward, inputs, i, "x", "central", 1e-6, False, None,
-                               np.random.default_rng(0))
-        stacked = _full_jacobians(forward, backward, inputs, i, "x", "central", 1e-6, True, 5,
-                                  np.random.default_rng(0))
-        np.testing.assert_allclose(stacked[0], loop[0], rtol=0, atol=1e-14)   # analytic
-        np.testing.assert_allclose(stacked[1], loop[1], rtol=0, atol=1e-9)    # numeric (h = 1e-6)
+    names, wrt = ["q", "k", "v"], [0, 1, 2]
+    loop = _full_jacobians(forward, backward, inputs, wrt, names, "central", 1e-6, False, None,
+                           np.random.default_rng(0))
+    stacked = _full_jacobians(forward, backward, inputs, wrt, names, "central", 1e-6, True, 5,
+                              np.random.default_rng(0))
+    for i in wrt:
+        np.testing.assert_allclose(stacked[i][0], loop[i][0], rtol=0, atol=1e-14)   # analytic
+        np.testing.assert_allclose(stacked[i][1], loop[i][1], rtol=0, atol=1e-9)    # numeric (h = 1e-6)
 
 
 def rank_checking_forward(x):
