@@ -123,3 +123,21 @@ def test_auto_mode_falls_back_when_a_real_chunk_trips_the_forward():
     auto = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex")
     looped = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex", batched=False)
     assert auto and [r.max_abs_err for r in auto.rows] == [r.max_abs_err for r in looped.rows]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_one_analytic_pass_serves_every_checked_input(batched):
+    """A backward returns every input's gradient, so the analytic Jacobians of q, k and v cost
+    the backward calls of one input, not three."""
+    forward, backward, inputs, names = attention_case(np.random.default_rng(6), causal=True)
+    calls = []
+
+    def counting_backward(dout, cache):
+        calls.append(np.shape(dout))
+        return backward(dout, cache)
+    per_wrt = {}
+    for wrt in ([0], [0, 1, 2]):
+        calls.clear()
+        assert na.gradcheck(forward, counting_backward, inputs, wrt=wrt, batched=batched)
+        per_wrt[len(wrt)] = list(calls)
+    assert per_wrt[3] == per_wrt[1] and per_wrt[1]
