@@ -10,6 +10,11 @@ numpy's own matmul GFLOP/s measured in the same run (the ceiling), the time rati
 torch / ours (> 1: ours is faster), and the peak RSS of a child process that runs one
 forward + backward. torch runs the seed's class with the same weights and thread count.
 
+"matmuls alone" times the step's 18 matrix products by themselves, as numpy runs them
+(the same shapes, every head in one batched call, outputs allocated once): no softmax,
+no copies, no allocation. It is the floor of any numpy implementation of the step on
+this machine, and its % of peak the most that one could reach.
+
 FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.
 """
@@ -21,8 +26,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/seed_model.py
-from benchmarks._common import (machine_line, matmul_gflops, median_times, run_child,  # noqa: E402
-                                set_numpy_hugepages, table)
+from benchmarks._common import (machine_line, matmul_gflops, median_time, median_times,  # noqa: E402
+                                run_child, set_numpy_hugepages, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
@@ -35,6 +40,32 @@ def flops(B, N, D):
 def make_inputs(B, N, D, dtype, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((B, N, D)).astype(dtype) for _ in range(4)]   # query, key, value, dout
+
+
+def matmuls_alone(B, N, D, H, dtype):
+    """The step's matrix products by themselves (see the module docstring): a callable."""
+    rng = np.random.default_rng(0)
+    d = D // H
+    x = [rng.standard_normal((B * N, D)).astype(dtype) for _ in range(4)]           # 4 inputs
+    W = [rng.standard_normal((D, D)).astype(dtype) for _ in range(4)]               # 4 weights
+    y, dx, dW = np.empty((B * N, D), dtype), np.empty((B * N, D), dtype), np.empty((D, D), dtype)
+    q, k, v, dout = (rng.standard_normal((B * H, N, d)).astype(dtype) for _ in range(4))
+    S, dP = np.empty((B * H, N, N), dtype), np.empty((B * H, N, N), dtype)
+    o, oT = np.empty((B * H, N, d), dtype), np.empty((B * H, d, N), dtype)
+    T = lambda a: np.swapaxes(a, -1, -2)
+
+    def step():
+        for xi, Wi in zip(x, W):
+            np.matmul(xi, Wi, out=y)            # forward projection
+            np.matmul(y, Wi.T, out=dx)          # dx = dy W^T
+            np.matmul(xi.T, y, out=dW)          # dW = x^T dy
+        np.matmul(q, T(k), out=S)               # S = q k^T
+        np.matmul(S, v, out=o)                  # out = P v
+        np.matmul(T(dout), S, out=oT)           # dv^T = dout^T P
+        np.matmul(dout, T(v), out=dP)           # dP = dout v^T
+        np.matmul(dP, k, out=o)                 # dq = dS k
+        np.matmul(T(q), dP, out=oT)             # dk^T = q^T dS
+    return step
 
 
 def ours_step(B, N, D, H, dtype):
@@ -106,14 +137,17 @@ def main():
             B, N, D, H = SHAPES[idx]
             steps = [ours_step(B, N, D, H, dtype)[1]] + ([torch_step(B, N, D, H, dtype, threads)] if torch else [])
             t_ours, t_torch = (median_times(steps, args.rounds) + [None])[:2]
+            t_floor = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             gf = flops(B, N, D) / t_ours / 1e9
-            row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", f"{gf:.1f}", f"{100 * gf / peak:.0f}%"]
+            row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", f"{gf:.1f}", f"{100 * gf / peak:.0f}%",
+                   f"{t_floor * 1e3:.2f}", f"{100 * flops(B, N, D) / t_floor / 1e9 / peak:.0f}%"]
             row += [f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x"] if torch else ["-", "-"]
             if not args.no_memory:
                 row.append(f"{memory('ours', B, N, D, H, dtype, threads):.0f}")
                 row.append(f"{memory('torch', B, N, D, H, dtype, threads):.0f}" if torch else "-")
             rows.append(row)
-        header = ["(B,N,D,H)", "ours ms", "GFLOP/s", "% peak", "torch ms", "torch/ours"]
+        header = ["(B,N,D,H)", "ours ms", "GFLOP/s", "% peak", "matmuls alone ms", "their % peak",
+                  "torch ms", "torch/ours"]
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
 
