@@ -1,7 +1,8 @@
 """Helpers shared by the benchmark scripts: timing, matmul peak, peak memory, environment.
 
-Timing: the median of repeats, contenders timed in interleaved bursts (the machine is shared
-and noisy); compare ratios measured in the same run, not absolute times across runs.
+Timing: the median of repeats; contenders from different libraries each timed alone in
+its own process, the processes alternating (the machine is shared and noisy); compare
+ratios measured in the same run, not absolute times across runs.
 Peak memory: each configuration runs in a fresh child process that reports its own peak
 resident set size (VmHWM), so one configuration's peak cannot hide another's.
 """
@@ -30,28 +31,31 @@ def median_time(fn, repeats=5, budget=20.0):
     return statistics.median(times)
 
 
-def median_times(fns, rounds=4, burst=3, budget=90.0):
-    """Median wall time of each of fns, in steady state, their runs interleaved.
+def median_times_apart(codes, rounds=4, calls=3):
+    """Median wall time of each contender's step(), each one timed alone in its own process.
 
-    Each round runs every fn in a burst: one untimed call, then `burst` timed calls. The
-    untimed call absorbs the switch from the other contender (its BLAS or OpenMP threads
-    still spinning on both cores, caches full of its data), so the timed calls measure
-    each one as a loop would run it; the rounds spread the noise of a shared machine over
-    all contenders alike. (Timing single calls in strict alternation instead measured
-    torch at (4, 256) 1.8x slower than in a loop, and favoured us.) Fewer rounds if the
-    budget runs out.
+    `codes` are Python snippets that each define step(). Per round, every contender runs in
+    a fresh interpreter: two untimed calls (allocator, BLAS threads), then `calls` timed
+    ones; the rounds alternate the contenders, spreading a shared machine's noise over all
+    alike. Alone, because two libraries in one process slow each other: after a call each
+    one's idle threads keep spinning on the cores (OpenMP's for up to 200 ms, OpenBLAS's
+    too), so whoever runs next is measured against them. Timed in one process, torch's
+    step at the seed's shape varied 2.5x from run to run (and favoured us); alone, +-20%.
     """
-    times = [[] for _ in fns]
+    times = [[] for _ in codes]
     for _ in range(rounds):
-        for fn, ts in zip(fns, times):
-            fn()                                         # settles the switch: not timed
-            for _ in range(burst):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        if sum(map(sum, times)) > budget and len(times[0]) >= 2 * burst:
-            break
+        for code, ts in zip(codes, times):
+            ts += child_times(code, calls)
     return [statistics.median(ts) for ts in times]
+
+
+def child_times(code, calls):
+    """The wall times of `calls` calls of the step() that `code` defines, in a fresh
+    interpreter, after two untimed calls."""
+    timing = (f"\nimport time\nstep()\nstep()\nfor _ in range({calls}):\n"
+              f"    t0 = time.perf_counter()\n    step()\n    print('TIME', time.perf_counter() - t0)\n")
+    out = run_child(code + timing)[1]
+    return [float(line.split()[1]) for line in out.splitlines() if line.startswith("TIME")]
 
 
 def matmul_gflops(dtype, n=2048, repeats=5):

@@ -5,7 +5,8 @@
 
 For each (B, N, d_model, heads) and dtype: the median time of one forward + backward
 (inputs query, key, value distinct; random upstream gradient) in steady state, ours and
-torch's timed in interleaved bursts (_common.median_times), its GFLOP/s, the % of
+torch's each timed alone in its own process, the processes alternating
+(_common.median_times_apart), its GFLOP/s, the % of
 numpy's own matmul GFLOP/s measured in the same run (the ceiling), the time ratio
 torch / ours (> 1: ours is faster), and the peak RSS of a child process that runs one
 forward + backward. torch runs the seed's class with the same weights and thread count.
@@ -19,6 +20,8 @@ FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.
 """
 import argparse
+import importlib.metadata
+import importlib.util
 import os
 import sys
 
@@ -26,8 +29,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/seed_model.py
-from benchmarks._common import (machine_line, matmul_gflops, median_time, median_times,  # noqa: E402
-                                run_child, set_numpy_hugepages, table)
+from benchmarks._common import (machine_line, matmul_gflops, median_time,  # noqa: E402
+                                median_times_apart, run_child, set_numpy_hugepages, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
@@ -97,11 +100,17 @@ def torch_step(B, N, D, H, dtype, threads):
     return step
 
 
-def memory(which, B, N, D, H, dtype, threads):
-    code = (f"import numpy as np\nfrom benchmarks.bench_mha import {which}_step\n"
+def step_code(which, B, N, D, H, dtype, threads, hugepages):
+    """A snippet that defines step(): one forward + backward of `which` ('ours' or 'torch')."""
+    return (f"import numpy as np\nfrom benchmarks._common import set_numpy_hugepages\n"
+            f"set_numpy_hugepages({hugepages})\nfrom benchmarks.bench_mha import {which}_step\n"
             f"step = {which}_step({B}, {N}, {D}, {H}, np.{dtype}"
-            + (f", {threads})\n" if which == "torch" else ")[1]\n") + "step()\n")
-    return run_child(code)[0]
+            + (f", {threads})\n" if which == "torch" else ")[1]\n"))
+
+
+def memory(*step_args):
+    """Peak RSS (MiB) of a fresh process that runs one forward + backward."""
+    return run_child(step_code(*step_args) + "step()\n")[0]
 
 
 def blas_threads():
@@ -113,7 +122,8 @@ def blas_threads():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=4, help="bursts of 3 timed calls per contender")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="fresh processes per contender, 3 timed calls each")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     ap.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES")
@@ -121,30 +131,30 @@ def main():
                     help="numpy's madvise of huge pages for large arrays (default on, numpy's own "
                          "default; see _common.set_numpy_hugepages)")
     args = ap.parse_args()
-    hugepages = set_numpy_hugepages(args.numpy_hugepages == "on")
-    try:
-        import torch
-    except ImportError:
-        torch = None
+    on = args.numpy_hugepages == "on"
+    hugepages = set_numpy_hugepages(on)
+    torch = importlib.util.find_spec("torch") is not None      # torch runs in child processes only
     threads = blas_threads()
     print(machine_line() + f", threads {threads}"
-          + (f", torch {torch.__version__}" if torch else ", torch not installed") + f"\n{hugepages}")
+          + (f", torch {importlib.metadata.version('torch')}" if torch else ", torch not installed")
+          + f"\n{hugepages}")
     for dtype in args.dtypes:
         peak = matmul_gflops(np.dtype(dtype))
         print(f"\n{dtype}: numpy matmul peak (2048^3) {peak:.1f} GFLOP/s")
         rows = []
         for idx in args.shapes or range(len(SHAPES)):
             B, N, D, H = SHAPES[idx]
-            steps = [ours_step(B, N, D, H, dtype)[1]] + ([torch_step(B, N, D, H, dtype, threads)] if torch else [])
-            t_ours, t_torch = (median_times(steps, args.rounds) + [None])[:2]
+            contenders = ["ours", "torch"] if torch else ["ours"]
+            codes = [step_code(which, B, N, D, H, dtype, threads, on) for which in contenders]
+            t_ours, t_torch = (median_times_apart(codes, args.rounds) + [None])[:2]
             t_floor = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             gf = flops(B, N, D) / t_ours / 1e9
             row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", f"{gf:.1f}", f"{100 * gf / peak:.0f}%",
                    f"{t_floor * 1e3:.2f}", f"{100 * flops(B, N, D) / t_floor / 1e9 / peak:.0f}%"]
             row += [f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x"] if torch else ["-", "-"]
             if not args.no_memory:
-                row.append(f"{memory('ours', B, N, D, H, dtype, threads):.0f}")
-                row.append(f"{memory('torch', B, N, D, H, dtype, threads):.0f}" if torch else "-")
+                row.append(f"{memory('ours', B, N, D, H, dtype, threads, on):.0f}")
+                row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if torch else "-")
             rows.append(row)
         header = ["(B,N,D,H)", "ours ms", "GFLOP/s", "% peak", "matmuls alone ms", "their % peak",
                   "torch ms", "torch/ours"]

@@ -7,6 +7,7 @@ Shape legend:  ... any leading axes (batch, sequence),  d_in / d_out widths.
 (torch's nn.Linear stores its weight as [d_out, d_in] and computes x W^T + b;
 `MultiHeadAttention` converts at its state_dict boundary, never here.)
 """
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -42,7 +43,8 @@ def linear_forward(x, W, b=None):
     if x.shape[-1] != W.shape[0]:
         raise ValueError(f"x's last axis (d_in={x.shape[-1]}, x shape {x.shape}) must equal "
                          f"W's first axis (W shape {W.shape})")
-    y = x @ W                                            # [..., d_in] @ [d_in, d_out] -> [..., d_out]
+    # as [N, d_in] @ [d_in, d_out], N = prod(...): one BLAS call, not one per leading index
+    y = (x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) @ W).reshape(x.shape[:-1] + (W.shape[1],))
     if b is not None:
         b = as_float_array(b, "b")
         if b.shape != (W.shape[1],):
@@ -70,12 +72,12 @@ def linear_backward(dy, cache):
     require_same_shape(dy, cache.out_shape, "dy")
     dy = as_float_array(dy, "dy")
     x, W = cache.x, cache.W
-    # 1. dx: the forward was y = x @ W, so dx = dy @ W^T
-    dx = dy @ W.T                                        # [..., d_out] @ [d_out, d_in] -> [..., d_in]
-    # 2. dW: every leading position contributes an outer product x^T dy
-    n = int(np.prod(x.shape[:-1]))                       # N, the number of leading positions
+    n = math.prod(x.shape[:-1])                          # N, the number of leading positions
     x2 = x.reshape(n, x.shape[-1])                       # [N, d_in]
     dy2 = dy.reshape(n, dy.shape[-1])                    # [N, d_out]
+    # 1. dx: the forward was y = x @ W, so dx = dy @ W^T
+    dx = (dy2 @ W.T).reshape(x.shape)                    # [N, d_out] @ [d_out, d_in] -> [N, d_in]
+    # 2. dW: every leading position contributes an outer product x^T dy
     dW = x2.T @ dy2                                      # [d_in, N] @ [N, d_out] -> [d_in, d_out]
     # 3. db: b was broadcast over the leading axes, so its gradient sums over them
     db = dy2.sum(axis=0) if cache.has_bias else None     # [d_out]
