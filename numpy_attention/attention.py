@@ -92,8 +92,8 @@ class AttentionStages(NamedTuple):
 
 class AttentionGrads(NamedTuple):
     dq: np.ndarray                  # [..., H, N_q, d_k]
-    dk: np.ndarray                  # [..., H_kv, N_k, d_k]  (the materialized path computes dk^T and
-    dv: np.ndarray                  # [..., H_kv, N_k, d_v]   dv^T: these two are transposed views of them)
+    dk: np.ndarray                  # [..., H_kv, N_k, d_k]  the materialized path computes dk^T, dv^T:
+    dv: np.ndarray                  # [..., H_kv, N_k, d_v]  these two are transposed views of them
     dbias: Optional[np.ndarray]     # bias's shape, or None without a bias
     stages: Optional[AttentionStages] = None   # with return_stages=True
 
@@ -312,8 +312,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
               or (bias is not None and bool(np.isneginf(bias.real).any())))
     c = AttentionCache(q=q, k=k, v=v, scale=scale, softcap=softcap, softcap_tanh=None, keep=keep,
                        bias=bias, causal=causal, window=window,
-                       align=align, weights=None, lse=None, top=None, dropout_scale=dropout_scale, out=None,
-                       fully_masked=fully_masked, masked=masked)
+                       align=align, weights=None, lse=None, top=None, dropout_scale=dropout_scale,
+                       out=None, fully_masked=fully_masked, masked=masked)
     g = _grouped(c)                                               # the grouped layout (views)
     grouped_shape = g.q.shape[:-1] + (g.k.shape[-2],)             # [..., H_kv, G, N_q, N_k]
     p = np.empty(grouped_shape, q.dtype)
@@ -403,7 +403,8 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
             dP[ix] = dp
         # 5. softmax:  dS = P * (dP - rowsum(P * dP))
         if method == "vjp":
-            ds = softmax_backward(dp, SoftmaxCache(p=p_block, top=top_g[ix][..., None]), overwrite_dp=True)
+            ds = softmax_backward(dp, SoftmaxCache(p=p_block, top=top_g[ix][..., None]),
+                                  overwrite_dp=True)
         elif method == "jacobian":
             ds = (softmax_jacobian(p_block) @ dp[..., None])[..., 0]   # [..., N_k, N_k] @ [..., N_k, 1]
         else:                                                     # P recomputed from S and lse

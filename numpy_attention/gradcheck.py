@@ -185,7 +185,7 @@ def _vectorized_g(forward, backward, inputs, wrt, names):
 
 
 def _gradients(backward, dout, cache, inputs, wrt, names):
-    """backward(dout, cache)[i] for each i in wrt, each an array of inputs[i]'s shape (zeros for None)."""
+    """backward(dout, cache)[i] for each i in wrt, as arrays of inputs[i]'s shape (zeros for None)."""
     grads = backward(dout, cache)
     return [_as_gradient(grads[i], np.shape(inputs[i]), names[i]) for i in wrt]
 
@@ -272,7 +272,8 @@ def _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, c
         for cols in _chunks(x.size, inputs, out.size, chunk_size):     # unit directions e_j, stacked
             e = np.zeros((len(cols), x.size), dtype=x.real.dtype)
             e[np.arange(len(cols)), cols] = 1.0
-            numeric[i][:, cols] = np.real(directional_derivative(f, x, e.reshape((-1,) + x.shape), method, h)).T
+            directions = e.reshape((-1,) + x.shape)
+            numeric[i][:, cols] = np.real(directional_derivative(f, x, directions, method, h)).T
     probe = rng.standard_normal((2,) + out.shape).astype(out.real.dtype)
     g = _choose(_vectorized_g(forward, backward, inputs, wrt, names),
                 _looped_g(backward, cache, inputs, wrt, names), probe, batched, out.real.dtype)
@@ -283,10 +284,11 @@ def _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, c
         for i, rows_of_i in zip(wrt, g(u.reshape((-1,) + out.shape))):
             analytic[i][rows] = np.real(rows_of_i)
 
-    def index_of(x):
-        return lambda flat: tuple(tuple(int(a) for a in np.unravel_index(n, shape))
-                                  for n, shape in ((flat // x.size, out.shape), (flat % x.size, x.shape)))
-    return {i: (analytic[i], numeric[i], index_of(x), np.max(np.abs(out), initial=0)) for i, x in xs.items()}
+    def index_of(x):                            # flat index of J -> (out index, x index)
+        return lambda flat: (tuple(int(a) for a in np.unravel_index(flat // x.size, out.shape)),
+                             tuple(int(a) for a in np.unravel_index(flat % x.size, x.shape)))
+    out_max = np.max(np.abs(out), initial=0)
+    return {i: (analytic[i], numeric[i], index_of(x), out_max) for i, x in xs.items()}
 
 
 def _projections(forward, backward, inputs, i, name, method, h, rng, n):
@@ -364,7 +366,8 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
     if mode == "full":
-        results = _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, chunk_size, rng)
+        results = _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched,
+                                  chunk_size, rng)
     else:
         results = {i: _projections(forward, backward, inputs, i, names[i], method, h, rng, n_projections)
                    for i in wrt}
