@@ -13,8 +13,8 @@ forward + backward. torch runs the seed's class with the same weights and thread
 
 "matmuls alone" times the step's 18 matrix products by themselves, as numpy runs them
 (the same shapes, every head in one batched call, outputs allocated once): no softmax,
-no copies, no allocation. It is the floor of any numpy implementation of the step on
-this machine, and its % of peak the most that one could reach.
+no copies, no allocation. About the least any numpy implementation of the step can take
+on this machine, and its % of peak about the most one can reach.
 
 FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.
@@ -133,10 +133,10 @@ def main():
     args = ap.parse_args()
     on = args.numpy_hugepages == "on"
     hugepages = set_numpy_hugepages(on)
-    torch = importlib.util.find_spec("torch") is not None      # torch runs in child processes only
+    have_torch = importlib.util.find_spec("torch") is not None   # torch runs in child processes only
     threads = blas_threads()
     print(machine_line() + f", threads {threads}"
-          + (f", torch {importlib.metadata.version('torch')}" if torch else ", torch not installed")
+          + (f", torch {importlib.metadata.version('torch')}" if have_torch else ", torch not installed")
           + f"\n{hugepages}")
     for dtype in args.dtypes:
         peak = matmul_gflops(np.dtype(dtype))
@@ -144,17 +144,17 @@ def main():
         rows = []
         for idx in args.shapes or range(len(SHAPES)):
             B, N, D, H = SHAPES[idx]
-            contenders = ["ours", "torch"] if torch else ["ours"]
+            contenders = ["ours", "torch"] if have_torch else ["ours"]
             codes = [step_code(which, B, N, D, H, dtype, threads, on) for which in contenders]
             t_ours, t_torch = (median_times_apart(codes, args.rounds) + [None])[:2]
             t_floor = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             gf = flops(B, N, D) / t_ours / 1e9
             row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", f"{gf:.1f}", f"{100 * gf / peak:.0f}%",
                    f"{t_floor * 1e3:.2f}", f"{100 * flops(B, N, D) / t_floor / 1e9 / peak:.0f}%"]
-            row += [f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x"] if torch else ["-", "-"]
+            row += [f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x"] if have_torch else ["-", "-"]
             if not args.no_memory:
                 row.append(f"{memory('ours', B, N, D, H, dtype, threads, on):.0f}")
-                row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if torch else "-")
+                row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if have_torch else "-")
             rows.append(row)
         header = ["(B,N,D,H)", "ours ms", "GFLOP/s", "% peak", "matmuls alone ms", "their % peak",
                   "torch ms", "torch/ours"]
