@@ -1,22 +1,25 @@
 """Full-mode gradient checks: ours (looped and vectorized) against torch.autograd.gradcheck.
 
-    python3 benchmarks/bench_gradcheck.py [--repeats 5]
+    python3 benchmarks/bench_gradcheck.py [--rounds 4]
 
 The same function and shapes on both sides: causal scaled dot-product attention of
 q, k, v [1, 2, 16, 8], float64, the whole Jacobian w.r.t. each of q, k, v by central
 differences (torch: torch.nn.functional.scaled_dot_product_attention(is_causal=True)
 under torch.autograd.gradcheck). Also projection mode of MultiHeadAttention at
 d_model=512, which stays cheap at any size. Prints the median time, the verdict and the
-ratio torch / ours (> 1: ours is faster).
+ratio torch / ours (> 1: ours is faster). Each check is timed alone in its own process,
+the processes alternating (_common.median_times_apart, as in bench_mha.py).
 """
 import argparse
+import importlib.metadata
+import importlib.util
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine_line, median_time, table  # noqa: E402
+from benchmarks._common import machine_line, median_time, median_times_apart, run_child, table  # noqa: E402
 from numpy_attention import attention_backward, attention_forward, gradcheck  # noqa: E402
 from numpy_attention.demo import mha_functions  # noqa: E402
 from numpy_attention import MultiHeadAttention  # noqa: E402
@@ -36,6 +39,7 @@ def ours(batched):
 
 def theirs():
     import torch
+    torch.set_num_threads(os.cpu_count())
     q, k, v = (torch.from_numpy(x).requires_grad_(True) for x in qkv())
     sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     return lambda: bool(torch.autograd.gradcheck(sdpa, (q, k, v), raise_exception=False))
@@ -49,27 +53,32 @@ def projection_mha(d_model=512, heads=8, B=2, N=10):
     return lambda: bool(gradcheck(forward, backward, inputs, mode="projection", method="complex"))
 
 
+def verdict(code):
+    """PASS or FAIL: one call of the check that `code` defines as step(), in a fresh process."""
+    return "PASS" if "VERDICT True" in run_child(code + "print('VERDICT', step())\n")[1] else "FAIL"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4, help="fresh processes per check, 3 timed calls each")
     args = ap.parse_args()
-    try:
-        import torch
-        torch.set_num_threads(os.cpu_count())
-    except ImportError:
-        torch = None
-    print(machine_line() + (f", torch {torch.__version__}" if torch else ", torch not installed"))
-    runs = [("ours, full, one at a time (batched=False)", ours(False)),
-            ("ours, full, vectorized (default)", ours(None))]
-    if torch:
-        runs.append(("torch.autograd.gradcheck on SDPA", theirs()))
-    times = {name: (median_time(fn, args.repeats), fn()) for name, fn in runs}
-    ref = times.get("torch.autograd.gradcheck on SDPA", (None,))[0]
+    have_torch = importlib.util.find_spec("torch") is not None    # torch runs in child processes only
+    print(machine_line() + (f", torch {importlib.metadata.version('torch')}" if have_torch
+                            else ", torch not installed"))
+    runs = {"ours, full, one at a time (batched=False)": "ours(False)",
+            "ours, full, vectorized (default)": "ours(None)"}
+    if have_torch:
+        runs["torch.autograd.gradcheck on SDPA"] = "theirs()"
+    codes = [f"from benchmarks.bench_gradcheck import ours, theirs\nstep = {call}\n"
+             for call in runs.values()]
+    times = median_times_apart(codes, args.rounds)
+    verdicts = [verdict(code) for code in codes]
+    ref = times[-1] if have_torch else None
     print(f"\nfull Jacobian of causal attention, q, k, v {SHAPE}, float64, central differences")
-    rows = [[name, f"{t * 1e3:.1f}", "PASS" if ok else "FAIL", f"{ref / t:.1f}x" if ref else "-"]
-            for name, (t, ok) in times.items()]
+    rows = [[name, f"{t * 1e3:.1f}", ok, f"{ref / t:.1f}x" if ref else "-"]
+            for name, t, ok in zip(runs, times, verdicts)]
     print(table(["check", "median ms", "verdict", "torch/this"], rows))
-    t = median_time(projection_mha(), args.repeats)
+    t = median_time(projection_mha(), 3 * args.rounds)
     print(f"\nprojection mode (complex step, 3 projections per tensor), MultiHeadAttention(512, 8), "
           f"inputs [2, 10, 512] and all 8 parameters: {t * 1e3:.0f} ms, "
           f"{'PASS' if projection_mha()() else 'FAIL'}")
