@@ -36,6 +36,7 @@ from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
 from .params import TORCH_WEIGHTS, check_params, param_shapes, torch_to_seed_keys
 
+
 class MultiHeadCache(NamedTuple):
     q: tuple                        # LinearCache of each input projection
     k: tuple
