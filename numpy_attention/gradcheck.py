@@ -39,8 +39,11 @@ Default tolerances, per input dtype and method (see DEFAULTS):
                 of any checked input in the call: a gradient that is exactly zero (a key
                 bias's without softcap: softmax ignores a constant shift of a row) is computed
                 as cancelling terms and lands near eps, not 0, so that floor is its atol;
-    central /   10 * eps_mach * |f| / h, below which finite differences see only noise (|f|
-    richardson  is the largest |output| in full mode, sum |u * f| in projection mode).
+    central /   10 * eps_mach * max(1, |f|) / h, below which finite differences see only noise
+    richardson  (|f| is the largest |output| in full mode, sum |u * f| in projection mode).
+                If that floor is not below the largest derivative of any checked input, no
+                gradient could fail: gradcheck raises ValueError (a larger eps, complex step
+                or an explicit atol) instead of passing everything.
 `taylor_test` is eps-free: it shows the first-order Taylor remainder shrinking as O(h^2).
 """
 import math
@@ -103,6 +106,67 @@ class GradcheckReport(NamedTuple):
         return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- arguments
+# (this module imports nothing of the package it checks, so it validates its own arguments)
+
+def _real(value, name, *, positive):
+    """value as a float, raising unless it is a finite real number > 0 (positive) or >= 0."""
+    expected = f"a finite real number {'> 0' if positive else '>= 0'}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return float(value)
+
+
+def _count(value, name, minimum):
+    """value as an int, raising unless it is an integer >= minimum."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def _inputs_and_wrt(inputs, wrt, kinds, what):
+    """(inputs as a list, wrt as a list of indices): the checked inputs are non-empty arrays of a
+    dtype kind in `kinds`; wrt=None takes every such array."""
+    if isinstance(inputs, np.ndarray) or not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"inputs must be a list or tuple of the forward's arguments, "
+                        f"got {type(inputs).__name__}")
+    inputs = list(inputs)
+    checkable = lambda x: isinstance(x, np.ndarray) and x.dtype.kind in kinds and x.size > 0
+    describe = lambda x: (f"an array of {x.dtype}, shape {x.shape}" if isinstance(x, np.ndarray)
+                          else type(x).__name__)
+    if wrt is None:
+        wrt = [i for i, x in enumerate(inputs) if checkable(x)]
+        if not wrt:
+            raise ValueError(f"found no non-empty {what} array among the inputs to check, got "
+                             f"{'; '.join(describe(x) for x in inputs) or 'no inputs'}")
+        return inputs, wrt
+    if isinstance(wrt, (str, bytes, np.ndarray)) or not isinstance(wrt, (list, tuple, range)):
+        raise TypeError(f"wrt must be a list of input indices, got {wrt!r} ({type(wrt).__name__})")
+    if not wrt:
+        raise ValueError("wrt is empty: name at least one input to check")
+    for i in wrt:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"wrt must hold integer input indices, got {i!r} ({type(i).__name__}) in {wrt!r}")
+        if not 0 <= i < len(inputs):
+            raise ValueError(f"wrt index {i} is out of range for {len(inputs)} inputs")
+        if not checkable(inputs[i]):
+            raise ValueError(f"wrt index {i} must name a non-empty {what} array, got {describe(inputs[i])}")
+    if len(set(wrt)) != len(wrt):
+        raise ValueError(f"wrt names an input twice: {wrt!r}")
+    return inputs, [int(i) for i in wrt]
+
+
+def _rng(seed):
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"seed must be a non-negative integer (or None), got {seed!r}: {exc}") from None
+
+
 # ----------------------------------------------------------------------------- numerics
 
 def _real_dtype_name(x):
@@ -147,6 +211,16 @@ def _compare(name, check, analytic, numeric, index_of, rtol, atol):
                     float(numeric.flat[worst]) if err.size else 0.0, tol, bool(max_abs <= tol))
 
 
+def _forward(forward, inputs):
+    """(out as an array, cache) of the unperturbed inputs; an empty output has nothing to check."""
+    out, cache = forward(*inputs)
+    out = np.asarray(out)
+    if out.size == 0:
+        raise ValueError(f"the forward's output is empty (shape {out.shape}): there is no "
+                         f"derivative to check")
+    return out, cache
+
+
 def _stack(inputs, i, xs):
     """The inputs with a leading axis of len(xs): input i is the stack xs (None: no input is),
     every other array input is repeated (a read-only view, no copy); non-arrays pass unchanged."""
@@ -187,11 +261,16 @@ def _vectorized_g(forward, backward, inputs, wrt, names):
 def _gradients(backward, dout, cache, inputs, wrt, names):
     """backward(dout, cache)[i] for each i in wrt, as arrays of inputs[i]'s shape (zeros for None)."""
     grads = backward(dout, cache)
-    return [_as_gradient(grads[i], np.shape(inputs[i]), names[i]) for i in wrt]
+    return [_gradient(grads, i, np.shape(inputs[i]), names[i]) for i in wrt]
 
 
-def _as_gradient(g, shape, name):
-    """A gradient g that backward returned, as an array of `shape` (zeros for None)."""
+def _gradient(grads, i, shape, name):
+    """grads[i], the gradient backward returned for input i, as an array of `shape` (zeros for None)."""
+    try:
+        g = grads[i]
+    except (IndexError, KeyError, TypeError) as exc:
+        raise ValueError(f"backward must return the gradients in input order, but its result "
+                         f"({type(grads).__name__}) has no entry {i} for {name}: {exc}") from None
     if g is None:
         return np.zeros(shape)
     if np.shape(g) != shape:
@@ -260,8 +339,7 @@ def _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, c
     row (backward of each unit upstream gradient), for all inputs at once, since one backward
     returns every input's gradient. Both a chunk of columns / rows per evaluation.
     """
-    out, cache = forward(*inputs)
-    out = np.asarray(out)
+    out, cache = _forward(forward, inputs)
     xs = {i: np.asarray(inputs[i]) for i in wrt}
     numeric = {}
     for i, x in xs.items():
@@ -294,14 +372,14 @@ def _full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, c
 def _projections(forward, backward, inputs, i, name, method, h, rng, n):
     """(analytic <backward(u), v>, numeric <u, J v>, index_of, max sum |u * out|) for n pairs."""
     x = np.asarray(inputs[i])
-    out, cache = forward(*inputs)
+    out, cache = _forward(forward, inputs)
     analytic, numeric, floors = [], [], []
     for _ in range(n):
-        u = rng.standard_normal(np.shape(out)).astype(np.asarray(out).real.dtype)  # upstream gradient
+        u = rng.standard_normal(out.shape).astype(out.real.dtype)                  # upstream gradient
         v = rng.standard_normal(x.shape).astype(x.real.dtype)                      # direction
         L_of = lambda xi: np.sum(u * np.asarray(forward(*inputs[:i], xi, *inputs[i + 1:])[0]))
         numeric.append(float(np.real(directional_derivative(L_of, x, v, method, h))))
-        analytic.append(float(np.real(np.sum(_as_gradient(backward(u, cache)[i], x.shape, name) * v))))
+        analytic.append(float(np.real(np.sum(_gradient(backward(u, cache), i, x.shape, name) * v))))
         floors.append(np.sum(np.abs(u * out)))
     return np.array(analytic), np.array(numeric), lambda k: (k,), max(floors)
 
@@ -340,26 +418,17 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not callable(forward) or not callable(backward):
         raise TypeError("forward and backward must be callables")
-    if isinstance(inputs, np.ndarray) or not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"inputs must be a list or tuple of the forward's arguments, "
-                        f"got {type(inputs).__name__}")
-    inputs = list(inputs)
-    if wrt is None:
-        wrt = [i for i, x in enumerate(inputs)
-               if isinstance(x, np.ndarray) and x.dtype.kind in "fc"]
-    if not wrt:
-        raise ValueError("gradcheck found no floating-point array among the inputs to check")
-    for i in wrt:
-        if not (0 <= i < len(inputs)) or np.asarray(inputs[i]).dtype.kind not in "fc":
-            raise ValueError(f"wrt index {i} does not name a floating-point input")
+    inputs, wrt = _inputs_and_wrt(inputs, wrt, "fc", "floating-point (or complex)")
     names = names or [f"input {i}" for i in range(len(inputs))]
     if len(names) != len(inputs):
         raise ValueError(f"names has {len(names)} entries for {len(inputs)} inputs")
     dtype = _real_dtype_name(inputs[wrt[0]])
     default_eps, default_rtol = DEFAULTS[(dtype, method)]
-    h = default_eps if eps is None else float(eps)
-    rtol = default_rtol if rtol is None else float(rtol)
-    rng = np.random.default_rng(seed)
+    h = default_eps if eps is None else _real(eps, "eps", positive=True)
+    rtol = default_rtol if rtol is None else _real(rtol, "rtol", positive=False)
+    atol = None if atol is None else _real(atol, "atol", positive=False)
+    n_projections = _count(n_projections, "n_projections", 1)
+    rng = _rng(seed)
     if batched not in (None, True, False):
         raise TypeError(f"batched must be None, True or False, got {batched!r}")
     if chunk_size is not None:
@@ -373,7 +442,8 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
                    for i in wrt}
     eps_mach = np.finfo(np.float32 if dtype == "float32" else np.float64).eps
     size = {i: max(_largest(a), _largest(n)) for i, (a, n, _, _) in results.items()}
-    zero_floor = 100 * eps_mach * max(size.values())
+    largest = max(size.values())                 # the largest derivative of any checked input
+    zero_floor = 100 * eps_mach * largest
     rows = []
     for i, (analytic, numeric, index_of, f_size) in results.items():
         if atol is not None:
@@ -382,6 +452,12 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
             row_atol = zero_floor if size[i] <= zero_floor else 0.0
         else:                                # the roundoff floor of finite differences of f
             row_atol = 10 * eps_mach * max(1.0, f_size) / h
+            if not row_atol < largest:       # every derivative is below the noise: no evidence
+                raise ValueError(
+                    f"method={method!r} with eps={h:g} cannot resolve any derivative here: its "
+                    f"roundoff floor 10 eps_mach max(1, |f|) / eps = {row_atol:.3g} is not below "
+                    f"the largest derivative {largest:.3g}, so no gradient could fail; use a larger "
+                    f"eps, method='complex', or an explicit atol")
         rows.append(_compare(names[i], "jacobian" if mode == "full" else "projection",
                              analytic, numeric, index_of, rtol, row_atol))
     report = GradcheckReport(rows, method, mode, h, rtol, atol, dtype)
@@ -421,17 +497,27 @@ def taylor_test(forward, backward, inputs, *, wrt=None, seed=0, h0=1e-1, n_steps
     falls as O(h^2) (order 2: each halving of h divides r1 by 4) if and only if the
     gradient is right; a wrong gradient leaves an O(h) remainder (order 1). No step
     size has to be chosen well: the order is read off a whole sweep h0, h0/2, ...
-    Steps whose remainder sinks to the roundoff floor are left out of the order.
+    Steps whose remainder sinks to the roundoff floor are left out of the order; if every
+    step's does, the linear model is exact to rounding, which counts as a pass only when
+    the largest step changed L measurably (ValueError otherwise: no evidence either way).
+
+    Args:
+        forward, backward, inputs: as for `gradcheck`; the real floating arrays are checked.
+        wrt: indices of the inputs to perturb (default: every real floating array).
+        seed: seeds u and v.
+        h0: the largest step, > 0; n_steps: how many halvings, >= 2.
+    Returns:
+        TaylorReport: truthy iff the observed order is >= 1.8.
     """
-    inputs = list(inputs)
-    if wrt is None:
-        wrt = [i for i, x in enumerate(inputs) if isinstance(x, np.ndarray) and x.dtype.kind in "f"]
-    rng = np.random.default_rng(seed)
-    out, cache = forward(*inputs)
-    u = rng.standard_normal(np.shape(out))
+    inputs, wrt = _inputs_and_wrt(inputs, wrt, "f", "real floating-point")
+    h0 = _real(h0, "h0", positive=True)
+    n_steps = _count(n_steps, "n_steps", 2)
+    rng = _rng(seed)
+    out, cache = _forward(forward, inputs)
+    u = rng.standard_normal(out.shape)
     grads = backward(u, cache)
     dirs = {i: rng.standard_normal(np.shape(inputs[i])) for i in wrt}
-    slope = sum(float(np.sum(np.asarray(grads[i]) * dirs[i])) for i in wrt if grads[i] is not None)
+    slope = sum(float(np.sum(_gradient(grads, i, dirs[i].shape, f"input {i}") * dirs[i])) for i in wrt)
 
     def L(h):
         moved = [x + h * dirs[i] if i in dirs else x for i, x in enumerate(inputs)]
@@ -445,5 +531,9 @@ def taylor_test(forward, backward, inputs, *, wrt=None, seed=0, h0=1e-1, n_steps
     with np.errstate(divide="ignore", invalid="ignore"):
         orders = np.log2(r1[:-1] / r1[1:])
     usable = orders[(r1[1:] > floor) & np.isfinite(orders)]
+    if not usable.size and not r0[0] > floor:
+        raise ValueError(f"no step changes L = <u, forward> above roundoff (|L(x + h0 v) - L(x)| = "
+                         f"{r0[0]:.3g} <= {floor:.3g} at h0={h0:g}): either h0 is too small or the "
+                         f"forward does not depend on the checked inputs, and the test has no evidence")
     order = float(np.median(usable)) if usable.size else math.inf   # all below floor: exact
     return TaylorReport(steps, r0, r1, orders, order, bool(order >= 1.8))

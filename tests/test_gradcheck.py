@@ -108,6 +108,29 @@ def test_taylor_remainder_order_two_for_right_one_for_wrong():
     assert "order" in str(right)
 
 
+def test_taylor_on_a_linear_map_is_exact_only_with_evidence():
+    """L linear in b: a right gradient leaves no remainder at all (a pass, order inf); a wrong
+    one leaves h * error (order 1); a step too small to move L is refused, not passed."""
+    rng = np.random.default_rng(4)
+    inputs = [rng.standard_normal((3, 4)), rng.standard_normal((4, 2)), rng.standard_normal(2)]
+    wrong = lambda dy, c: [None, None, 1.5 * na.linear_backward(dy, c)[2]]
+    right = na.taylor_test(na.linear_forward, na.linear_backward, inputs, wrt=[2])
+    assert right and right.order == np.inf and np.all(right.r0 > 0)
+    assert not na.taylor_test(na.linear_forward, wrong, inputs, wrt=[2])
+    for backward in (na.linear_backward, wrong):
+        with pytest.raises(ValueError, match="no evidence"):
+            na.taylor_test(na.linear_forward, backward, inputs, wrt=[2], h0=1e-300)
+
+
+def test_a_step_below_roundoff_is_refused_not_passed():
+    """Central differences with eps = 1e-300 see x + eps = x: every numeric derivative is 0
+    and the roundoff floor is 1e285, so a wrong gradient would pass; gradcheck refuses."""
+    forward, _, inputs = softmax_case()
+    with pytest.raises(ValueError, match="cannot resolve"):
+        na.gradcheck(forward, wrong_softmax_backward, inputs, eps=1e-300)
+    assert not na.gradcheck(forward, wrong_softmax_backward, inputs, eps=1e-300, atol=0.0)
+
+
 def test_gradcheck_imports_nothing_of_the_package():
     tree = ast.parse(inspect.getsource(gradcheck_module))
     for node in ast.walk(tree):

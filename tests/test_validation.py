@@ -85,6 +85,15 @@ def gradcheck(**changes):
     return lambda: na.gradcheck(**args)
 
 
+def taylor(**changes):
+    args = {"forward": na.linear_forward, "backward": na.linear_backward, "inputs": [X, W], **changes}
+    return lambda: na.taylor_test(**args)
+
+
+def too_few_gradients(dy, cache):
+    return na.linear_backward(dy, cache)[:1]                # dx only: W's gradient is missing
+
+
 def case(case_id, exc, fragments, call):
     return pytest.param(call, exc, fragments, id=case_id)
 
@@ -269,6 +278,41 @@ BAD_INPUTS = [
     case("gradcheck-inputs-array", T, ["inputs", "ndarray"], gradcheck(inputs=X)),
     case("gradcheck-no-float-input", E, ["floating"], gradcheck(inputs=[np.ones((2, 4), int), 3])),
     case("gradcheck-not-callable", T, ["callable"], gradcheck(forward="linear_forward")),
+    case("gradcheck-eps-zero", E, ["eps", "> 0", "0"], gradcheck(eps=0)),
+    case("gradcheck-eps-nan", E, ["eps", "nan"], gradcheck(eps=float("nan"))),
+    case("gradcheck-eps-string", T, ["eps", "'a'"], gradcheck(eps="a")),
+    case("gradcheck-eps-below-roundoff", E, ["eps=1e-300", "cannot resolve", "complex"], gradcheck(eps=1e-300)),
+    case("gradcheck-rtol-negative", E, ["rtol", ">= 0", "-1"], gradcheck(rtol=-1)),
+    case("gradcheck-rtol-inf", E, ["rtol", "inf"], gradcheck(rtol=float("inf"))),
+    case("gradcheck-atol-string", T, ["atol", "'a'"], gradcheck(atol="a")),
+    case("gradcheck-n-projections-zero", E, ["n_projections", ">= 1", "0"],
+         gradcheck(mode="projection", n_projections=0)),
+    case("gradcheck-seed-negative", E, ["seed", "-1"], gradcheck(seed=-1)),
+    case("gradcheck-wrt-int", T, ["wrt", "list", "0"], gradcheck(wrt=0)),
+    case("gradcheck-wrt-bool", T, ["wrt", "True"], gradcheck(wrt=[True])),
+    case("gradcheck-wrt-empty", E, ["wrt", "empty"], gradcheck(wrt=[])),
+    case("gradcheck-wrt-out-of-range", E, ["wrt", "7", "2 inputs"], gradcheck(wrt=[7])),
+    case("gradcheck-wrt-twice", E, ["wrt", "twice", "[0, 0]"], gradcheck(wrt=[0, 0])),
+    case("gradcheck-wrt-int-array", E, ["wrt index 0", "int64", "(2, 4)"],
+         gradcheck(inputs=[np.ones((2, 4), np.int64), W[:4]], wrt=[0])),
+    case("gradcheck-wrt-empty-array", E, ["wrt index 0", "non-empty", "(0, 4)"],
+         gradcheck(inputs=[np.ones((0, 4)), W], wrt=[0])),
+    case("gradcheck-empty-output", E, ["output", "empty", "(2, 0)"],
+         gradcheck(inputs=[np.ones((2, 4)), np.ones((4, 0))], wrt=[0])),
+    case("gradcheck-backward-too-few", E, ["backward", "entry 1", "input 1"],
+         gradcheck(backward=too_few_gradients)),
+    # ---- taylor_test
+    case("taylor-inputs-array", T, ["inputs", "ndarray"], taylor(inputs=X)),
+    case("taylor-n-steps-one", E, ["n_steps", ">= 2", "1"], taylor(n_steps=1)),
+    case("taylor-n-steps-float", T, ["n_steps", "2.5"], taylor(n_steps=2.5)),
+    case("taylor-h0-zero", E, ["h0", "> 0", "0"], taylor(h0=0)),
+    case("taylor-h0-nan", E, ["h0", "nan"], taylor(h0=float("nan"))),
+    case("taylor-h0-below-roundoff", E, ["h0=1e-300", "no evidence"], taylor(h0=1e-300)),
+    case("taylor-wrt-empty", E, ["wrt", "empty"], taylor(wrt=[])),
+    case("taylor-wrt-out-of-range", E, ["wrt", "7", "2 inputs"], taylor(wrt=[7])),
+    case("taylor-complex-only", E, ["real floating-point", "complex128"],
+         taylor(inputs=[X.astype(complex), W.astype(complex)])),
+    case("taylor-backward-too-few", E, ["backward", "entry 1"], taylor(backward=too_few_gradients)),
 ]
 
 if "block_size" in inspect.signature(na.attention_forward).parameters:    # the tiled path
@@ -319,6 +363,7 @@ def test_the_good_inputs_behind_the_table_work():
     mh_forward()()
     mha_after_forward().backward(np.ones((2, 3, 8)))
     assert gradcheck()()
+    assert taylor()()
 
 
 # ---- the command line: one line on stderr, exit code 2, no traceback
