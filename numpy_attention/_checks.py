@@ -76,6 +76,14 @@ def require_positive_real(value, name):
     return float(value)
 
 
+def require_nonnegative_real(value, name):
+    """Return `value` as a float, raising unless it is a finite real number >= 0."""
+    _require_real_number(value, name, "a finite real number >= 0")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite real number >= 0, got {value}")
+    return float(value)
+
+
 def require_probability(value, name):
     """Return `value` as a float, raising unless it is a real number in [0, 1)."""
     _require_real_number(value, name, "a real number in [0, 1)")

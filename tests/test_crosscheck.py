@@ -13,6 +13,7 @@ from numpy_attention import attention_backward, attention_forward
 from numpy_attention.cli import main
 from numpy_attention.crosscheck import (CaseError, crosscheck, judge, load_case, save_case,
                                         write_example_case)
+from numpy_attention.crosscheck.rule import CrosscheckReport
 from numpy_attention.crosscheck.naive import naive_attention, recursive_matmul
 from test_cli import usage_error
 
@@ -217,6 +218,68 @@ def test_lse_of_a_fully_masked_row_may_be_plus_or_minus_inf():
     finite = arrays["lse"].copy()
     finite[..., 2] = 0.0                                      # a masked row: finite is wrong
     assert not crosscheck(**{**arrays, "lse": finite})
+
+
+def test_a_case_without_keys_is_judged():
+    """N_k = 0: out is 0 (fully_masked 'zero'), lse -inf; a nonzero out fails, no traceback."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 3, 4)), np.zeros((2, 0, 4)), np.zeros((2, 0, 5))
+    zeros, lse = np.zeros((2, 3, 5), np.float32), np.full((2, 3), -np.inf, np.float32)
+    assert crosscheck(q=q, k=k, v=v, out=zeros, lse=lse)
+    assert not crosscheck(q=q, k=k, v=v, out=zeros + 1, lse=lse)
+
+
+UNJUDGEABLE = [({"scale": np.array(1e300)}, "scale=1e+300 is not finite in the candidate's compute dtype float32")]
+if np.finfo(np.longdouble).eps < np.finfo(np.float64).eps:        # a longdouble wider than float64
+    UNJUDGEABLE.append(({"out": np.zeros((1, 2, 4, 8), np.longdouble)}, "out must be float16, float32 or float64"))
+
+
+@pytest.mark.parametrize("change, message", UNJUDGEABLE)
+def test_cases_the_oracle_cannot_judge_are_refused(change, message, tmp_path, capsys):
+    arrays = {**_small_case(), **change}
+    with pytest.raises(CaseError, match=re.escape(message)):
+        crosscheck(**arrays)
+    np.savez(tmp_path / "bad.npz", **arrays)
+    err = usage_error(["crosscheck", str(tmp_path / "bad.npz")], capsys)
+    assert message in err and "Warning" not in err
+
+
+def test_each_tensor_gets_a_baseline_in_its_own_dtype():
+    """FlashAttention returns a float32 lse with a float16 out: the out is held to a float16
+    baseline (errors ~1e-3), the lse to a float32 one (~1e-7), and the report says both."""
+    arrays = _small_case()
+    arrays.update(out=arrays["out"].astype(np.float16))
+    report = crosscheck(**arrays)
+    rows = {r.name: r for r in report.rows}
+    assert report, str(report)
+    assert rows["out"].dtype == "float16" and rows["out"].baseline_err > 1e-5
+    assert rows["lse"].dtype == "float32" and rows["lse"].baseline_err < 1e-5
+    assert report.baseline_dtype.startswith("float16, float32")
+
+
+@pytest.mark.parametrize("kwargs, exc, message", [
+    ({"k_factors": [1]}, TypeError, "k_factors must be a mapping"),
+    ({"k_factors": {"out": "x"}}, TypeError, "k_factors['out'] must be a finite real number > 0"),
+    ({"k_factors": {"out": 0}}, ValueError, "k_factors['out'] must be a finite real number > 0"),
+    ({"k_factors": {"dx": 2}}, ValueError, "k_factors has the key 'dx'"),
+    ({"atol": "x"}, TypeError, "atol must be a finite real number >= 0"),
+    ({"atol": -1}, ValueError, "atol must be a finite real number >= 0, got -1"),
+])
+def test_crosscheck_keyword_arguments_are_checked(kwargs, exc, message):
+    with pytest.raises(exc, match=re.escape(message)):
+        crosscheck(**_small_case(), **kwargs)
+
+
+def test_judge_refuses_shapes_that_differ():
+    with pytest.raises(ValueError, match=re.escape("(2, 3), (2, 4) and (2, 3)")):
+        judge("out", np.zeros((2, 3)), np.zeros((2, 4)), np.zeros((2, 3)))
+
+
+def test_a_huge_ratio_keeps_to_its_column():
+    oracle = np.array([1.0, 2.0])
+    row = judge("out", oracle + 1e60, oracle, oracle + 1e-13, atol=0.0)
+    line = str(CrosscheckReport(rows=[row], oracle_dtype="float64", baseline_dtype="float64")).splitlines()[2]
+    assert len(line.split()) == 10 and line.split()[5] == f"{row.ratio:.3g}" == "1e+73"
 
 
 # ----------------------------------------------------------------------------- verdicts on torch

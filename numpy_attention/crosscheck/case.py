@@ -18,7 +18,8 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
                 lse [..., H, N_q]        dq, dk, dv (the shapes of q, k, v)   dbias (bias's shape)
                 (lse of a fully masked row: -inf, or FlashAttention's +inf; rule.py)
 
-The candidate's dtype is that of its tensors (float16, float32 or float64);
+The candidate's dtype is that of its tensors (float16, float32 or float64; each
+tensor is judged in its own, so a float32 lse may come with a float16 out);
 the order of operations is attention.py's: scale -> softcap -> bias -> masks
 -> softmax -> dropout -> @ v.
 """
@@ -35,6 +36,7 @@ OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dro
            "dropout_p", "fully_masked")
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias")
 GRADIENTS = ("dq", "dk", "dv", "dbias")
+CANDIDATE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 KEYS = INPUTS + OPTIONS + CANDIDATES
 
 
@@ -118,6 +120,10 @@ def split_case(arrays):
             raise CaseError(f"missing key {name!r}")
     arrays = {name: (_float_array(arrays, name) if name in INPUTS + CANDIDATES + ("bias",)
                      else arrays[name]) for name in arrays}
+    for name in (n for n in CANDIDATES if n in arrays):
+        if arrays[name].dtype not in CANDIDATE_DTYPES:
+            raise CaseError(f"{name} must be float16, float32 or float64 (the oracle must be wider "
+                            f"than the candidate), got dtype {arrays[name].dtype}")
     gradients = [name for name in GRADIENTS if name in arrays]
     if gradients and "dout" not in arrays:
         raise CaseError(f"missing key 'dout': the upstream gradient that {gradients[0]} belongs to")

@@ -15,7 +15,7 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
 """
 import numpy as np
 
-from .._checks import to_numpy
+from .._checks import require_mapping, require_nonnegative_real, require_positive_real, to_numpy
 from .._layout import fold, unbroadcast, with_head_axis
 from ..attention import attention_backward, attention_forward
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
@@ -36,8 +36,10 @@ def _cast_inputs(inputs, options, dtype):
     if "bias" in options:
         options["bias"] = cast(options["bias"])
     q, k, v, dout = (cast(inputs.get(name)) for name in ("q", "k", "v", "dout"))
-    scale = options.pop("scale", None)
-    scale = 1 / np.sqrt(work.type(q.shape[-1])) if scale is None else work.type(scale)
+    given = options.pop("scale", None)
+    scale = 1 / np.sqrt(work.type(q.shape[-1])) if given is None else work.type(given)
+    if given is not None and not np.isfinite(scale):
+        raise CaseError(f"scale={given:g} is not finite in the candidate's compute dtype {work}")
     return q, k, v, dout, options, scale
 
 
@@ -103,33 +105,51 @@ def term_magnitudes(truth, inputs, options):
     return mags
 
 
+def _check_k_factors(k_factors):
+    """{tensor name: k > 0}, every name a candidate tensor's."""
+    if k_factors is None:
+        return {}
+    require_mapping(k_factors, "k_factors")
+    for name, k in k_factors.items():
+        if name not in CANDIDATES:
+            raise ValueError(f"k_factors has the key {name!r}; the tensors are {', '.join(CANDIDATES)}")
+        require_positive_real(k, f"k_factors[{name!r}]")
+    return dict(k_factors)
+
+
 def crosscheck(*, k_factors=None, atol=None, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
         arrays: q, k, v, dout, the options and the candidate's out, lse, dq, dk, dv, dbias
             (numpy arrays, torch tensors or anything np.asarray takes).
-        k_factors: {tensor name: k} overriding rule.K_DEFAULT.
-        atol: one absolute tolerance for every tensor, overriding the default.
+        k_factors: {tensor name: k > 0} overriding rule.K_DEFAULT.
+        atol: one absolute tolerance >= 0 for every tensor, overriding the default.
+    Each tensor's baseline runs in that tensor's own dtype (a float16 kernel's float32 lse,
+    as FlashAttention returns it, is held to a float32 baseline); the oracle is wider than
+    the widest of them. Overflow in a case shows as inf / NaN errors in the report, without
+    numpy's warnings.
     Returns:
         CrosscheckReport. Raises CaseError (a ValueError) for a malformed case.
     """
+    k_factors = _check_k_factors(k_factors)
+    atol = None if atol is None else require_nonnegative_real(atol, "atol")
     inputs, options, candidates = split_case({name: to_numpy(x) for name, x in arrays.items()})
-    dtype = np.result_type(*candidates.values())
-    wide = oracle_dtype(dtype)
+    dtypes = sorted({x.dtype for x in candidates.values()}, key=lambda d: d.itemsize)
+    wide = oracle_dtype(dtypes[-1])
     want_grads = any(name in candidates for name in GRADIENTS)
-    try:
-        truth = reference(inputs, options, wide, want_grads)
-    except (ValueError, TypeError) as exc:
-        raise CaseError(str(exc)) from None
-    base = baseline(inputs, options, dtype, want_grads)
-    mags = term_magnitudes(truth, inputs, options)
-    k_factors = k_factors or {}
-    rows = []
-    for name in (n for n in CANDIDATES if n in candidates):
-        cand = candidates[name]
-        tol = atol_for(cand.dtype, mags[name]) if atol is None else atol
-        rows.append(judge(name, cand, truth[name], base[name].astype(cand.dtype),
-                          k=k_factors.get(name), atol=tol))
+    with np.errstate(all="ignore"):
+        try:
+            truth = reference(inputs, options, wide, want_grads)
+        except (ValueError, TypeError) as exc:
+            raise CaseError(str(exc)) from None
+        base = {dtype: baseline(inputs, options, dtype, want_grads) for dtype in dtypes}
+        mags = term_magnitudes(truth, inputs, options)
+        rows = []
+        for name in (n for n in CANDIDATES if n in candidates):
+            cand = candidates[name]
+            tol = atol_for(cand.dtype, mags[name]) if atol is None else atol
+            rows.append(judge(name, cand, truth[name], base[cand.dtype][name].astype(cand.dtype),
+                              k=k_factors.get(name), atol=tol))
     return CrosscheckReport(rows=rows, oracle_dtype=str(wide),
-                            baseline_dtype=f"{np.dtype(dtype)} (naive, sums left to right)")
+                            baseline_dtype=f"{', '.join(map(str, dtypes))} (naive, sums left to right)")

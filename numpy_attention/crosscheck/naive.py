@@ -52,7 +52,8 @@ def naive_attention(q, k, v, dout=None, *, mask=None, bias=None, causal=False, a
     `scale` is a number of q's dtype.
     """
     h, h_kv = _heads(q, k)
-    fold = lambda x: x.reshape(x.shape[:-3] + (h_kv, -1, x.shape[-1])) if q.ndim >= 3 else x
+    fold = lambda x: (x.reshape(x.shape[:-3] + (h_kv, x.shape[-3] // h_kv * x.shape[-2], x.shape[-1]))
+                      if q.ndim >= 3 else x)                          # [..., H, N, X] -> [..., H_kv, G*N, X]
     n_q, n_k = q.shape[-2], k.shape[-2]
     s = recursive_matmul(fold(q) * scale, np.swapaxes(k, -1, -2)).reshape(q.shape[:-1] + (n_k,))
     t = None
@@ -67,12 +68,13 @@ def naive_attention(q, k, v, dout=None, *, mask=None, bias=None, causal=False, a
         keep = (np.asarray(mask) != 0) if keep is None else keep & (np.asarray(mask) != 0)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)          # -inf: no key (N_k = 0) or all masked
     m = np.where(np.isneginf(m), 0, m)
     e = np.exp(s - m)
     total = recursive_rowsum(e)
     dead = total == 0                                              # a fully masked row
-    p = np.where(dead, {"zero": 0.0, "uniform": 1.0 / n_k, "nan": np.nan}[fully_masked],
+    fill = {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[fully_masked]   # (no key: 'zero' only)
+    p = np.where(dead, fill,
                  e / np.where(dead, 1, total)).astype(s.dtype)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]

@@ -75,7 +75,7 @@ class CrosscheckReport(NamedTuple):
         lines = [head, cols]
         for r in self.rows:
             lines.append(f"{r.name:<7}{r.dtype:<9}{r.max_abs_err:>12.3e}{r.rel_l2_err:>12.3e}"
-                         f"{r.baseline_err:>11.3e}{r.ratio:>9.2f}{r.k:>4g}{r.bound:>11.3e}  "
+                         f"{r.baseline_err:>11.3e}{r.ratio:>9.3g}{r.k:>4g}{r.bound:>11.3e}  "
                          f"{str(r.worst_index):<20}{'PASS' if r.passed else 'FAIL'}")
         return "\n".join(lines)
 
@@ -111,7 +111,10 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None):
         k: default K_DEFAULT[name] (3 for a name it does not know).
         atol: default atol_for(candidate's dtype, max|oracle| over its finite entries).
     """
-    candidate = np.asarray(candidate)
+    candidate, oracle, baseline = np.asarray(candidate), np.asarray(oracle), np.asarray(baseline)
+    if not candidate.shape == oracle.shape == baseline.shape:
+        raise ValueError(f"judge({name!r}): candidate, oracle and baseline must have one shape, got "
+                         f"{candidate.shape}, {oracle.shape} and {baseline.shape}")
     if name == "lse":                    # FlashAttention's +inf for a fully masked row (docstring)
         candidate = np.where(np.isneginf(oracle) & np.isposinf(candidate), -np.inf, candidate)
     k = K_DEFAULT.get(name, 3.0) if k is None else float(k)
