@@ -26,15 +26,17 @@ class UsageError(Exception):
     """Bad arguments or input: reported as one line, exit code 2. Subcommands raise it."""
 
 
-def integer(minimum):
-    """An argparse type: an integer >= minimum (integer(0) for seeds, integer(1) for counts)."""
+def integer(minimum, maximum=None):
+    """An argparse type: an integer >= minimum (integer(0) for seeds, integer(1) for counts),
+    and <= maximum if given (a size that must fit an array axis)."""
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            expected = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {expected}, got {text!r}")
         return value
     return parse
 
@@ -56,13 +58,17 @@ def build_parser():
 
 
 def _run(args):
-    """args.run(args) as an exit code; an OSError escaping it (a file that cannot be read or
-    written) is bad input too, the last safety net that keeps a traceback from the user."""
+    """args.run(args) as an exit code. An OSError escaping it (a file that cannot be read or
+    written) is bad input too, and so is a MemoryError (sizes too large for this machine):
+    the last safety net that keeps a traceback from the user."""
     try:
         return int(args.run(args))
     except OSError as exc:
         what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
         raise UsageError(f"numpy-attention {args.command}: {what}") from None
+    except MemoryError as exc:
+        raise UsageError(f"numpy-attention {args.command}: not enough memory for these sizes: "
+                         f"{exc or 'MemoryError'}") from None
 
 
 def main(argv=None):

@@ -1,6 +1,7 @@
 """The 1/sqrt(d_k) study: its numbers, its gradient verification, its CLI."""
 import csv
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -140,6 +141,57 @@ def test_cli_unwritable_output_is_one_line_exit_2(option, name, tmp_path, capsys
     pytest.importorskip("matplotlib")
     err = usage_error([*SMALL, option, str(tmp_path / name)], capsys)
     assert option in err and "cannot write" in err
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--train", "--json", "x.json"], "--json belongs to the sweep"),
+    (["--train", "--d-k", "4"], "--d-k belongs to the sweep"),
+    (["--train", "--trials", "3"], "--trials belongs to the sweep"),
+    (["--lr", "0.1"], "--lr needs --train"), (["--steps", "3"], "--steps needs --train"),
+    (["--optimizer", "adam"], "--optimizer needs --train")])
+def test_cli_an_option_of_the_other_mode_is_refused(argv, option, capsys):
+    assert option in usage_error(["vanishing", *argv], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--d-k", "99999999999999999999999"], "at most 2147483647"),
+    (["--alpha-d-k", "99999999999999999999"], "in [1, 2147483647]"),
+    (["--trials", "99999999999999999999"], "in [1, 2147483647]")])
+def test_cli_sizes_beyond_an_array_axis_are_refused(argv, message, capsys):
+    assert message in usage_error(["vanishing", *argv], capsys)
+
+
+def test_cli_sizes_too_large_for_memory_are_one_line_exit_2(monkeypatch, capsys):
+    from numpy_attention.experiments import vanishing
+
+    def huge(*args, **kwargs):
+        raise MemoryError("Unable to allocate 59.6 GiB for an array with shape (1, 8, 1000000000)")
+    monkeypatch.setattr(vanishing, "sweep", huge)            # as numpy does for --d-k 1000000000
+    assert "not enough memory" in usage_error([*SMALL], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "-", "--csv", "-"], "--json and --csv name the same output '-'"),
+    (["--json", ""], "--json: cannot write '': empty path")])
+def test_cli_outputs_that_collide_or_are_empty_are_refused(argv, message, capsys):
+    assert message in usage_error([*SMALL, *argv], capsys)
+
+
+def test_cli_writes_exactly_the_paths_it_names(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    figure, case = tmp_path / "figure", tmp_path / "case"
+    assert main([*SMALL, "--plot", str(figure)]) == 0
+    assert main(["crosscheck", "--write-example", str(case)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and case.read_bytes()[:2] == b"PK"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case", "figure"]
+    assert f"wrote {figure}" in capsys.readouterr().err
+
+
+def test_cli_training_with_a_diverging_learning_rate_warns_nothing(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # any RuntimeWarning fails the run
+        assert main(["vanishing", "--train", "--steps", "3", "--lr", "1e300"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path, monkeypatch):

@@ -160,7 +160,8 @@ def load_case(path):
 def save_case(path, **arrays):
     """Write a case (keys as in the module docstring); Python values become 0-d arrays."""
     split_case({name: np.asarray(x) for name, x in arrays.items()})     # refuse to write a bad case
-    np.savez(path, **arrays)
+    with open(path, "wb") as f:                  # exactly `path`: np.savez(path) would append .npz
+        np.savez(f, **arrays)
 
 
 def write_example_case(path, *, seed=0):

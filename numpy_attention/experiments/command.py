@@ -6,19 +6,31 @@
 
 Prints the sweep table and the scale = d_k^-alpha table (unless --json or --csv writes to
 stdout); --json / --csv hold the sweep's records. Progress goes to stderr once a run has
-taken more than a second.
+taken more than a second. An option of the other mode (--json with --train, --lr without
+it) is bad input, as are sizes beyond SIZE_MAX and output paths that cannot be written,
+checked before the work starts.
 """
 import argparse
 import math
+import os
 import sys
 import time
+
+import numpy as np
 
 from ..cli import UsageError, integer
 from . import plot, report, training, vanishing
 
+SIZE_MAX = 2 ** 31 - 1                   # d_k, n_keys, trials: sizes of array axes
+# each mode's options and their defaults (the parser's default is None: "not given")
+SWEEP_OPTIONS = {"d_k": vanishing.DEFAULT_D_K, "n_keys": vanishing.DEFAULT_N_KEYS,
+                 "trials": vanishing.DEFAULT_TRIALS, "alpha_d_k": 256, "json": None, "csv": None}
+TRAINING_OPTIONS = {"optimizer": "sgd", "steps": 300, "lr": training.LEARNING_RATES}
+
 
 def _list(kind):
-    """An argparse type: a comma-separated list of finite `kind` values > 0, e.g. '16,64'."""
+    """An argparse type: a comma-separated list of finite `kind` values > 0, e.g. '16,64'
+    (integers at most SIZE_MAX)."""
     def parse(text):
         try:
             values = tuple(kind(x) for x in text.split(","))
@@ -27,19 +39,20 @@ def _list(kind):
                                              f"{'integers' if kind is int else 'numbers'}, got {text!r}") from None
         if not all(math.isfinite(x) and x > 0 for x in values):
             raise argparse.ArgumentTypeError(f"values must be finite and > 0, got {text!r}")
+        if kind is int and max(values) > SIZE_MAX:
+            raise argparse.ArgumentTypeError(f"values must be at most {SIZE_MAX}, got {text!r}")
         return values
     return parse
 
 
 def add_arguments(parser):
-    parser.add_argument("--d-k", type=_list(int), default=vanishing.DEFAULT_D_K,
+    parser.add_argument("--d-k", type=_list(int),
                         help="key widths to sweep (default 1,4,16,64,256,1024,4096)")
-    parser.add_argument("--n-keys", type=_list(int), default=vanishing.DEFAULT_N_KEYS,
-                        help="numbers of keys to sweep (default 8,128)")
-    parser.add_argument("--trials", type=integer(1), default=vanishing.DEFAULT_TRIALS,
+    parser.add_argument("--n-keys", type=_list(int), help="numbers of keys to sweep (default 8,128)")
+    parser.add_argument("--trials", type=integer(1, SIZE_MAX),
                         help=f"samples per cell (default {vanishing.DEFAULT_TRIALS})")
     parser.add_argument("--seed", type=integer(0), default=0, help="seed of every sample (default 0)")
-    parser.add_argument("--alpha-d-k", type=integer(1), default=256,
+    parser.add_argument("--alpha-d-k", type=integer(1, SIZE_MAX),
                         help="d_k of the scale = d_k^-alpha table (default 256)")
     parser.add_argument("--json", metavar="PATH", help="write the sweep's records as JSON ('-': stdout)")
     parser.add_argument("--csv", metavar="PATH", help="write the sweep's records as CSV ('-': stdout)")
@@ -47,11 +60,10 @@ def add_arguments(parser):
                         help="save the figure, PNG or the format of its extension (needs matplotlib)")
     parser.add_argument("--train", action="store_true",
                         help="run the training demo instead of the sweep")
-    parser.add_argument("--optimizer", choices=training.OPTIMIZERS, default="sgd",
+    parser.add_argument("--optimizer", choices=training.OPTIMIZERS,
                         help="training demo optimizer (default sgd with momentum)")
-    parser.add_argument("--steps", type=integer(1), default=300,
-                        help="training demo steps (default 300)")
-    parser.add_argument("--lr", type=_list(float), default=training.LEARNING_RATES,
+    parser.add_argument("--steps", type=integer(1, SIZE_MAX), help="training demo steps (default 300)")
+    parser.add_argument("--lr", type=_list(float),
                         help="training demo learning rates (default 0.001,0.01,0.1,1)")
 
 
@@ -85,19 +97,20 @@ def run_sweep(args):
         print(report.format_table(records))
         print(f"\nscale = d_k^-alpha at d_k = {args.alpha_d_k} (0.5 keeps Var S = 1)\n")
         print(report.format_table(alphas, report.ALPHA_COLUMNS))
-    if args.json:
+    if args.json is not None:
         _save(report.write_json, records, args.json, "--json")
-    if args.csv:
+    if args.csv is not None:
         _save(report.write_csv, records, args.csv, "--csv")
-    if args.plot:
+    if args.plot is not None:
         _save(plot.plot_sweep, records, args.plot, "--plot")
     return 0
 
 
 def run_training(args):
     task = training.Task()
-    curves = training.compare(task, lrs=args.lr, optimizer=args.optimizer, steps=args.steps,
-                              seed=args.seed, progress=_progress("training"))
+    with np.errstate(over="ignore", invalid="ignore"):    # a diverging lr shows as inf / nan losses
+        curves = training.compare(task, lrs=args.lr, optimizer=args.optimizer, steps=args.steps,
+                                  seed=args.seed, progress=_progress("training"))
     print(f"retrieval task {task}, optimizer {args.optimizer}, seed {args.seed}")
     print(f"{'scale':<10}{'lr':>8}  held-out loss at steps {', '.join(map(str, curves[0].steps))}")
     for c in curves:
@@ -108,13 +121,46 @@ def run_training(args):
         print(f"{'1/sqrt(d_k)' if c.scaled else 'unscaled':<11}{c.lr:>7g}{c.loss[-1]:>12.3g}"
               f"{c.accuracy[-1]:>10.2f}{c.vanished:>16.0%}")
     print(f"(vanished: the step's ||dW|| < {training.VANISHED:g})")
-    if args.plot:
+    if args.plot is not None:
         _save(plot.plot_training, curves, args.plot, "--plot")
     return 0
 
 
+def _check_output(path, option):
+    """UsageError now, before the work, for an output path that cannot be written."""
+    if path == "-":
+        return
+    folder = os.path.dirname(path) or "."
+    if path == "" or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"{option}: cannot write {path!r}: "
+                         + ("it is a directory" if path and os.path.isdir(path) else
+                            "no such writable directory" if path else "empty path"))
+
+
+def _options(args):
+    """args with the mode's defaults filled in; UsageError for an option of the other mode."""
+    mine, theirs = (TRAINING_OPTIONS, SWEEP_OPTIONS) if args.train else (SWEEP_OPTIONS, TRAINING_OPTIONS)
+    for name in theirs:
+        if getattr(args, name) is not None:
+            raise UsageError(f"vanishing: --{name.replace('_', '-')} "
+                             + ("belongs to the sweep, not to --train" if args.train else "needs --train"))
+    for name, default in mine.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
 def run(args):
-    if args.plot:                                          # before the work, not after it
+    args = _options(args)
+    outputs = [(option, path) for option, path in (("--json", args.json), ("--csv", args.csv),
+                                                   ("--plot", args.plot)) if path is not None]
+    paths = [path for _, path in outputs]
+    if len(set(paths)) < len(paths):
+        raise UsageError(f"vanishing: {' and '.join(o for o, p in outputs if paths.count(p) > 1)} "
+                         f"name the same output {next(p for p in paths if paths.count(p) > 1)!r}")
+    for option, path in outputs:                           # before the work, not after it
+        _check_output(path, option)
+    if args.plot is not None:
         try:
             plot.check_path(args.plot)
         except (ImportError, ValueError) as exc:

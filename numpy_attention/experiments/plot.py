@@ -20,7 +20,7 @@ def _matplotlib():
 def check_path(path):
     """Raise ImportError without matplotlib, ValueError if it cannot write `path`'s format.
 
-    The format is the file's extension (PNG without one), as in Figure.savefig.
+    The format is the file's extension (PNG without one); the file is `path` itself.
     """
     _, canvas = _matplotlib()
     extension = os.path.splitext(path)[1][1:].lower()
@@ -39,8 +39,10 @@ def _figure(**subplots):
 
 
 def _save(fig, path):
+    """Save to exactly `path`, in its extension's format (PNG without one: savefig would
+    append '.png' to the name instead)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=os.path.splitext(path)[1][1:].lower() or "png")
 
 
 def plot_sweep(records, path):
