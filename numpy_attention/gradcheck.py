@@ -161,6 +161,8 @@ def _inputs_and_wrt(inputs, wrt, kinds, what):
 
 
 def _rng(seed):
+    if isinstance(seed, (bool, np.bool_)):
+        raise TypeError(f"seed must be a non-negative integer (or None), got {seed!r}")
     try:
         return np.random.default_rng(seed)
     except (TypeError, ValueError) as exc:

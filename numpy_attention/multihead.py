@@ -74,7 +74,13 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         raise ValueError(f"query, key, value must have the same batch size B, got {shapes}")
     if key.shape[1] != value.shape[1]:
         raise ValueError(f"key and value must have the same length N_k, got {shapes}")
-    params = check_params(params, "params", query.shape[2])
+    D, num_heads = query.shape[2], require_positive_int(num_heads, "num_heads")
+    if D % num_heads:
+        raise ValueError(f"query's width d_model={D} must be divisible by num_heads={num_heads}, got {shapes}")
+    try:
+        params = check_params(params, "params", D)
+    except ValueError as exc:                     # D comes from query: say so
+        raise ValueError(f"{exc} (d_model={D} is query's width; {shapes})") from None
     for name, x, weight, width in (("key", key, "W_k.weight", "kdim"),
                                    ("value", value, "W_v.weight", "vdim")):
         if x.shape[2] != params[weight].shape[1]:
@@ -106,6 +112,7 @@ def multihead_backward(dout, cache):
         entry per state_dict key, each in that key's layout (weights [out, in]).
     """
     require_cache(cache, MultiHeadCache, "multihead_backward")
+    dout = as_float_array(dout, "dout")
     require_same_shape(dout, cache.o.out_shape, "dout")
     H = cache.num_heads
     dconcat, dWo, dbo = linear_backward(dout, cache.o)                   # 5. output projection
@@ -156,6 +163,8 @@ class MultiHeadAttention:
         if self.dtype.kind not in "fc":
             raise TypeError(f"dtype must be a floating or complex dtype, got {self.dtype}")
         self.fully_masked = require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
+        if isinstance(seed, (bool, np.bool_)):
+            raise TypeError(f"seed must be a non-negative integer (or None), got {seed!r}")
         try:
             rng = np.random.default_rng(seed)
         except (TypeError, ValueError) as exc:
@@ -195,6 +204,7 @@ class MultiHeadAttention:
         if self._cache is None:
             raise ValueError("MultiHeadAttention.backward needs a forward first: call "
                              "mha(query, key, value) before mha.backward(grad_output)")
+        grad_output = as_float_array(grad_output, "grad_output")
         require_same_shape(grad_output, self._cache.o.out_shape, "grad_output")
         return multihead_backward(grad_output, self._cache)
 

@@ -64,7 +64,7 @@ def torch_to_seed_keys(sd, d_model, kdim, vdim):
         raise ValueError(f"state_dict has the packed in_proj_weight, which needs kdim == vdim == d_model; "
                          f"this module has d_model={d_model}, kdim={kdim}, vdim={vdim}: "
                          f"pass q_proj_weight, k_proj_weight, v_proj_weight instead")
-    sd = {key: to_numpy(sd[key]) for key in keys}
+    sd = {key: as_float_array(to_numpy(sd[key]), f"state_dict[{key!r}]") for key in keys}
     require_shapes(sd, "state_dict", _torch_shapes(packed, d_model, kdim, vdim))
     weights = np.split(sd["in_proj_weight"], 3) if packed else [sd[f"{c}_proj_weight"] for c in "qkv"]
     out = {}

@@ -1,4 +1,6 @@
 """Importers: the seed's torch class and nn.MultiheadAttention against torch float64 autograd."""
+import re
+
 import numpy as np
 import pytest
 
@@ -104,3 +106,37 @@ def test_unsupported_modules_are_refused():
         from_torch(nn.MultiheadAttention(4, 2, add_bias_kv=True))
     with pytest.raises(ValueError, match="eval"):
         from_torch(nn.MultiheadAttention(4, 2, dropout=0.1))
+
+
+def _module_and_inputs():
+    """nn.MultiheadAttention(8, 2) (batch_first=False) and query, key, value [N, B, E] of N_q 3, N_k 5, B 2."""
+    module = nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    rng = np.random.default_rng(4)
+    return from_torch(module), [rng.standard_normal((n, 2, 8)) for n in (3, 5, 5)]
+
+
+@pytest.mark.parametrize("change, exc, message", [
+    ({"query": None}, TypeError, "query must be a numeric"),
+    ({"query": np.ones((3, 2, 8), bool)}, TypeError, "query must be a numeric"),
+    ({"key": np.ones((5, 8))}, ValueError, "key must have 3 axes [N, B, E] (batch_first=False), got shape (5, 8)"),
+    ({"key_padding_mask": np.zeros((2, 4), bool)}, ValueError, "key_padding_mask must have shape (2, 5), got (2, 4)"),
+    ({"key_padding_mask": np.zeros((2, 5), int)}, TypeError, "key_padding_mask must be a bool or floating array"),
+    ({"attn_mask": np.zeros((3, 3, 5))}, ValueError, "attn_mask must have shape (3, 5) or (4, 3, 5), got (3, 3, 5)"),
+    ({"attn_mask": "x"}, TypeError, "attn_mask must be a bool or floating array"),
+    ({"attn_mask": [None]}, TypeError, "attn_mask must be a bool or floating array"),
+])
+def test_torch_wrapper_bad_inputs_are_named(change, exc, message):
+    ours, (query, key, value) = _module_and_inputs()
+    args = {"query": query, "key": key, "value": value, **change}
+    with pytest.raises(exc, match=re.escape(message)):
+        ours(**args)
+
+
+def test_torch_wrapper_backward_checks_its_order_and_gradient():
+    ours, inputs = _module_and_inputs()
+    with pytest.raises(ValueError, match="needs a forward first"):
+        ours.backward(np.ones((3, 2, 8)))
+    ours(*inputs)
+    with pytest.raises(ValueError, match=re.escape("grad_output must have the forward output's shape (3, 2, 8)")):
+        ours.backward(np.ones((2, 3, 8)))
+    assert ours.backward(np.ones((3, 2, 8)))["query"].shape == (3, 2, 8)

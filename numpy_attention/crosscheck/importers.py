@@ -17,7 +17,7 @@
 """
 import numpy as np
 
-from .._checks import to_numpy
+from .._checks import as_float_array, require_same_shape, to_numpy
 from ..multihead import MultiHeadAttention, multihead_backward, multihead_forward
 from ..params import PROJECTIONS, check_params, torch_to_seed_keys
 
@@ -57,24 +57,46 @@ class TorchMultiheadAttention:
         return x if self.batch_first else np.swapaxes(x, 0, 1)
 
     def _masks(self, key_padding_mask, attn_mask, batch, n_q, n_k):
-        """torch's masks (True = ignore, or additive floats) -> our (keep, bias), [B, H|1, N_q, N_k]."""
+        """torch's masks (True = ignore, or additive floats) -> our (keep, bias), [B, H|1, N_q, N_k].
+
+        The shapes torch takes: key_padding_mask [B, N_k]; attn_mask [N_q, N_k] or
+        [B * H, N_q, N_k]; each bool or floating, as torch requires."""
         keep, bias = None, None
-        for name, m, shape in (("key_padding_mask", key_padding_mask, (batch, 1, 1, n_k)),
-                               ("attn_mask", attn_mask, (batch, self.num_heads, n_q, n_k))):
+        h = self.num_heads
+        for name, m, shapes, to in (("key_padding_mask", key_padding_mask, [(batch, n_k)], (batch, 1, 1, n_k)),
+                                    ("attn_mask", attn_mask, [(n_q, n_k), (batch * h, n_q, n_k)],
+                                     (batch, h, n_q, n_k))):
             if m is None:
                 continue
-            m = to_numpy(m)
-            m = m.reshape(shape) if m.ndim == 3 or name == "key_padding_mask" else m
+            try:
+                m = np.asarray(to_numpy(m))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{name} must be a bool or floating array: {exc}") from None
+            if m.dtype.kind not in "bf":
+                raise TypeError(f"{name} must be a bool or floating array (as torch requires), got "
+                                f"dtype {m.dtype} with shape {m.shape}")
+            if m.shape not in shapes:
+                raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {m.shape}")
+            m = m.reshape(to) if m.shape != (n_q, n_k) else m
             if m.dtype == bool:
                 keep = ~m if keep is None else keep & ~m
             else:
                 bias = m.astype(self.dtype) if bias is None else bias + m
         return keep, bias
 
+    def _input(self, x, name):
+        """A query/key/value in torch's layout -> ours [B, N, width], checked."""
+        x = as_float_array(to_numpy(x), name)
+        if x.ndim != 3:
+            layout = "[B, N, E]" if self.batch_first else "[N, B, E] (batch_first=False)"
+            raise ValueError(f"{name} must have 3 axes {layout}, got shape {x.shape}")
+        return self._layout(x.astype(self.dtype, copy=False))
+
     def __call__(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                  average_attn_weights=True):
         """(attn_output, attn_weights) as the torch module returns them (weights None unless needed)."""
-        query, key, value = (self._layout(to_numpy(x).astype(self.dtype)) for x in (query, key, value))
+        query, key, value = (self._input(x, name) for name, x in
+                             (("query", query), ("key", key), ("value", value)))
         keep, bias = self._masks(key_padding_mask, attn_mask, query.shape[0], query.shape[1], key.shape[1])
         out, weights, self._cache = multihead_forward(query, key, value, self.params, self.num_heads,
                                                       mask=keep, bias=bias, fully_masked="nan")
@@ -87,8 +109,12 @@ class TorchMultiheadAttention:
     def backward(self, grad_output):
         """dict: "query", "key", "value" (in the call's layout) and the module's parameter names."""
         if self._cache is None:
-            raise RuntimeError("TorchMultiheadAttention.backward called before any forward")
-        g = multihead_backward(self._layout(np.asarray(grad_output)), self._cache)
+            raise ValueError("TorchMultiheadAttention.backward needs a forward first: call "
+                             "mha(query, key, value) before mha.backward(grad_output)")
+        grad_output = as_float_array(to_numpy(grad_output), "grad_output")
+        require_same_shape(grad_output, self._layout(np.empty(self._cache.o.out_shape, bool)).shape,
+                           "grad_output")
+        g = multihead_backward(self._layout(grad_output), self._cache)
         grads = {name: self._layout(g[name]) for name in ("query", "key", "value")}
         dw = [g[f"{name}.weight"] for name in PROJECTIONS[:3]]
         if self.packed:
