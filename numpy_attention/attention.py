@@ -258,7 +258,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         align: diagonal alignment for causal=True and for window: 'top_left' (default)
             or 'bottom_right'.
         window: (left, right) sliding window around the diagonal, -1 = unbounded
-            (FlashAttention's window_size).
+            (FlashAttention's window_size; FlashAttention aligns it bottom-right, so pass
+            align='bottom_right' to match it when N_q != N_k).
         scale: multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled experiment.
         softcap: S <- softcap * tanh(S / softcap), after scaling and before bias and masks.
         dropout_mask, dropout_p: explicit keep-mask (broadcastable to the weights) and
@@ -270,8 +271,9 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         check_finite: raise ValueError on NaN/Inf in q, k, v (and NaN/+inf in bias)
             instead of letting them poison the rows they touch.
         block_size: an int b selects the tiled path (tiled.py, FlashAttention's algorithm):
-            no [N_q, N_k] array, O(N) memory, the same results; mask, bias, causal,
-            window, scale, GQA and fully_masked='zero' only (ValueError for the rest).
+            no [N_q, N_k] array, O(N) memory, the same results (normwise to rounding; its
+            backward is the 'flash' form below); mask, bias, causal, window, scale, GQA and
+            fully_masked='zero' only (ValueError for the rest).
     Returns:
         out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside; cache.scores
         recomputes S),
@@ -361,7 +363,9 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     Args:
         dout: [..., H, N_q, d_v] upstream gradient.
         cache: the AttentionCache from attention_forward.
-        method: how step 5 (softmax) is differentiated; all three agree to rounding:
+        method: how step 5 (softmax) is differentiated; all three agree to rounding
+            normwise, but only 'vjp' keeps the tiny gradients of saturated rows (1 - max P
+            near eps) accurate relatively (docs/derivations.md, "Softmax"):
             'vjp'      dS = P * (dP - rowsum(P * dP))             (softmax_backward)
             'jacobian' dS = J dP with J = diag(P) - P P^T per row  (softmax_jacobian; O(N_k^2) per row)
             'flash'    dS = P * (dP - D), D = rowsum(dout * out), P recomputed as exp(S - lse)

@@ -79,8 +79,8 @@ def run_demo(seed=0, out=print):
     out("projection mode on every whole tensor, <u, J v> with random u, v:")
     proj = gradcheck(forward, backward, inputs, method="complex", mode="projection", names=names)
     out(str(proj))
-    out("\nfull mode on a sampled block: the whole Jacobian between a 2x2 block of every tensor"
-        "\nand a 2x3 block of the output:")
+    out("\nfull mode on a sampled block: the whole Jacobian between a block of every tensor"
+        "\n(1x2x2 of each input, 2x2 of each weight, 2 of each bias) and a 1x2x3 block of the output:")
     in_blocks = [(slice(1, 3),) if np.ndim(x) == 1 else
                  tuple(slice(1, 3) for _ in range(np.ndim(x) - 1)) + (slice(7, 9),) for x in inputs]
     out_block = (slice(1, 2), slice(1, 3), slice(0, 3))     # batch 1, queries 1-2, features 0-2

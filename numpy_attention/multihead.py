@@ -109,7 +109,8 @@ def multihead_backward(dout, cache):
 
     Returns:
         dict with "query" [B, N_q, D], "key" [B, N_k, kdim], "value" [B, N_k, vdim] and one
-        entry per state_dict key, each in that key's layout (weights [out, in]).
+        entry per state_dict key, each in that key's layout (weights [out, in]); with a
+        `bias` among the forward's attention_options also "bias" (bias's shape).
     """
     require_cache(cache, MultiHeadCache, "multihead_backward")
     dout = as_float_array(dout, "dout")
@@ -122,9 +123,12 @@ def multihead_backward(dout, cache):
     dquery, dWq, dbq = linear_backward(dQ, cache.q)                      # 1. input projections
     dkey, dWk, dbk = linear_backward(dK, cache.k)
     dvalue, dWv, dbv = linear_backward(dV, cache.v)
-    return {"query": dquery, "key": dkey, "value": dvalue,
-            "W_q.weight": dWq.T, "W_q.bias": dbq, "W_k.weight": dWk.T, "W_k.bias": dbk,
-            "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}
+    grads = {"query": dquery, "key": dkey, "value": dvalue,
+             "W_q.weight": dWq.T, "W_q.bias": dbq, "W_k.weight": dWk.T, "W_k.bias": dbk,
+             "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}
+    if g.dbias is not None:                                              # an attention bias
+        grads["bias"] = g.dbias
+    return grads
 
 
 class MultiHeadAttention:

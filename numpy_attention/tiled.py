@@ -25,8 +25,9 @@ Backward, per query block i and key block j (P recomputed from lse, never stored
     dq_i += scale * dS_ij k_j,   dk_j += scale * dS_ij^T q_i,   dbias_ij = dS_ij (unbroadcast)
 
 Blocks that causal masking or the window mask entirely (or that the mask masks
-entirely) are skipped in both passes. Grouped-query heads are folded into rows as in
-attention.py, so dk and dv sum over each group inside the matmul.
+entirely) are skipped in both passes. Grouped-query heads are folded into rows
+(_layout.fold: the G query heads of a kv head become G blocks of rows), so dk and dv sum
+over each group inside the matmul.
 
 Supported: mask, bias, causal (both alignments), window, scale, GQA, fully_masked='zero'.
 Not supported (ValueError): softcap, dropout, fully_masked 'uniform'/'nan',

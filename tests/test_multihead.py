@@ -145,6 +145,24 @@ def test_kdim_vdim_gradients_against_complex_step():
     assert max(r.max_rel_err for r in report.rows if r.name != "W_k.bias") <= 1e-12, report
 
 
+def test_an_attention_bias_gets_its_gradient():
+    """A bias passed through attention_options comes back as grads["bias"] (complex step);
+    without one there is no "bias" key."""
+    rng = np.random.default_rng(12)
+    mha = na.MultiHeadAttention(6, 2, seed=3)
+    x = rng.standard_normal((2, 3, 6))
+
+    def forward(bias):
+        out, _, cache = na.multihead_forward(x, x, x, mha.params, 2, bias=bias)
+        return out, cache
+
+    backward = lambda dout, cache: [na.multihead_backward(dout, cache)["bias"]]
+    report = na.gradcheck(forward, backward, [rng.standard_normal((1, 2, 3, 3))], method="complex")
+    assert report and report.rows[0].max_rel_err <= 1e-12, report
+    mha(x, x, x)
+    assert "bias" not in mha.backward(np.ones((2, 3, 6)))
+
+
 @pytest.mark.parametrize("kdim,vdim", [(None, None), (5, 3)])
 def test_initialization_is_nn_linear_in_the_input_width(kdim, vdim):
     """U(-1/sqrt(in), 1/sqrt(in)) per projection, weight then bias, W_q, W_k, W_v, W_o, from

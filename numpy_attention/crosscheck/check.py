@@ -51,9 +51,10 @@ def reference(inputs, options, dtype, gradients=True):
     np.longdouble oracle its extra digits.
 
     Returns:
-        dict with out [..., H, N_q, d_v], lse [..., H, N_q], the weights P and P~ (after
-        dropout) [..., H, N_q, N_k], and with gradients and dout: dq, dk, dv (dbias with a
-        bias) and the stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
+        dict with out [..., H, N_q, d_v], lse [..., H, N_q], the scores S (-inf where
+        masked) and the weights P and P~ (after dropout) [..., H, N_q, N_k], and with
+        gradients and dout: dq, dk, dv (dbias with a bias) and the stages dP, dS
+        [..., H, N_q, N_k] and D [..., H, N_q].
     """
     q, k, v, dout, options, scale = _cast_inputs(inputs, options, dtype)
     out, cache = attention_forward(q * scale, k, v, scale=1.0, **options)
