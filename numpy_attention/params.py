@@ -54,8 +54,13 @@ def torch_to_seed_keys(sd, d_model, kdim, vdim):
 
     Packed: in_proj_weight [3D, D] (torch's layout when kdim == vdim == D). Separate:
     q_proj_weight [D, D], k_proj_weight [D, kdim], v_proj_weight [D, vdim]. Both with
-    in_proj_bias [3D], out_proj.weight [D, D], out_proj.bias [D].
+    in_proj_bias [3D], out_proj.weight [D, D], out_proj.bias [D]; a module made with
+    bias=False has neither bias, and its biases are zeros.
     """
+    if not any(key in sd for key in ("in_proj_bias", "out_proj.bias")):        # bias=False
+        weight = to_numpy(sd.get("out_proj.weight", np.zeros(0)))
+        sd = {**sd, "in_proj_bias": np.zeros(3 * d_model, weight.dtype),
+              "out_proj.bias": np.zeros(d_model, weight.dtype)}
     packed = "in_proj_weight" in sd
     keys = TORCH_PACKED if packed else TORCH_SEPARATE
     require_keys(sd, f"state_dict (nn.MultiheadAttention layout, {'packed' if packed else 'separate'} "

@@ -4,6 +4,7 @@ import re
 import numpy as np
 import pytest
 
+from numpy_attention import MultiHeadAttention
 from numpy_attention.crosscheck.importers import from_torch
 
 torch = pytest.importorskip("torch")
@@ -140,3 +141,15 @@ def test_torch_wrapper_backward_checks_its_order_and_gradient():
     with pytest.raises(ValueError, match=re.escape("grad_output must have the forward output's shape (3, 2, 8)")):
         ours.backward(np.ones((2, 3, 8)))
     assert ours.backward(np.ones((3, 2, 8)))["query"].shape == (3, 2, 8)
+
+
+def test_a_bias_free_module_loads_into_our_class_with_zero_biases():
+    """nn.MultiheadAttention(bias=False).state_dict() has no bias keys: load_state_dict takes
+    it as zero biases, and the module's output is torch's."""
+    torch.manual_seed(5)
+    module = nn.MultiheadAttention(8, 2, bias=False, batch_first=True, dtype=torch.float64)
+    ours = MultiHeadAttention(8, 2)
+    ours.load_state_dict(module.state_dict())
+    assert all(not ours.params[f"{p}.bias"].any() for p in ("W_q", "W_k", "W_v", "W_o"))
+    x = np.random.default_rng(5).standard_normal((2, 3, 8))
+    assert_close(ours(x, x, x)[0], module(*[torch.tensor(x)] * 3)[0], "out")

@@ -46,8 +46,7 @@ class TorchMultiheadAttention:
         sd = {name: to_numpy(x).astype(dtype) for name, x in module.state_dict().items()}
         e = module.embed_dim
         self.packed, self.has_bias = "in_proj_weight" in sd, "in_proj_bias" in sd
-        zero_biases = {"in_proj_bias": np.zeros(3 * e, dtype), "out_proj.bias": np.zeros(e, dtype)}
-        params = torch_to_seed_keys({**zero_biases, **sd}, e, module.kdim, module.vdim)
+        params = torch_to_seed_keys(sd, e, module.kdim, module.vdim)      # bias=False: zero biases
         self.params = check_params(params, "module.state_dict()", e, module.kdim, module.vdim)
         self.num_heads, self.batch_first, self.dtype = module.num_heads, module.batch_first, dtype
         self._cache = None
