@@ -68,7 +68,7 @@ def _run(args):
         raise UsageError(f"numpy-attention {args.command}: {what}") from None
     except MemoryError as exc:
         raise UsageError(f"numpy-attention {args.command}: not enough memory for these sizes: "
-                         f"{exc or 'MemoryError'}") from None
+                         f"{str(exc) or 'MemoryError'}") from None
 
 
 def main(argv=None):

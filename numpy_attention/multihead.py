@@ -77,10 +77,12 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     D, num_heads = query.shape[2], require_positive_int(num_heads, "num_heads")
     if D % num_heads:
         raise ValueError(f"query's width d_model={D} must be divisible by num_heads={num_heads}, got {shapes}")
-    try:
-        params = check_params(params, "params", D)
-    except ValueError as exc:                     # D comes from query: say so
-        raise ValueError(f"{exc} (d_model={D} is query's width; {shapes})") from None
+    require_mapping(params, "params")
+    W_q = np.shape(params.get("W_q.weight"))                # d_model is query's width: check it first
+    if len(W_q) == 2 and W_q[1] != D:
+        raise ValueError(f"query's width {D} is not the input width of params['W_q.weight'] of shape "
+                         f"{W_q} = [d_model, d_model]; got {shapes}")
+    params = check_params(params, "params", D)
     for name, x, weight, width in (("key", key, "W_k.weight", "kdim"),
                                    ("value", value, "W_v.weight", "vdim")):
         if x.shape[2] != params[weight].shape[1]:
@@ -220,7 +222,8 @@ class MultiHeadAttention:
         """Load the seed's keys, or torch.nn.MultiheadAttention's: in_proj_weight [3D, D] (packed)
         or q_proj_weight [D, D], k_proj_weight [D, kdim], v_proj_weight [D, vdim] (separate,
         torch's layout when kdim or vdim is set), with in_proj_bias [3D], out_proj.weight [D, D],
-        out_proj.bias [D]. Arrays are copied; torch tensors are accepted."""
+        out_proj.bias [D] (neither bias for a module made with bias=False: zeros). Arrays are
+        copied; torch tensors are accepted."""
         require_mapping(state_dict, "state_dict")
         if any(key in state_dict for key in TORCH_WEIGHTS):
             state_dict = torch_to_seed_keys(state_dict, self.d_model, self.kdim, self.vdim)

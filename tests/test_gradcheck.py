@@ -108,27 +108,56 @@ def test_taylor_remainder_order_two_for_right_one_for_wrong():
     assert "order" in str(right)
 
 
-def test_taylor_on_a_linear_map_is_exact_only_with_evidence():
+def test_taylor_on_a_linear_map_is_exact():
     """L linear in b: a right gradient leaves no remainder at all (a pass, order inf); a wrong
-    one leaves h * error (order 1); a step too small to move L is refused, not passed."""
+    one leaves h * error (order 1)."""
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((3, 4)), rng.standard_normal((4, 2)), rng.standard_normal(2)]
     wrong = lambda dy, c: [None, None, 1.5 * na.linear_backward(dy, c)[2]]
     right = na.taylor_test(na.linear_forward, na.linear_backward, inputs, wrt=[2])
     assert right and right.order == np.inf and np.all(right.r0 > 0)
     assert not na.taylor_test(na.linear_forward, wrong, inputs, wrt=[2])
-    for backward in (na.linear_backward, wrong):
-        with pytest.raises(ValueError, match="no evidence"):
-            na.taylor_test(na.linear_forward, backward, inputs, wrt=[2], h0=1e-300)
 
 
-def test_a_step_below_roundoff_is_refused_not_passed():
-    """Central differences with eps = 1e-300 see x + eps = x: every numeric derivative is 0
-    and the roundoff floor is 1e285, so a wrong gradient would pass; gradcheck refuses."""
-    forward, _, inputs = softmax_case()
-    with pytest.raises(ValueError, match="cannot resolve"):
+def test_taylor_floor_follows_the_size_of_the_function():
+    """f = 1e-14 x^2: every remainder is far below 1e3 eps, yet far above the rounding of L's
+    own terms; the right gradient shows order 2 and a wrong one order 1 (an absolute floor
+    would pass both as 'exact')."""
+    x = np.random.default_rng(5).standard_normal(4)
+    forward = lambda x: (1e-14 * x ** 2, x)
+    right = na.taylor_test(forward, lambda d, x: [2e-14 * x * d], [x])
+    wrong = na.taylor_test(forward, lambda d, x: [4e-14 * x * d], [x])
+    assert right and abs(right.order - 2) < 0.2
+    assert not wrong and abs(wrong.order - 1) < 0.2
+
+
+def test_a_step_that_does_not_move_the_input_is_refused():
+    """eps = 1e-300: x + eps = x, every central difference is 0 and the floor 1e285 would pass
+    any gradient; gradcheck refuses it. The smallest step allowed is eps_mach * max(1, |x|)."""
+    forward, backward, inputs = softmax_case()
+    with pytest.raises(ValueError, match="does not move"):
         na.gradcheck(forward, wrong_softmax_backward, inputs, eps=1e-300)
-    assert not na.gradcheck(forward, wrong_softmax_backward, inputs, eps=1e-300, atol=0.0)
+    bound = np.finfo(float).eps * np.max(np.abs(inputs[0]))
+    with pytest.raises(ValueError, match="does not move"):
+        na.gradcheck(forward, backward, inputs, eps=bound)
+    assert na.gradcheck(forward, backward, inputs, method="complex", eps=1e-300)   # no cancellation
+
+
+def test_checks_at_the_edges_of_finite_differences_still_run():
+    """Not refused: a zero gradient checked alone (softmax ignores a shift of its row), float32
+    with a large |f| (the floor is wide, and the report's tol column says so), 0-d eps, an
+    integer-array wrt, and a scalar float input named in wrt."""
+    x, shift = np.random.default_rng(6).standard_normal((3, 5)), np.zeros((3, 1))
+    forward = lambda x, c: na.softmax_forward(x + c)
+    backward = lambda d, cache: [na.softmax_backward(d, cache), np.zeros((3, 1))]
+    for method in ("central", "richardson", "complex"):
+        assert na.gradcheck(forward, backward, [x, shift], wrt=[1], method=method)
+    big = lambda x: (1e3 + x, None)
+    report = na.gradcheck(big, lambda d, c: [d], [x.astype(np.float32)], method="central")
+    assert report and report.rows[0].tol > 1
+    assert na.gradcheck(big, lambda d, c: [d], [x], eps=np.array(1e-6), wrt=np.array([0]))
+    scalar = na.gradcheck(lambda a, x: (a * x, x), lambda d, x: [np.sum(d * x), None], [2.0, x], wrt=[0])
+    assert scalar and scalar.rows[0].name == "input 0"
 
 
 def test_gradcheck_imports_nothing_of_the_package():

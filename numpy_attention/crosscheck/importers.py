@@ -49,7 +49,7 @@ class TorchMultiheadAttention:
         params = torch_to_seed_keys(sd, e, module.kdim, module.vdim)      # bias=False: zero biases
         self.params = check_params(params, "module.state_dict()", e, module.kdim, module.vdim)
         self.num_heads, self.batch_first, self.dtype = module.num_heads, module.batch_first, dtype
-        self._cache = None
+        self._cache, self._out_shape = None, None
 
     def _layout(self, x):
         """[N, B, E] <-> [B, N, E] unless batch_first (its own inverse)."""
@@ -99,6 +99,7 @@ class TorchMultiheadAttention:
         keep, bias = self._masks(key_padding_mask, attn_mask, query.shape[0], query.shape[1], key.shape[1])
         out, weights, self._cache = multihead_forward(query, key, value, self.params, self.num_heads,
                                                       mask=keep, bias=bias, fully_masked="nan")
+        self._out_shape = self._layout(out).shape                # what backward's grad_output must be
         if not need_weights:
             return self._layout(out), None
         return self._layout(out), weights.mean(axis=1) if average_attn_weights else weights
@@ -111,8 +112,7 @@ class TorchMultiheadAttention:
             raise ValueError("TorchMultiheadAttention.backward needs a forward first: call "
                              "mha(query, key, value) before mha.backward(grad_output)")
         grad_output = as_float_array(to_numpy(grad_output), "grad_output")
-        require_same_shape(grad_output, self._layout(np.empty(self._cache.o.out_shape, bool)).shape,
-                           "grad_output")
+        require_same_shape(grad_output, self._out_shape, "grad_output")
         g = multihead_backward(self._layout(grad_output), self._cache)
         grads = {name: self._layout(g[name]) for name in ("query", "key", "value")}
         dw = [g[f"{name}.weight"] for name in PROJECTIONS[:3]]

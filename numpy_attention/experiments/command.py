@@ -126,9 +126,14 @@ def run_training(args):
     return 0
 
 
+def _where(option, path):
+    """Where an output goes: stdout for '-' (--json, --csv), else the file's absolute path."""
+    return "stdout" if path == "-" and option != "--plot" else os.path.realpath(path)
+
+
 def _check_output(path, option):
     """UsageError now, before the work, for an output path that cannot be written."""
-    if path == "-":
+    if _where(option, path) == "stdout":
         return
     folder = os.path.dirname(path) or "."
     if path == "" or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -154,10 +159,11 @@ def run(args):
     args = _options(args)
     outputs = [(option, path) for option, path in (("--json", args.json), ("--csv", args.csv),
                                                    ("--plot", args.plot)) if path is not None]
-    paths = [path for _, path in outputs]
-    if len(set(paths)) < len(paths):
-        raise UsageError(f"vanishing: {' and '.join(o for o, p in outputs if paths.count(p) > 1)} "
-                         f"name the same output {next(p for p in paths if paths.count(p) > 1)!r}")
+    where = [_where(option, path) for option, path in outputs if path]
+    clash = next((w for w in where if where.count(w) > 1), None)
+    if clash:
+        raise UsageError(f"vanishing: {' and '.join(o for o, p in outputs if p and _where(o, p) == clash)} "
+                         f"name the same output ({clash})")
     for option, path in outputs:                           # before the work, not after it
         _check_output(path, option)
     if args.plot is not None:
