@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from numpy_attention import attention_backward, attention_forward
 from numpy_attention.cli import main
@@ -17,7 +18,6 @@ from numpy_attention.crosscheck.rule import CrosscheckReport
 from numpy_attention.crosscheck.naive import naive_attention, recursive_matmul
 from test_cli import usage_error
 
-torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 VARIANTS = ("plain", "mask", "bias", "causal", "scale")
@@ -268,6 +268,24 @@ def test_each_tensor_gets_a_baseline_in_its_own_dtype():
 def test_crosscheck_keyword_arguments_are_checked(kwargs, exc, message):
     with pytest.raises(exc, match=re.escape(message)):
         crosscheck(**_small_case(), **kwargs)
+
+
+def test_atol_is_four_ulps_of_the_largest_sum_of_terms():
+    """atol = 4 eps(float32) M, M computed here independently (float64, no mask): for out
+    max_i sum_j P_ij max|v| = max|v|; for dq scale max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|."""
+    rng = np.random.default_rng(7)
+    q, k, v, dout = (rng.standard_normal((1, 2, 4, 8)) for _ in range(4))
+    out, cache = attention_forward(*(x.astype(np.float32) for x in (q, k, v)))
+    dq = attention_backward(dout.astype(np.float32), cache).dq
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(8)
+    P = np.exp(s - s.max(-1, keepdims=True))
+    P /= P.sum(-1, keepdims=True)
+    D = np.sum(dout * (P @ v), -1, keepdims=True)
+    M = {"out": np.abs(v).max(),
+         "dq": np.max(np.sum(P * (np.abs(dout @ np.swapaxes(v, -1, -2)) + np.abs(D)), -1)) * np.abs(k).max() / np.sqrt(8)}
+    rows = {r.name: r for r in crosscheck(q=q, k=k, v=v, dout=dout, out=out, dq=dq).rows}
+    for name in M:
+        assert rows[name].atol == pytest.approx(4 * np.finfo(np.float32).eps * M[name], rel=1e-9)
 
 
 def test_judge_refuses_shapes_that_differ():

@@ -145,19 +145,32 @@ def test_a_step_that_does_not_move_the_input_is_refused():
 
 def test_checks_at_the_edges_of_finite_differences_still_run():
     """Not refused: a zero gradient checked alone (softmax ignores a shift of its row), float32
-    with a large |f| (the floor is wide, and the report's tol column says so), 0-d eps, an
-    integer-array wrt, and a scalar float input named in wrt."""
+    with a large |f|, 0-d eps, an integer-array wrt, and a scalar float input named in wrt.
+
+    float32 central differences of f = 1e3 + x have a roundoff floor of 1.2, above the
+    derivative 1: they cannot see a gradient wrong by 100%, and the report's tol column says
+    so. Complex step has no floor and catches it."""
     x, shift = np.random.default_rng(6).standard_normal((3, 5)), np.zeros((3, 1))
     forward = lambda x, c: na.softmax_forward(x + c)
     backward = lambda d, cache: [na.softmax_backward(d, cache), np.zeros((3, 1))]
     for method in ("central", "richardson", "complex"):
         assert na.gradcheck(forward, backward, [x, shift], wrt=[1], method=method)
     big = lambda x: (1e3 + x, None)
-    report = na.gradcheck(big, lambda d, c: [d], [x.astype(np.float32)], method="central")
-    assert report and report.rows[0].tol > 1
+    x32, doubled = x.astype(np.float32), lambda d, c: [2 * d]
+    assert na.gradcheck(big, doubled, [x32], method="central").rows[0].tol > 1      # blind, and says so
+    assert not na.gradcheck(big, doubled, [x32], method="complex")
     assert na.gradcheck(big, lambda d, c: [d], [x], eps=np.array(1e-6), wrt=np.array([0]))
     scalar = na.gradcheck(lambda a, x: (a * x, x), lambda d, x: [np.sum(d * x), None], [2.0, x], wrt=[0])
     assert scalar and scalar.rows[0].name == "input 0"
+
+
+@pytest.mark.parametrize("method", ["central", "complex", "richardson"])
+@pytest.mark.parametrize("mode", ["full", "projection"])
+def test_a_nan_gradient_fails(method, mode):
+    forward, _, inputs = softmax_case()
+    nan_backward = lambda dp, cache: [np.full_like(cache.p, np.nan)]
+    report = na.gradcheck(forward, nan_backward, inputs, method=method, mode=mode)
+    assert not report and report.rows[0].max_abs_err == np.inf
 
 
 def test_gradcheck_imports_nothing_of_the_package():
@@ -177,7 +190,8 @@ def test_a_small_gradient_is_held_to_its_own_scale():
     right = lambda d, c: [2e-13 * c[0] * d, 2 * c[1] * d]
     wrong = lambda d, c: [2e-13 * 1.01 * c[0] * d, 2 * c[1] * d]
     assert na.gradcheck(forward, right, [x, y], method="complex")
-    assert [r.passed for r in na.gradcheck(forward, wrong, [x, y], method="complex").rows] == [False, True]
+    report = na.gradcheck(forward, wrong, [x, y], method="complex")
+    assert [r.passed for r in report.rows] == [False, True] and not report
 
 
 def test_directional_derivative_refuses_unknown_methods():

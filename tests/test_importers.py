@@ -3,13 +3,13 @@ import re
 
 import numpy as np
 import pytest
+import torch
+from seed_model import SeedMultiHeadAttention
 
 from numpy_attention import MultiHeadAttention
 from numpy_attention.crosscheck.importers import from_torch
 
-torch = pytest.importorskip("torch")
 nn = torch.nn
-from seed_model import SeedMultiHeadAttention  # noqa: E402  (after the torch check)
 
 
 def assert_close(ours, theirs, name, rtol=1e-12, scale=None):

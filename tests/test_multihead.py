@@ -1,12 +1,12 @@
 """MultiHeadAttention against the seed's PyTorch class (retyped in seed_model.py) and torch.nn.MultiheadAttention."""
 import numpy as np
 import pytest
+import torch
+from seed_model import SeedMultiHeadAttention
 
 import numpy_attention as na
 
-torch = pytest.importorskip("torch")
 nn = torch.nn
-from seed_model import SeedMultiHeadAttention  # noqa: E402  (after the torch check)
 
 
 def rel(a, b):
@@ -35,7 +35,7 @@ def run_both(d_model, num_heads, B, n_q, n_k, mask=None, fully_masked="zero", se
                              {k: v.numpy() for k, v in torch_grads.items()})
 
 
-def assert_match(ours, theirs, tol=1e-10):
+def assert_match(ours, theirs, tol=1e-12):
     (out, w, grads), (out_t, w_t, grads_t) = ours, theirs
     assert rel(out, out_t) <= tol and rel(w, w_t) <= tol
     assert set(grads) == set(grads_t)
@@ -108,17 +108,17 @@ def test_torch_nn_multiheadattention_weights(kdim, vdim):
     xt = [torch.tensor(a, requires_grad=True) for a in x]
     out_t, w_t = tmha(*xt, key_padding_mask=torch.tensor(ignore), average_attn_weights=False)
     out, w = ours(*x, mask=~ignore[:, None, None, :])
-    assert rel(out, out_t.detach().numpy()) <= 1e-10 and rel(w, w_t.detach().numpy()) <= 1e-10
+    assert rel(out, out_t.detach().numpy()) <= 1e-12 and rel(w, w_t.detach().numpy()) <= 1e-12
     dout = rng.standard_normal(out.shape)
     out_t.backward(torch.tensor(dout))
     g = ours.backward(dout)
     for i, name in enumerate(("query", "key", "value")):
-        assert g[name].shape == x[i].shape and rel(g[name], xt[i].grad.numpy()) <= 1e-10, name
+        assert g[name].shape == x[i].shape and rel(g[name], xt[i].grad.numpy()) <= 1e-12, name
     named = as_torch_parameters(g, packed)
     params = dict(tmha.named_parameters())
     assert set(named) == set(params)
     for name, p in params.items():
-        assert rel(named[name], p.grad.numpy()) <= 1e-10, name
+        assert rel(named[name], p.grad.numpy()) <= 1e-12, name
 
 
 def test_kdim_vdim_gradients_against_complex_step():

@@ -4,11 +4,11 @@ Gradients use a random upstream gradient; agreement is relative to the largest e
 """
 import numpy as np
 import pytest
+import torch
 
 from numpy_attention import attention_backward, attention_forward, gradcheck
 from numpy_attention.selfcheck import cases
 
-torch = pytest.importorskip("torch")
 F = torch.nn.functional
 RTOL = 1e-12
 

@@ -3,6 +3,7 @@ import csv
 import json
 import warnings
 
+import matplotlib
 import numpy as np
 import pytest
 
@@ -129,7 +130,6 @@ def test_cli_training_refuses_a_learning_rate_that_is_not_finite_and_positive(ar
 
 
 def test_cli_plot_of_an_unknown_format_is_refused_before_the_work(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     err = usage_error([*SMALL, "--plot", str(tmp_path / "x.xyz")], capsys)
     assert "--plot" in err and "'xyz'" in err
     assert not (tmp_path / "x.xyz").exists()
@@ -138,7 +138,6 @@ def test_cli_plot_of_an_unknown_format_is_refused_before_the_work(tmp_path, caps
 @pytest.mark.parametrize("option, name", [("--json", "no-such-dir/x.json"), ("--csv", "no-such-dir/x.csv"),
                                           ("--plot", "no-such-dir/x.png"), ("--json", ".")])
 def test_cli_unwritable_output_is_one_line_exit_2(option, name, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     err = usage_error([*SMALL, option, str(tmp_path / name)], capsys)
     assert option in err and "cannot write" in err
 
@@ -184,7 +183,6 @@ def test_cli_outputs_that_collide_or_are_empty_are_refused(argv, message, capsys
 
 
 def test_cli_writes_exactly_the_paths_it_names(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     figure, case = tmp_path / "figure", tmp_path / "case"
     assert main([*SMALL, "--plot", str(figure)]) == 0
     assert main(["crosscheck", "--write-example", str(case)]) == 0
@@ -201,7 +199,6 @@ def test_cli_training_with_a_diverging_learning_rate_warns_nothing(capsys):
 
 
 def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path, monkeypatch):
-    matplotlib = pytest.importorskip("matplotlib")
     monkeypatch.setitem(matplotlib.rcParams, "backend", "pdf")      # e.g. a notebook's choice
     path = tmp_path / "v.png"
     assert main([*SMALL, "--plot", str(path)]) == 0
@@ -210,7 +207,6 @@ def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path, monkeypatch)
 
 
 def test_cli_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")          # the optional extra; installed where this runs
     path = tmp_path / "v.png"
     assert main(["vanishing", "--d-k", "4,64", "--n-keys", "8", "--trials", "5", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
