@@ -192,3 +192,19 @@ def test_multihead_refuses_the_tiled_path_clearly():
     x = np.zeros((1, 3, 8))
     with pytest.raises(ValueError, match="block_size"):
         mha(x, x, x, block_size=2)
+
+
+@pytest.mark.parametrize("window, align", [((2, 1), "top_left"), ((2, 1), "bottom_right"),
+                                           ((0, -1), "top_left"), ((-1, 0), "bottom_right")])
+def test_window_keeps_exactly_its_band(window, align):
+    """Row i attends to key j iff d - left <= j <= d + right, d = i (top_left) or i + N_k - N_q
+    (bottom_right), -1 unbounded: written out entry by entry, and read back from P > 0."""
+    rng = np.random.default_rng(16)
+    n_q, n_k = 4, 7
+    q, k, v = rng.standard_normal((n_q, 3)), rng.standard_normal((n_k, 3)), rng.standard_normal((n_k, 2))
+    _, cache = na.attention_forward(q, k, v, window=window, align=align)
+    left, right = window
+    shift = n_k - n_q if align == "bottom_right" else 0
+    band = np.array([[(left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)
+                      for j in range(n_k)] for i in range(n_q)])
+    np.testing.assert_array_equal(cache.weights > 0, band)
