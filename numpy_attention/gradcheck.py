@@ -24,7 +24,8 @@ Modes:
                  forward (backward) call, when a probe shows the functions broadcast over that
                  axis; one at a time otherwise (`batched`, `chunk_size`). Same numbers either way.
     projection   <u, J v> for random u (upstream gradient) and random v (direction), compared
-                 with <backward(u), v>: two forwards and one backward per check, cheap at any size.
+                 with <backward(u), v>: one backward and one to four forwards per check (by
+                 method), cheap at any size.
 
 Verdict per input: max |analytic - numeric| <= atol + rtol * scale, scale = the largest
 |entry| of either (a normwise criterion: one tiny entry cannot fail or pass the check).
@@ -172,11 +173,11 @@ def _require_step_moves(h, x, step, name):
     """ValueError unless a step h changes x: h > eps_mach * max(1, max |x|). Below that, x + h
     rounds to x (for the largest entries), and finite differences measure nothing."""
     x = np.asarray(x)
-    bound = np.finfo(x.real.dtype).eps * max(1.0, float(np.max(np.abs(x), initial=0.0)))
+    largest = float(np.max(np.abs(x), initial=0.0))
+    bound = np.finfo(x.real.dtype).eps * max(1.0, largest)
     if not h > bound:
-        raise ValueError(f"{step} does not move {name} (largest |entry| "
-                         f"{float(np.max(np.abs(x), initial=0.0)):.3g}): a finite-difference step "
-                         f"must exceed eps_mach * max(1, |x|) = {bound:.3g}")
+        raise ValueError(f"{step} does not move {name} (largest |entry| {largest:.3g}): a "
+                         f"finite-difference step must exceed eps_mach * max(1, |x|) = {bound:.3g}")
 
 
 def _rng(seed):

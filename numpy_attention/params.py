@@ -58,9 +58,9 @@ def torch_to_seed_keys(sd, d_model, kdim, vdim):
     bias=False has neither bias, and its biases are zeros.
     """
     if not any(key in sd for key in ("in_proj_bias", "out_proj.bias")):        # bias=False
-        weight = to_numpy(sd.get("out_proj.weight", np.zeros(0)))
-        sd = {**sd, "in_proj_bias": np.zeros(3 * d_model, weight.dtype),
-              "out_proj.bias": np.zeros(d_model, weight.dtype)}
+        dtype = np.asarray(to_numpy(sd.get("out_proj.weight", 0.0))).dtype      # zeros in the weights' dtype
+        dtype = dtype if dtype.kind in "fc" else np.float64
+        sd = {**sd, "in_proj_bias": np.zeros(3 * d_model, dtype), "out_proj.bias": np.zeros(d_model, dtype)}
     packed = "in_proj_weight" in sd
     keys = TORCH_PACKED if packed else TORCH_SEPARATE
     require_keys(sd, f"state_dict (nn.MultiheadAttention layout, {'packed' if packed else 'separate'} "

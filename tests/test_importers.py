@@ -153,3 +153,17 @@ def test_a_bias_free_module_loads_into_our_class_with_zero_biases():
     assert all(not ours.params[f"{p}.bias"].any() for p in ("W_q", "W_k", "W_v", "W_o"))
     x = np.random.default_rng(5).standard_normal((2, 3, 8))
     assert_close(ours(x, x, x)[0], module(*[torch.tensor(x)] * 3)[0], "out")
+
+
+def test_key_padding_mask_when_the_batch_equals_the_query_length():
+    """key_padding_mask [B, N_k] with B == N_q has the shape of a 2-D attn_mask [N_q, N_k]:
+    it must still mask keys per batch entry, not per query row."""
+    torch.manual_seed(6)
+    module = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    rng = np.random.default_rng(6)
+    b = n_q = 3
+    kpm = np.zeros((b, 5), bool)
+    kpm[0, 3:] = kpm[2, :2] = True
+    inputs = [rng.standard_normal((b, n, 8)) for n in (n_q, 5, 5)]
+    check_against_autograd(module, from_torch(module), inputs, {"key_padding_mask": kpm},
+                           {"key_padding_mask": torch.tensor(kpm)})

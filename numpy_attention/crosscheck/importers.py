@@ -76,7 +76,7 @@ class TorchMultiheadAttention:
                                 f"dtype {m.dtype} with shape {m.shape}")
             if m.shape not in shapes:
                 raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {m.shape}")
-            m = m.reshape(to) if m.shape != (n_q, n_k) else m
+            m = m.reshape(to) if name == "key_padding_mask" or m.ndim == 3 else m   # [N_q, N_k] broadcasts
             if m.dtype == bool:
                 keep = ~m if keep is None else keep & ~m
             else:

@@ -50,10 +50,10 @@ def add_arguments(parser):
                         help="key widths to sweep (default 1,4,16,64,256,1024,4096)")
     parser.add_argument("--n-keys", type=_list(int), help="numbers of keys to sweep (default 8,128)")
     parser.add_argument("--trials", type=integer(1, SIZE_MAX),
-                        help=f"samples per cell (default {vanishing.DEFAULT_TRIALS})")
+                        help=f"samples per cell (default {SWEEP_OPTIONS['trials']})")
     parser.add_argument("--seed", type=integer(0), default=0, help="seed of every sample (default 0)")
     parser.add_argument("--alpha-d-k", type=integer(1, SIZE_MAX),
-                        help="d_k of the scale = d_k^-alpha table (default 256)")
+                        help=f"d_k of the scale = d_k^-alpha table (default {SWEEP_OPTIONS['alpha_d_k']})")
     parser.add_argument("--json", metavar="PATH", help="write the sweep's records as JSON ('-': stdout)")
     parser.add_argument("--csv", metavar="PATH", help="write the sweep's records as CSV ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH.png",
@@ -62,7 +62,8 @@ def add_arguments(parser):
                         help="run the training demo instead of the sweep")
     parser.add_argument("--optimizer", choices=training.OPTIMIZERS,
                         help="training demo optimizer (default sgd with momentum)")
-    parser.add_argument("--steps", type=integer(1, SIZE_MAX), help="training demo steps (default 300)")
+    parser.add_argument("--steps", type=integer(1, SIZE_MAX),
+                        help=f"training demo steps (default {TRAINING_OPTIONS['steps']})")
     parser.add_argument("--lr", type=_list(float),
                         help="training demo learning rates (default 0.001,0.01,0.1,1)")
 
