@@ -124,9 +124,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4,
                     help="fresh processes per contender, 3 timed calls each")
-    ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
-    ap.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory columns")
+    ap.add_argument("--dtypes", nargs="+", default=["float64", "float32"], help="default float64 float32")
+    ap.add_argument("--shapes", type=int, nargs="+",
+                    help="indices of the (B, N, D, H) to run, default all: "
+                         + ", ".join(f"{i} = {s}" for i, s in enumerate(SHAPES)))
     ap.add_argument("--numpy-hugepages", choices=("on", "off"), default="on",
                     help="numpy's madvise of huge pages for large arrays (default on, numpy's own "
                          "default; see _common.set_numpy_hugepages)")

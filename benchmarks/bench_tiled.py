@@ -46,9 +46,11 @@ def run(n, block):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 32768])
-    ap.add_argument("--block", type=int, default=256)
-    ap.add_argument("--max-gib", type=float, default=2.0)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 32768],
+                    help="sequence lengths N (default 1024 2048 4096 8192 32768)")
+    ap.add_argument("--block", type=int, default=256, help="the tiled path's block_size (default 256)")
+    ap.add_argument("--max-gib", type=float, default=2.0,
+                    help="skip the materialized path where one [H, N, N] array exceeds this (default 2)")
     args = ap.parse_args()
     print(machine_line())
     print(f"\ncausal attention, B=1, H={HEADS}, d_k={D_K}, float64, forward + backward, "

@@ -143,7 +143,8 @@ def broadcast_shape_to(x, name, target_shape, legend):
         shape = None
     if shape != tuple(target_shape):
         raise ValueError(f"{name} of shape {x.shape} does not broadcast to {legend} "
-                         f"{tuple(target_shape)}")
+                         f"{tuple(target_shape)} (numpy broadcasting aligns the last axes: a key "
+                         f"padding mask [B, N_k] is [B, 1, 1, N_k] here)")
 
 
 def as_mask(mask, name, target_shape, legend):

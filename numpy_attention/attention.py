@@ -136,7 +136,8 @@ def _check_qkv(q, k, v):
                          f"got q {q.shape}, k {k.shape}")
     if q.ndim >= 3 and q.shape[-3] % k.shape[-3]:
         raise ValueError(f"k's heads H_kv={k.shape[-3]} must divide q's heads H={q.shape[-3]} "
-                         f"(grouped-query attention), got q {q.shape}, k {k.shape}")
+                         f"(grouped-query attention), got q {q.shape}, k {k.shape}; the layout is "
+                         f"[..., H, N, d] (torch's and FlashAttention's [B, N, H, d] need a transpose)")
     dtype = result_dtype(q, k, v)
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)          # astype copies
 

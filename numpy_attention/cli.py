@@ -47,7 +47,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
+    from . import __version__                 # (the package imports this module while it loads)
     parser = _Parser(prog="numpy-attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         command = importlib.import_module(module)

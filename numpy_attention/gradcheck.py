@@ -224,7 +224,8 @@ def _compare(name, check, analytic, numeric, index_of, rtol, atol):
     err = np.where(nan_mismatch, np.inf, err)
     scale = max(np.max(np.abs(np.nan_to_num(analytic)), initial=0.0),
                 np.max(np.abs(np.nan_to_num(numeric)), initial=0.0))
-    worst = int(np.argmax(err)) if err.size else 0
+    exact = err.size and not np.max(err) > 0              # no error at all: show the largest entry
+    worst = int(np.argmax(np.abs(np.nan_to_num(numeric)) if exact else err)) if err.size else 0
     max_abs = float(err.flat[worst]) if err.size else 0.0
     tol = atol + rtol * scale
     rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
@@ -235,7 +236,13 @@ def _compare(name, check, analytic, numeric, index_of, rtol, atol):
 
 def _forward(forward, inputs):
     """(out as an array, cache) of the unperturbed inputs; an empty output has nothing to check."""
-    out, cache = forward(*inputs)
+    result = forward(*inputs)
+    if isinstance(result, np.ndarray):
+        raise TypeError(f"forward must return a pair (out, cache), got an array of shape {result.shape}")
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise TypeError(f"forward must return a pair (out, cache), got {type(result).__name__} "
+                        f"{result!r:.60}")
+    out, cache = result
     out = np.asarray(out)
     if out.size == 0:
         raise ValueError(f"the forward's output is empty (shape {out.shape}): there is no "
@@ -288,6 +295,9 @@ def _gradients(backward, dout, cache, inputs, wrt, names):
 
 def _gradient(grads, i, shape, name):
     """grads[i], the gradient backward returned for input i, as an array of `shape` (zeros for None)."""
+    if isinstance(grads, np.ndarray):
+        raise TypeError(f"backward must return a sequence of gradients in input order (e.g. [dx] "
+                        f"for one input), got an array of shape {grads.shape}")
     try:
         g = grads[i]
     except (IndexError, KeyError, TypeError) as exc:

@@ -76,7 +76,7 @@ def add_arguments(parser):
     parser.add_argument("--method", choices=METHODS, default="complex",
                         help="finite-difference method (default complex)")
     from .cli import integer
-    parser.add_argument("--seed", type=integer(0), default=0, help="seed of the random inputs")
+    parser.add_argument("--seed", type=integer(0), default=0, help="seed of the random inputs (default 0)")
 
 
 def run(args):

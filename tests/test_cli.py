@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+import numpy_attention as na
 from numpy_attention.cli import main
 
 
@@ -41,6 +42,12 @@ def test_python_dash_m_is_the_same_command():
 @pytest.mark.parametrize("argv", [[], ["nonsense"], ["demo", "--seed", "x"], ["gradcheck", "--method", "exact"]])
 def test_bad_arguments_one_line_exit_2(argv, capsys):
     assert "numpy-attention" in usage_error(argv, capsys)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"numpy-attention {na.__version__}\n"
 
 
 def usage_error(argv, capsys):

@@ -141,6 +141,7 @@ def test_command_exit_2_on_a_malformed_case(tmp_path, capsys, change, message):
 
 def test_command_exit_2_on_a_file_that_is_not_a_case(tmp_path, capsys):
     (tmp_path / "x.npz").write_text("not a zip file")
+    assert "not an .npz archive" in usage_error(["crosscheck", str(tmp_path / "x.npz")], capsys)
     assert main(["crosscheck", str(tmp_path / "x.npz")]) == 2
     assert main(["crosscheck", str(tmp_path / "missing.npz")]) == 2
     assert capsys.readouterr().err.count("\n") == 2

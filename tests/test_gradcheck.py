@@ -173,6 +173,17 @@ def test_a_nan_gradient_fails(method, mode):
     assert not report and report.rows[0].max_abs_err == np.inf
 
 
+def test_an_exact_row_shows_its_largest_entry():
+    """Complex step on a linear map has no error at all; the row then shows where the
+    Jacobian is largest (not index 0, which may be a zero of the Jacobian)."""
+    x = np.array([0.0, 0.0, 3.0])
+    report = na.gradcheck(lambda x: (np.array([0.0, 2.0, -5.0]) * x, None),
+                          lambda d, c: [np.array([0.0, 2.0, -5.0]) * d], [x], method="complex")
+    row = report.rows[0]
+    assert report and row.max_abs_err == 0 and row.analytic == row.numeric == -5.0
+    assert row.worst_index == ((2,), (2,))
+
+
 def test_gradcheck_imports_nothing_of_the_package():
     tree = ast.parse(inspect.getsource(gradcheck_module))
     for node in ast.walk(tree):

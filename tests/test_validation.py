@@ -109,7 +109,8 @@ BAD_INPUTS = [
     case("attn-width-q-vs-k", E, ["d_k", "(2, 4, 3, 7)", "(2, 2, 5, 8)"], attn(q=np.ones((2, 4, 3, 7)))),
     case("attn-length-k-vs-v", E, ["N_k", "(2, 2, 5, 8)", "(2, 2, 4, 6)"], attn(v=np.ones((2, 2, 4, 6)))),
     case("attn-heads-k-vs-v", E, ["H_kv", "(2, 2, 5, 8)", "(2, 1, 5, 6)"], attn(v=np.ones((2, 1, 5, 6)))),
-    case("attn-gqa-not-dividing", E, ["H_kv=3", "H=4"], attn(k=np.ones((2, 3, 5, 8)), v=np.ones((2, 3, 5, 6)))),
+    case("attn-gqa-not-dividing", E, ["H_kv=3", "H=4", "[..., H, N, d]"],
+         attn(k=np.ones((2, 3, 5, 8)), v=np.ones((2, 3, 5, 6)))),
     case("attn-zero-heads", E, ["head", "(2, 0, 3, 8)"], attn(q=np.ones((2, 0, 3, 8)))),
     case("attn-zero-kv-heads", E, ["head", "(2, 0, 5, 8)"], attn(k=np.ones((2, 0, 5, 8)), v=np.ones((2, 0, 5, 6)))),
     case("attn-zero-width", E, ["d_k", "(2, 4, 3, 0)"], attn(q=np.ones((2, 4, 3, 0)), k=np.ones((2, 2, 5, 0)))),
@@ -120,7 +121,8 @@ BAD_INPUTS = [
     case("attn-q-bool", T, ["q", "bool", "(2, 4, 3, 8)"], attn(q=Q > 0)),
     case("attn-v-object", T, ["v", "object"], attn(v=V.astype(object))),
     # ---- masks and biases
-    case("mask-not-broadcasting", E, ["mask", "(3, 4)", "(2, 4, 3, 5)"], attn(mask=np.ones((3, 4), bool))),
+    case("mask-not-broadcasting", E, ["mask", "(3, 4)", "(2, 4, 3, 5)", "[B, 1, 1, N_k]"],
+         attn(mask=np.ones((3, 4), bool))),
     case("mask-wrong-batch", E, ["mask", "(3, 1, 1, 1)", "(2, 4, 3, 5)"], attn(mask=np.ones((3, 1, 1, 1)))),
     case("mask-complex", T, ["mask", "complex128", "(3, 5)"], attn(mask=np.ones((3, 5), complex))),
     case("mask-object", T, ["mask", "object"], attn(mask=np.array([[True, None, 1]] * 3))),
@@ -314,6 +316,10 @@ BAD_INPUTS = [
          gradcheck(inputs=[np.ones((2, 4)), np.ones((4, 0))], wrt=[0])),
     case("gradcheck-backward-too-few", E, ["backward", "entry 1", "input 1"],
          gradcheck(backward=too_few_gradients)),
+    case("gradcheck-forward-not-a-pair", T, ["forward must return a pair (out, cache)", "array of shape (2, 3, 5)"],
+         gradcheck(forward=lambda x, W: x @ W)),
+    case("gradcheck-backward-an-array", T, ["backward must return a sequence", "array of shape (2, 3, 4)"],
+         gradcheck(backward=lambda dy, c: na.linear_backward(dy, c)[0])),
     # ---- taylor_test
     case("taylor-inputs-array", T, ["inputs", "ndarray"], taylor(inputs=X)),
     case("taylor-n-steps-one", E, ["n_steps", ">= 2", "1"], taylor(n_steps=1)),
@@ -326,6 +332,7 @@ BAD_INPUTS = [
     case("taylor-complex-only", E, ["real floating-point", "complex128"],
          taylor(inputs=[X.astype(complex), W.astype(complex)])),
     case("taylor-backward-too-few", E, ["backward", "entry 1"], taylor(backward=too_few_gradients)),
+    case("taylor-forward-not-a-pair", T, ["forward must return a pair"], taylor(forward=lambda x, W: (x @ W,))),
 ]
 
 if "block_size" in inspect.signature(na.attention_forward).parameters:    # the tiled path

@@ -177,7 +177,8 @@ def test_cli_sizes_too_large_for_memory_are_one_line_exit_2(monkeypatch, capsys)
 @pytest.mark.parametrize("argv, message", [
     (["--json", "-", "--csv", "-"], "--json and --csv name the same output (stdout)"),
     (["--json", "o.json", "--csv", "./o.json"], "--json and --csv name the same output"),
-    (["--json", ""], "--json: cannot write '': empty path")])
+    (["--json", ""], "--json: cannot write '': empty path"),
+    (["--plot", "-"], "--plot: a figure needs a file path")])
 def test_cli_outputs_that_collide_or_are_empty_are_refused(argv, message, capsys):
     assert message in usage_error([*SMALL, *argv], capsys)
 

@@ -148,6 +148,10 @@ def split_case(arrays):
 def load_case(path):
     """Read a .npz case into a dict of arrays; CaseError for a file that is not one."""
     try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+        if not head.startswith(b"PK") and head != b"\x93NUMPY":    # neither a zip (.npz) nor a .npy
+            raise ValueError("not an .npz archive (no zip header)")
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):
             raise ValueError(f"not an .npz archive (a single {type(data).__name__})")

@@ -127,14 +127,16 @@ def run_training(args):
     return 0
 
 
-def _where(option, path):
-    """Where an output goes: stdout for '-' (--json, --csv), else the file's absolute path."""
-    return "stdout" if path == "-" and option != "--plot" else os.path.realpath(path)
+def _where(path):
+    """Where an output goes: stdout for '-', else the file's absolute path."""
+    return "stdout" if path == "-" else os.path.realpath(path)
 
 
 def _check_output(path, option):
     """UsageError now, before the work, for an output path that cannot be written."""
-    if _where(option, path) == "stdout":
+    if path == "-" and option == "--plot":
+        raise UsageError("--plot: a figure needs a file path ('-', stdout, is for --json and --csv)")
+    if path == "-":
         return
     folder = os.path.dirname(path) or "."
     if path == "" or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -160,13 +162,13 @@ def run(args):
     args = _options(args)
     outputs = [(option, path) for option, path in (("--json", args.json), ("--csv", args.csv),
                                                    ("--plot", args.plot)) if path is not None]
-    where = [_where(option, path) for option, path in outputs if path]
-    clash = next((w for w in where if where.count(w) > 1), None)
-    if clash:
-        raise UsageError(f"vanishing: {' and '.join(o for o, p in outputs if p and _where(o, p) == clash)} "
-                         f"name the same output ({clash})")
     for option, path in outputs:                           # before the work, not after it
         _check_output(path, option)
+    where = [_where(path) for _, path in outputs]
+    clash = next((w for w in where if where.count(w) > 1), None)
+    if clash:
+        raise UsageError(f"vanishing: {' and '.join(o for o, p in outputs if _where(p) == clash)} "
+                         f"name the same output ({clash})")
     if args.plot is not None:
         try:
             plot.check_path(args.plot)
