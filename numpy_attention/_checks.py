@@ -143,8 +143,8 @@ def broadcast_shape_to(x, name, target_shape, legend):
         shape = None
     if shape != tuple(target_shape):
         raise ValueError(f"{name} of shape {x.shape} does not broadcast to {legend} "
-                         f"{tuple(target_shape)} (numpy broadcasting aligns the last axes: a key "
-                         f"padding mask [B, N_k] is [B, 1, 1, N_k] here)")
+                         f"{tuple(target_shape)} (numpy broadcasting aligns the trailing axes: "
+                         f"per-batch, per-key values [B, N_k] are given as [B, 1, 1, N_k])")
 
 
 def as_mask(mask, name, target_shape, legend):

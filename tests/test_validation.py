@@ -121,7 +121,7 @@ BAD_INPUTS = [
     case("attn-q-bool", T, ["q", "bool", "(2, 4, 3, 8)"], attn(q=Q > 0)),
     case("attn-v-object", T, ["v", "object"], attn(v=V.astype(object))),
     # ---- masks and biases
-    case("mask-not-broadcasting", E, ["mask", "(3, 4)", "(2, 4, 3, 5)", "[B, 1, 1, N_k]"],
+    case("mask-not-broadcasting", E, ["mask", "(3, 4)", "(2, 4, 3, 5)", "[B, N_k] are given as [B, 1, 1, N_k]"],
          attn(mask=np.ones((3, 4), bool))),
     case("mask-wrong-batch", E, ["mask", "(3, 1, 1, 1)", "(2, 4, 3, 5)"], attn(mask=np.ones((3, 1, 1, 1)))),
     case("mask-complex", T, ["mask", "complex128", "(3, 5)"], attn(mask=np.ones((3, 5), complex))),
