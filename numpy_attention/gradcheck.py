@@ -149,7 +149,7 @@ def _inputs_and_wrt(inputs, wrt, kinds, what):
         return inputs, wrt
     if isinstance(wrt, np.ndarray) and wrt.ndim == 1 and wrt.dtype.kind in "iu":
         wrt = wrt.tolist()
-    if isinstance(wrt, (str, bytes)) or not isinstance(wrt, (list, tuple, range)):
+    if not isinstance(wrt, (list, tuple, range)):
         raise TypeError(f"wrt must be a list of input indices, got {wrt!r} ({type(wrt).__name__})")
     if not wrt:
         raise ValueError("wrt is empty: name at least one input to check")

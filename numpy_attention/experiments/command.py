@@ -134,15 +134,17 @@ def _where(path):
 
 def _check_output(path, option):
     """UsageError now, before the work, for an output path that cannot be written."""
-    if path == "-" and option == "--plot":
-        raise UsageError("--plot: a figure needs a file path ('-', stdout, is for --json and --csv)")
     if path == "-":
+        if option == "--plot":
+            raise UsageError("--plot: a figure needs a file path ('-', stdout, is for --json and --csv)")
         return
     folder = os.path.dirname(path) or "."
-    if path == "" or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(f"{option}: cannot write {path!r}: "
-                         + ("it is a directory" if path and os.path.isdir(path) else
-                            "no such writable directory" if path else "empty path"))
+    why = ("empty path" if not path else
+           "it is a directory" if os.path.isdir(path) else
+           "no such writable directory" if not (os.path.isdir(folder) and os.access(folder, os.W_OK)) else
+           None)
+    if why:
+        raise UsageError(f"{option}: cannot write {path!r}: {why}")
 
 
 def _options(args):
