@@ -29,6 +29,26 @@ def unfold(x, h):
     return x.reshape(*x.shape[:-3], h, x.shape[-3] * x.shape[-2] // h, x.shape[-1])
 
 
+def grouped_matmul(x, y):
+    """x [..., H, N, a] @ y [..., H_kv, a, b] -> [..., H, N, b]: query head h meets kv head h // G.
+
+    Grouped-query attention: the G = H / H_kv query heads of a kv head are stacked as the
+    rows of one matrix (`fold`), so each kv head is one matrix product and no k or v is
+    ever repeated. With H == H_kv (or [N, a] arrays) it is x @ y.
+    """
+    if x.ndim < 3:
+        return x @ y
+    return unfold(fold(x, y.shape[-3]) @ y, x.shape[-3])
+
+
+def grouped_sum_matmul(x, y, h_kv):
+    """sum over the G query heads of each kv head of x_h^T y_h: the gradient's side of
+    `grouped_matmul`. x [..., H, N, a], y [..., H, N, b] -> [..., H_kv, a, b]."""
+    if x.ndim < 3:
+        return np.swapaxes(x, -1, -2) @ y
+    return np.swapaxes(fold(x, h_kv), -1, -2) @ fold(y, h_kv)
+
+
 def unbroadcast(g, shape):
     """Sum g over the axes along which an array of `shape` was broadcast to g.shape."""
     g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g

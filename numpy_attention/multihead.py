@@ -61,10 +61,10 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         read-only view of the cache's P (like a tensor torch saved for backward, it must not
         change); np.array(attn_weights) is a writable copy.
     """
-    if attention_options.get("block_size") is not None:
+    if attention_options.get("block_size") is not None or attention_options.get("implementation") == "tiled":
         raise ValueError("multihead_forward returns the attention weights [B, H, N_q, N_k], which the "
-                         "tiled path (block_size) never forms; call attention_forward(..., "
-                         "block_size=b) on split heads for O(N) memory")
+                         "tiled engine (implementation='tiled', or block_size) never forms; call attention_forward(..., "
+                         "implementation='tiled') on split heads for O(N) memory")
     query, key, value = (as_float_array(x, name) for name, x in
                          (("query", query), ("key", key), ("value", value)))
     shapes = f"query {query.shape}, key {key.shape}, value {value.shape}"

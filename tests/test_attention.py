@@ -66,7 +66,7 @@ def test_wrong_softmax_backward_inside_attention_is_caught():
         p = cache.weights
         dp = dout @ np.swapaxes(cache.v, -1, -2)
         ds = p * dp                                              # the bug
-        return [cache.scale * ds @ cache.k, cache.scale * np.swapaxes(ds, -1, -2) @ cache.q,
+        return [cache.options.scale * ds @ cache.k, cache.options.scale * np.swapaxes(ds, -1, -2) @ cache.q,
                 np.swapaxes(p, -1, -2) @ dout]
     forward, _, inputs, names = attention_case(np.random.default_rng(10))
     report = na.gradcheck(forward, wrong_backward, inputs, method="complex", names=names)

@@ -338,7 +338,7 @@ def _buggy_grads(arrays, forget_rowsum=False):
     g = attention_backward(dout, cache, return_stages=True)
     p, dp = cache.weights, g.stages.dP
     ds = p * dp if forget_rowsum else g.stages.dS
-    return cache.scale * ds @ k, cache.scale * np.swapaxes(ds, -1, -2) @ q
+    return cache.options.scale * ds @ k, cache.options.scale * np.swapaxes(ds, -1, -2) @ q
 
 
 def test_planted_bug_one_dq_element_off_by_one_percent():

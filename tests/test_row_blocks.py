@@ -1,10 +1,10 @@
-"""The materialized path's blocks of rows (attention.BLOCK_BYTES): any block size gives the
-same numbers as one block, for every option; the blocks cover every row exactly once."""
+"""The blocked engine's blocks of rows (engines/blocked.py, BLOCK_BYTES): any block size gives
+the same numbers as one block, for every option; the blocks cover every row exactly once."""
 import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention import attention
+from numpy_attention.engines import blocked
 
 RTOL = 1e-13          # float64, normwise; only the order of dk's, dv's and dbias's sums differs
 
@@ -67,7 +67,7 @@ def inputs(heads_kv=3, dtype=np.float64):
 def test_any_block_size_gives_the_numbers_of_one_block(monkeypatch, option, method, size):
     q, k, v, dout = inputs()
     whole = run(q, k, v, dout, method, OPTIONS[option])
-    monkeypatch.setattr(attention, "BLOCK_BYTES", SIZES[size])
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", SIZES[size])
     assert_same(run(q, k, v, dout, method, OPTIONS[option]), whole)
 
 
@@ -83,32 +83,32 @@ def test_blocks_of_grouped_complex_and_single_head_inputs(monkeypatch, case, siz
         q, k, v, dout = (x[0, 0] for x in inputs())
     options = {"mask": MASK[0, 0]} if case == "single head [N, d]" else {"causal": True}
     whole = run(q, k, v, dout, "vjp", options)
-    monkeypatch.setattr(attention, "BLOCK_BYTES", SIZES[size])
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", SIZES[size])
     assert_same(run(q, k, v, dout, "vjp", options), whole)
 
 
-@pytest.mark.parametrize("lead", [(1, 1), (2, 3, 1), (2, 2, 4), (3, 1, 2, 2), (0, 2, 1)])
+@pytest.mark.parametrize("lead, group", [((1, 1), 1), ((2, 3, 1), 1), ((2, 2, 4), 2), ((2, 2, 4), 4),
+                                         ((3, 1, 2, 2), 1), ((0, 2, 1), 1), ((1, 6), 3), ((1, 6), 2)])
 @pytest.mark.parametrize("n_q, n_k", [(1, 1), (7, 5), (64, 3), (0, 4), (5, 0)])
 @pytest.mark.parametrize("budget", [1, 40, 300, 5000, 1 << 40])
-def test_row_blocks_cover_every_row_once(monkeypatch, lead, n_q, n_k, budget):
-    monkeypatch.setattr(attention, "BLOCK_BYTES", budget)
-    g = attention._Grouped(q=np.zeros(lead + (n_q, 2)), k=np.zeros(lead[:-1] + (1, n_k, 2)),
-                           v=None, keep=None, bias=None, dropout_scale=None)
+def test_row_blocks_cover_every_row_once(monkeypatch, lead, group, n_q, n_k, budget):
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", budget)
     count = np.zeros(lead + (n_q,), int)
-    for ix in attention._row_blocks(g, 8):
-        assert all(isinstance(s, slice) for s in ix) and len(ix) == len(lead) + 1
-        count[ix] += 1
-        assert count[ix].size * n_k * 8 <= max(budget, n_k * 8)   # within budget, or one row
+    for block in blocked.row_blocks(lead + (n_q, n_k), group, 8):
+        assert all(isinstance(s, slice) for s in block) and len(block) == len(lead) + 1
+        heads = range(lead[-1])[block[-2]]
+        assert len(heads) == 1 or (heads.start % group == 0 and len(heads) % group == 0), heads
+        count[block] += 1
+        assert count[block].size * n_k * 8 <= max(budget, n_k * 8)   # within budget, or one row
     np.testing.assert_array_equal(count, 1)
 
 
 def test_the_default_blocks_split_a_long_sequence_by_heads_and_rows():
-    g = attention._Grouped(q=np.zeros((1, 8, 1, 2048, 64)), k=np.zeros((1, 8, 1, 2048, 64)),
-                           v=None, keep=None, bias=None, dropout_scale=None)
-    blocks = attention._row_blocks(g, 8)
-    rows = attention.BLOCK_BYTES // (2048 * 8)
+    blocks = blocked.row_blocks((1, 8, 2048, 2048), 1, 8)
+    rows = blocked.BLOCK_BYTES // (2048 * 8)
     assert len(blocks) == 8 * 2048 // rows                      # one head at a time, in slices of rows
-    assert blocks[0] == (slice(0, 1), slice(0, 1), slice(0, 1), slice(0, rows))
-    small = attention._Grouped(q=np.zeros((2, 8, 1, 10, 64)), k=np.zeros((2, 8, 1, 10, 64)),
-                               v=None, keep=None, bias=None, dropout_scale=None)
-    assert attention._row_blocks(small, 8) == [attention._whole(small)]   # the seed's shape: one block
+    assert blocks[0] == (slice(0, 1), slice(0, 1), slice(0, rows))
+    assert blocked.row_blocks((2, 8, 10, 10), 1, 8) == [(slice(None), slice(0, 8), slice(0, 10))]
+    # 512 rows fit, two heads of 256: two heads a block, unless that would split a group of 4
+    for group, heads in ((1, 2), (2, 2), (4, 1)):
+        assert {b[-2].stop - b[-2].start for b in blocked.row_blocks((1, 8, 256, 2048), group, 8)} == {heads}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.tiled import TiledAttentionCache
+from numpy_attention import TiledAttentionCache
 
 RTOL = 1e-12          # float64, normwise: max |tiled - materialized| / max |materialized|
 
@@ -113,10 +113,15 @@ def test_cache_is_linear_in_n_and_exposes_out_and_lse():
 
 def test_causal_skips_blocks_above_the_diagonal(monkeypatch):
     """Fully masked blocks are never computed: count the score blocks formed."""
-    from numpy_attention import tiled
+    from numpy_attention.engines import tiled
     calls = []
-    original = tiled._block_scores
-    monkeypatch.setattr(tiled, "_block_scores", lambda *a: calls.append(1) or original(*a))
+    original = tiled._tile_scores
+
+    def counted(*args):
+        s, skip = original(*args)
+        calls.extend([] if skip else [1])
+        return s, skip
+    monkeypatch.setattr(tiled, "_tile_scores", counted)
     x = np.random.default_rng(0).standard_normal((1, 1, 16, 4))
     out, cache = na.attention_forward(x, x, x, causal=True, block_size=4)
     assert len(calls) == 10                                 # 4 + 3 + 2 + 1 of the 16 blocks

@@ -58,7 +58,8 @@ def reference(inputs, options, dtype, gradients=True):
     """
     q, k, v, dout, options, scale = _cast_inputs(inputs, options, dtype)
     out, cache = attention_forward(q * scale, k, v, scale=1.0, **options)
-    p_drop = cache.weights if cache.dropout_scale is None else cache.weights * cache.dropout_scale
+    dropout_scale = cache.options.dropout_scale
+    p_drop = cache.weights if dropout_scale is None else cache.weights * dropout_scale
     result = {"out": out, "lse": cache.lse, "S": cache.scores, "P": cache.weights, "P~": p_drop}
     if gradients and dout is not None:
         g = attention_backward(dout, cache, return_stages=True)

@@ -1,0 +1,56 @@
+"""What attention's forward saves for its backward, and what the backward returns.
+
+Shape legend as in attention.py. A cache is the options record (options.py) plus the
+tensors the backward needs, all filled in by the forward that builds it.
+"""
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .options import AttentionOptions
+
+
+class AttentionCache(NamedTuple):
+    """The textbook and blocked engines' cache: P is stored whole."""
+    options: AttentionOptions
+    q: np.ndarray                   # [..., H, N_q, d_k]
+    k: np.ndarray                   # [..., H_kv, N_k, d_k]
+    v: np.ndarray                   # [..., H_kv, N_k, d_v]
+    out: np.ndarray                 # [..., H, N_q, d_v]
+    weights: np.ndarray             # [..., H, N_q, N_k] P, after the fully-masked policy, before dropout
+    lse: np.ndarray                 # [..., H, N_q] logsumexp of each row of S (-inf: fully masked)
+    top: np.ndarray                 # [..., H, N_q] index of each row's largest S, so of its largest P
+    softcap_tanh: Optional[np.ndarray]   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
+
+    @property
+    def scores(self):
+        """S [..., H, N_q, N_k], the softmax input (-inf where masked), recomputed from q and k.
+
+        Not stored: the blocked engine only ever holds one block of it.
+        """
+        from .attention import attention_scores       # (attention.py imports this module)
+        return attention_scores(self.q, self.k, self.options)[0]
+
+
+class TiledAttentionCache(NamedTuple):
+    """The tiled engine's cache: O(N) tensors only, P is recomputed by the backward."""
+    options: AttentionOptions
+    q: np.ndarray                   # [..., H, N_q, d_k]
+    k: np.ndarray                   # [..., H_kv, N_k, d_k]
+    v: np.ndarray                   # [..., H_kv, N_k, d_v]
+    out: np.ndarray                 # [..., H, N_q, d_v]
+    lse: np.ndarray                 # [..., H, N_q] row logsumexp of S (-inf: fully masked row)
+
+
+class AttentionStages(NamedTuple):
+    dP: np.ndarray                  # [..., H, N_q, N_k] gradient w.r.t. P (before dropout)
+    dS: np.ndarray                  # [..., H, N_q, N_k] gradient w.r.t. S (the softmax input)
+    D: np.ndarray                   # [..., H, N_q] rowsum(dout * out) = rowsum(P * dP)
+
+
+class AttentionGrads(NamedTuple):
+    dq: np.ndarray                  # [..., H, N_q, d_k]
+    dk: np.ndarray                  # [..., H_kv, N_k, d_k]
+    dv: np.ndarray                  # [..., H_kv, N_k, d_v]
+    dbias: Optional[np.ndarray]     # bias's shape, or None without a bias
+    stages: Optional[AttentionStages] = None   # with return_stages=True

@@ -1,0 +1,180 @@
+"""The blocked engine: the textbook's steps (attention.py) on blocks of query rows.
+
+Shape legend as in attention.py; G = H / H_kv query heads per kv head.
+
+The weights P [..., H, N_q, N_k] are stored whole (the backward and MultiHeadAttention's
+attn_weights need them), but every other step runs on one block of rows at a time,
+about BLOCK_BYTES of scores, so that each element-wise pass of the softmax and its
+backward works on a block in the processor's cache instead of streaming [N_q, N_k]
+arrays through memory. Softmax is row-wise: the blocks change nothing but the order of
+dk's and dv's sums. The scores S are never stored (cache.scores recomputes them).
+
+A block is an index tuple (one slice per leading axis, heads, rows) into [..., H, N_q]:
+the whole problem when it fits, else one leading index at a time, then groups of heads,
+then one head in slices of rows. A slice of heads holds whole groups of G (or a single
+head), so its queries meet their kv heads by `grouped_matmul` as in the textbook.
+
+Two details of the backward, each measured faster here:
+- dk and dv are accumulated over the blocks as their transposes, dk^T += scale q^T dS and
+  dv^T += dout^T P~: a wide [d, N_k] product, which BLAS runs about 1.3x faster than the
+  tall [N_k, d] one with a transposed operand; they are returned contiguous.
+- softmax_backward shifts each row of dP at the row's largest P; the forward keeps that
+  index (cache.top), so the backward does not search P for it again.
+"""
+import math
+
+import numpy as np
+
+from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
+from ..caches import AttentionCache, AttentionGrads, AttentionStages
+from ..options import keep_mask
+from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
+
+BLOCK_BYTES = 8 << 20       # scores per block: the best of 1-32 MiB measured here (a few MiB, about L2)
+
+
+def row_blocks(score_shape, group, itemsize):
+    """The blocks of rows of the scores [..., H, N_q, N_k], each about BLOCK_BYTES.
+
+    Returns index tuples (one slice per leading axis, heads, rows): every axis kept, so a
+    block of any array broadcastable to the scores is x[block]. Head slices hold whole
+    groups of `group` query heads, or a single head.
+    """
+    *lead, h, n_q, n_k = score_shape
+    fit = max(1, BLOCK_BYTES // max(1, n_k * itemsize))             # rows of scores per block
+    if math.prod(lead) * h * n_q <= fit:
+        return [(slice(None),) * len(lead) + (slice(0, h), slice(0, n_q))]
+    if h * n_q <= fit:                                               # all heads of one index
+        heads, rows = h, n_q
+    elif n_q <= fit:                                                 # some heads, whole groups
+        heads, rows = fit // n_q, n_q
+        heads = heads - heads % group if heads >= group else 1
+    else:                                                            # one head, slices of rows
+        heads, rows = 1, fit
+    return [tuple(slice(i, i + 1) for i in index) + (slice(h0, min(h0 + heads, h)),
+                                                      slice(r0, min(r0 + rows, n_q)))
+            for index in np.ndindex(*lead) for h0 in range(0, h, heads) for r0 in range(0, n_q, rows)]
+
+
+def _kv_heads(block, group):
+    """The block's index into k and v: its leading indices and the kv heads of its query heads."""
+    heads = block[-2]
+    return block[:-2] + (slice(heads.start // group, -(-heads.stop // group)),)
+
+
+def _block_scores(q3, k3, options, score_shape, block, group):
+    """Steps 1-4 on a block: (S, tanh(S_1 / softcap) or None), S a fresh [..., heads, rows, N_k]."""
+    o = options
+    index = block + (slice(None),)                                   # the block's scores
+    s = grouped_matmul(q3[block] * o.scale, np.swapaxes(k3[_kv_heads(block, group)], -1, -2))
+    softcap_tanh = None
+    if o.softcap is not None:
+        softcap_tanh = np.tanh(s / o.softcap)
+        s = np.multiply(softcap_tanh, o.softcap, out=s)
+    if o.bias is not None:
+        s += np.broadcast_to(o.bias, score_shape)[index]
+    keep = keep_mask(o, score_shape, index)
+    if keep is not None:
+        np.copyto(s, -np.inf, where=~keep)
+    return s, softcap_tanh
+
+
+def blocked_forward(q, k, v, options):
+    """The textbook forward, block by block; returns out [..., H, N_q, d_v] and an AttentionCache."""
+    o = options
+    q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
+    score_shape = q3.shape[:-1] + (k3.shape[-2],)                    # [..., H, N_q, N_k]
+    group = q3.shape[-3] // k3.shape[-3]
+    p = np.empty(score_shape, q.dtype)
+    softcap_tanh = None if o.softcap is None else np.empty(score_shape, q.dtype)
+    lse = np.empty(score_shape[:-1], q.dtype)                        # [..., H, N_q]
+    top = np.empty(score_shape[:-1] + (1,), np.intp)
+    out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
+    for block in row_blocks(score_shape, group, p.itemsize):
+        s, t = _block_scores(q3, k3, o, score_shape, block, group)   # 1-4.
+        if t is not None:
+            softcap_tanh[block] = t
+        p_block, lse[block], top[block] = softmax_and_logsumexp(s, out=p[block], overwrite_z=True)  # 5.
+        if o.fully_masked != "zero":
+            dead = np.isneginf(lse[block].real)[..., None]
+            np.copyto(p_block, 1.0 / score_shape[-1] if o.fully_masked == "uniform" else np.nan,
+                      where=dead)
+        if o.dropout_scale is not None:                              # 6. dropout
+            p_block = p_block * np.broadcast_to(o.dropout_scale, score_shape)[block]
+        out[block] = grouped_matmul(p_block, v3[_kv_heads(block, group)])   # 7. out = P~ v
+    out = out.reshape(q.shape[:-1] + v.shape[-1:])
+    shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
+    return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=shape(p),
+                               lse=lse.reshape(q.shape[:-1]), top=top.reshape(q.shape[:-1]),
+                               softcap_tanh=shape(softcap_tanh))
+
+
+def blocked_backward(dout, cache, *, method="vjp", return_stages=False):
+    """The textbook backward, block by block; returns AttentionGrads (see attention_backward)."""
+    o = cache.options
+    q3, k3, v3, dout3 = (with_head_axis(x) for x in (cache.q, cache.k, cache.v, dout))
+    p = with_head_axis(cache.weights)
+    score_shape = p.shape
+    group = q3.shape[-3] // k3.shape[-3]
+    as_scores = lambda x: None if x is None else np.broadcast_to(x, score_shape)
+    dropout_scale = as_scores(o.dropout_scale)
+    softcap_tanh = None if cache.softcap_tanh is None else with_head_axis(cache.softcap_tanh)
+    D = np.sum(dout3 * with_head_axis(cache.out), axis=-1)           # [..., H, N_q] rowsum(dout * out)
+    lse, top = cache.lse.reshape(score_shape[:-1]), cache.top.reshape(score_shape[:-1] + (1,))
+    dtype = np.result_type(dout, p)
+    dq = np.empty(q3.shape, dtype)
+    dkT = np.zeros(k3.shape[:-2] + k3.shape[:-3:-1], dtype)          # [..., H_kv, d_k, N_k]
+    dvT = np.zeros(v3.shape[:-2] + v3.shape[:-3:-1], dtype)          # [..., H_kv, d_v, N_k]
+    dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
+    dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
+    for block in row_blocks(score_shape, group, p.itemsize):
+        kv = _kv_heads(block, group)                                 # the block's k, v
+        n_kv = kv[-1].stop - kv[-1].start
+        # 7. out = P~ v:  dv^T = dout^T P~ (summed over the group),  dP~ = dout v^T
+        p_drop = p[block] if dropout_scale is None else p[block] * dropout_scale[block]
+        dvT[kv] += grouped_sum_matmul(dout3[block], p_drop, n_kv)
+        dp = grouped_matmul(dout3[block], np.swapaxes(v3[kv], -1, -2))
+        if dropout_scale is not None:                                # 6. dP = dP~ * mask / (1 - p)
+            dp *= dropout_scale[block]
+        if dP is not None:
+            dP[block] = dp
+        ds = _softmax_backward(method, dp, p[block], top[block], D[block], lse[block],  # 5.
+                               lambda: _block_scores(q3, k3, o, score_shape, block, group)[0])
+        keep = keep_mask(o, score_shape, block + (slice(None),))     # 4. dS = 0 where masked
+        if keep is not None:
+            np.copyto(ds, 0, where=~keep)
+        if dS is not None:                                           # 3. dbias (after the loop)
+            dS[block] = ds
+        if softcap_tanh is not None:                                 # 2. dS *= 1 - tanh^2
+            ds *= 1 - softcap_tanh[block] ** 2
+        dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k
+        dkT[kv] += grouped_sum_matmul(q3[block], ds, n_kv)           #    dk^T = scale q^T dS
+    dq *= o.scale
+    dkT *= o.scale
+    dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)
+    stages = None
+    if return_stages:
+        stages = AttentionStages(dP=dP.reshape(cache.weights.shape), dS=dS.reshape(cache.weights.shape),
+                                 D=D.reshape(cache.lse.shape))
+    contiguous = lambda xT, like: np.ascontiguousarray(np.swapaxes(xT, -1, -2)).reshape(like.shape)
+    return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=contiguous(dkT, cache.k),
+                          dv=contiguous(dvT, cache.v), dbias=dbias, stages=stages)
+
+
+def _softmax_backward(method, dp, p, top, D, lse, scores):
+    """Step 5 on a block: dS from dP by `method` (attention_backward); dp is ours to overwrite.
+
+    scores() recomputes the block's S (for 'flash', which recomputes P = exp(S - lse)).
+    """
+    if method == "vjp":                                              # P * (dP - rowsum(P * dP))
+        return softmax_backward(dp, SoftmaxCache(p=p, top=top), overwrite_dp=True)
+    if method == "jacobian":                                         # J dP, J = diag(P) - P P^T
+        return (softmax_jacobian(p) @ dp[..., None])[..., 0]
+    s = scores()                                                     # P * (dP - D), P = exp(S - lse)
+    with np.errstate(invalid="ignore"):                              # -inf - (-inf) in dead rows
+        s -= lse[..., None]
+    p_flash = np.exp(s, out=s)
+    p_flash[np.isneginf(lse.real)] = 0
+    dp -= D[..., None]
+    dp *= p_flash
+    return dp

@@ -1,0 +1,158 @@
+"""Tiled, memory-efficient attention (FlashAttention's algorithm), forward and backward.
+
+Shape legend (as in attention.py):
+    ...   leading batch axes;  H query heads,  H_kv key/value heads (G = H / H_kv)
+    N_q, N_k lengths;  d_k, d_v widths;  b the block size;  i a query block, j a key block
+
+    q [..., H, N_q, d_k]   k [..., H_kv, N_k, d_k]   v [..., H_kv, N_k, d_v]   ->   out [..., H, N_q, d_v]
+
+The same function as the materialized `attention_forward`, but no [N_q, N_k] array is
+ever formed: only one [..., H, b, b] block of scores exists at a time, and the cache
+keeps out and the row logsumexp lse [..., H, N_q] (O(N) memory instead of O(N^2), plus a
+copy of the mask and bias the caller passed, if any).
+
+Forward, per query block i (online softmax over the key blocks j):
+    S_ij = scale * q_i k_j^T + bias_ij, -inf where not kept      [..., H, b, b]
+    m_i' = max(m_i, rowmax S_ij)                                  running row maximum
+    P_ij = exp(S_ij - m_i'),  a = exp(m_i - m_i')                 a rescales what came before
+    l_i  = a l_i + rowsum P_ij,   acc_i = a acc_i + P_ij v_j
+    out_i = acc_i / l_i,   lse_i = m_i + log l_i                  (l_i = 0: fully masked row)
+
+Backward, per query block i and key block j (P recomputed from lse, never stored):
+    P_ij = exp(S_ij - lse_i)                                      exact softmax weights
+    dv_j += P_ij^T dout_i,   dP_ij = dout_i v_j^T
+    dS_ij = P_ij * (dP_ij - D_i),   D = rowsum(dout * out)        (= rowsum(P * dP))
+    dq_i += scale * dS_ij k_j,   dk_j += scale * dS_ij^T q_i,   dbias_ij = dS_ij (unbroadcast)
+
+Blocks that causal masking, the window, the mask or a -inf bias mask entirely are
+skipped in both passes. Grouped-query heads meet their kv heads as in the textbook
+(`grouped_matmul`: the G query heads of a kv head stacked as rows), so dk and dv sum over
+each group inside the matmul.
+
+Supported: mask, bias, causal (both alignments), window, scale, GQA, fully_masked='zero'
+(options.py refuses the rest). The backward is the 'flash' form ('vjp' names the same
+computation here); method='jacobian' and return_stages need the [N_q, N_k] weights:
+ValueError.
+"""
+import numpy as np
+
+from .._checks import require_choice
+from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
+from ..caches import AttentionGrads, TiledAttentionCache
+from ..options import keep_mask
+
+
+def _tiles(n, b):
+    """Slices of length b (the last one shorter) covering range(n)."""
+    return [slice(i, min(i + b, n)) for i in range(0, n, b)]
+
+
+def _tile_scores(options, q_i, k_j, score_shape, tile):
+    """S_ij = (scale q_i) k_j^T + bias_ij, -inf where not kept: [..., H, b_q, b_k], fresh.
+
+    q_i is the query tile, already scaled. Returns (S_ij, skip): skip is True when the
+    tile keeps nothing (then S_ij is None).
+    """
+    o = options
+    keep = keep_mask(o, score_shape, tile)
+    if keep is not None and not keep.any():
+        return None, True
+    s = grouped_matmul(q_i, np.swapaxes(k_j, -1, -2))
+    if o.bias is not None:
+        s += np.broadcast_to(o.bias, score_shape)[tile]
+    if keep is not None:
+        np.copyto(s, -np.inf, where=~keep)
+    return s, False
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+def tiled_forward(q, k, v, options):
+    """out = softmax(S) v by online softmax over key tiles; O(N) memory (module docstring).
+
+    q, k, v and options as `attention_options` returns them.
+    Returns out [..., H, N_q, d_v] and a TiledAttentionCache (out and lse inside).
+    """
+    o = options
+    q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
+    score_shape = q3.shape[:-1] + (k3.shape[-2],)                      # [..., H, N_q, N_k]
+    out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype=q3.dtype)     # [..., H, N_q, d_v]
+    lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                      # [..., H, N_q]
+    for rows in _tiles(score_shape[-2], o.block_size):
+        out[..., rows, :], lse[..., rows] = _forward_rows(o, q3[..., rows, :] * o.scale, k3, v3,
+                                                          score_shape, rows)
+    out, lse = out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
+    return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse)
+
+
+def _forward_rows(o, q_i, k3, v3, score_shape, rows):
+    """(out_i, lse_i) of one query tile by the online softmax over key tiles j."""
+    lead = q_i.shape[:-1]                                               # [..., H, b_q]
+    m = np.full(lead, -np.inf, dtype=q_i.real.dtype)                    # running row max of Re S
+    l = np.zeros(lead, dtype=q_i.dtype)                                 # running row sum of P
+    acc = np.zeros(lead + v3.shape[-1:], dtype=q_i.dtype)               # running P v
+    for cols in _tiles(score_shape[-1], o.block_size):
+        s, skip = _tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
+        if skip:
+            continue
+        m_new = np.maximum(m, s.real.max(axis=-1))
+        shift = np.where(np.isneginf(m_new), 0.0, m_new)                # nothing kept yet: any shift
+        s -= shift[..., None]
+        p = np.exp(s, out=s)                                            # P_ij = exp(S_ij - m'), in place
+        a = np.exp(m - shift)                                           # rescales the earlier tiles
+        l = a * l + p.sum(axis=-1)
+        acc = a[..., None] * acc + grouped_matmul(p, v3[..., cols, :])
+        m = m_new
+    dead = l == 0                                                       # fully masked rows
+    out = acc / np.where(dead, 1, l)[..., None]                        # 0 in a dead row
+    with np.errstate(divide="ignore"):
+        lse = np.where(dead, -np.inf, np.where(np.isneginf(m), 0.0, m) + np.log(np.where(dead, 1, l)))
+    return out, lse
+
+
+def tiled_backward(dout, cache, *, method="flash", return_stages=False):
+    """Gradients of `tiled_forward`, recomputing P tile by tile (module docstring).
+
+    method 'vjp' and 'flash' are the same computation here; 'jacobian' and return_stages
+    need the [N_q, N_k] weights, which the tiled engine never forms: ValueError.
+    Returns AttentionGrads (see attention_backward).
+    """
+    require_choice(method, "method", ("vjp", "flash"))
+    if return_stages:
+        raise ValueError("return_stages=True needs the [N_q, N_k] stages, which the tiled engine "
+                         "(block_size) never forms; use implementation='blocked' or 'textbook'")
+    o = cache.options
+    q3, k3, v3, dout3 = (with_head_axis(x) for x in (cache.q, cache.k, cache.v, dout))
+    h_kv = k3.shape[-3]
+    score_shape = q3.shape[:-1] + (k3.shape[-2],)
+    D = np.sum(dout3 * with_head_axis(cache.out), axis=-1)             # [..., H, N_q] rowsum(dout * out)
+    lse = np.where(np.isneginf(cache.lse.real), np.inf, cache.lse).reshape(score_shape[:-1])  # dead row: P = 0
+    dq, dk, dv = (np.zeros(x.shape, dout3.dtype) for x in (q3, k3, v3))
+    bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
+    dbias = None if bias is None else np.zeros(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
+    for rows in _tiles(score_shape[-2], o.block_size):
+        q_i, dout_i = q3[..., rows, :] * o.scale, dout3[..., rows, :]
+        for cols in _tiles(score_shape[-1], o.block_size):
+            s, skip = _tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
+            if skip:
+                continue
+            s -= lse[..., rows, None]
+            p = np.exp(s, out=s)                                        # P_ij = exp(S_ij - lse_i)
+            dv[..., cols, :] += grouped_sum_matmul(p, dout_i, h_kv)      # dv_j += P_ij^T dout_i
+            ds = grouped_matmul(dout_i, np.swapaxes(v3[..., cols, :], -1, -2))   # dP_ij = dout_i v_j^T
+            ds -= D[..., rows, None]
+            ds *= p                                                     # dS_ij = P_ij (dP_ij - D_i)
+            if dbias is not None:
+                block = _bias_block(dbias, rows, cols)
+                block += unbroadcast(ds, block.shape)
+            dq[..., rows, :] += o.scale * grouped_matmul(ds, k3[..., cols, :])   # dq_i += scale dS k_j
+            dk[..., cols, :] += grouped_sum_matmul(ds, q_i, h_kv)       # dk_j += dS^T (scale q_i)
+    dbias = None if dbias is None else dbias.reshape(o.bias.shape)
+    return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
+                          dv=dv.reshape(cache.v.shape), dbias=dbias)
+
+
+def _bias_block(x, rows, cols):
+    """The (rows, cols) block of a bias-shaped array with >= 2 axes, a view; its axes of
+    length 1 (broadcast along rows or columns) are kept whole."""
+    return x[..., rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None)]

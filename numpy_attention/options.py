@@ -1,0 +1,185 @@
+"""Attention's options, checked once: the frozen record that every engine and crosscheck share.
+
+    q, k, v, options = attention_options(q, k, v, mask=mask, causal=True, ...)
+
+`attention_options` runs every check of `attention_forward`'s arguments, so an engine only
+computes. Shape legend (as in attention.py):
+    ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
+    N_q, N_k lengths;  d_k, d_v widths;  the scores S are [..., H, N_q, N_k]
+
+Which scores are kept (step 4 of the forward) depends on four options at once:
+    keep = mask & causal & window & (bias != -inf)        (True = attend)
+`keep_mask(options, score_shape, index)` gives that for any block of the scores.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
+                      require_positive_int, require_positive_real, require_probability, result_dtype)
+from ._layout import check_window, positional_keep, resolve_alignment
+
+FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
+IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
+TILE_SIZE = 128             # the tiled engine's default block size (rows and columns per tile)
+
+
+class AttentionOptions(NamedTuple):
+    scale: float                        # multiplies q k^T
+    softcap: Optional[float]            # S <- softcap * tanh(S / softcap), or None
+    bias: Optional[np.ndarray]          # additive scores broadcastable to [..., H, N_q, N_k] (read-only copy)
+    mask: Optional[np.ndarray]          # bool keep-mask broadcastable to the scores (read-only), True = attend
+    causal: bool
+    align: str                          # 'top_left' or 'bottom_right': the diagonal of causal and window
+    window: Optional[tuple]             # (left, right), -1 = unbounded
+    dropout_scale: Optional[np.ndarray]  # dropout_mask / (1 - dropout_p), broadcastable to P (read-only)
+    fully_masked: str                   # 'zero', 'uniform' or 'nan'
+    masked: bool                        # whether any score is set to -inf (step 4)
+    implementation: str                 # 'textbook', 'blocked' or 'tiled'
+    block_size: Optional[int]           # the tiled engine's tile size; None for the others
+
+
+def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
+    """Which scores of S[index] are kept: mask & causal & window & (bias != -inf).
+
+    score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two
+    entries are the slices of rows and columns.
+    Returns a bool array broadcastable to S[index], or None when every score is kept.
+    """
+    o = options
+    if not o.masked:
+        return None
+    n_q, n_k = score_shape[-2:]
+    keep = positional_keep(np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]], n_q, n_k,
+                           o.causal, o.window, o.align)                # [rows, cols] or None
+    block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
+    parts = ([] if o.mask is None else [block(o.mask)]) + \
+            ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])
+    for part in parts:
+        keep = part if keep is None else keep & part
+    return keep
+
+
+def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
+                      scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
+                      fully_masked="zero", check_finite=False, implementation=None, block_size=None):
+    """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
+
+    q, k, v come back as fresh arrays of the computation's dtype (a cache that keeps them
+    then never shares memory with the caller's arrays); mask, bias and the dropout scale
+    are read-only copies. implementation None is 'tiled' when block_size is given, else
+    'blocked'. Raises ValueError / TypeError naming the argument and the shapes.
+    """
+    q, k, v = _check_qkv(q, k, v)
+    causal, align = resolve_alignment(causal, align)
+    window = check_window(window)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else require_positive_real(scale, "scale")
+    softcap = None if softcap is None else require_positive_real(softcap, "softcap")
+    require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
+    if fully_masked != "zero" and k.shape[-2] == 0:     # every row is fully masked, P is [N_q, 0]
+        raise ValueError(f"fully_masked={fully_masked!r} needs at least one key; with N_k = 0 "
+                         f"only 'zero' defines the output: k {k.shape}, v {v.shape}")
+    score_shape = q.shape[:-1] + (k.shape[-2],)                  # [..., H, N_q, N_k]
+    legend = "the scores [..., H, N_q, N_k]"
+    if bias is not None:
+        bias = as_float_array(bias, "bias")
+        broadcast_shape_to(bias, "bias", score_shape, legend)
+    keep = None if mask is None else as_mask(mask, "mask", score_shape, legend)
+    dropout_scale = _dropout_scale(dropout_mask, dropout_p, score_shape, legend)
+    if require_bool(check_finite, "check_finite"):
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _require_finite(name, x)
+        if bias is not None:
+            _require_finite("bias", bias, allow_neginf=True)
+    dtype = q.dtype if bias is None else result_dtype(q, bias)  # a float64 bias widens float32 scores
+    q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
+    if dropout_scale is not None:                                # keep / (1 - p) in the scores' dtype
+        dropout_scale = dropout_scale.astype(q.real.dtype)
+    implementation, block_size = _engine(implementation, block_size, softcap, dropout_scale,
+                                         fully_masked)
+    masked = (keep is not None or causal or window is not None
+              or (bias is not None and bool(np.isneginf(bias.real).any())))
+    return q, k, v, AttentionOptions(
+        scale=scale, softcap=softcap, bias=_read_only(bias), mask=_read_only(keep),
+        causal=causal, align=align, window=window, dropout_scale=_read_only(dropout_scale),
+        fully_masked=fully_masked, masked=masked, implementation=implementation,
+        block_size=block_size)
+
+
+def _read_only(x):
+    """A read-only copy of x (None stays None): the record's arrays cannot change under it."""
+    if x is None:
+        return None
+    x = np.array(x)
+    x.flags.writeable = False
+    return x
+
+
+def _check_qkv(q, k, v):
+    """q, k, v checked against each other; fresh arrays of one dtype."""
+    q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
+    shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 axes [..., N, d], got shape {x.shape}")
+    if not q.ndim == k.ndim == v.ndim:
+        raise ValueError(f"q, k, v must have the same number of axes, got shapes {shapes}")
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
+        raise ValueError(f"q, k, v must share their leading batch axes, got shapes {shapes}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same width d_k, got q {q.shape}, k {k.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same heads and length [..., H_kv, N_k], "
+                         f"got k {k.shape}, v {v.shape}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a width d_k >= 1, got q {q.shape}, k {k.shape}")
+    if q.ndim >= 3 and min(q.shape[-3], k.shape[-3]) == 0:
+        raise ValueError(f"q and k must have at least one head (H >= 1, H_kv >= 1), "
+                         f"got q {q.shape}, k {k.shape}")
+    if q.ndim >= 3 and q.shape[-3] % k.shape[-3]:
+        raise ValueError(f"k's heads H_kv={k.shape[-3]} must divide q's heads H={q.shape[-3]} "
+                         f"(grouped-query attention), got q {q.shape}, k {k.shape}; the layout is "
+                         f"[..., H, N, d] (torch's and FlashAttention's [B, N, H, d] need a transpose)")
+    dtype = result_dtype(q, k, v)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)          # astype copies
+
+
+def _require_finite(name, x, allow_neginf=False):
+    bad = np.isnan(x) | (np.isposinf(x.real) if allow_neginf else ~np.isfinite(x))
+    if bad.any():
+        raise ValueError(f"{name} (shape {x.shape}) has {int(bad.sum())} non-finite entries "
+                         f"(check_finite=True)")
+
+
+def _dropout_scale(dropout_mask, dropout_p, score_shape, legend):
+    """dropout_mask / (1 - dropout_p), checked; None when there is no dropout."""
+    dropout_p = require_probability(dropout_p, "dropout_p")
+    if dropout_mask is None:
+        if dropout_p > 0:
+            raise ValueError("dropout_p > 0 needs an explicit dropout_mask (keep = True); "
+                             "attention_forward draws no random numbers")
+        return None
+    keep = as_mask(dropout_mask, "dropout_mask", score_shape, legend)
+    return keep / (1.0 - dropout_p)
+
+
+def _engine(implementation, block_size, softcap, dropout_scale, fully_masked):
+    """(implementation, block_size) checked: block_size belongs to the tiled engine, which
+    supports neither softcap, dropout nor the 'uniform' / 'nan' policies."""
+    if implementation is None:
+        implementation = "blocked" if block_size is None else "tiled"
+    require_choice(implementation, "implementation", IMPLEMENTATIONS)
+    if implementation != "tiled":
+        if block_size is not None:
+            raise ValueError(f"block_size={block_size!r} is the tiled engine's tile size; "
+                             f"implementation={implementation!r} takes none")
+        return implementation, None
+    block_size = TILE_SIZE if block_size is None else require_positive_int(block_size, "block_size")
+    unsupported = {"softcap": softcap is not None, "dropout_mask": dropout_scale is not None,
+                   f"fully_masked={fully_masked!r}": fully_masked != "zero"}
+    for name, used in unsupported.items():
+        if used:
+            raise ValueError(f"the tiled engine (implementation='tiled', block_size={block_size}) "
+                             f"does not support {name}; use implementation='blocked' or 'textbook'")
+    return implementation, block_size

@@ -1,0 +1,180 @@
+"""The textbook (attention.py) is the spec: the blocked and tiled engines equal it on every option
+they support, and the textbook itself equals complex step."""
+import numpy as np
+import pytest
+
+import numpy_attention as na
+from numpy_attention.engines import blocked
+
+RTOL = 1e-13          # float64, normwise: the engines differ only in the order of their sums
+
+RNG = np.random.default_rng(7)
+MASK = RNG.random((2, 1, 5, 7)) < 0.6
+MASK[1, 0, 3] = False                                            # a fully masked row
+BIAS = RNG.standard_normal((4, 1, 7))                            # broadcast over B and N_q
+DROP = RNG.random((2, 4, 5, 7)) < 0.8
+
+# option sets on q [2, 4, 5, 3], k, v [2, 2, 7, 3|2] (grouped-query: 2 query heads per kv head)
+OPTIONS = {
+    "plain": {},
+    "mask with a dead row": {"mask": MASK},
+    "bias broadcast": {"bias": BIAS},
+    "bias with -inf": {"bias": np.where(MASK, RNG.standard_normal(MASK.shape), -np.inf)},
+    "causal top_left": {"causal": True},
+    "causal bottom_right": {"causal": "bottom_right"},
+    "window top_left": {"window": (1, 2)},
+    "window bottom_right": {"window": (2, 0), "align": "bottom_right"},
+    "scale": {"scale": 0.37},
+    "softcap": {"softcap": 1.5, "scale": 1.0},
+    "dropout": {"dropout_mask": DROP, "dropout_p": 0.2},
+    "uniform policy": {"mask": MASK, "fully_masked": "uniform"},
+    "nan policy": {"mask": MASK, "fully_masked": "nan"},
+    "everything": {"mask": MASK, "bias": BIAS, "causal": "bottom_right", "window": (3, 1),
+                   "softcap": 2.0, "dropout_mask": DROP, "dropout_p": 0.1},
+}
+TILED = [name for name, o in OPTIONS.items()
+         if not {"softcap", "dropout_mask"} & set(o) and o.get("fully_masked", "zero") == "zero"]
+
+
+def inputs(seed=0, shape_q=(2, 4, 5, 3), shape_kv=(2, 2, 7, 3), d_v=2):
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal(shape_q), rng.standard_normal(shape_kv)
+    v = rng.standard_normal(shape_kv[:-1] + (d_v,))
+    return q, k, v, rng.standard_normal(shape_q[:-1] + (d_v,))
+
+
+def run(q, k, v, dout, implementation, options, method="vjp", **engine):
+    out, cache = na.attention_forward(q, k, v, implementation=implementation, **options, **engine)
+    grads = na.attention_backward(dout, cache, method=method)
+    return {"out": out, "lse": cache.lse, "dq": grads.dq, "dk": grads.dk, "dv": grads.dv,
+            "dbias": grads.dbias}
+
+
+def assert_equal_to(spec, got):
+    for name, b in spec.items():
+        a = got[name]
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+        np.testing.assert_array_equal(np.isneginf(a.real), np.isneginf(b.real), err_msg=name)
+        finite = np.isfinite(b)
+        scale = max(np.max(np.abs(b[finite]), initial=0.0), 1e-300)
+        assert np.max(np.abs(a[finite] - b[finite]), initial=0.0) <= RTOL * scale, name
+
+
+@pytest.mark.parametrize("method", ["vjp", "jacobian", "flash"])
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("budget", [24, 1 << 30])               # a few rows per block; one block
+def test_blocked_equals_the_textbook(monkeypatch, option, method, budget):
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", budget)
+    for seed in range(3):
+        q, k, v, dout = inputs(seed)
+        spec = run(q, k, v, dout, "textbook", OPTIONS[option], method)
+        assert_equal_to(spec, run(q, k, v, dout, "blocked", OPTIONS[option], method))
+
+
+@pytest.mark.parametrize("option", TILED)
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16])
+def test_tiled_equals_the_textbook(option, block_size):
+    for seed in range(3):
+        q, k, v, dout = inputs(seed)
+        spec = run(q, k, v, dout, "textbook", OPTIONS[option])
+        assert_equal_to(spec, run(q, k, v, dout, "tiled", OPTIONS[option], block_size=block_size))
+
+
+@pytest.mark.parametrize("implementation", ["blocked", "tiled"])
+@pytest.mark.parametrize("shapes", [
+    ((3, 4), (6, 4), 2),                                         # one head, [N, d] arrays
+    ((1, 3, 6, 2, 4), (1, 3, 1, 9, 4), 3),                       # two batch axes, 2 query heads per kv head
+    ((2, 2, 0, 3), (2, 2, 4, 3), 2),                             # N_q = 0
+    ((2, 2, 3, 3), (2, 2, 0, 3), 2),                             # N_k = 0: every row fully masked
+    ((0, 2, 3, 3), (0, 2, 4, 3), 2),                             # an empty batch
+])
+def test_engines_equal_the_textbook_on_odd_shapes(implementation, shapes):
+    q, k, v, dout = inputs(1, *shapes)
+    for options in ({}, {"causal": "bottom_right"}):
+        spec = run(q, k, v, dout, "textbook", options)
+        assert_equal_to(spec, run(q, k, v, dout, implementation, options))
+
+
+@pytest.mark.parametrize("implementation", ["blocked", "tiled"])
+def test_engines_equal_the_textbook_in_float32_and_complex(implementation):
+    q, k, v, dout = inputs(2)
+    spec = run(q, k, v, dout, "textbook", {"causal": True})
+    q32, k32, v32, dout32 = (x.astype(np.float32) for x in (q, k, v, dout))
+    got = run(q32, k32, v32, dout32, implementation, {"causal": True})
+    for name in ("out", "dq", "dk", "dv"):
+        assert got[name].dtype == np.float32
+        np.testing.assert_allclose(got[name], spec[name], atol=1e-5 * np.abs(spec[name]).max())
+    h = 1e-20
+    qc = q + 1j * h * np.random.default_rng(3).standard_normal(q.shape)
+    spec_c = run(qc, k, v, dout, "textbook", {"causal": True})
+    assert_equal_to(spec_c, run(qc, k, v, dout, implementation, {"causal": True}))
+    assert np.abs(spec_c["out"].imag).max() > 0                 # the perturbation is carried
+
+
+@pytest.mark.parametrize("option", [name for name in OPTIONS if name != "nan policy"])  # NaN out: no derivative
+def test_the_textbook_equals_complex_step(option):
+    """The whole Jacobian w.r.t. q, k, v (and bias) against complex step, with every option."""
+    options = dict(OPTIONS[option])
+    q, k, v, _ = inputs(4)
+    args = [q, k, v] + ([options.pop("bias")] if "bias" in options else [])
+
+    def forward(q, k, v, *bias):
+        return na.attention_forward(q, k, v, implementation="textbook", **options,
+                                    **({"bias": bias[0]} if bias else {}))
+    report = na.gradcheck(forward, na.attention_backward, args, method="complex")
+    assert report, report
+
+
+def test_return_stages_of_the_textbook_and_blocked_engines_agree():
+    q, k, v, dout = inputs(5)
+    stages = {}
+    for implementation in ("textbook", "blocked"):
+        out, cache = na.attention_forward(q, k, v, implementation=implementation, **OPTIONS["everything"])
+        stages[implementation] = na.attention_backward(dout, cache, return_stages=True).stages
+    assert_equal_to(stages["textbook"]._asdict(), stages["blocked"]._asdict())
+
+
+@pytest.mark.parametrize("implementation", ["textbook", "blocked", "tiled"])
+def test_gradients_come_back_contiguous(implementation):
+    q, k, v, dout = inputs(6)
+    out, cache = na.attention_forward(q, k, v, causal=True, implementation=implementation)
+    grads = na.attention_backward(dout, cache)
+    for g in (grads.dq, grads.dk, grads.dv):
+        assert g.flags.c_contiguous
+
+
+def test_the_default_engine_is_blocked_and_block_size_selects_tiled():
+    q, k, v, _ = inputs()
+    assert na.attention_forward(q, k, v)[1].options.implementation == "blocked"
+    assert na.attention_forward(q, k, v, block_size=4)[1].options.implementation == "tiled"
+    assert na.attention_forward(q, k, v, implementation="tiled")[1].options.block_size == 128
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"implementation": "fast"}, "implementation must be one of"),
+    ({"implementation": "blocked", "block_size": 4}, "block_size=4 is the tiled engine's"),
+    ({"implementation": "textbook", "block_size": 4}, "implementation='textbook' takes none"),
+    ({"implementation": "tiled", "softcap": 2.0}, "does not support softcap"),
+    ({"implementation": "tiled", "fully_masked": "nan"}, "does not support fully_masked='nan'"),
+])
+def test_engine_selection_errors_name_the_argument(kwargs, fragment):
+    q, k, v, _ = inputs()
+    with pytest.raises(ValueError, match=fragment):
+        na.attention_forward(q, k, v, **kwargs)
+
+
+def test_the_options_record_is_frozen_and_owns_its_arrays():
+    q, k, v, _ = inputs()
+    mask, bias = MASK.copy(), BIAS.copy()
+    _, cache = na.attention_forward(q, k, v, mask=mask, bias=bias)
+    mask[...] = False
+    bias[...] = 0
+    assert cache.options.mask.any() and np.array_equal(cache.options.bias, BIAS)
+    with pytest.raises(AttributeError):
+        cache.options.scale = 2.0
+    with pytest.raises(ValueError):
+        cache.options.bias[0, 0, 0] = 1.0                       # read-only
