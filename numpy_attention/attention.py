@@ -48,7 +48,7 @@ from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward,
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
 
-__all__ = ["attention_forward", "attention_backward", "attention_scores", "textbook_forward",
+__all__ = ["attention_forward", "attention_backward", "attention_scores", "textbook_forward", "ENGINES",
            "textbook_backward", "AttentionCache", "AttentionGrads", "AttentionStages",
            "TiledAttentionCache", "FULLY_MASKED_POLICIES", "BACKWARD_METHODS"]
 
@@ -141,6 +141,13 @@ def _weights_from_lse(cache):
 
 # ----------------------------------------------------------------------------- the public pair
 
+# implementation -> (forward(q, k, v, options) -> (out, cache),
+#                    backward(dout, cache, method, return_stages) -> AttentionGrads)
+ENGINES = {"textbook": (textbook_forward, textbook_backward),
+           "blocked": (blocked_forward, blocked_backward),
+           "tiled": (tiled_forward, tiled_backward)}
+
+
 def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None):
@@ -182,13 +189,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, implementation=implementation,
         block_size=block_size)
-    match options.implementation:
-        case "textbook":
-            return textbook_forward(q, k, v, options)
-        case "blocked":
-            return blocked_forward(q, k, v, options)
-        case "tiled":
-            return tiled_forward(q, k, v, options)
+    forward, _ = ENGINES[options.implementation]
+    return forward(q, k, v, options)
 
 
 def attention_backward(dout, cache, *, method="vjp", return_stages=False):
@@ -210,15 +212,9 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     Returns:
         AttentionGrads(dq, dk, dv, dbias, stages); dq, dk, dv are contiguous arrays.
     """
-    if not isinstance(cache, TiledAttentionCache):
-        require_cache(cache, AttentionCache, "attention_backward")
+    require_cache(cache, AttentionCache, "attention_backward")      # (a TiledAttentionCache is one)
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", BACKWARD_METHODS)
     dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)
-    match cache.options.implementation:
-        case "textbook":
-            return textbook_backward(dout, cache, method=method, return_stages=return_stages)
-        case "blocked":
-            return blocked_backward(dout, cache, method=method, return_stages=return_stages)
-        case "tiled":
-            return tiled_backward(dout, cache, method=method, return_stages=return_stages)
+    _, backward = ENGINES[cache.options.implementation]
+    return backward(dout, cache, method=method, return_stages=return_stages)

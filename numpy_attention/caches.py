@@ -11,16 +11,19 @@ from .options import AttentionOptions
 
 
 class AttentionCache(NamedTuple):
-    """The textbook and blocked engines' cache: P is stored whole."""
+    """What the backward needs. The textbook and blocked engines store P whole; the tiled
+    engine saves only O(N) tensors (its cache is a TiledAttentionCache, weights None)."""
     options: AttentionOptions
     q: np.ndarray                   # [..., H, N_q, d_k]
     k: np.ndarray                   # [..., H_kv, N_k, d_k]
     v: np.ndarray                   # [..., H_kv, N_k, d_v]
     out: np.ndarray                 # [..., H, N_q, d_v]
-    weights: np.ndarray             # [..., H, N_q, N_k] P, after the fully-masked policy, before dropout
     lse: np.ndarray                 # [..., H, N_q] logsumexp of each row of S (-inf: fully masked)
-    top: np.ndarray                 # [..., H, N_q] index of each row's largest S, so of its largest P
-    softcap_tanh: Optional[np.ndarray]   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
+    weights: Optional[np.ndarray] = None     # [..., H, N_q, N_k] P, after the fully-masked policy,
+                                             # before dropout (None: tiled)
+    top: Optional[np.ndarray] = None         # [..., H, N_q] index of each row's largest S, so of its
+                                             # largest P (None: tiled)
+    softcap_tanh: Optional[np.ndarray] = None   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
 
     @property
     def scores(self):
@@ -32,14 +35,9 @@ class AttentionCache(NamedTuple):
         return attention_scores(self.q, self.k, self.options)[0]
 
 
-class TiledAttentionCache(NamedTuple):
-    """The tiled engine's cache: O(N) tensors only, P is recomputed by the backward."""
-    options: AttentionOptions
-    q: np.ndarray                   # [..., H, N_q, d_k]
-    k: np.ndarray                   # [..., H_kv, N_k, d_k]
-    v: np.ndarray                   # [..., H_kv, N_k, d_v]
-    out: np.ndarray                 # [..., H, N_q, d_v]
-    lse: np.ndarray                 # [..., H, N_q] row logsumexp of S (-inf: fully masked row)
+class TiledAttentionCache(AttentionCache):
+    """The tiled engine's cache: options, q, k, v, out and lse; P is recomputed by the backward."""
+    __slots__ = ()
 
 
 class AttentionStages(NamedTuple):

@@ -17,7 +17,8 @@ import numpy as np
 
 from .._checks import require_mapping, require_nonnegative_real, require_positive_real, to_numpy
 from .._layout import fold, unbroadcast, with_head_axis
-from ..attention import attention_backward, attention_forward
+from ..attention import ENGINES, attention_backward
+from ..options import attention_options
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
 from .naive import naive_attention
 from .rule import CrosscheckReport, atol_for, judge
@@ -28,9 +29,16 @@ def oracle_dtype(candidate_dtype):
     return np.dtype(np.longdouble if np.dtype(candidate_dtype) == np.float64 else np.float64)
 
 
-def _cast_inputs(inputs, options, dtype):
-    """(q, k, v, dout, options, scale): inputs rounded to `dtype`, then held in its compute dtype."""
-    work = np.result_type(dtype, np.float32)             # float16 computes in float32
+def _case_in(inputs, options, dtype, scale_factor=1.0):
+    """(q, k, v, dout, record, scale): the case in `dtype` (inputs rounded to it, then held in
+    its compute dtype; float16 computes in float32) and its AttentionOptions record.
+
+    The scale (times scale_factor) multiplies q here and the record's scale is 1.0: the
+    record keeps a scale as a Python float, and a default 1/sqrt(d_k) rounded to float64
+    would cost an np.longdouble oracle its extra digits. dq is then `scale` times the
+    gradient w.r.t. the scaled q.
+    """
+    work = np.result_type(dtype, np.float32)
     cast = lambda x: None if x is None else x.astype(dtype).astype(work)
     options = dict(options)
     if "bias" in options:
@@ -40,15 +48,16 @@ def _cast_inputs(inputs, options, dtype):
     scale = 1 / np.sqrt(work.type(q.shape[-1])) if given is None else work.type(given)
     if given is not None and not np.isfinite(scale):
         raise CaseError(f"scale={given:g} is not finite in the candidate's compute dtype {work}")
-    return q, k, v, dout, options, scale
+    scale = scale * work.type(scale_factor)
+    try:
+        q, k, v, record = attention_options(q * scale, k, v, scale=1.0, **options)
+    except (ValueError, TypeError) as exc:
+        raise CaseError(str(exc)) from None
+    return q, k, v, dout, record, scale
 
 
 def reference(inputs, options, dtype, gradients=True):
-    """The oracle: attention.py with every input cast to `dtype`.
-
-    The scale multiplies q before the call (scale=1.0 inside): attention_forward keeps a
-    scale as a Python float, and a default 1/sqrt(d_k) rounded to float64 would cost an
-    np.longdouble oracle its extra digits.
+    """The oracle: attention.py with every input cast to `dtype`, on the record's engine.
 
     Returns:
         dict with out [..., H, N_q, d_v], lse [..., H, N_q], the scores S (-inf where
@@ -56,9 +65,10 @@ def reference(inputs, options, dtype, gradients=True):
         gradients and dout: dq, dk, dv (dbias with a bias) and the stages dP, dS
         [..., H, N_q, N_k] and D [..., H, N_q].
     """
-    q, k, v, dout, options, scale = _cast_inputs(inputs, options, dtype)
-    out, cache = attention_forward(q * scale, k, v, scale=1.0, **options)
-    dropout_scale = cache.options.dropout_scale
+    q, k, v, dout, record, scale = _case_in(inputs, options, dtype)
+    forward, _ = ENGINES[record.implementation]
+    out, cache = forward(q, k, v, record)
+    dropout_scale = record.dropout_scale
     p_drop = cache.weights if dropout_scale is None else cache.weights * dropout_scale
     result = {"out": out, "lse": cache.lse, "S": cache.scores, "P": cache.weights, "P~": p_drop}
     if gradients and dout is not None:
@@ -78,9 +88,12 @@ def baseline(inputs, options, dtype, gradients=True):
     that error is systematic over a whole row of scores; with a sharp softmax it is what
     the result is most sensitive to.
     """
-    q, k, v, dout, options, scale = _cast_inputs(inputs, options, dtype)
-    scale = scale * (1 + np.finfo(scale.dtype).eps)
-    return naive_attention(q, k, v, dout if gradients else None, scale=scale, **options)
+    work = np.result_type(dtype, np.float32)
+    q, k, v, dout, record, scale = _case_in(inputs, options, dtype, 1 + np.finfo(work).eps)
+    result = naive_attention(q, k, v, record, dout=dout if gradients else None)
+    if "dq" in result:
+        result["dq"] = scale * result["dq"]
+    return result
 
 
 def term_magnitudes(truth, inputs, options):
@@ -141,10 +154,7 @@ def crosscheck(*, k_factors=None, atol=None, **arrays):
     wide = oracle_dtype(dtypes[-1])
     want_grads = any(name in candidates for name in GRADIENTS)
     with np.errstate(all="ignore"):
-        try:
-            truth = reference(inputs, options, wide, want_grads)
-        except (ValueError, TypeError) as exc:
-            raise CaseError(str(exc)) from None
+        truth = reference(inputs, options, wide, want_grads)
         base = {dtype: baseline(inputs, options, dtype, want_grads) for dtype in dtypes}
         mags = term_magnitudes(truth, inputs, options)
         rows = []

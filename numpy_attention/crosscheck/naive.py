@@ -21,7 +21,8 @@ Shapes as in attention.py; the steps are attention.py's, with recursive sums:
 """
 import numpy as np
 
-from .._layout import positional_keep, resolve_alignment, unbroadcast
+from .._layout import unbroadcast
+from ..options import keep_mask
 
 
 def recursive_matmul(a, b):
@@ -43,29 +44,26 @@ def _heads(q, k):
     return (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
 
 
-def naive_attention(q, k, v, dout=None, *, mask=None, bias=None, causal=False, align=None,
-                    window=None, scale, softcap=None, dropout_mask=None, dropout_p=0.0,
-                    fully_masked="zero"):
+def naive_attention(q, k, v, options, dout=None):
     """out, lse (and dq, dk, dv, dbias with dout) in q's dtype, as a dict.
 
-    Arguments as attention_forward's, already checked (the oracle has run on them);
-    `scale` is a number of q's dtype.
+    q, k, v and options (an AttentionOptions record) as `attention_options` returns them:
+    naive_attention(*attention_options(q, k, v, **kwargs), dout=dout). Without dout, the
+    forward alone.
     """
+    o = options
     h, h_kv = _heads(q, k)
     fold = lambda x: (x.reshape(x.shape[:-3] + (h_kv, x.shape[-3] // h_kv * x.shape[-2], x.shape[-1]))
                       if q.ndim >= 3 else x)                          # [..., H, N, X] -> [..., H_kv, G*N, X]
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    s = recursive_matmul(fold(q) * scale, np.swapaxes(k, -1, -2)).reshape(q.shape[:-1] + (n_k,))
+    n_k = k.shape[-2]
+    s = recursive_matmul(fold(q) * o.scale, np.swapaxes(k, -1, -2)).reshape(q.shape[:-1] + (n_k,))
     t = None
-    if softcap is not None:
-        t = np.tanh(s / softcap)
-        s = softcap * t
-    if bias is not None:
-        s = s + bias
-    causal, align = resolve_alignment(causal, align)
-    keep = positional_keep(np.arange(n_q), np.arange(n_k), n_q, n_k, causal, window, align)
-    if mask is not None:
-        keep = (np.asarray(mask) != 0) if keep is None else keep & (np.asarray(mask) != 0)
+    if o.softcap is not None:
+        t = np.tanh(s / o.softcap)
+        s = o.softcap * t
+    if o.bias is not None:
+        s = s + o.bias
+    keep = keep_mask(o, s.shape)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)          # -inf: no key (N_k = 0) or all masked
@@ -73,12 +71,12 @@ def naive_attention(q, k, v, dout=None, *, mask=None, bias=None, causal=False, a
     e = np.exp(s - m)
     total = recursive_rowsum(e)
     dead = total == 0                                              # a fully masked row
-    fill = {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[fully_masked]   # (no key: 'zero' only)
+    fill = {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[o.fully_masked]   # (no key: 'zero' only)
     p = np.where(dead, fill,
                  e / np.where(dead, 1, total)).astype(s.dtype)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]
-    drop = None if dropout_mask is None else (np.asarray(dropout_mask) != 0) / (1 - dropout_p)
+    drop = o.dropout_scale
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
     out = recursive_matmul(fold(p_drop), v).reshape(q.shape[:-1] + v.shape[-1:])
     result = {"out": out, "lse": lse}
@@ -93,10 +91,10 @@ def naive_attention(q, k, v, dout=None, *, mask=None, bias=None, causal=False, a
     dp = dp if drop is None else (dp * drop).astype(s.dtype)
     ds = p * (dp - recursive_rowsum(dout * out))
     ds = np.where(np.isneginf(s), 0, ds)
-    if bias is not None:
-        result["dbias"] = unbroadcast(ds, np.shape(bias))
+    if o.bias is not None:
+        result["dbias"] = unbroadcast(ds, o.bias.shape)
     if t is not None:
         ds = ds * (1 - t ** 2)
-    result["dq"] = scale * recursive_matmul(fold(ds), k).reshape(q.shape)
-    result["dk"] = scale * recursive_matmul(swap(fold(ds)), fold(q)).reshape(k.shape)
+    result["dq"] = o.scale * recursive_matmul(fold(ds), k).reshape(q.shape)
+    result["dk"] = o.scale * recursive_matmul(swap(fold(ds)), fold(q)).reshape(k.shape)
     return result
