@@ -57,10 +57,10 @@ def naive_attention(q, k, v, options, dout=None):
                       if q.ndim >= 3 else x)                          # [..., H, N, X] -> [..., H_kv, G*N, X]
     n_k = k.shape[-2]
     s = recursive_matmul(fold(q) * o.scale, np.swapaxes(k, -1, -2)).reshape(q.shape[:-1] + (n_k,))
-    t = None
+    softcap_tanh = None
     if o.softcap is not None:
-        t = np.tanh(s / o.softcap)
-        s = o.softcap * t
+        softcap_tanh = np.tanh(s / o.softcap)
+        s = o.softcap * softcap_tanh
     if o.bias is not None:
         s = s + o.bias
     keep = keep_mask(o, s.shape)
@@ -93,8 +93,8 @@ def naive_attention(q, k, v, options, dout=None):
     ds = np.where(np.isneginf(s), 0, ds)
     if o.bias is not None:
         result["dbias"] = unbroadcast(ds, o.bias.shape)
-    if t is not None:
-        ds = ds * (1 - t ** 2)
+    if softcap_tanh is not None:
+        ds = ds * (1 - softcap_tanh ** 2)
     result["dq"] = o.scale * recursive_matmul(fold(ds), k).reshape(q.shape)
     result["dk"] = o.scale * recursive_matmul(swap(fold(ds)), fold(q)).reshape(k.shape)
     return result

@@ -91,9 +91,9 @@ def blocked_forward(q, k, v, options):
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
     for block in row_blocks(score_shape, group, p.itemsize):
-        s, t = _block_scores(q3, k3, o, score_shape, block, group)   # 1-4.
-        if t is not None:
-            softcap_tanh[block] = t
+        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group)   # 1-4.
+        if tanh_block is not None:
+            softcap_tanh[block] = tanh_block
         p_block, lse[block], top[block] = softmax_and_logsumexp(s, out=p[block], overwrite_z=True)  # 5.
         if o.fully_masked != "zero":
             dead = np.isneginf(lse[block].real)[..., None]

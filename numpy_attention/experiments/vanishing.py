@@ -45,15 +45,15 @@ VERIFY_METHODS = {"complex_step_err": "complex", "central_diff_err": "central"}
 def _draws(seed, trials, n_keys, d_k):
     """Yield (q, k, v, dout, direction) for the cell's trials, a chunk of trials at a time.
 
-    direction [t, 1, d_k] is a random unit vector per trial, for the gradient check.
+    direction [n, 1, d_k] is a random unit vector per trial, for the gradient check.
     """
     rng = np.random.default_rng([seed, d_k, n_keys])
-    chunk = max(1, CHUNK_ENTRIES // (n_keys * max(d_k, n_keys)))   # k [t, N_k, d_k], J [t, N_k, N_k]
+    chunk = max(1, CHUNK_ENTRIES // (n_keys * max(d_k, n_keys)))   # k [n, N_k, d_k], J [n, N_k, N_k]
     for start in range(0, trials, chunk):
-        t = min(chunk, trials - start)
-        q, k = rng.standard_normal((t, 1, d_k)), rng.standard_normal((t, n_keys, d_k))
-        v, dout = rng.standard_normal((t, n_keys, D_V)), rng.standard_normal((t, 1, D_V))
-        w = rng.standard_normal((t, 1, d_k))
+        n = min(chunk, trials - start)                               # trials in this chunk
+        q, k = rng.standard_normal((n, 1, d_k)), rng.standard_normal((n, n_keys, d_k))
+        v, dout = rng.standard_normal((n, n_keys, D_V)), rng.standard_normal((n, 1, D_V))
+        w = rng.standard_normal((n, 1, d_k))
         yield q, k, v, dout, w / np.linalg.norm(w, axis=-1, keepdims=True)
 
 
