@@ -34,6 +34,7 @@ class AttentionOptions(NamedTuple):
     align: str                          # 'top_left' or 'bottom_right': the diagonal of causal and window
     window: Optional[tuple]             # (left, right), -1 = unbounded
     dropout_scale: Optional[np.ndarray]  # dropout_mask / (1 - dropout_p), broadcastable to P (read-only)
+    dropout_p: float                    # the drop probability (0 without dropout)
     fully_masked: str                   # 'zero', 'uniform' or 'nan'
     masked: bool                        # whether any score is set to -inf (step 4)
     implementation: str                 # 'textbook', 'blocked' or 'tiled'
@@ -86,6 +87,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         bias = as_float_array(bias, "bias")
         broadcast_shape_to(bias, "bias", score_shape, legend)
     keep = None if mask is None else as_mask(mask, "mask", score_shape, legend)
+    dropout_p = require_probability(dropout_p, "dropout_p")
     dropout_scale = _dropout_scale(dropout_mask, dropout_p, score_shape, legend)
     if require_bool(check_finite, "check_finite"):
         for name, x in (("q", q), ("k", k), ("v", v)):
@@ -103,6 +105,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=_read_only(bias), mask=_read_only(keep),
         causal=causal, align=align, window=window, dropout_scale=_read_only(dropout_scale),
+        dropout_p=dropout_p,
         fully_masked=fully_masked, masked=masked, implementation=implementation,
         block_size=block_size)
 
@@ -154,7 +157,6 @@ def _require_finite(name, x, allow_neginf=False):
 
 def _dropout_scale(dropout_mask, dropout_p, score_shape, legend):
     """dropout_mask / (1 - dropout_p), checked; None when there is no dropout."""
-    dropout_p = require_probability(dropout_p, "dropout_p")
     if dropout_mask is None:
         if dropout_p > 0:
             raise ValueError("dropout_p > 0 needs an explicit dropout_mask (keep = True); "

@@ -24,20 +24,38 @@ the order of operations is attention.py's: scale -> softcap -> bias -> masks
 -> softmax -> dropout -> @ v.
 """
 import zipfile
+from typing import NamedTuple
 
 import numpy as np
 
 from .._checks import require_choice, require_positive_real, require_probability
 from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
+from ..options import attention_options
+from .precision import PRECISIONS, Precision
+from .storage import StorageError, decode, infer_precision
 
 INPUTS = ("q", "k", "v", "dout")
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
            "dropout_p", "fully_masked")
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias")
 GRADIENTS = ("dq", "dk", "dv", "dbias")
-CANDIDATE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-KEYS = INPUTS + OPTIONS + CANDIDATES
+DESCALES = ("q_descale", "k_descale", "v_descale")
+SETTINGS = ("precision", "layout", "lse_base")        # how to read the case (also keywords)
+LAYOUTS = ("bhnd", "bnhd")
+LSE_BASES = ("e", "2")
+KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + SETTINGS
+# tensors with a head axis and a length axis, in [..., H, N, d] (or FlashAttention's [..., N, H, d])
+_LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+
+
+class Case(NamedTuple):
+    inputs: dict            # q, k, v (dout): float64 arrays of the values the kernel used
+                            # (float8: dequantized, x * descale)
+    options: dict           # attention_forward's keyword arguments
+    candidates: dict        # out (lse, dq, dk, dv, dbias): float or ml_dtypes arrays, as given
+    precision: Precision    # what the candidate computed in (precision.py)
+    lse_base: str           # 'e' or '2': the base of the candidate's lse
 
 
 class CaseError(ValueError):
@@ -57,6 +75,8 @@ def _causal(arrays, name):
     x = np.asarray(arrays[name])
     if x.ndim == 0 and x.dtype.kind == "U":
         return require_choice(x.item(), name, ALIGNMENTS)
+    if x.ndim == 0 and x.dtype.kind in "iu" and x.item() in (0, 1):      # 0 / 1 as a bool
+        return bool(x.item())
     return _scalar(arrays, name, "bool")
 
 
@@ -93,24 +113,71 @@ def _decode_options(arrays):
     return options
 
 
-def _float_array(arrays, name):
-    x = np.asarray(arrays[name])
-    if x.dtype.kind != "f":
-        raise CaseError(f"{name} must be a float array, got dtype {x.dtype} with shape {x.shape}")
-    return x
-
-
 def _require_shape(arrays, name, shape):
     if arrays[name].shape != tuple(shape):
         raise CaseError(f"{name} must have shape {tuple(shape)}, got {arrays[name].shape}")
 
 
-def split_case(arrays):
-    """Validate a case; return (inputs, options, candidates), three dicts.
+def _setting(arrays, name, given, choices):
+    """A setting from the case or the keyword (which must agree when both are given)."""
+    value = _word(choices)(arrays, name) if name in arrays else None
+    if given is not None:
+        given = require_choice(str(given), name, choices)
+        if value is not None and value != given:
+            raise CaseError(f"{name}={given!r} contradicts the case's {name} {value!r}")
+        value = given
+    return value
 
-    inputs hold q, k, v (and dout) as float arrays; options are attention_forward's
-    keyword arguments; candidates hold out (and lse, dq, dk, dv, dbias) as given.
-    Raises CaseError naming the missing or unknown key, or the wrong shape or dtype.
+
+def _read_tensors(arrays, precision, layout):
+    """(inputs as stored, candidates): decoded under the precision, in [..., H, N, d]."""
+    roles = {"q": "input", "k": "input", "v": "input", "dout": "gradient input"}
+    tensors = {}
+    for name in INPUTS + CANDIDATES + ("bias",) + DESCALES:
+        if name in arrays:
+            role = roles.get(name, "result" if name in CANDIDATES else None)
+            x = np.asarray(arrays[name])
+            if role is None:                                    # bias, descales: plain floats
+                if x.dtype.kind != "f":
+                    raise StorageError(f"{name} must be a float array, got dtype {x.dtype} "
+                                       f"with shape {x.shape}")
+            else:
+                x = decode(name, x, precision, role)
+            if layout == "bnhd" and name in _LAID_OUT:
+                if x.ndim < 3:
+                    raise CaseError(f"layout 'bnhd' needs {name} with axes [..., N, H, d], "
+                                    f"got shape {x.shape}")
+                x = np.swapaxes(x, -2, -3)
+            tensors[name] = x
+    return tensors
+
+
+def _dequantized(tensors, precision):
+    """q, k, v (dout) as float64 values; float8 inputs times their per-(batch, kv head) descales."""
+    given = [name for name in DESCALES if name in tensors]
+    if given and not precision.forward_only:
+        raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
+    inputs = {name: tensors[name].astype(np.float64) for name in INPUTS if name in tensors}
+    q, k = inputs["q"], inputs["k"]
+    for name in given:
+        x = inputs[name[0]]
+        descale = tensors[name].astype(np.float64)
+        if q.ndim < 3 or descale.shape != k.shape[:-2]:
+            raise CaseError(f"{name} must have k's batch and kv-head axes [..., H_kv] = "
+                            f"{k.shape[:-2]}, got shape {descale.shape}")
+        if name == "q_descale":                                # query head h uses kv head h // G
+            descale = np.repeat(descale, q.shape[-3] // k.shape[-3], axis=-1)
+        inputs[name[0]] = x * descale[..., None, None]
+    return inputs
+
+
+def split_case(arrays, *, precision=None, layout=None, lse_base=None):
+    """Validate a case; return a Case (inputs, options, candidates, precision, lse_base).
+
+    precision, layout ('bhnd' or FlashAttention's 'bnhd') and lse_base ('e' or '2') may
+    come as keywords or as keys of the case. Checked in this order, so that a mistake is
+    blamed on the tensor that has it: the keys; q, k, v against each other; the options;
+    the upstream gradient and the candidate's tensors. Raises CaseError naming the key.
     """
     unknown = sorted(set(arrays) - set(KEYS))
     if unknown:
@@ -118,31 +185,42 @@ def split_case(arrays):
     for name in ("q", "k", "v", "out"):
         if name not in arrays:
             raise CaseError(f"missing key {name!r}")
-    arrays = {name: (_float_array(arrays, name) if name in INPUTS + CANDIDATES + ("bias",)
-                     else arrays[name]) for name in arrays}
-    for name in (n for n in CANDIDATES if n in arrays):
-        if arrays[name].dtype not in CANDIDATE_DTYPES:
-            raise CaseError(f"{name} must be float16, float32 or float64 (the oracle must be wider "
-                            f"than the candidate), got dtype {arrays[name].dtype}")
-    gradients = [name for name in GRADIENTS if name in arrays]
-    if gradients and "dout" not in arrays:
+    try:
+        name = _setting(arrays, "precision", precision, tuple(PRECISIONS))
+        layout = _setting(arrays, "layout", layout, LAYOUTS) or "bhnd"
+        lse_base = _setting(arrays, "lse_base", lse_base, LSE_BASES) or "e"
+        candidates = {n: np.asarray(arrays[n]) for n in CANDIDATES if n in arrays}
+        chosen = PRECISIONS[name] if name else infer_precision(np.asarray(arrays["q"]), candidates)
+        tensors = _read_tensors(arrays, chosen, layout)
+    except (StorageError, ValueError) as exc:
+        raise CaseError(str(exc)) from None
+    gradients = [n for n in GRADIENTS if n in tensors]
+    if gradients and chosen.forward_only:
+        raise CaseError(f"precision {chosen.name!r} is checked forward only; the case has {gradients[0]}")
+    if gradients and "dout" not in tensors:
         raise CaseError(f"missing key 'dout': the upstream gradient that {gradients[0]} belongs to")
-    if "dbias" in arrays and "bias" not in arrays:
+    if "dbias" in tensors and "bias" not in tensors:
         raise CaseError("dbias is given but bias is not")
-    q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim < 2:
-            raise CaseError(f"{name} must have at least 2 axes [..., N, d], got shape {x.shape}")
+    inputs = _dequantized(tensors, chosen)
+    try:
+        attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
+    except (ValueError, TypeError) as exc:
+        raise CaseError(str(exc)) from None
+    options = _decode_options({**arrays, **({"bias": tensors["bias"]} if "bias" in tensors else {})})
+    try:
+        attention_options(inputs["q"], inputs["k"], inputs["v"], **options)
+    except (ValueError, TypeError) as exc:
+        raise CaseError(str(exc)) from None
+    q, v = inputs["q"], inputs["v"]
     out_shape = q.shape[:-1] + v.shape[-1:]
-    for name, shape in (("out", out_shape), ("dout", out_shape), ("lse", q.shape[:-1]),
-                        ("dq", q.shape), ("dk", k.shape), ("dv", v.shape),
-                        ("dbias", np.shape(arrays.get("bias")))):
-        if name in arrays:
-            _require_shape(arrays, name, shape)
-    options = _decode_options(arrays)
-    inputs = {name: arrays[name] for name in INPUTS if name in arrays}
-    candidates = {name: arrays[name] for name in CANDIDATES if name in arrays}
-    return inputs, options, candidates
+    for n, shape in (("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),
+                     ("dq", q.shape), ("dk", inputs["k"].shape), ("dv", v.shape),
+                     ("dbias", np.shape(tensors.get("bias")))):
+        if n in tensors:
+            _require_shape(tensors, n, shape)
+    return Case(inputs=inputs, options=options,
+                candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
+                precision=chosen, lse_base=lse_base)
 
 
 def load_case(path):

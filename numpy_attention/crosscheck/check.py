@@ -20,13 +20,9 @@ from .._layout import fold, unbroadcast, with_head_axis
 from ..attention import ENGINES, attention_backward
 from ..options import attention_options
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
+from .precision import PRECISIONS, eps, recipe_attention
 from .naive import naive_attention
-from .rule import CrosscheckReport, atol_for, judge
-
-
-def oracle_dtype(candidate_dtype):
-    """np.longdouble for float64 candidates (no wider where longdouble is float64), else float64."""
-    return np.dtype(np.longdouble if np.dtype(candidate_dtype) == np.float64 else np.float64)
+from .rule import K_L2, CrosscheckReport, atol_for, judge
 
 
 def _case_in(inputs, options, dtype, scale_factor=1.0):
@@ -132,36 +128,90 @@ def _check_k_factors(k_factors):
     return dict(k_factors)
 
 
-def crosscheck(*, k_factors=None, atol=None, **arrays):
+def baselines(case, gradients=True):
+    """The baselines of the case's precision (precision.py): a list of result dicts.
+
+    float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
+    recipe, with its two backwards (the eager one and the tiled flash one; the rule
+    takes the larger error of the two, since a kernel may be built either way).
+    """
+    p = case.precision
+    if not p.recipe:
+        return [baseline(case.inputs, case.options, p.compute, gradients)]
+    rounded = lambda x: None if x is None else x.astype(p.compute).astype(np.float32)
+    q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
+    options = dict(case.options)
+    if "bias" in options:
+        options["bias"] = options["bias"].astype(np.float32)
+    q, k, v, record = attention_options(q, k, v, **options)
+    dout = dout if gradients else None
+    ways = [("eager", True), ("eager", False)] + ([("flash", True)] if dout is not None else [])
+    return [recipe_attention(q, k, v, record, p, dout=dout, backward=backward, reorder=reorder)
+            for backward, reorder in ways]
+
+
+def _as_arrays(arrays):
+    """The keyword arguments as NumPy arrays; None means absent. torch's bfloat16 and float8
+    tensors, which have no NumPy dtype, become ml_dtypes arrays (through float32, exactly)."""
+    converted = {}
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        torch_dtype = str(getattr(x, "dtype", "")).removeprefix("torch.")
+        if hasattr(x, "detach") and torch_dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            converted[name] = x.detach().cpu().float().numpy().astype(PRECISIONS[torch_dtype].storage)
+        else:
+            converted[name] = to_numpy(x)
+    return converted
+
+
+def _atol(case, dtype, oracle, magnitude, given):
+    """The tensor's atol (rule.py): the given one; 4 ulps of its largest sum of terms in a
+    float32 / float64 precision; half an ulp of its largest entry in a 16- or 8-bit one."""
+    if given is not None:
+        return given
+    if not case.precision.recipe:
+        return atol_for(dtype, magnitude)
+    return eps(dtype) / 2 * float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
+
+
+def crosscheck(*, precision=None, layout=None, lse_base=None, k_factors=None, atol=None, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
         arrays: q, k, v, dout, the options and the candidate's out, lse, dq, dk, dv, dbias
-            (numpy arrays, torch tensors or anything np.asarray takes).
+            (numpy or ml_dtypes arrays, torch tensors, or anything np.asarray takes; None
+            is the same as absent), and for float8 q_descale, k_descale, v_descale.
+        precision: what the candidate computed in: 'float64', 'float32', 'float16',
+            'bfloat16', 'float8_e4m3fn', 'float8_e5m2' (precision.py); default the case's
+            `precision` key, else inferred from the tensors' dtypes (storage.py).
+        layout: 'bhnd' ([..., H, N, d], default) or 'bnhd' (FlashAttention's [..., N, H, d]).
+        lse_base: 'e' (default) or '2': the base of the candidate's lse.
         k_factors: {tensor name: k > 0} overriding rule.K_DEFAULT.
         atol: one absolute tolerance >= 0 for every tensor, overriding the default.
-    Each tensor's baseline runs in that tensor's own dtype (a float16 kernel's float32 lse,
-    as FlashAttention returns it, is held to a float32 baseline); the oracle is wider than
-    the widest of them. Overflow in a case shows as inf / NaN errors in the report, without
-    numpy's warnings.
+    Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
+    lse is judged against float16 scores); the oracle computes in float64 (np.longdouble
+    for a float64 precision). Overflow in a case shows as inf / NaN errors in the report,
+    without numpy's warnings.
     Returns:
         CrosscheckReport. Raises CaseError (a ValueError) for a malformed case.
     """
     k_factors = _check_k_factors(k_factors)
     atol = None if atol is None else require_nonnegative_real(atol, "atol")
-    inputs, options, candidates = split_case({name: to_numpy(x) for name, x in arrays.items()})
-    dtypes = sorted({x.dtype for x in candidates.values()}, key=lambda d: d.itemsize)
-    wide = oracle_dtype(dtypes[-1])
-    want_grads = any(name in candidates for name in GRADIENTS)
+    case = split_case(_as_arrays(arrays), precision=precision, layout=layout, lse_base=lse_base)
+    wide = np.dtype(np.longdouble if case.precision.name == "float64" else np.float64)
+    want_grads = any(name in case.candidates for name in GRADIENTS)
     with np.errstate(all="ignore"):
-        truth = reference(inputs, options, wide, want_grads)
-        base = {dtype: baseline(inputs, options, dtype, want_grads) for dtype in dtypes}
-        mags = term_magnitudes(truth, inputs, options)
+        truth = reference(case.inputs, case.options, wide, want_grads)
+        bases = baselines(case, want_grads)
+        mags = term_magnitudes(truth, case.inputs, case.options)
         rows = []
-        for name in (n for n in CANDIDATES if n in candidates):
-            cand = candidates[name]
-            tol = atol_for(cand.dtype, mags[name]) if atol is None else atol
-            rows.append(judge(name, cand, truth[name], base[cand.dtype][name].astype(cand.dtype),
-                              k=k_factors.get(name), atol=tol))
+        for name, cand in case.candidates.items():
+            values = cand.astype(np.float64) * np.log(2) if name == "lse" and case.lse_base == "2" else cand
+            rows.append(judge(name, values, truth[name], [b[name].astype(cand.dtype) for b in bases],
+                              k=k_factors.get(name), atol=_atol(case, cand.dtype, truth[name],
+                                                                 mags[name], atol),
+                              dtype=cand.dtype, l2_k=K_L2 if case.precision.recipe else None))
+    kind = "recipe" if case.precision.recipe else "naive, sums left to right"
     return CrosscheckReport(rows=rows, oracle_dtype=str(wide),
-                            baseline_dtype=f"{', '.join(map(str, dtypes))} (naive, sums left to right)")
+                            baseline_dtype=f"{case.precision.name} ({kind})")

@@ -11,8 +11,12 @@
   bias=False loads as zero biases (and reports no bias gradients); batch_first=False means
   [N, B, E] tensors; attn_mask and key_padding_mask True = *ignore* (the opposite of
   ours) and float masks are added to the scores (our `bias`); weights are averaged
-  over heads unless average_attn_weights=False. A query with every key masked gives
-  NaN, as the module does with need_weights=True (fully_masked="nan").
+  over heads unless average_attn_weights=False. A query with every key masked gives what
+  the module gives, which depends on need_weights: with need_weights=True (its default)
+  the module computes the weights itself and returns NaN for that row
+  (fully_masked="nan"); with need_weights=False it runs scaled_dot_product_attention,
+  whose safe softmax gives zero attention, so the row's output is out_proj.bias and its
+  gradients are finite (fully_masked="zero").
   Not supported: add_bias_kv, add_zero_attn, dropout > 0 in training mode.
 """
 import numpy as np
@@ -97,8 +101,9 @@ class TorchMultiheadAttention:
         query, key, value = (self._input(x, name) for name, x in
                              (("query", query), ("key", key), ("value", value)))
         keep, bias = self._masks(key_padding_mask, attn_mask, query.shape[0], query.shape[1], key.shape[1])
+        policy = "nan" if need_weights else "zero"               # the module's two paths (docstring)
         out, weights, self._cache = multihead_forward(query, key, value, self.params, self.num_heads,
-                                                      mask=keep, bias=bias, fully_masked="nan")
+                                                      mask=keep, bias=bias, fully_masked=policy)
         self._out_shape = self._layout(out).shape                # what backward's grad_output must be
         if not need_weights:
             return self._layout(out), None

@@ -1,0 +1,152 @@
+"""crosscheck's precisions (float16, bfloat16, float8 recipes), how a case stores low-precision
+arrays, and the settings a kernel author needs (layout, lse base, None, causal 0/1).
+Candidates here are built from the recipe itself or from our float64 attention; torch's
+kernels as candidates are in test_torch_precisions.py."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numpy_attention as na
+from numpy_attention.crosscheck import CaseError, crosscheck, load_case, save_case, split_case
+from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
+
+BF16, E4M3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def bf16_case(seed=0, causal=True, gradients=True):
+    """A bfloat16 case whose candidate is the bfloat16 recipe (an honest kernel)."""
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (rng.standard_normal(shape).astype(BF16) for shape in
+                     ((1, 2, 6, 8), (1, 2, 9, 8), (1, 2, 9, 8), (1, 2, 6, 8)))
+    f32 = lambda x: x.astype(np.float32)
+    q3, k3, v3, record = na.attention_options(f32(q), f32(k), f32(v), causal=causal)
+    result = recipe_attention(q3, k3, v3, record, PRECISIONS["bfloat16"],
+                              dout=f32(dout) if gradients else None)
+    arrays = {"q": q, "k": k, "v": v, "causal": np.array(causal), "out": result["out"].astype(BF16),
+              "lse": result["lse"]}
+    if gradients:
+        arrays.update(dout=dout, **{n: result[n].astype(BF16) for n in ("dq", "dk", "dv")})
+    return arrays
+
+
+def test_a_bfloat16_recipe_candidate_passes_and_the_report_says_bfloat16():
+    report = crosscheck(**bf16_case())
+    assert report, str(report)
+    assert report.baseline_dtype.startswith("bfloat16")
+    assert {r.dtype for r in report.rows} == {"bfloat16", "float32"}
+    assert all(r.l2_k == 2 for r in report.rows)                # the normwise check applies
+
+
+def test_a_wrong_bfloat16_candidate_fails():
+    arrays = bf16_case()
+    arrays["out"] = (arrays["out"].astype(np.float32) * 1.05).astype(BF16)
+    assert not crosscheck(**arrays)
+
+
+@pytest.mark.parametrize("storage", ["ml_dtypes", "raw uint16", "void bytes (np.savez)", "float32 values"])
+def test_bfloat16_arrays_in_every_storage_give_the_same_report(storage, tmp_path):
+    arrays = bf16_case()
+    reference = crosscheck(**arrays)
+    converted = {}
+    for name, x in arrays.items():
+        if isinstance(x, np.ndarray) and x.dtype == BF16:
+            x = {"ml_dtypes": x, "raw uint16": x.view(np.uint16), "void bytes (np.savez)": x.view("V2"),
+                 "float32 values": x.astype(np.float32)}[storage]
+        converted[name] = x
+    precision = None if storage in ("ml_dtypes", "void bytes (np.savez)") else "bfloat16"
+    report = crosscheck(precision=precision, **converted)
+    if storage == "float32 values":                              # results in float32: reported so
+        assert [r.max_abs_err for r in report.rows] == [r.max_abs_err for r in reference.rows]
+    else:
+        assert report == reference
+    save_case(tmp_path / "case.npz", **arrays)                  # np.savez writes bfloat16 as V2
+    assert crosscheck(**load_case(tmp_path / "case.npz")) == reference
+
+
+def test_float32_values_that_bfloat16_cannot_hold_are_refused():
+    arrays = bf16_case()
+    arrays["q"] = arrays["q"].astype(np.float32) + np.float32(1e-3)
+    with pytest.raises(CaseError, match=r"q has \d+ values not representable in bfloat16"):
+        crosscheck(precision="bfloat16", **arrays)
+
+
+def test_a_float16_out_with_a_float32_lse_is_a_float16_case():
+    """FlashAttention's float32 lse from float16 scores is judged against the float16 recipe:
+    its baseline error is that of float16 scores, far above a float32 computation's."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((1, 2, 5, 16), (1, 2, 7, 16), (1, 2, 7, 16)))
+    out, cache = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)))
+    report = crosscheck(q=q, k=k, v=v, out=out.astype(np.float16), lse=cache.lse.astype(np.float32))
+    rows = {r.name: r for r in report.rows}
+    assert report and report.baseline_dtype.startswith("float16")
+    assert rows["lse"].dtype == "float32" and rows["lse"].baseline_err > 1e-5
+
+
+def test_float8_forward_with_descales():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.uniform(-2, 2, s).astype(E4M3) for s in ((2, 4, 5, 16), (2, 2, 7, 16), (2, 2, 7, 16)))
+    descales = {name: rng.uniform(0.5, 2.0, (2, 2)).astype(np.float32) for name in ("q_descale", "k_descale", "v_descale")}
+    g = np.repeat(descales["q_descale"], 2, axis=-1)[..., None, None]          # query head h: kv head h // 2
+    real = {"q": q.astype(np.float64) * g, "k": k.astype(np.float64) * descales["k_descale"][..., None, None],
+            "v": v.astype(np.float64) * descales["v_descale"][..., None, None]}
+    bf = lambda x: x.astype(BF16).astype(np.float32)
+    q3, k3, v3, record = na.attention_options(bf(real["q"]), bf(real["k"]), bf(real["v"]), causal=True)
+    result = recipe_attention(q3, k3, v3, record, PRECISIONS["float8_e4m3fn"])
+    arrays = dict(q=q, k=k, v=v, causal=True, out=result["out"].astype(BF16), lse=result["lse"], **descales)
+    report = crosscheck(precision="float8_e4m3fn", **arrays)
+    assert report, str(report)
+    assert report.rows[0].dtype == "bfloat16"
+    undescaled = {**arrays, "out": na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)),
+                                                        causal=True)[0].astype(BF16)}
+    assert not crosscheck(precision="float8_e4m3fn", **undescaled)   # descales forgotten: caught
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dq": np.zeros((1, 2, 6, 8), BF16)}, "is checked forward only"),
+    ({"q_descale": np.ones((1, 2), np.float32)}, "q_descale belongs to a float8 precision"),
+])
+def test_float8_and_descale_misuse_is_refused(change, message):
+    arrays = {**bf16_case(gradients=False), **change}
+    precision = "float8_e4m3fn" if "dq" in change else None
+    if precision:
+        arrays = {n: (x.astype(np.float32).astype(E4M3) if n in "qkv" else x) for n, x in arrays.items()}
+    with pytest.raises(CaseError, match=message):
+        crosscheck(precision=precision, **arrays)
+
+
+def test_layout_bnhd_reads_flashattention_tensors():
+    arrays = bf16_case()
+    swapped = {n: (np.swapaxes(x, -2, -3) if n in ("q", "k", "v", "dout", "out", "dq", "dk", "dv") else x)
+               for n, x in arrays.items()}
+    assert crosscheck(layout="bnhd", **swapped) == crosscheck(**arrays)
+    assert crosscheck(**{**swapped, "layout": np.array("bnhd")}) == crosscheck(**arrays)   # as a key
+    with pytest.raises(CaseError, match="layout='bhnd' contradicts the case's layout 'bnhd'"):
+        split_case({**swapped, "layout": np.array("bnhd")}, layout="bhnd")     # --layout vs the key
+
+
+def test_lse_in_base_2():
+    arrays = bf16_case(gradients=False)
+    base2 = {**arrays, "lse": (arrays["lse"].astype(np.float64) / np.log(2)).astype(np.float32)}
+    assert crosscheck(lse_base="2", **base2)
+    assert not crosscheck(**base2)                               # read as natural log: wrong
+
+
+def test_none_means_absent_and_causal_may_be_0_or_1():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 4, 8)) for _ in range(3))
+    out, cache = na.attention_forward(q, k, v, causal=True)
+    assert crosscheck(q=q, k=k, v=v, out=out, lse=cache.lse, mask=None, bias=None, dq=None, causal=np.array(1))
+    assert not crosscheck(q=q, k=k, v=v, out=out, causal=np.array(0))
+
+
+def test_a_bad_q_is_blamed_on_q_not_on_out():
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((2, 5, 4, 8)), rng.standard_normal((2, 3, 4, 8)), rng.standard_normal((2, 3, 4, 8))
+    with pytest.raises(CaseError, match=r"k's heads H_kv=3 must divide q's heads H=5"):
+        crosscheck(q=q, k=k, v=v, out=np.zeros((2, 5, 4, 8)))
+
+
+def test_where_the_oracle_is_zero_the_relative_error_is_finite():
+    q = k = v = np.zeros((1, 1, 3, 4))
+    report = crosscheck(q=q, k=k, v=v, out=np.ones((1, 1, 3, 4), np.float32))
+    assert not report and report.rows[0].rel_l2_err == 1.0

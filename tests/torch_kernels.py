@@ -1,0 +1,169 @@
+"""torch's attention kernels as crosscheck candidates, in float16, bfloat16 and float32, with
+planted bugs: the cases of tests/test_torch_precisions.py (and of the measurement behind
+docs/crosscheck.md's table). Needs torch; the test files import this module after
+importorskip.
+
+    case = random_case(rng, "bfloat16", "causal")          # inputs and options, the .npz keys
+    arrays = run(case, "sdpa")                            # + torch's out (lse), dq, dk, dv, dbias
+    arrays = run(case, "manual", bug="scale")             # a planted bug
+"""
+import math
+
+import ml_dtypes
+import numpy as np
+import torch
+
+F = torch.nn.functional
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# candidate -> the variants it can compute
+KERNELS = {
+    "sdpa": ("plain", "mask", "bias", "causal", "scale", "gqa"),
+    "math": ("plain", "mask", "bias", "causal", "scale", "gqa", "bottom_right"),
+    "flash_lse": ("plain", "causal", "scale", "gqa"),
+    "manual": ("plain", "mask", "bias", "causal", "scale", "gqa", "bottom_right", "window",
+               "softcap", "dropout"),
+}
+VARIANTS = sorted({v for variants in KERNELS.values() for v in variants})
+BUGS = ("scale", "dq_entry", "lse_row", "causal_row", "window", "dropout", "gqa_group")
+
+
+def random_case(rng, precision, variant, max_len=200):
+    """Inputs (float32 arrays holding values of `precision`) and options of one random case."""
+    b, h_kv = int(rng.integers(1, 3)), int(rng.integers(2 if variant == "gqa" else 1, 3))
+    g = int(rng.choice([2, 3])) if variant == "gqa" else 1
+    n_q, n_k = (int(np.exp(rng.uniform(0, np.log(max_len)))) + 1 for _ in range(2))
+    if variant in ("causal", "bottom_right", "window"):
+        n_k = max(n_k, n_q)                                  # every row keeps a key
+    d = int(rng.choice([8, 16, 32, 64]))
+    storage = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[precision]
+    rounded = lambda x: x.astype(storage).astype(np.float32)
+    case = {"q": rounded(rng.uniform(0.5, 2.0) * rng.standard_normal((b, h_kv * g, n_q, d))),
+            "k": rounded(rng.standard_normal((b, h_kv, n_k, d))),
+            "v": rounded(rng.standard_normal((b, h_kv, n_k, d))),
+            "dout": rounded(rng.standard_normal((b, h_kv * g, n_q, d))),
+            "precision": np.array(precision)}
+    if variant == "mask":
+        case["mask"] = rng.random((b, 1, n_q, n_k)) < rng.uniform(0.4, 1.0)
+        case["mask"][..., 0] = True                          # no fully masked row
+    elif variant == "bias":
+        case["bias"] = rounded(rng.standard_normal((h_kv, n_q, n_k)))
+    elif variant == "causal":
+        case["causal"] = np.array(True)
+    elif variant == "bottom_right":
+        case["causal"] = np.array("bottom_right")
+    elif variant == "scale":
+        case["scale"] = np.array(float(np.float32(rng.uniform(0.3, 2.0) / math.sqrt(d))))
+    elif variant == "window":
+        case["window"] = np.array([int(rng.integers(0, 8)), int(rng.integers(0, 8))])
+    elif variant == "softcap":
+        case["softcap"] = np.array(float(rng.uniform(2.0, 10.0)))
+    elif variant == "dropout":
+        p = float(rng.uniform(0.1, 0.3))
+        case["dropout_p"] = np.array(p)
+        case["dropout_mask"] = rng.random((b, h_kv * g, n_q, n_k)) >= p
+    return case
+
+
+def _keep(case, n_q, n_k, bug=None):
+    """The keep-mask [.., N_q, N_k] of the case's mask, causal and window (None: all kept)."""
+    i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+    keep = np.ones((n_q, n_k), bool)
+    causal = case.get("causal")
+    if causal is not None:
+        diag = i + (n_k - n_q if str(causal) == "bottom_right" else 0)
+        keep &= j <= diag
+        if bug == "causal_row":                              # one row sees the future
+            row = int(np.argmin(keep.sum(axis=1)))
+            keep[row] = True
+    if "window" in case:
+        left, right = (int(w) + (1 if bug == "window" else 0) for w in case["window"])
+        keep &= (j >= i - left) & (j <= i + right)
+    if "mask" in case:
+        keep = keep & case["mask"]
+    return None if keep.all() else keep
+
+
+def _manual(q, k, v, case, scale, bug):
+    """Attention as torch ops in the tensors' dtype (torch's eager math)."""
+    g = q.shape[-3] // k.shape[-3]
+    if bug == "gqa_group":                                   # query head h meets kv head h % H_kv
+        k, v = k.repeat(1, g, 1, 1), v.repeat(1, g, 1, 1)
+    else:
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if "softcap" in case:
+        c = float(case["softcap"])
+        s = torch.tanh(s / c) * c
+    if "bias" in case:
+        s = s + case["_bias"]
+    keep = _keep(case, q.shape[-2], k.shape[-2], bug)
+    if keep is not None:
+        s = s.masked_fill(torch.from_numpy(~keep), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if "dropout_mask" in case:
+        p = p * torch.from_numpy(case["dropout_mask"]).to(p.dtype)
+        if bug != "dropout":
+            p = p / (1 - float(case["dropout_p"]))
+    return p @ v, None
+
+
+def _sdpa(q, k, v, case, scale, bug, backend=None):
+    keep = _keep(case, q.shape[-2], k.shape[-2], bug)
+    kw = {"scale": scale, "enable_gqa": q.shape[-3] != k.shape[-3]}
+    if "bias" in case:
+        bias = case["_bias"]
+        kw["attn_mask"] = bias if keep is None else bias.masked_fill(torch.from_numpy(~keep), float("-inf"))
+    elif keep is not None:
+        causal = case.get("causal")
+        if causal is not None and str(causal) != "bottom_right" and "mask" not in case and bug is None:
+            kw["is_causal"] = True
+        else:
+            kw["attn_mask"] = torch.from_numpy(keep)
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, **kw), None
+    with torch.nn.attention.sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, **kw), None
+
+
+def _flash_lse(q, k, v, case, scale, bug):
+    """torch's CPU flash kernel, which also returns the float32 lse [B, H, N_q]."""
+    g = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    causal = case.get("causal") is not None
+    if bug == "causal_row":                                  # the kernel cannot; miss the diagonal shift
+        causal = False
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                          scale=scale)
+    return out, lse
+
+
+RUNNERS = {"sdpa": _sdpa, "manual": _manual, "flash_lse": _flash_lse,
+           "math": lambda *a: _sdpa(*a, backend=torch.nn.attention.SDPBackend.MATH)}
+
+
+def run(case, kernel, bug=None):
+    """The case's arrays plus the candidate's results (torch's dtypes: bfloat16 as tensors)."""
+    dtype = DTYPES[str(case["precision"])]
+    t = {n: torch.from_numpy(case[n]).to(dtype).requires_grad_(n != "dout") for n in ("q", "k", "v", "dout")}
+    if "bias" in case:
+        case = {**case, "_bias": torch.from_numpy(case["bias"]).to(dtype).requires_grad_()}
+    d = case["q"].shape[-1]
+    scale = float(case["scale"]) if "scale" in case else 1 / math.sqrt(d)
+    if bug == "scale":
+        scale *= 1.01
+    out, lse = RUNNERS[kernel](t["q"], t["k"], t["v"], case, scale, bug)
+    out.backward(t["dout"])
+    result = {n: x for n, x in case.items() if not n.startswith("_")}
+    result.update(out=out.detach(), dq=t["q"].grad, dk=t["k"].grad, dv=t["v"].grad)
+    if lse is not None:
+        result["lse"] = lse.detach()
+        if bug == "lse_row":                                 # each row gets its neighbour's lse
+            result["lse"] = torch.roll(result["lse"], 1, dims=-1)
+    if "_bias" in case:
+        result["dbias"] = case["_bias"].grad
+    if bug == "dq_entry":                                    # a random entry, off by 5% of max|dq|
+        dq = result["dq"].float()
+        index = tuple(int(i) for i in np.random.default_rng(dq.numel()).integers(0, dq.shape))
+        dq[index] += 0.05 * float(dq.abs().max())
+        result["dq"] = dq.to(dtype)
+    return result
