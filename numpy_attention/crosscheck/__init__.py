@@ -5,12 +5,12 @@
     naive.py      the naive baseline: every sum left to right, FlashAttention's backward
     check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
-    command.py    `numpy-attention crosscheck CASE.npz [--json]`
+    (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)
 """
 from .case import CaseError, load_case, save_case, split_case, write_example_case
-from .check import baseline, crosscheck, oracle_dtype, reference
+from .check import baseline, baselines, crosscheck, reference
 from .importers import TorchMultiheadAttention, from_torch
 from .rule import CrosscheckReport, TensorVerdict, judge
 
-__all__ = ["crosscheck", "reference", "baseline", "oracle_dtype", "from_torch", "TorchMultiheadAttention", "judge", "CrosscheckReport", "TensorVerdict",
+__all__ = ["crosscheck", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge", "CrosscheckReport", "TensorVerdict",
            "CaseError", "load_case", "save_case", "split_case", "write_example_case"]
