@@ -1,6 +1,6 @@
 """`python -m numpy_attention` is the `numpy-attention` command."""
 import sys
 
-from .cli import main
+from .commands.cli import main
 
 sys.exit(main())

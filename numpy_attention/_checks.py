@@ -165,3 +165,22 @@ def to_numpy(value):
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         return value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def as_scalar(value):
+    """A 0-d array as its scalar (np.array(1e-6) is read as 1e-6); any other value unchanged."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        return value[()]
+    return value
+
+
+def rng_from_seed(seed, name="seed"):
+    """numpy.random.default_rng(seed), raising TypeError / ValueError that name `name` unless
+    seed is a non-negative integer (or None: fresh entropy). A bool is refused, not read as 0/1."""
+    expected = f"{name} must be a non-negative integer (or None), got {seed!r}"
+    if isinstance(seed, (bool, np.bool_)):
+        raise TypeError(expected)
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{expected}: {exc}") from None

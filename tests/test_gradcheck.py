@@ -1,12 +1,15 @@
 """gradcheck and taylor_test: they pass right gradients, fail wrong ones, and say why."""
 import ast
-import inspect
+import importlib
+import pathlib
 
 import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention import gradcheck as gradcheck_module
+from numpy_attention.gradcheck import block_functions
+
+GRADCHECK_PACKAGE = importlib.import_module("numpy_attention.gradcheck")   # na.gradcheck is the function
 
 
 def softmax_case(seed=0):
@@ -184,13 +187,31 @@ def test_an_exact_row_shows_its_largest_entry():
     assert row.worst_index == ((2,), (2,))
 
 
-def test_gradcheck_imports_nothing_of_the_package():
-    tree = ast.parse(inspect.getsource(gradcheck_module))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            assert node.level == 0 and not (node.module or "").startswith("numpy_attention")
+def imported_modules(path):
+    """The absolute names of the modules `path` (a module of numpy_attention.gradcheck) imports."""
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            assert all(not a.name.startswith("numpy_attention") for a in node.names)
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module
+        elif isinstance(node, ast.ImportFrom):        # relative: from the package numpy_attention.gradcheck
+            base = ["numpy_attention", "gradcheck"][:3 - node.level]
+            yield ".".join(base + ([node.module] if node.module else []))
+
+
+def test_gradcheck_imports_nothing_of_the_package_but_its_checks():
+    """It only calls the functions it is given: of numpy_attention, only the leaf `_checks`."""
+    files = sorted(pathlib.Path(GRADCHECK_PACKAGE.__file__).parent.glob("*.py"))
+    assert {f.stem for f in files} >= {"__init__", "differences", "jacobians", "batching", "report",
+                                       "taylor", "blocks"}
+    seen = set()
+    for path in files:
+        for module in imported_modules(path):
+            seen.add(module)
+            if module.startswith("numpy_attention"):
+                assert module.startswith("numpy_attention.gradcheck") or module == "numpy_attention._checks", \
+                    f"{path.name} imports {module}"
+    assert "numpy_attention._checks" in seen and "numpy_attention.gradcheck.report" in seen   # the walk works
 
 
 def test_a_small_gradient_is_held_to_its_own_scale():
@@ -208,3 +229,67 @@ def test_a_small_gradient_is_held_to_its_own_scale():
 def test_directional_derivative_refuses_unknown_methods():
     with pytest.raises(ValueError, match="method"):
         na.directional_derivative(np.sin, np.zeros(2), np.ones(2), "centrall", 1e-6)
+
+
+def test_the_worst_index_column_says_what_its_index_is():
+    forward, backward, inputs = softmax_case()
+    full = str(na.gradcheck(forward, backward, inputs)).splitlines()
+    projection = str(na.gradcheck(forward, backward, inputs, mode="projection")).splitlines()
+    assert "worst index (out, in)" in full[1] and "(projection)" not in full[1]
+    assert "worst index (projection)" in projection[1] and "(out, in)" not in projection[1]
+    assert "((" in full[2] and "((" not in projection[2]                 # ((out...), (in...)) vs (k,)
+
+
+def test_complex_step_on_a_forward_that_is_not_analytic_prints_a_hint():
+    """np.abs drops the imaginary part of x + i h e: complex step sees a derivative of exactly 0."""
+    x = np.random.default_rng(7).standard_normal((3, 4))
+    absolute = lambda x: (np.abs(x), x)
+    absolute_backward = lambda dout, x: [dout * np.sign(x)]
+    for mode in ("full", "projection"):
+        report = na.gradcheck(absolute, absolute_backward, [x], method="complex", mode=mode, names=["x"])
+        assert not report and report.rows[0].numeric == 0
+        assert len(report.hints) == 1 and "not analytic in x" in report.hints[0]
+        assert str(report).splitlines()[-1].startswith("hint: x: complex step saw a derivative of "
+                                                       "exactly 0")
+        assert "np.abs" in str(report)
+    assert na.gradcheck(absolute, absolute_backward, [x], method="central")  # central can check it
+
+
+def test_the_hint_also_names_a_zero_gradient_computed_as_rounding():
+    """softmax ignores a shift c of its rows: dc is 0, computed as cancelling terms (~1e-16).
+    Checked alone it fails (its atol is 0) and the hint names both causes and the fix."""
+    x, shift = np.random.default_rng(6).standard_normal((3, 5)), np.zeros((3, 1))
+    forward = lambda x, c: na.softmax_forward(x + c)
+    backward = lambda d, cache: [None, np.sum(na.softmax_backward(d, cache), axis=-1, keepdims=True)]
+    report = na.gradcheck(forward, backward, [x, shift], wrt=[1], method="complex", names=["x", "c"])
+    assert not report and len(report.hints) == 1
+    assert "the true derivative is 0 and the backward's is rounding: give an atol" in report.hints[0]
+    largest = max(abs(report.rows[0].analytic), 1e-300)
+    assert na.gradcheck(forward, backward, [x, shift], wrt=[1], method="complex", atol=10 * largest)
+
+
+def test_no_hint_where_complex_step_sees_a_derivative():
+    forward, _, inputs = softmax_case()
+    wrong = na.gradcheck(forward, wrong_softmax_backward, inputs, method="complex")
+    assert not wrong and wrong.hints == () and "hint" not in str(wrong)
+    zero = na.gradcheck(lambda x: (0 * x, None), lambda d, c: [0 * d], inputs, method="complex")
+    assert zero and zero.hints == ()                                     # both exactly 0: right
+
+
+def test_block_functions_restrict_the_jacobian_to_a_block():
+    """f's Jacobian is the (out_block, in_block) block of forward's; its backward matches it."""
+    rng = np.random.default_rng(8)
+    x, W, b = rng.standard_normal((4, 5)), rng.standard_normal((5, 3)), rng.standard_normal(3)
+    in_blocks = [(slice(1, 3), slice(2, 4)), (slice(0, 2), slice(1, 3)), (slice(0, 2),)]
+    out_block = (slice(2, 4), slice(0, 2))
+    f, f_backward, blocks = block_functions(na.linear_forward, na.linear_backward, [x, W, b],
+                                            in_blocks, out_block)
+    assert [blk.shape for blk in blocks] == [(2, 2), (2, 2), (2,)]
+    np.testing.assert_array_equal(f(*blocks)[0], na.linear_forward(x, W, b)[0][out_block])
+    assert na.gradcheck(f, f_backward, blocks, method="complex")
+    wrong = lambda d, cache: [g * 1.01 if i == 1 else g for i, g in enumerate(f_backward(d, cache))]
+    assert [row.passed for row in na.gradcheck(f, wrong, blocks, method="complex").rows] == [True, False, True]
+    untouched = [x.copy(), W.copy(), b.copy()]
+    f(*[blk + 1 for blk in blocks])                                       # f writes into copies
+    for before, after in zip(untouched, [x, W, b]):
+        np.testing.assert_array_equal(before, after)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.selfcheck import attention_case, cases
+from numpy_attention.examples import attention_case, cases
+from numpy_attention.gradcheck.jacobians import full_jacobians
 
 
 def rows_equal(a, b):
@@ -37,16 +38,16 @@ def test_chunk_size_does_not_change_the_numbers(chunk_size):
 
 def test_the_whole_jacobian_matches_the_loop():
     """Not just the summary: the Jacobians themselves, entry by entry."""
-    from numpy_attention.gradcheck import _full_jacobians
     forward, backward, inputs, _ = attention_case(np.random.default_rng(2), mask=None, causal=True)
     names, wrt = ["q", "k", "v"], [0, 1, 2]
-    loop = _full_jacobians(forward, backward, inputs, wrt, names, "central", 1e-6, False, None,
-                           np.random.default_rng(0))
-    stacked = _full_jacobians(forward, backward, inputs, wrt, names, "central", 1e-6, True, 5,
-                              np.random.default_rng(0))
+    loop, loop_batching = full_jacobians(forward, backward, inputs, wrt, names, "central", 1e-6, False,
+                                         None, np.random.default_rng(0))
+    stacked, stacked_batching = full_jacobians(forward, backward, inputs, wrt, names, "central", 1e-6,
+                                               True, 5, np.random.default_rng(0))
+    assert (loop_batching, stacked_batching) == ("looped: batched=False", "vectorized")
     for i in wrt:
-        np.testing.assert_allclose(stacked[i][0], loop[i][0], rtol=0, atol=1e-14)   # analytic
-        np.testing.assert_allclose(stacked[i][1], loop[i][1], rtol=0, atol=1e-9)    # numeric (h = 1e-6)
+        np.testing.assert_allclose(stacked[i].analytic, loop[i].analytic, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(stacked[i].numeric, loop[i].numeric, rtol=0, atol=1e-9)   # h = 1e-6
 
 
 def rank_checking_forward(x):
@@ -100,10 +101,11 @@ def test_batched_still_catches_a_wrong_backward():
         assert [row.passed for row in report.rows] == [True, False, True]
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
-def test_chunk_size_is_checked(bad):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_chunk_size_is_checked(bad, error):
+    """A wrong value is a ValueError, a wrong kind of object (not an integer) a TypeError."""
     forward, backward, inputs, _ = attention_case(np.random.default_rng(0))
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(error, match="chunk_size"):
         na.gradcheck(forward, backward, inputs, chunk_size=bad)
 
 
@@ -141,3 +143,94 @@ def test_one_analytic_pass_serves_every_checked_input(batched):
         assert na.gradcheck(forward, counting_backward, inputs, wrt=wrt, batched=batched)
         per_wrt[len(wrt)] = list(calls)
     assert per_wrt[3] == per_wrt[1] and per_wrt[1]
+
+
+def test_the_report_says_how_it_evaluated_the_stacks():
+    forward, backward, inputs, names = attention_case(np.random.default_rng(7), causal=True)
+    vectorized = na.gradcheck(forward, backward, inputs, names=names)
+    looped = na.gradcheck(forward, backward, inputs, names=names, batched=False)
+    projection = na.gradcheck(forward, backward, inputs, names=names, mode="projection")
+    assert vectorized.batching == "vectorized" and "batching=vectorized  -> PASS" in str(vectorized)
+    assert looped.batching == "looped: batched=False"
+    assert str(looped).splitlines()[:2][1] == "(batching looped: batched=False)"
+    assert projection.batching is None and "batching" not in str(projection)
+
+
+@pytest.mark.parametrize("forward, backward, reason", [
+    (rank_checking_forward, rank_checking_backward,
+     "on inputs stacked along a new leading axis: ValueError: x must be 2-d, got (2, 3, 4)"),
+    (mixing_forward, mixing_backward,
+     "different numbers on inputs stacked along a new leading axis than one at a time")])
+def test_a_fallback_says_why(forward, backward, reason):
+    """The same reason for the forward and the backward: said once, for both."""
+    x = np.random.default_rng(0).standard_normal((3, 4))
+    report = na.gradcheck(forward, backward, [x])
+    assert report.batching == "looped: " + reason
+    head, why = str(report).splitlines()[:2]
+    assert "batching=looped" in head and why == f"(batching looped: {reason})"
+
+
+def test_a_fallback_of_one_function_names_it():
+    """A forward that broadcasts and a backward that refuses a stacked dout (a ValueError)."""
+    def unstacked_backward(dp, cache):
+        if np.ndim(dp) > 2:
+            raise ValueError(f"dp must be [N, n], got {np.shape(dp)}")
+        return [na.softmax_backward(dp, cache)]
+    z = np.random.default_rng(11).standard_normal((3, 5))
+    report = na.gradcheck(na.softmax_forward, unstacked_backward, [z], names=["z"])
+    assert report and report.batching == ("looped: on inputs stacked along a new leading axis: "
+                                          "ValueError: dp must be [N, n], got (2, 3, 5) (the backward)")
+
+
+def batch_sized_forward(x):
+    """x [2, 3] times a per-batch weight shaped by x.shape[0]: the two-entry probe passes by chance
+    (a stack of 2 reshapes, and both weights are equal), a chunk of 6 does not reshape."""
+    weight = np.full(2, 3.0).reshape((x.shape[0],) + (1,) * (x.ndim - 1))
+    return np.tanh(x) * weight, x
+
+
+def batch_sized_backward(dout, x):
+    return [3.0 * (1 - np.tanh(x) ** 2) * dout]
+
+
+def test_a_fallback_on_a_later_chunk_says_why():
+    x = np.random.default_rng(10).standard_normal((2, 3))
+    report = na.gradcheck(batch_sized_forward, batch_sized_backward, [x], method="complex")
+    rows_equal(report, na.gradcheck(batch_sized_forward, batch_sized_backward, [x], method="complex",
+                                    batched=False))
+    assert report and report.batching == ("looped: on a chunk of inputs stacked along a new leading axis, "
+                                          "though the probe passed: ValueError: cannot reshape array of "
+                                          "size 2 into shape (6,1,1)")
+    with pytest.raises(ValueError, match="batched=True, but the forward over input 0 fails on a chunk"):
+        na.gradcheck(batch_sized_forward, batch_sized_backward, [x], method="complex", batched=True)
+
+
+def stack_only(error):
+    """A softmax whose forward and backward are right, but whose backward raises `error` on a
+    stack of upstream gradients ([C, 3, 5] instead of [3, 5]): a bug of the stacked path."""
+    def backward(dp, cache):
+        if np.ndim(dp) > 2:
+            raise error("a bug that only a stacked call reaches")
+        return [na.softmax_backward(dp, cache)]
+    return backward
+
+
+@pytest.mark.parametrize("error", [NameError, AttributeError, TypeError, ZeroDivisionError])
+def test_a_real_error_of_the_stacked_call_is_not_hidden_by_the_fallback(error):
+    """Only what a function that does not broadcast raises (ValueError, IndexError) sends the
+    check to the one-at-a-time evaluation; any other error is a bug, and it propagates."""
+    z = np.random.default_rng(8).standard_normal((3, 5))
+    with pytest.raises(error, match="only a stacked call"):
+        na.gradcheck(na.softmax_forward, stack_only(error), [z])
+    assert na.gradcheck(na.softmax_forward, stack_only(error), [z], batched=False)     # never stacked
+
+
+def test_a_real_error_of_the_function_itself_propagates_as_it_is():
+    """An error on every call is raised by the looped evaluation too: it comes out unwrapped."""
+    z = np.random.default_rng(9).standard_normal((3, 5))
+
+    def broken_backward(dp, cache):
+        return [cache.nonexistent_field * dp]
+    for batched in (None, True, False):
+        with pytest.raises(AttributeError, match="nonexistent_field"):
+            na.gradcheck(na.softmax_forward, broken_backward, [z], batched=batched)

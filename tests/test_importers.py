@@ -3,11 +3,14 @@ import re
 
 import numpy as np
 import pytest
-import torch
-from seed_model import SeedMultiHeadAttention
+from optional import TORCH_REASON
 
-from numpy_attention import MultiHeadAttention
-from numpy_attention.crosscheck.importers import from_torch
+torch = pytest.importorskip("torch", reason=TORCH_REASON)      # every test here needs it: skip the file
+
+from seed_model import SeedMultiHeadAttention  # noqa: E402  (imports torch)
+
+from numpy_attention import MultiHeadAttention  # noqa: E402
+from numpy_attention.crosscheck.importers import from_torch  # noqa: E402
 
 nn = torch.nn
 

@@ -1,14 +1,15 @@
 """The 1/sqrt(d_k) study: its numbers, its gradient verification, its CLI."""
 import csv
 import json
+import sys
 import warnings
 
-import matplotlib
 import numpy as np
 import pytest
+from optional import needs_matplotlib
 
 from numpy_attention import attention_backward, attention_forward
-from numpy_attention.cli import main
+from numpy_attention.commands.cli import main
 from numpy_attention.experiments import directional_error, measure, scale_sweep, sweep, train
 from test_cli import usage_error
 
@@ -129,6 +130,7 @@ def test_cli_training_refuses_a_learning_rate_that_is_not_finite_and_positive(ar
     assert "--lr" in usage_error(["vanishing", "--train", *argv], capsys)
 
 
+@needs_matplotlib
 def test_cli_plot_of_an_unknown_format_is_refused_before_the_work(tmp_path, capsys):
     err = usage_error([*SMALL, "--plot", str(tmp_path / "x.xyz")], capsys)
     assert "--plot" in err and "'xyz'" in err
@@ -183,6 +185,7 @@ def test_cli_outputs_that_collide_or_are_empty_are_refused(argv, message, capsys
     assert message in usage_error([*SMALL, *argv], capsys)
 
 
+@needs_matplotlib
 def test_cli_writes_exactly_the_paths_it_names(tmp_path, capsys):
     figure, case = tmp_path / "figure", tmp_path / "case"
     assert main([*SMALL, "--plot", str(figure)]) == 0
@@ -199,7 +202,9 @@ def test_cli_training_with_a_diverging_learning_rate_warns_nothing(capsys):
     assert "Warning" not in capsys.readouterr().err          # (progress lines may appear after 1 s)
 
 
+@needs_matplotlib
 def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path, monkeypatch):
+    import matplotlib
     monkeypatch.setitem(matplotlib.rcParams, "backend", "pdf")      # e.g. a notebook's choice
     path = tmp_path / "v.png"
     assert main([*SMALL, "--plot", str(path)]) == 0
@@ -207,6 +212,18 @@ def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path, monkeypatch)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("mode", [[], ["--train", "--steps", "2"]])
+def test_cli_plot_without_matplotlib_is_one_line_exit_2_before_the_work(mode, tmp_path, monkeypatch, capsys):
+    """Where matplotlib is missing (simulated here: its import fails), --plot names the extra."""
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)    # import raises
+    argv = [*SMALL, "--plot", str(tmp_path / "v.png")] if not mode else ["vanishing", *mode, "--plot",
+                                                                         str(tmp_path / "v.png")]
+    err = usage_error(argv, capsys)
+    assert err.startswith("numpy-attention vanishing: --plot: plotting needs matplotlib")
+    assert "pip install 'numpy-attention[plot]'" in err and not (tmp_path / "v.png").exists()
+
+
+@needs_matplotlib
 def test_cli_plot_writes_a_png(tmp_path):
     path = tmp_path / "v.png"
     assert main(["vanishing", "--d-k", "4,64", "--n-keys", "8", "--trials", "5", "--plot", str(path)]) == 0
@@ -222,6 +239,7 @@ def test_training_unscaled_stalls_where_scaled_learns():
     assert unscaled.accuracy[-1] < 0.3 and unscaled.vanished > 0.3
 
 
+@needs_matplotlib
 def test_cli_training_prints_curves_and_plots(tmp_path, capsys):
     path = tmp_path / "t.png"
     assert main(["vanishing", "--train", "--steps", "4", "--lr", "0.1", "--plot", str(path)]) == 0

@@ -3,7 +3,7 @@
     vanishing.py   sweep (d_k x N_k x scaled/unscaled) and scale_sweep (scale = d_k^-alpha)
     training.py    a retrieval task trained by hand, scaled vs unscaled
     report.py      table, JSON and CSV;   plot.py  figures (matplotlib, lazily)
-    command.py     `numpy-attention vanishing`
+    (the command `numpy-attention vanishing` is numpy_attention/commands/vanishing.py)
 """
 from .training import Curve, Task, compare, train
 from .vanishing import directional_error, measure, scale_sweep, sweep

@@ -1,4 +1,4 @@
-"""`numpy-attention vanishing`: the 1/sqrt(d_k) study on the command line.
+"""`numpy-attention vanishing`: the 1/sqrt(d_k) study (numpy_attention.experiments) on the command line.
 
     numpy-attention vanishing [--d-k 1,4,...] [--n-keys 8,128] [--trials N] [--seed S]
                               [--alpha-d-k D] [--json PATH|-] [--csv PATH|-] [--plot PATH.png]
@@ -18,14 +18,19 @@ import time
 
 import numpy as np
 
-from ..cli import UsageError, integer
-from . import plot, report, training, vanishing
+from ..experiments import plot, report, training, vanishing
+from .cli import UsageError, integer
 
 SIZE_MAX = 2 ** 31 - 1                   # d_k, n_keys, trials: sizes of array axes
 # each mode's options and their defaults (the parser's default is None: "not given")
 SWEEP_OPTIONS = {"d_k": vanishing.DEFAULT_D_K, "n_keys": vanishing.DEFAULT_N_KEYS,
                  "trials": vanishing.DEFAULT_TRIALS, "alpha_d_k": 256, "json": None, "csv": None}
 TRAINING_OPTIONS = {"optimizer": "sgd", "steps": 300, "lr": training.LEARNING_RATES}
+HELP = "the 1/sqrt(d_k) vanishing-gradient study"
+DESCRIPTION = """\
+The 1/sqrt(d_k) vanishing-gradient study: a sweep over d_k and N_k (default), or
+a retrieval task trained scaled vs unscaled (--train). Exit codes: 0 done,
+2 bad arguments or an output that cannot be written."""
 
 
 def _list(kind):
@@ -45,27 +50,35 @@ def _list(kind):
     return parse
 
 
+def _listed(values):
+    return ",".join(f"{x:g}" for x in values)
+
+
 def add_arguments(parser):
     parser.add_argument("--d-k", type=_list(int),
-                        help="key widths to sweep (default 1,4,16,64,256,1024,4096)")
-    parser.add_argument("--n-keys", type=_list(int), help="numbers of keys to sweep (default 8,128)")
+                        help=f"key widths to sweep (default {_listed(SWEEP_OPTIONS['d_k'])})")
+    parser.add_argument("--n-keys", type=_list(int),
+                        help=f"numbers of keys to sweep (default {_listed(SWEEP_OPTIONS['n_keys'])})")
     parser.add_argument("--trials", type=integer(1, SIZE_MAX),
                         help=f"samples per cell (default {SWEEP_OPTIONS['trials']})")
-    parser.add_argument("--seed", type=integer(0), default=0, help="seed of every sample (default 0)")
+    parser.add_argument("--seed", type=integer(0), default=0,
+                        help="seed of every sample, and of the training data and initialization (default 0)")
     parser.add_argument("--alpha-d-k", type=integer(1, SIZE_MAX),
                         help=f"d_k of the scale = d_k^-alpha table (default {SWEEP_OPTIONS['alpha_d_k']})")
     parser.add_argument("--json", metavar="PATH", help="write the sweep's records as JSON ('-': stdout)")
     parser.add_argument("--csv", metavar="PATH", help="write the sweep's records as CSV ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH.png",
-                        help="save the figure, PNG or the format of its extension (needs matplotlib)")
+                        help="save the figure of the sweep (of the training curves with --train), PNG "
+                             "or the format of its extension (needs matplotlib)")
     parser.add_argument("--train", action="store_true",
                         help="run the training demo instead of the sweep")
     parser.add_argument("--optimizer", choices=training.OPTIMIZERS,
-                        help="training demo optimizer (default sgd with momentum)")
+                        help=f"training demo optimizer: sgd (with momentum) or adam "
+                             f"(default {TRAINING_OPTIONS['optimizer']})")
     parser.add_argument("--steps", type=integer(1, SIZE_MAX),
                         help=f"training demo steps (default {TRAINING_OPTIONS['steps']})")
     parser.add_argument("--lr", type=_list(float),
-                        help="training demo learning rates (default 0.001,0.01,0.1,1)")
+                        help=f"training demo learning rates (default {_listed(TRAINING_OPTIONS['lr'])})")
 
 
 def _progress(what):
@@ -114,13 +127,13 @@ def run_training(args):
                                   seed=args.seed, progress=_progress("training"))
     print(f"retrieval task {task}, optimizer {args.optimizer}, seed {args.seed}")
     print(f"{'scale':<10}{'lr':>8}  held-out loss at steps {', '.join(map(str, curves[0].steps))}")
-    for c in curves:
-        print(f"{'1/sqrt(d_k)' if c.scaled else 'unscaled':<11}{c.lr:>7g}  "
-              + " ".join(f"{x:.3g}" for x in c.loss))
+    for curve in curves:
+        print(f"{'1/sqrt(d_k)' if curve.scaled else 'unscaled':<11}{curve.lr:>7g}  "
+              + " ".join(f"{loss:.3g}" for loss in curve.loss))
     print(f"\n{'scale':<10}{'lr':>8}{'final loss':>12}{'accuracy':>10}{'vanished steps':>16}")
-    for c in curves:
-        print(f"{'1/sqrt(d_k)' if c.scaled else 'unscaled':<11}{c.lr:>7g}{c.loss[-1]:>12.3g}"
-              f"{c.accuracy[-1]:>10.2f}{c.vanished:>16.0%}")
+    for curve in curves:
+        print(f"{'1/sqrt(d_k)' if curve.scaled else 'unscaled':<11}{curve.lr:>7g}{curve.loss[-1]:>12.3g}"
+              f"{curve.accuracy[-1]:>10.2f}{curve.vanished:>16.0%}")
     print(f"(vanished: the step's ||dW|| < {training.VANISHED:g})")
     if args.plot is not None:
         _save(plot.plot_training, curves, args.plot, "--plot")
@@ -148,16 +161,14 @@ def _check_output(path, option):
 
 
 def _options(args):
-    """args with the mode's defaults filled in; UsageError for an option of the other mode."""
+    """A copy of args with the mode's defaults filled in; UsageError for an option of the other mode."""
     mine, theirs = (TRAINING_OPTIONS, SWEEP_OPTIONS) if args.train else (SWEEP_OPTIONS, TRAINING_OPTIONS)
     for name in theirs:
         if getattr(args, name) is not None:
-            raise UsageError(f"vanishing: --{name.replace('_', '-')} "
+            raise UsageError(f"--{name.replace('_', '-')} "
                              + ("belongs to the sweep, not to --train" if args.train else "needs --train"))
-    for name, default in mine.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    return args
+    filled = {name: default for name, default in mine.items() if getattr(args, name) is None}
+    return argparse.Namespace(**{**vars(args), **filled})
 
 
 def run(args):
@@ -166,10 +177,10 @@ def run(args):
                                                    ("--plot", args.plot)) if path is not None]
     for option, path in outputs:                           # before the work, not after it
         _check_output(path, option)
-    where = [_where(path) for _, path in outputs]
-    clash = next((w for w in where if where.count(w) > 1), None)
+    destinations = [_where(path) for _, path in outputs]
+    clash = next((place for place in destinations if destinations.count(place) > 1), None)
     if clash:
-        raise UsageError(f"vanishing: {' and '.join(o for o, p in outputs if _where(p) == clash)} "
+        raise UsageError(f"{' and '.join(option for option, path in outputs if _where(path) == clash)} "
                          f"name the same output ({clash})")
     if args.plot is not None:
         try:

@@ -1,0 +1,102 @@
+"""The `numpy-attention` command (also `python -m numpy_attention`).
+
+    numpy-attention demo                   the seed's example, every gradient verified by complex step
+    numpy-attention gradcheck [--method]   every op's backward against finite differences
+    numpy-attention vanishing [...]        the 1/sqrt(d_k) study
+    numpy-attention crosscheck CASE.npz    judge another implementation against the oracle
+
+Exit codes: 0 success, 1 a check failed, 2 bad arguments or input: one line on stderr,
+`numpy-attention <command>: <message>` (no command given: the usage and the command list).
+Each command lives in its own module, which provides HELP (its line of the command list),
+DESCRIPTION and optionally EPILOG (its --help, as written), add_arguments(parser) and
+run(args) -> exit code; a command raises UsageError(message) for bad input.
+"""
+import argparse
+import importlib
+import sys
+
+from .. import __version__
+
+PROG = "numpy-attention"
+COMMANDS = ("demo", "gradcheck", "crosscheck", "vanishing")        # modules of this package
+DESCRIPTION = ("Transformer attention in NumPy with every backward written by hand and checked "
+               "against finite differences; a float64 oracle for other implementations.")
+EPILOG = (f"exit codes: 0 success, 1 a check failed, 2 bad arguments or input (one line on stderr). "
+          f"'{PROG} <command> --help' for a command's options.")
+
+
+class UsageError(Exception):
+    """Bad arguments or input: reported as one line, exit code 2. Commands raise it."""
+
+
+def integer(minimum, maximum=None):
+    """An argparse type: an integer >= minimum (integer(0) for seeds, integer(1) for counts),
+    and <= maximum if given (a size that must fit an array axis)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            expected = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {expected}, got {text!r}")
+        return value
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are UsageError('<prog>: <message>'), not an exit."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser():
+    """The parser of every command; args.run(args) runs the one given (args.run None: none)."""
+    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=20))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", parser_class=_Parser)
+    for name in COMMANDS:
+        command = importlib.import_module(f"{__package__}.{name}")
+        sub_parser = sub.add_parser(name, help=command.HELP, description=command.DESCRIPTION,
+                                    epilog=getattr(command, "EPILOG", None),
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_arguments(sub_parser)
+        sub_parser.set_defaults(run=command.run)
+    parser.set_defaults(run=None)
+    return parser
+
+
+def _run(args):
+    """args.run(args) as an exit code. A UsageError of the command gets the command's prefix.
+    An OSError escaping it (a file that cannot be read or written) is bad input too, and so is
+    a MemoryError (sizes too large for this machine): the last safety net that keeps a
+    traceback from the user."""
+    prefix = f"{PROG} {args.command}"
+    try:
+        return int(args.run(args))
+    except UsageError as exc:
+        raise UsageError(f"{prefix}: {exc}") from None
+    except OSError as exc:
+        what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
+        raise UsageError(f"{prefix}: {what}") from None
+    except MemoryError as exc:
+        raise UsageError(f"{prefix}: not enough memory for these sizes: "
+                         f"{str(exc) or 'MemoryError'}") from None
+
+
+def main(argv=None):
+    """Run the command: exit code 0, 1, or 2 with one line on stderr for bad arguments or input
+    (no command at all: the usage with the command list, and a one-line hint)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.run is None:
+            print(f"{parser.format_help()}\n{PROG}: no command given; run one of {', '.join(COMMANDS)}, "
+                  f"e.g. '{PROG} demo'", file=sys.stderr)
+            return 2
+        return _run(args)
+    except UsageError as exc:
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        return 2

@@ -1,0 +1,105 @@
+"""The verdict and the table: one row per checked input.
+
+Verdict per input: max |analytic - numeric| <= atol + rtol * scale, scale = the largest
+|entry| of either (a normwise criterion: one tiny entry cannot fail or pass the check).
+A NaN on one side only is an infinite error; NaN on both sides agrees.
+
+    print(report)       gradcheck  method=complex  mode=full  ...  batching=vectorized  -> PASS
+                        input   check   max abs err  max rel err  worst index (out, in)  analytic ...
+    bool(report)        True iff every row passed
+
+The worst index is (output index, input index) of the Jacobian entry in full mode and
+(projection number,) in projection mode.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+WORST_INDEX_LABELS = {"full": "worst index (out, in)", "projection": "worst index (projection)"}
+
+
+class GradcheckError(AssertionError):
+    """Raised by gradcheck(..., raise_on_failure=True); its message is the report table."""
+
+
+class CheckRow(NamedTuple):
+    name: str               # which input
+    check: str              # "jacobian" (full mode) or "projection"
+    max_abs_err: float      # max |analytic - numeric|
+    max_rel_err: float      # max_abs_err / scale
+    worst_index: tuple      # (output index, input index) in full mode, (projection number,) otherwise
+    analytic: float         # the analytic value at worst_index
+    numeric: float          # the numeric value at worst_index
+    tol: float              # atol + rtol * scale: the bound max_abs_err was held to
+    passed: bool
+
+
+class GradcheckReport(NamedTuple):
+    rows: list
+    method: str
+    mode: str
+    eps: float
+    rtol: float
+    atol: Optional[float]   # None: the default roundoff floor (differences.py)
+    dtype: str
+    batching: Optional[str] = None   # full mode: "vectorized" or "looped: <why>"; None in projection mode
+    hints: tuple = ()                # lines printed under the table: likely causes of a failure
+
+    def __bool__(self):
+        return all(row.passed for row in self.rows)
+
+    def _header(self):
+        """The settings and the verdict on one line; then, if the batching fell back, why."""
+        atol = "floor" if self.atol is None else f"{self.atol:g}"
+        batching, _, why = (self.batching or "").partition(": ")        # "looped", "<reasons>"
+        head = (f"gradcheck  method={self.method}  mode={self.mode}  dtype={self.dtype}  "
+                f"h={self.eps:g}  rtol={self.rtol:g}  atol={atol}"
+                f"{f'  batching={batching}' if batching else ''}  -> {'PASS' if self else 'FAIL'}")
+        return [head] + ([f"(batching {batching}: {why})"] if why else [])
+
+    def __str__(self):
+        label = WORST_INDEX_LABELS[self.mode]
+        columns = (f"{'input':<14}{'check':<12}{'max abs err':>12}{'max rel err':>12}  "
+                   f"{label:<26}{'analytic':>13}{'numeric':>13}{'tol':>10}  ok")
+        lines = self._header() + [columns]
+        for row in self.rows:
+            lines.append(f"{row.name:<14}{row.check:<12}{row.max_abs_err:>12.2e}{row.max_rel_err:>12.2e}  "
+                         f"{str(row.worst_index):<26}{row.analytic:>13.5e}{row.numeric:>13.5e}"
+                         f"{row.tol:>10.1e}  {'yes' if row.passed else 'NO'}")
+        return "\n".join(lines + [f"hint: {hint}" for hint in self.hints])
+
+
+def largest(a):
+    """max |a|, NaN counted as 0."""
+    return float(np.max(np.abs(np.nan_to_num(a)), initial=0.0))
+
+
+def compare(name, check, analytic, numeric, index_of, rtol, atol):
+    """One report row: the normwise verdict max |analytic - numeric| <= atol + rtol * scale, and
+    the worst entry (or, when there is no error at all, the largest numeric entry)."""
+    analytic, numeric = np.asarray(analytic, dtype=float), np.asarray(numeric, dtype=float)
+    nan_mismatch = np.isnan(analytic) != np.isnan(numeric)
+    err = np.where(np.isnan(analytic) & np.isnan(numeric), 0.0, np.abs(analytic - numeric))
+    err = np.where(nan_mismatch, np.inf, err)
+    scale = max(largest(analytic), largest(numeric))
+    exact = not np.max(err) > 0                                   # (err is never empty)
+    worst = int(np.argmax(np.abs(np.nan_to_num(numeric)) if exact else err))
+    max_abs = float(err.flat[worst])
+    tol = atol + rtol * scale
+    rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    return CheckRow(name, check, max_abs, rel, index_of(worst), float(analytic.flat[worst]),
+                    float(numeric.flat[worst]), tol, bool(max_abs <= tol))
+
+
+def non_analytic_hint(row, method, analytic, numeric):
+    """A hint for a failed complex-step row whose numeric derivative is exactly 0 everywhere while
+    the (finite) analytic one is not: Im f(x + i h e) = 0 means the forward dropped the imaginary
+    part. None otherwise (a gradient that is zero, to rounding, passes and needs no hint)."""
+    if method != "complex" or row.passed or np.any(numeric != 0) or not np.all(np.isfinite(analytic)):
+        return None
+    return (f"{row.name}: complex step saw a derivative of exactly 0 everywhere, the backward did not "
+            f"(up to {largest(analytic):.1e}). Either the forward is not analytic in {row.name}: it "
+            f"drops the imaginary part of x + i h e (np.abs, .real, a float cast, np.maximum, a "
+            f"comparison), so check it with method='central' or 'richardson'; or the true derivative "
+            f"is 0 and the backward's is rounding: give an atol above it.")
