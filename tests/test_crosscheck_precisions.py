@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
+from numpy_attention.commands.cli import main
 from numpy_attention.crosscheck import CaseError, crosscheck, load_case, save_case, split_case
 from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
 
@@ -150,3 +151,104 @@ def test_where_the_oracle_is_zero_the_relative_error_is_finite():
     q = k = v = np.zeros((1, 1, 3, 4))
     report = crosscheck(q=q, k=k, v=v, out=np.ones((1, 1, 3, 4), np.float32))
     assert not report and report.rows[0].rel_l2_err == 1.0
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+def _diagnosis(case_options, candidate_options=None, gqa=False, interleave=False, lse_scale=1.0,
+               transform=None):
+    """crosscheck's diagnosis of a float64 candidate computed with other options than the case's."""
+    rng = np.random.default_rng(5)
+    h_kv = 2 if gqa else 4
+    q, dout = rng.standard_normal((1, 4, 5, 8)), rng.standard_normal((1, 4, 5, 8))
+    k, v = rng.standard_normal((1, h_kv, 7, 8)), rng.standard_normal((1, h_kv, 7, 8))
+    kc, vc = (np.concatenate([x, x], axis=-3) for x in (k, v)) if interleave else (k, v)
+    out, cache = na.attention_forward(q, kc, vc, **(case_options if candidate_options is None else candidate_options))
+    grads = na.attention_backward(dout, cache)
+    dk, dv = (x.reshape(1, 2, 2, 7, 8).sum(1) for x in (grads.dk, grads.dv)) if interleave else (grads.dk, grads.dv)
+    arrays = dict(q=q, k=k, v=v, dout=dout, out=out, lse=cache.lse * lse_scale, dq=grads.dq, dk=dk, dv=dv,
+                  **case_options)
+    report = crosscheck(**(transform(arrays) if transform else arrays))
+    assert not report
+    return " ".join(report.diagnosis)
+
+
+@pytest.mark.parametrize("case_options, candidate_options, expected", [
+    ({"causal": "top_left"}, {"causal": "bottom_right"}, "causal='bottom_right'"),
+    ({"causal": True}, {}, "no causal mask"),
+    ({}, {"causal": True}, "causal='top_left'"),
+    ({}, {"scale": 1.0}, "scale 1"),
+    ({}, {"scale": np.sqrt(8)}, "scale sqrt(d_k)"),
+    ({"mask": np.arange(7) % 3 != 0}, {"mask": np.arange(7) % 3 == 0}, "the mask inverted"),
+    ({"window": np.array([2, 1])}, {"window": (2, 1), "align": "bottom_right"}, "the window aligned bottom_right"),
+    ({"dropout_mask": np.arange(35).reshape(5, 7) % 4 != 0, "dropout_p": np.array(0.25)},
+     {"dropout_mask": np.arange(35).reshape(5, 7) % 4 != 0, "dropout_p": 0.0}, "without the 1 / (1 - p)"),
+])
+def test_the_diagnosis_names_the_mixup(case_options, candidate_options, expected):
+    diagnosis = _diagnosis(case_options, candidate_options)
+    assert expected in diagnosis and "rel L2" in diagnosis
+
+
+def test_the_diagnosis_names_interleaved_gqa_heads():
+    assert "interleaved grouped-query heads" in _diagnosis({}, gqa=True, interleave=True)
+
+
+def test_the_diagnosis_names_softcap_after_the_bias():
+    bias = np.random.default_rng(6).standard_normal((5, 7)) * 3
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 4, 5, 8)), rng.standard_normal((1, 4, 7, 8)), rng.standard_normal((1, 4, 7, 8))
+    from numpy_attention.crosscheck.diagnosis import _softcap_after_bias
+    wrong = _softcap_after_bias({"q": q, "k": k, "v": v}, {"softcap": 1.5, "bias": bias})
+    report = crosscheck(q=q, k=k, v=v, bias=bias, softcap=np.array(1.5), out=wrong["out"], lse=wrong["lse"])
+    assert not report and "softcap applied after the bias" in " ".join(report.diagnosis)
+
+
+def test_the_diagnosis_names_an_lse_in_base_2():
+    assert "lse in base 2" in _diagnosis({}, lse_scale=1 / np.log(2))
+
+
+def test_the_diagnosis_names_the_bnhd_layout():
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 4, 4, 8)) for _ in range(3))       # [B, N, H, d], N = H = 4
+    out = np.swapaxes(na.attention_forward(*(np.swapaxes(x, -2, -3) for x in (q, k, v)))[0], -2, -3)
+    report = crosscheck(q=q, k=k, v=v, out=out)
+    assert not report and "match the [..., N, H, d] layout" in " ".join(report.diagnosis)
+    assert crosscheck(q=q, k=k, v=v, out=out, layout="bnhd")
+
+
+def test_no_diagnosis_for_a_plain_wrong_result():
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 2, 4, 8)) for _ in range(3))
+    report = crosscheck(q=q, k=k, v=v, out=rng.standard_normal((1, 2, 4, 8)))
+    assert not report and report.diagnosis == ()
+
+
+# ----------------------------------------------------------------------------- the command's options
+
+def test_the_command_takes_precision_layout_lse_base_k_and_atol(tmp_path, capsys):
+    arrays = bf16_case()
+    swapped = {n: (np.swapaxes(x, -2, -3) if n in ("q", "k", "v", "dout", "out", "dq", "dk", "dv") else x)
+               for n, x in arrays.items()}
+    swapped["lse"] = (arrays["lse"].astype(np.float64) / np.log(2)).astype(np.float32)
+    np.savez(tmp_path / "flash.npz", **swapped)
+    path = str(tmp_path / "flash.npz")
+    assert main(["crosscheck", path, "--layout", "bnhd", "--lse-base", "2", "--precision", "bfloat16"]) == 0
+    assert main(["crosscheck", path, "--layout", "bnhd", "--lse-base", "2", "--k", "out=1e-9",
+                 "--atol", "0"]) == 1                            # a k too small to pass
+    capsys.readouterr()
+    np.savez(tmp_path / "keyed.npz", **swapped, layout=np.array("bnhd"))
+    assert main(["crosscheck", str(tmp_path / "keyed.npz"), "--layout", "bhnd"]) == 2
+    assert "--layout bhnd contradicts the case's layout 'bnhd'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k", "x=2"], "argument --k: must be TENSOR=K pairs"),
+    (["--k", "out=-1"], "argument --k: must be TENSOR=K pairs"),
+    (["--atol", "nan"], "argument --atol: must be a finite number >= 0"),
+    (["--precision", "int8"], "argument --precision: invalid choice"),
+])
+def test_bad_command_options_exit_2_with_one_line(argv, message, tmp_path, capsys):
+    np.savez(tmp_path / "case.npz", **bf16_case())
+    assert main(["crosscheck", str(tmp_path / "case.npz")] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

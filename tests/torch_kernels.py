@@ -13,6 +13,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from numpy_attention import crosscheck
+
 F = torch.nn.functional
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # candidate -> the variants it can compute
@@ -25,6 +27,38 @@ KERNELS = {
 }
 VARIANTS = sorted({v for variants in KERNELS.values() for v in variants})
 BUGS = ("scale", "dq_entry", "lse_row", "causal_row", "window", "dropout", "gqa_group")
+
+
+def plants(case, kernel, bug):
+    """Whether `bug` can be planted in this case for this kernel, and changes something."""
+    applies = {"scale": True, "dq_entry": True, "lse_row": kernel == "flash_lse" and case["q"].shape[-2] > 1,
+               "causal_row": kernel == "manual" and "causal" in case,
+               "window": kernel == "manual" and "window" in case,
+               "dropout": kernel == "manual" and "dropout_mask" in case,
+               "gqa_group": kernel == "manual" and case["q"].shape[-3] != case["k"].shape[-3]}[bug]
+    if applies and bug in ("causal_row", "window"):
+        n_q, n_k = case["q"].shape[-2], case["k"].shape[-2]
+        applies = not np.array_equal(_keep(case, n_q, n_k), _keep(case, n_q, n_k, bug))
+    return applies
+
+
+def campaign(precision, cases_per_variant, seed):
+    """Every kernel on random cases of every variant it computes, honest and with each bug.
+
+    Returns (honest, planted): honest a list of (kernel, variant, report), planted a dict
+    bug -> list of reports (one per case the bug changes).
+    """
+    rng = np.random.default_rng(seed)
+    honest, planted = [], {bug: [] for bug in BUGS}
+    for kernel, variants in KERNELS.items():
+        for variant in variants:
+            for _ in range(cases_per_variant):
+                case = random_case(rng, precision, variant)
+                honest.append((kernel, variant, crosscheck(**run(case, kernel))))
+                for bug in BUGS:
+                    if plants(case, kernel, bug):
+                        planted[bug].append(crosscheck(**run(case, kernel, bug=bug)))
+    return honest, planted
 
 
 def random_case(rng, precision, variant, max_len=200):

@@ -1,12 +1,17 @@
-"""`numpy-attention crosscheck CASE.npz [--json]`: judge another attention's results.
+"""`numpy-attention crosscheck CASE.npz [--json] [--precision P] [--layout bnhd] [--lse-base 2]
+[--k out=2,dq=3] [--atol A]`: judge another attention's results.
 
 Reads a case (crosscheck/case.py), computes the oracle and the baseline, prints one row per
 candidate tensor (crosscheck/rule.py) and exits 0 if every tensor passes, 1 if any fails,
 2 for a malformed case (one line on stderr naming the key or the shape).
 `--write-example CASE.npz` writes an example case instead.
 """
+import argparse
+import math
+
 from ..crosscheck import CaseError, crosscheck, load_case, write_example_case
-from ..crosscheck.case import CANDIDATES, INPUTS, KEYS, OPTIONS
+from ..crosscheck.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
+from ..crosscheck.precision import PRECISIONS
 from .cli import UsageError
 
 HELP = "judge another attention's results against the oracle"
@@ -32,9 +37,46 @@ exit codes:
   2  bad input: a malformed case or a file that cannot be read (one line on stderr)"""
 
 
+def _k_factors(text):
+    """An argparse type: 'out=2,dq=3' -> {'out': 2.0, 'dq': 3.0}, each a tensor's k > 0."""
+    factors = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = math.nan
+        if name not in CANDIDATES or not (math.isfinite(factor) and factor > 0):
+            raise argparse.ArgumentTypeError(f"must be TENSOR=K pairs with K > 0 and TENSOR one of "
+                                             f"{', '.join(CANDIDATES)}, e.g. out=2,dq=3; got {text!r}")
+        factors[name] = factor
+    return factors
+
+
+def _atol(text):
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser):
     parser.add_argument("case", metavar="CASE.npz", help="the case and the candidate's results")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS),
+                        help="what the candidate computed in (default: the case's precision key, "
+                             "else inferred from its dtypes)")
+    parser.add_argument("--layout", choices=LAYOUTS,
+                        help="bhnd: [..., H, N, d] (default); bnhd: FlashAttention's [..., N, H, d]")
+    parser.add_argument("--lse-base", choices=LSE_BASES, help="the base of the candidate's lse (default e)")
+    parser.add_argument("--k", type=_k_factors, metavar="TENSOR=K,...",
+                        help="the rule's factor k per tensor (default out=2,lse=2, 3 for gradients)")
+    parser.add_argument("--atol", type=_atol, help="one absolute tolerance for every tensor "
+                                                   "(default: per tensor, see the rule)")
     parser.add_argument("--write-example", action="store_true",
                         help="write an example case to CASE.npz and exit")
 
@@ -48,7 +90,15 @@ def run(args):
         print(f"wrote an example case to {args.case}")
         return 0
     try:
-        report = crosscheck(**load_case(args.case))
+        arrays = load_case(args.case)
+        for name in ("precision", "layout", "lse_base"):             # the options, or the case's keys
+            given = getattr(args, name)
+            if given is not None and name in arrays and str(arrays[name]) != given:
+                raise CaseError(f"--{name.replace('_', '-')} {given} contradicts the case's "
+                                f"{name} {str(arrays[name])!r}")
+            if given is not None:
+                arrays[name] = given
+        report = crosscheck(**arrays, k_factors=args.k, atol=args.atol)
     except CaseError as exc:
         raise UsageError(f"{args.case}: {exc}") from None
     print(report.to_json() if args.json else report)

@@ -1,8 +1,11 @@
 """Use the float64 oracle to check other attention implementations.
 
     case.py       the .npz exchange format: split_case, load_case, save_case, write_example_case
+    storage.py    how a case stores its arrays (ml_dtypes, raw bits, floats) and its precision
+    precision.py  the precisions and their recipes: what a kernel at float16, bfloat16, float8 does
     rule.py       the tolerance rule: err(candidate) <= k * err(baseline) + atol
     naive.py      the naive baseline: every sum left to right, FlashAttention's backward
+    diagnosis.py  which convention mix-up a failing candidate matches instead
     check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
     (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)

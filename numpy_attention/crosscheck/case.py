@@ -55,6 +55,7 @@ class Case(NamedTuple):
     options: dict           # attention_forward's keyword arguments
     candidates: dict        # out (lse, dq, dk, dv, dbias): float or ml_dtypes arrays, as given
     precision: Precision    # what the candidate computed in (precision.py)
+    layout: str             # 'bhnd' or 'bnhd': how the tensors were stored (now all [..., H, N, d])
     lse_base: str           # 'e' or '2': the base of the candidate's lse
 
 
@@ -220,7 +221,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
             _require_shape(tensors, n, shape)
     return Case(inputs=inputs, options=options,
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
-                precision=chosen, lse_base=lse_base)
+                precision=chosen, layout=layout, lse_base=lse_base)
 
 
 def load_case(path):

@@ -20,6 +20,7 @@ from .._layout import fold, unbroadcast, with_head_axis
 from ..attention import ENGINES, attention_backward
 from ..options import attention_options
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
+from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, eps, recipe_attention
 from .naive import naive_attention
 from .rule import K_L2, CrosscheckReport, atol_for, judge
@@ -198,7 +199,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, k_factors=None, at
     """
     k_factors = _check_k_factors(k_factors)
     atol = None if atol is None else require_nonnegative_real(atol, "atol")
-    case = split_case(_as_arrays(arrays), precision=precision, layout=layout, lse_base=lse_base)
+    arrays = _as_arrays(arrays)
+    case = split_case(arrays, precision=precision, layout=layout, lse_base=lse_base)
     wide = np.dtype(np.longdouble if case.precision.name == "float64" else np.float64)
     want_grads = any(name in case.candidates for name in GRADIENTS)
     with np.errstate(all="ignore"):
@@ -212,6 +214,27 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, k_factors=None, at
                               k=k_factors.get(name), atol=_atol(case, cand.dtype, truth[name],
                                                                  mags[name], atol),
                               dtype=cand.dtype, l2_k=K_L2 if case.precision.recipe else None))
+        failing = [row.name for row in rows if not row.passed]
+        diagnosis = (diagnose(case, truth, failing) or _layout_mixup(arrays, case, failing)) if failing else []
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
     return CrosscheckReport(rows=rows, oracle_dtype=str(wide),
-                            baseline_dtype=f"{case.precision.name} ({kind})")
+                            baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
+
+
+def _layout_mixup(arrays, case, failing):
+    """The diagnosis line when the failing tensors match the other layout (bnhd / bhnd)."""
+    if "layout" in arrays:                              # the case says which: no mix-up to find
+        return []
+    layout = "bnhd" if case.layout == "bhnd" else "bhnd"
+    try:
+        other = split_case(arrays, precision=case.precision.name, layout=layout, lse_base=case.lse_base)
+    except CaseError:
+        return []
+    grads = any(name in failing for name in GRADIENTS)
+    truth = reference(other.inputs, other.options, np.dtype(np.float64), grads)
+    errs = {n: rel_l2(np.asarray(other.candidates[n]).astype(np.float64), truth[n]) for n in failing}
+    if all(err <= 1e-2 for err in errs.values()):
+        said = {"bhnd": "[..., H, N, d]", "bnhd": "[..., N, H, d]"}
+        return [f"{', '.join(failing)} match the {said[layout]} layout (rel L2 {max(errs.values()):.1e}); "
+                f"the case is read as {said[case.layout]} (layout={layout!r} reads it)"]
+    return []

@@ -75,6 +75,7 @@ class CrosscheckReport(NamedTuple):
     rows: list              # one TensorVerdict per candidate tensor
     oracle_dtype: str
     baseline_dtype: str
+    diagnosis: tuple = ()   # lines naming the convention mix-up a failing candidate matches
 
     def __bool__(self):
         return all(row.passed for row in self.rows)
@@ -94,6 +95,7 @@ class CrosscheckReport(NamedTuple):
             lines.append(f"{r.name:<7}{r.dtype:<9}{r.max_abs_err:>12.3e}{r.rel_l2_err:>12.3e}{l2}"
                          f"{r.baseline_err:>11.3e}{r.ratio:>9.3g}{r.k:>4g}{r.bound:>11.3e}  "
                          f"{str(r.worst_index):<20}{'PASS' if r.passed else 'FAIL'}")
+        lines += [f"diagnosis: {line}" for line in self.diagnosis]
         return "\n".join(lines)
 
     def to_json(self):
@@ -101,7 +103,8 @@ class CrosscheckReport(NamedTuple):
         finite = lambda x: x if not isinstance(x, float) or math.isfinite(x) else str(x)
         rows = [{key: finite(value) for key, value in row._asdict().items()} for row in self.rows]
         return json.dumps({"passed": bool(self), "oracle_dtype": self.oracle_dtype,
-                           "baseline_dtype": self.baseline_dtype, "tensors": rows}, indent=2)
+                           "baseline_dtype": self.baseline_dtype, "tensors": rows,
+                           "diagnosis": list(self.diagnosis)}, indent=2)
 
 
 def abs_errors(x, ref):
