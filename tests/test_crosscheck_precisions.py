@@ -252,3 +252,41 @@ def test_bad_command_options_exit_2_with_one_line(argv, message, tmp_path, capsy
     assert main(["crosscheck", str(tmp_path / "case.npz")] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- the backward on its own
+
+def _flash_kernel_with_a_forward_bug():
+    """float32 results of a kernel whose forward writes one wrong row of out, and whose
+    (correct) flash backward then uses that out: D = rowsum(dout * out) is off in that row."""
+    rng = np.random.default_rng(9)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in
+                     ((1, 2, 6, 8), (1, 2, 9, 8), (1, 2, 9, 8), (1, 2, 6, 8)))
+    out, cache = na.attention_forward(q, k, v, implementation="textbook")
+    out = out.copy()
+    out[0, 1, 3] += 0.05
+    grads = na.attention_backward(dout, cache._replace(out=out), method="flash")
+    return dict(q=q, k=k, v=v, dout=dout, out=out, lse=cache.lse, dq=grads.dq, dk=grads.dk, dv=grads.dv)
+
+
+def test_own_forward_tells_a_forward_bug_from_a_backward_bug():
+    arrays = _flash_kernel_with_a_forward_bug()
+    report = {r.name: r.passed for r in crosscheck(**arrays).rows}
+    assert not report["out"] and not report["dq"]               # the forward's error reaches dq
+    own = {r.name: r.passed for r in crosscheck(own_forward=True, **arrays).rows}
+    assert own == {"out": False, "lse": True, "dq": True, "dk": True, "dv": True}
+    wrong_dq = arrays["dq"].copy()
+    wrong_dq[0, 0, 2, 5] += 0.05 * np.abs(wrong_dq).max()
+    assert not {r.name: r.passed for r in crosscheck(own_forward=True, **{**arrays, "dq": wrong_dq}).rows}["dq"]
+
+
+def test_own_forward_needs_out_lse_and_a_gradient():
+    arrays = _flash_kernel_with_a_forward_bug()
+    del arrays["lse"]
+    with pytest.raises(CaseError, match="needs out, lse and a gradient"):
+        crosscheck(own_forward=True, **arrays)
+
+
+def test_the_command_takes_own_forward(tmp_path):
+    np.savez(tmp_path / "case.npz", **_flash_kernel_with_a_forward_bug())
+    assert main(["crosscheck", str(tmp_path / "case.npz"), "--own-forward", "--json"]) == 1   # out still fails

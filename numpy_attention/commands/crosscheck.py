@@ -1,5 +1,5 @@
 """`numpy-attention crosscheck CASE.npz [--json] [--precision P] [--layout bnhd] [--lse-base 2]
-[--k out=2,dq=3] [--atol A]`: judge another attention's results.
+[--own-forward] [--k out=2,dq=3] [--atol A]`: judge another attention's results.
 
 Reads a case (crosscheck/case.py), computes the oracle and the baseline, prints one row per
 candidate tensor (crosscheck/rule.py) and exits 0 if every tensor passes, 1 if any fails,
@@ -73,6 +73,9 @@ def add_arguments(parser):
     parser.add_argument("--layout", choices=LAYOUTS,
                         help="bhnd: [..., H, N, d] (default); bnhd: FlashAttention's [..., N, H, d]")
     parser.add_argument("--lse-base", choices=LSE_BASES, help="the base of the candidate's lse (default e)")
+    parser.add_argument("--own-forward", action="store_true",
+                        help="judge the gradients against the backward of the candidate's own out "
+                             "and lse (tells a backward bug from the forward's error)")
     parser.add_argument("--k", type=_k_factors, metavar="TENSOR=K,...",
                         help="the rule's factor k per tensor (default out=2,lse=2, 3 for gradients)")
     parser.add_argument("--atol", type=_atol, help="one absolute tolerance for every tensor "
@@ -98,7 +101,7 @@ def run(args):
                                 f"{name} {str(arrays[name])!r}")
             if given is not None:
                 arrays[name] = given
-        report = crosscheck(**arrays, k_factors=args.k, atol=args.atol)
+        report = crosscheck(**arrays, own_forward=args.own_forward, k_factors=args.k, atol=args.atol)
     except CaseError as exc:
         raise UsageError(f"{args.case}: {exc}") from None
     print(report.to_json() if args.json else report)

@@ -13,9 +13,11 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
               scale * max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|: rounding error is relative
               to the terms, not to the result (a gradient that cancels to 0 still rounds).
 """
+import math
+
 import numpy as np
 
-from .._checks import require_mapping, require_nonnegative_real, require_positive_real, to_numpy
+from .._checks import require_bool, require_mapping, require_nonnegative_real, require_positive_real, to_numpy
 from .._layout import fold, unbroadcast, with_head_axis
 from ..attention import ENGINES, attention_backward
 from ..options import attention_options
@@ -53,9 +55,12 @@ def _case_in(inputs, options, dtype, scale_factor=1.0):
     return q, k, v, dout, record, scale
 
 
-def reference(inputs, options, dtype, gradients=True):
+def reference(inputs, options, dtype, gradients=True, forward_of=None):
     """The oracle: attention.py with every input cast to `dtype`, on the record's engine.
 
+    forward_of: None, or a candidate's own {"out", "lse"} (natural log): the gradients are
+    then those of FlashAttention's backward from that forward, P = exp(S - lse) and
+    D = rowsum(dout * out), so that a backward is judged apart from its forward's error.
     Returns:
         dict with out [..., H, N_q, d_v], lse [..., H, N_q], the scores S (-inf where
         masked) and the weights P and P~ (after dropout) [..., H, N_q, N_k], and with
@@ -69,12 +74,28 @@ def reference(inputs, options, dtype, gradients=True):
     p_drop = cache.weights if dropout_scale is None else cache.weights * dropout_scale
     result = {"out": out, "lse": cache.lse, "S": cache.scores, "P": cache.weights, "P~": p_drop}
     if gradients and dout is not None:
-        g = attention_backward(dout, cache, return_stages=True)
+        if forward_of is not None:
+            cache = _from_candidate_forward(cache, forward_of, dtype)
+        g = attention_backward(dout, cache, method="flash" if forward_of else "vjp", return_stages=True)
         result.update(dq=scale * g.dq, dk=g.dk, dv=g.dv, dP=g.stages.dP, dS=g.stages.dS,
                       D=g.stages.D)
         if g.dbias is not None:
             result["dbias"] = g.dbias
     return result
+
+
+def _from_candidate_forward(cache, forward_of, dtype):
+    """The oracle's cache with the candidate's out and lse, and P = exp(S - lse) from them,
+    for the textbook's flash backward (a +inf lse, FlashAttention's fully masked row, is -inf)."""
+    out = np.asarray(forward_of["out"]).astype(dtype)
+    lse = np.asarray(forward_of["lse"]).astype(dtype)
+    lse = np.where(np.isposinf(lse) & np.isneginf(cache.lse), -np.inf, lse)
+    scores = cache.scores
+    with np.errstate(invalid="ignore"):
+        weights = np.where(np.isneginf(scores) | np.isneginf(lse)[..., None], 0,
+                           np.exp(scores - lse[..., None]))
+    return cache._replace(out=out, lse=lse, weights=weights,
+                          options=cache.options._replace(implementation="textbook"))
 
 
 def baseline(inputs, options, dtype, gradients=True):
@@ -176,7 +197,8 @@ def _atol(case, dtype, oracle, magnitude, given):
     return eps(dtype) / 2 * float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
 
 
-def crosscheck(*, precision=None, layout=None, lse_base=None, k_factors=None, atol=None, **arrays):
+def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
+               atol=None, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
@@ -188,6 +210,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, k_factors=None, at
             `precision` key, else inferred from the tensors' dtypes (storage.py).
         layout: 'bhnd' ([..., H, N, d], default) or 'bnhd' (FlashAttention's [..., N, H, d]).
         lse_base: 'e' (default) or '2': the base of the candidate's lse.
+        own_forward: judge the gradients against the backward of the candidate's own out
+            and lse (needs both) instead of the oracle's: a backward bug is then told
+            apart from the forward's error.
         k_factors: {tensor name: k > 0} overriding rule.K_DEFAULT.
         atol: one absolute tolerance >= 0 for every tensor, overriding the default.
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
@@ -203,14 +228,26 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, k_factors=None, at
     case = split_case(arrays, precision=precision, layout=layout, lse_base=lse_base)
     wide = np.dtype(np.longdouble if case.precision.name == "float64" else np.float64)
     want_grads = any(name in case.candidates for name in GRADIENTS)
+    forward_of = None
+    if require_bool(own_forward, "own_forward"):
+        if not {"out", "lse"} <= set(case.candidates) or not want_grads:
+            raise CaseError("own_forward=True judges gradients from the candidate's own out and lse: "
+                            "the case needs out, lse and a gradient")
+        lse = case.candidates["lse"].astype(np.float64) * (math.log(2) if case.lse_base == "2" else 1)
+        forward_of = {"out": case.candidates["out"], "lse": lse}
     with np.errstate(all="ignore"):
         truth = reference(case.inputs, case.options, wide, want_grads)
+        against = dict(truth)                              # what each candidate tensor is judged against
+        if forward_of is not None:
+            against.update({name: value for name, value in reference(
+                case.inputs, case.options, wide, True, forward_of).items() if name in GRADIENTS})
         bases = baselines(case, want_grads)
         mags = term_magnitudes(truth, case.inputs, case.options)
         rows = []
         for name, cand in case.candidates.items():
             values = cand.astype(np.float64) * np.log(2) if name == "lse" and case.lse_base == "2" else cand
-            rows.append(judge(name, values, truth[name], [b[name].astype(cand.dtype) for b in bases],
+            rows.append(judge(name, values, against[name], [b[name].astype(cand.dtype) for b in bases],
+                              baseline_oracle=truth[name],
                               k=k_factors.get(name), atol=_atol(case, cand.dtype, truth[name],
                                                                  mags[name], atol),
                               dtype=cand.dtype, l2_k=K_L2 if case.precision.recipe else None))

@@ -121,7 +121,8 @@ def atol_for(dtype, magnitude):
     return float(ATOL_ULPS * ml_dtypes.finfo(dtype).eps * magnitude)
 
 
-def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l2_k=None):
+def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l2_k=None,
+          baseline_oracle=None):
     """One TensorVerdict: err(candidate) <= k * err(baseline) + atol (and the normwise check).
 
     Args:
@@ -136,6 +137,9 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
             a converted candidate, e.g. an lse in base 2, names its own).
         l2_k: the normwise check's factor (K_L2 in a 16- or 8-bit precision); None: no
             normwise check.
+        baseline_oracle: what the baseline's error is measured against, when it is not the
+            candidate's oracle (crosscheck's own_forward: the candidate's gradients against
+            the backward of its own forward, the baseline's against the true gradients).
     """
     candidate, oracle = np.asarray(candidate), np.asarray(oracle)
     baselines = [np.asarray(b) for b in (baseline if isinstance(baseline, list) else [baseline])]
@@ -150,7 +154,8 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
     if atol is None:
         atol = atol_for(dtype, np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
     err = abs_errors(candidate, oracle)
-    base_errs = [abs_errors(b, oracle) for b in baselines]
+    base_errs = [abs_errors(b, oracle if baseline_oracle is None else np.asarray(baseline_oracle))
+                 for b in baselines]
     base = max(float(np.max(b, initial=0.0)) for b in base_errs)
     worst = np.unravel_index(int(np.argmax(err)), err.shape) if err.size else ()
     max_err = float(err[worst]) if err.size else 0.0
