@@ -97,11 +97,11 @@ def textbook_forward(q, k, v, options):
                                top=softmax_cache.top[..., 0], softcap_tanh=softcap_tanh)
 
 
-def textbook_backward(dout, cache, *, method="vjp", return_stages=False):
+def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
     """Gradients of `textbook_forward`: its steps in reverse on whole arrays.
 
-    dout [..., H, N_q, d_v] (checked by attention_backward). method: how step 5 is
-    differentiated (see attention_backward). Returns AttentionGrads.
+    dout [..., H, N_q, d_v] and dlse [..., H, N_q] or None (checked by attention_backward).
+    method: how step 5 is differentiated (see attention_backward). Returns AttentionGrads.
     """
     o, q, k, v, P = cache.options, cache.q, cache.k, cache.v, cache.weights
     h_kv = with_head_axis(k).shape[-3]
@@ -117,6 +117,8 @@ def textbook_backward(dout, cache, *, method="vjp", return_stages=False):
         dS = (softmax_jacobian(P) @ dP[..., None])[..., 0]
     else:                                           #    dS = P * (dP - D), P = exp(S - lse) (flash)
         dS = _weights_from_lse(cache) * (dP - D[..., None])
+    if dlse is not None:                            #    lse = log rowsum exp(S): dS += P * dlse
+        dS = dS + P * dlse[..., None]
     keep = keep_mask(o, P.shape)                    # 4. masked scores are constants: dS = 0 there
     if keep is not None:
         dS = np.where(keep, dS, 0)
@@ -193,12 +195,16 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     return forward(q, k, v, options)
 
 
-def attention_backward(dout, cache, *, method="vjp", return_stages=False):
+def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
     """Gradients of `attention_forward` w.r.t. q, k, v and bias, by the forward's engine.
 
     Args:
-        dout: [..., H, N_q, d_v] upstream gradient.
+        dout: [..., H, N_q, d_v] upstream gradient of out.
         cache: the cache attention_forward returned.
+        dlse: [..., H, N_q] upstream gradient of lse (cache.lse), for a loss on both out and
+            lse (a kernel that returns lse for later use differentiates it too); None: 0.
+            lse_i = log sum_j exp(S_ij) has d lse_i / d S_ij = P_ij, so step 5 becomes
+            dS = P * (dP - rowsum(P * dP) + dlse): the flash form's D becomes D - dlse.
         method: how step 5 (softmax) is differentiated; all three agree to rounding
             normwise, but only 'vjp' keeps the tiny gradients of saturated rows (1 - max P
             near eps) accurate relatively (docs/derivations.md, "Softmax"):
@@ -216,5 +222,10 @@ def attention_backward(dout, cache, *, method="vjp", return_stages=False):
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", BACKWARD_METHODS)
     dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)
+    if dlse is not None:
+        if np.shape(dlse) != cache.lse.shape:
+            raise ValueError(f"dlse must have lse's shape {cache.lse.shape} [..., H, N_q], "
+                             f"got {np.shape(dlse)}")
+        dlse = as_float_array(dlse, "dlse").astype(dout.dtype, copy=False)
     _, backward = ENGINES[cache.options.implementation]
-    return backward(dout, cache, method=method, return_stages=return_stages)
+    return backward(dout, cache, dlse, method=method, return_stages=return_stages)

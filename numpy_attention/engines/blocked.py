@@ -109,7 +109,7 @@ def blocked_forward(q, k, v, options):
                                softcap_tanh=shape(softcap_tanh))
 
 
-def blocked_backward(dout, cache, *, method="vjp", return_stages=False):
+def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
     """The textbook backward, block by block; returns AttentionGrads (see attention_backward)."""
     o = cache.options
     q3, k3, v3, dout3 = (with_head_axis(x) for x in (cache.q, cache.k, cache.v, dout))
@@ -121,6 +121,7 @@ def blocked_backward(dout, cache, *, method="vjp", return_stages=False):
     softcap_tanh = None if cache.softcap_tanh is None else with_head_axis(cache.softcap_tanh)
     D = np.sum(dout3 * with_head_axis(cache.out), axis=-1)           # [..., H, N_q] rowsum(dout * out)
     lse, top = cache.lse.reshape(score_shape[:-1]), cache.top.reshape(score_shape[:-1] + (1,))
+    dlse3 = None if dlse is None else dlse.reshape(score_shape[:-1])
     dtype = np.result_type(dout, p)
     dq = np.empty(q3.shape, dtype)
     dkT = np.zeros(k3.shape[:-2] + k3.shape[:-3:-1], dtype)          # [..., H_kv, d_k, N_k]
@@ -140,6 +141,8 @@ def blocked_backward(dout, cache, *, method="vjp", return_stages=False):
             dP[block] = dp
         ds = _softmax_backward(method, dp, p[block], top[block], D[block], lse[block],  # 5.
                                lambda: _block_scores(q3, k3, o, score_shape, block, group)[0])
+        if dlse is not None:                                         #    dS += P * dlse
+            ds += p[block] * dlse3[block][..., None]
         keep = keep_mask(o, score_shape, block + (slice(None),))     # 4. dS = 0 where masked
         if keep is not None:
             np.copyto(ds, 0, where=~keep)

@@ -110,7 +110,7 @@ def _forward_rows(o, q_i, k3, v3, score_shape, rows):
     return out, lse
 
 
-def tiled_backward(dout, cache, *, method="flash", return_stages=False):
+def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=False):
     """Gradients of `tiled_forward`, recomputing P tile by tile (module docstring).
 
     method 'vjp' and 'flash' are the same computation here; 'jacobian' and return_stages
@@ -126,6 +126,8 @@ def tiled_backward(dout, cache, *, method="flash", return_stages=False):
     h_kv = k3.shape[-3]
     score_shape = q3.shape[:-1] + (k3.shape[-2],)
     D = np.sum(dout3 * with_head_axis(cache.out), axis=-1)             # [..., H, N_q] rowsum(dout * out)
+    if dlse is not None:                                                # d lse / dS = P: D - dlse
+        D = D - dlse.reshape(D.shape)
     lse = np.where(np.isneginf(cache.lse.real), np.inf, cache.lse).reshape(score_shape[:-1])  # dead row: P = 0
     dq, dk, dv = (np.zeros(x.shape, dout3.dtype) for x in (q3, k3, v3))
     bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
