@@ -8,6 +8,7 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     split_heads / merge_heads                  [B, N, D] <-> [B, H, N, D/H]
     attention_forward / attention_backward     softmax(scale * q k^T + ...) v (textbook, blocked, tiled)
     attention_options, AttentionOptions        the options, checked once, as one frozen record
+    combine_forward / combine_backward         split-KV merge of partial (out, lse)
     MultiHeadAttention                         the seed's module
     gradcheck, taylor_test                     finite-difference checks (directional_derivative)
     crosscheck, from_torch                     judge another attention against the oracle
@@ -15,6 +16,7 @@ Public API (re-exports only; see README.md and docs/derivations.md):
 from .attention import (AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache,
                         attention_backward, attention_forward)
 from .options import AttentionOptions, attention_options
+from .combine import CombineCache, combine_backward, combine_forward
 from .crosscheck import CrosscheckReport, crosscheck, from_torch
 from .gradcheck import GradcheckError, GradcheckReport, directional_derivative, gradcheck, taylor_test
 from .heads import merge_heads, split_heads
@@ -30,6 +32,7 @@ __all__ = [
     "split_heads", "merge_heads",
     "attention_forward", "attention_backward", "AttentionCache", "AttentionGrads", "AttentionStages",
     "TiledAttentionCache", "AttentionOptions", "attention_options",
+    "combine_forward", "combine_backward", "CombineCache",
     "MultiHeadAttention", "multihead_forward", "multihead_backward",
     "gradcheck", "taylor_test", "directional_derivative", "GradcheckReport", "GradcheckError",
     "crosscheck", "CrosscheckReport", "from_torch",
