@@ -12,9 +12,11 @@ Arrays with two axes ([N, d]) are a single head.
 Forward, in this order (the blog's, with every option in its place):
     1. S = scale * q k^T                    scale defaults to 1 / sqrt(d_k)
     2. S = softcap * tanh(S / softcap)      only when softcap is set
-    3. S = S + bias                         bias broadcasts to [..., H, N_q, N_k]
+    3. S = S + bias + alibi                 bias broadcasts to [..., H, N_q, N_k];
+                                            alibi = -slope_h |i + N_k - N_q - j|
     4. S = -inf where not kept              keep = mask & causal & window (True = attend)
-    5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy
+    5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy;
+                                            sinks: one more logit per row, with no value
     6. P~ = P * dropout_mask / (1 - dropout_p)
     7. out = P~ v
 
@@ -22,8 +24,9 @@ Backward, the same steps in reverse (derivations in docs/derivations.md):
     7. dv = P~^T dout,  dP~ = dout v^T
     6. dP = dP~ * dropout_mask / (1 - dropout_p)
     5. dS = P * (dP - rowsum(P * dP))       = P * (dP - D),  D = rowsum(dout * out)
+       (+ P * dlse for a gradient of lse;  dsink = P_sink * (dlse - D) summed over rows)
     4. dS = 0 where S = -inf                 (masked scores do not depend on anything)
-    3. dbias = dS summed to bias's shape
+    3. dbias = dS summed to bias's shape;  dalibi_slopes = -sum dS * |i + N_k - N_q - j|
     2. dS = dS * (1 - tanh^2(S / softcap))
     1. dq = scale * dS k,  dk = scale * dS^T q   (dk, dv summed over each query group)
 
@@ -43,7 +46,8 @@ from ._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_
 from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache
 from .engines.blocked import blocked_backward, blocked_forward
 from .engines.tiled import tiled_backward, tiled_forward
-from .options import FULLY_MASKED_POLICIES, attention_options, keep_mask
+from .options import (FULLY_MASKED_POLICIES, alibi_bias, alibi_distance, attention_options,
+                      head_gradient, keep_mask, with_sink)
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
@@ -73,6 +77,8 @@ def attention_scores(q, k, options):
         S = o.softcap * softcap_tanh
     if o.bias is not None:                          # 3. S = S + bias
         S = S + o.bias
+    if o.alibi_slopes is not None:                  #    S = S - slope |i + N_k - N_q - j|  (ALiBi)
+        S = S + alibi_bias(o, S.shape)
     keep = keep_mask(o, S.shape)                    # 4. S = -inf where not kept
     if keep is not None:
         S = np.where(keep, S, -np.inf)
@@ -87,8 +93,10 @@ def textbook_forward(q, k, v, options):
     """
     o = options
     S, softcap_tanh = attention_scores(q, k, o)     # 1-4.                    [..., H, N_q, N_k]
-    P, softmax_cache = softmax_forward(S)           # 5. P = softmax(S); a row of all -inf gives 0
-    lse = logsumexp(S)                              #    lse = log sum_j exp(S_j)  [..., H, N_q]
+    S_row = with_sink(S, o)                         # 5. (sinks: one more logit per row, no value)
+    P, softmax_cache = softmax_forward(S_row)       #    P = softmax(S); a row of all -inf gives 0
+    lse = logsumexp(S_row)                          #    lse = log sum_j exp(S_j)  [..., H, N_q]
+    P = P[..., :S.shape[-1]]                        #    (the sink's weight multiplies no value)
     fill = {"zero": 0.0, "uniform": 1.0 / max(1, S.shape[-1]), "nan": np.nan}[o.fully_masked]
     P = np.where(np.isneginf(lse.real)[..., None], fill, P)    # rows with every key masked
     P_drop = P if o.dropout_scale is None else P * o.dropout_scale   # 6. dropout
@@ -111,34 +119,54 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     if o.dropout_scale is not None:                 # 6. dP = dP~ * dropout_mask / (1 - p)
         dP = dP * o.dropout_scale
     D = np.sum(dout * cache.out, axis=-1)           # 5. D = rowsum(dout * out) = rowsum(P * dP)
-    if method == "vjp":                             #    dS = P * (dP - rowsum(P * dP))
-        dS = softmax_backward(dP, SoftmaxCache(p=P, top=cache.top[..., None]))
-    elif method == "jacobian":                      #    dS = J dP, J = diag(P) - P P^T per row
-        dS = (softmax_jacobian(P) @ dP[..., None])[..., 0]
-    else:                                           #    dS = P * (dP - D), P = exp(S - lse) (flash)
-        dS = _weights_from_lse(cache) * (dP - D[..., None])
+    dS_row = _softmax_backward(method, dP, D, cache)   #  dS = P * (dP - rowsum(P * dP)), sink column too
     if dlse is not None:                            #    lse = log rowsum exp(S): dS += P * dlse
-        dS = dS + P * dlse[..., None]
+        dS_row = dS_row + _weights_row(cache) * dlse[..., None]
+    dS = dS_row[..., :P.shape[-1]]
     keep = keep_mask(o, P.shape)                    # 4. masked scores are constants: dS = 0 there
     if keep is not None:
         dS = np.where(keep, dS, 0)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)   # 3. S = S + bias
+    dslopes = None if o.alibi_slopes is None else \
+        head_gradient(-np.sum(dS * alibi_distance(P.shape), axis=(-2, -1)), o.alibi_slopes)
+    dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
     dS_softcap = dS                                 # 2. S = c tanh(S / c):  dS = dS (1 - tanh^2)
     if cache.softcap_tanh is not None:
         dS_softcap = dS * (1 - cache.softcap_tanh ** 2)
     dq = o.scale * grouped_matmul(dS_softcap, k)    # 1. S = scale q k^T:  dq = scale dS k
     dk = o.scale * grouped_sum_matmul(dS_softcap, q, h_kv)   #          dk = scale dS^T q
     stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None
-    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, stages=stages)
+    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, stages=stages, dsinks=dsinks,
+                          dalibi_slopes=dslopes)
+
+
+def _weights_row(cache):
+    """The softmax's whole row, [P, P_sink] with sinks (P_sink = exp(sink - lse)), else P."""
+    if cache.options.sinks is None:
+        return cache.weights
+    sink = with_sink(np.zeros(cache.weights.shape[:-1] + (0,), cache.weights.dtype), cache.options)
+    with np.errstate(invalid="ignore"):
+        return np.concatenate([cache.weights, np.exp(sink - cache.lse[..., None])], axis=-1)
+
+
+def _softmax_backward(method, dP, D, cache):
+    """Step 5 by `method` on the softmax's whole row (sinks: dP's sink column is 0)."""
+    P_row = _weights_row(cache)
+    dP_row = np.concatenate([dP, np.zeros(dP.shape[:-1] + (P_row.shape[-1] - dP.shape[-1],), dP.dtype)], -1)
+    if method == "vjp":                             # dS = P * (dP - rowsum(P * dP))
+        return softmax_backward(dP_row, SoftmaxCache(p=P_row, top=cache.top[..., None]))
+    if method == "jacobian":                        # dS = J dP, J = diag(P) - P P^T per row
+        return (softmax_jacobian(P_row) @ dP_row[..., None])[..., 0]
+    return _weights_from_lse(cache) * (dP_row - D[..., None])   # dS = P (dP - D), P = exp(S - lse)
 
 
 def _weights_from_lse(cache):
-    """P recomputed as exp(S - lse), S from q and k, as FlashAttention's backward does
-    (0 in a fully masked row, where S - lse is -inf - (-inf))."""
-    S = attention_scores(cache.q, cache.k, cache.options)[0]
+    """The softmax's row recomputed as exp(S - lse), S from q and k, as FlashAttention's
+    backward does (0 in a fully masked row, where S - lse is -inf - (-inf))."""
+    S_row = with_sink(attention_scores(cache.q, cache.k, cache.options)[0], cache.options)
     dead = np.isneginf(cache.lse.real)[..., None]
     with np.errstate(invalid="ignore"):
-        return np.where(dead, 0, np.exp(S - cache.lse[..., None]))
+        return np.where(dead, 0, np.exp(S_row - cache.lse[..., None]))
 
 
 # ----------------------------------------------------------------------------- the public pair
@@ -152,7 +180,8 @@ ENGINES = {"textbook": (textbook_forward, textbook_backward),
 
 def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
-                      fully_masked="zero", check_finite=False, implementation=None, block_size=None):
+                      fully_masked="zero", check_finite=False, implementation=None, block_size=None,
+                      sinks=None, alibi_slopes=None):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -168,6 +197,15 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             align='bottom_right' to match it when N_q != N_k).
         scale: multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled experiment.
         softcap: S <- softcap * tanh(S / softcap), after scaling and before bias and masks.
+        alibi_slopes: [H] or [..., H]: ALiBi, S <- S - slope_h * |i + N_k - N_q - j|, the
+            distance from the bottom-right-aligned diagonal (FlashAttention's convention;
+            for N_q == N_k it is |i - j|, torch's and the paper's; a top-left form is
+            bias = -slope * |i - j|); gets a gradient, grads.dalibi_slopes.
+        sinks: [H]: one more logit per query head in every row's softmax, with no value
+            (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the
+            sink's weight exp(sink_h - lse) multiplies nothing. A row whose keys are all
+            masked gives out 0 and lse = sink (fully_masked must be 'zero'); the gradient
+            is grads.dsinks.
         dropout_mask, dropout_p: explicit keep-mask (broadcastable to the weights) and
             drop probability: P <- P * dropout_mask / (1 - dropout_p). No RNG inside.
         fully_masked: a row with every score -inf gives
@@ -190,7 +228,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window, scale=scale,
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, implementation=implementation,
-        block_size=block_size)
+        block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes)
     forward, _ = ENGINES[options.implementation]
     return forward(q, k, v, options)
 
@@ -216,7 +254,8 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
         return_stages: also return AttentionStages(dP, dS, D) for per-stage comparison
             (not with the tiled engine, which never forms them).
     Returns:
-        AttentionGrads(dq, dk, dv, dbias, stages); dq, dk, dv are contiguous arrays.
+        AttentionGrads(dq, dk, dv, dbias, stages, dsinks, dalibi_slopes); dq, dk, dv are
+        contiguous arrays; dbias, dsinks, dalibi_slopes None without their option.
     """
     require_cache(cache, AttentionCache, "attention_backward")      # (a TiledAttentionCache is one)
     require_same_shape(dout, cache.out.shape, "dout")

@@ -52,3 +52,5 @@ class AttentionGrads(NamedTuple):
     dv: np.ndarray                  # [..., H_kv, N_k, d_v]
     dbias: Optional[np.ndarray]     # bias's shape, or None without a bias
     stages: Optional[AttentionStages] = None   # with return_stages=True
+    dsinks: Optional[np.ndarray] = None        # sinks' shape, with sinks
+    dalibi_slopes: Optional[np.ndarray] = None   # alibi_slopes' shape, with ALiBi

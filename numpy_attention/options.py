@@ -9,7 +9,8 @@ computes. Shape legend (as in attention.py):
 
 Which scores are kept (step 4 of the forward) depends on four options at once:
     keep = mask & causal & window & (bias != -inf)        (True = attend)
-`keep_mask(options, score_shape, index)` gives that for any block of the scores.
+`keep_mask(options, score_shape, index)` gives that for any block of the scores, and
+`alibi_bias(options, score_shape, index)` ALiBi's bias for it.
 """
 import math
 from typing import NamedTuple, Optional
@@ -18,7 +19,7 @@ import numpy as np
 
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
                       require_positive_int, require_positive_real, require_probability, result_dtype)
-from ._layout import check_window, positional_keep, resolve_alignment
+from ._layout import check_window, positional_keep, resolve_alignment, unbroadcast
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
@@ -36,6 +37,8 @@ class AttentionOptions(NamedTuple):
     dropout_scale: Optional[np.ndarray]  # dropout_mask / (1 - dropout_p), broadcastable to P (read-only)
     dropout_p: float                    # the drop probability (0 without dropout)
     fully_masked: str                   # 'zero', 'uniform' or 'nan'
+    sinks: Optional[np.ndarray]         # [H] one extra logit per query head, with no value (read-only)
+    alibi_slopes: Optional[np.ndarray]  # [H] or [..., H]: S += -slope |i + N_k - N_q - j| (read-only)
     masked: bool                        # whether any score is set to -inf (step 4)
     implementation: str                 # 'textbook', 'blocked' or 'tiled'
     block_size: Optional[int]           # the tiled engine's tile size; None for the others
@@ -64,7 +67,8 @@ def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
 
 def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
-                      fully_masked="zero", check_finite=False, implementation=None, block_size=None):
+                      fully_masked="zero", check_finite=False, implementation=None, block_size=None,
+                      sinks=None, alibi_slopes=None):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh arrays of the computation's dtype (a cache that keeps them
@@ -94,8 +98,10 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
             _require_finite(name, x)
         if bias is not None:
             _require_finite("bias", bias, allow_neginf=True)
-    dtype = q.dtype if bias is None else result_dtype(q, bias)  # a float64 bias widens float32 scores
+    sinks, alibi_slopes = _per_head(q, sinks, alibi_slopes, fully_masked)
+    dtype = result_dtype(q, bias, sinks, alibi_slopes)         # a float64 bias widens float32 scores
     q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
+    sinks, alibi_slopes = (None if x is None else x.astype(dtype) for x in (sinks, alibi_slopes))
     if dropout_scale is not None:                                # keep / (1 - p) in the scores' dtype
         dropout_scale = dropout_scale.astype(q.real.dtype)
     implementation, block_size = _engine(implementation, block_size, softcap, dropout_scale,
@@ -106,8 +112,71 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         scale=scale, softcap=softcap, bias=_read_only(bias), mask=_read_only(keep),
         causal=causal, align=align, window=window, dropout_scale=_read_only(dropout_scale),
         dropout_p=dropout_p,
-        fully_masked=fully_masked, masked=masked, implementation=implementation,
-        block_size=block_size)
+        fully_masked=fully_masked, sinks=_read_only(sinks), alibi_slopes=_read_only(alibi_slopes),
+        masked=masked, implementation=implementation, block_size=block_size)
+
+
+def _per_head(q, sinks, alibi_slopes, fully_masked):
+    """sinks [H] and alibi_slopes [H] or [..., H] checked, as float (or complex) arrays.
+
+    A single head's [N, d] arrays have H = 1. With sinks a row whose keys are all masked
+    puts its whole weight on the sink: out = 0 and lse = sink, which is the 'zero' policy's
+    output; the other policies are refused.
+    """
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    checked = []
+    for name, x, shapes in (("sinks", sinks, [(heads,)]),
+                            ("alibi_slopes", alibi_slopes, [(heads,), q.shape[:-2]])):
+        if x is not None:
+            x = as_float_array(x, name)
+            if x.shape not in shapes:
+                raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))} "
+                                 f"([H] or [..., H] for q {q.shape}), got {x.shape}")
+        checked.append(x)
+    if sinks is not None and fully_masked != "zero":
+        raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "
+                         f"fully_masked={fully_masked!r} does not apply; use 'zero'")
+    return checked
+
+
+def heads_view(x, score_shape):
+    """A per-head array ([H], or [..., H]; [1] for [N, d] inputs) broadcast to score_shape[:-2]."""
+    lead = tuple(score_shape[:-2])
+    return np.broadcast_to(x.reshape(x.shape[len(x.shape) - len(lead):]) if x.ndim > len(lead) else x, lead)
+
+
+def alibi_distance(score_shape, index=(Ellipsis, slice(None), slice(None))):
+    """|i + N_k - N_q - j| [rows, cols] for the rows and columns of S[index]: the distance from
+    the bottom-right-aligned diagonal (FlashAttention's ALiBi; N_q == N_k: the main diagonal)."""
+    n_q, n_k = score_shape[-2:]
+    rows, cols = np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]]
+    return np.abs(rows[:, None] + (n_k - n_q) - cols[None, :])
+
+
+def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
+    """ALiBi's bias of the scores S[index], -slope_h * alibi_distance, or None without
+    alibi_slopes. index as for keep_mask."""
+    if options.alibi_slopes is None:
+        return None
+    slopes = heads_view(options.alibi_slopes, score_shape)[index[:-2]]
+    return -slopes[..., None, None] * alibi_distance(score_shape, index)
+
+
+def head_gradient(g, x):
+    """A per-head gradient g [..., H] summed to the shape of x ([H] or [..., H]; [1] for a
+    single head's [N, d] inputs)."""
+    return unbroadcast(g, x.shape if x.ndim <= g.ndim else ()).reshape(x.shape)
+
+
+def with_sink(S, options, score_shape=None, index=(Ellipsis, slice(None), slice(None))):
+    """S[index] [..., rows, cols], with the sink as one more column [..., rows, cols + 1] when
+    the options have sinks: a logit per head in every row's softmax, with no value.
+    score_shape: the whole scores' shape (default S.shape: S is all of them)."""
+    if options.sinks is None:
+        return S
+    sinks = heads_view(options.sinks, S.shape if score_shape is None else score_shape)[index[:-2]]
+    column = np.broadcast_to(sinks[..., None, None], S.shape[:-1] + (1,))
+    return np.concatenate([S, column.astype(S.dtype)], axis=-1)
 
 
 def _read_only(x):

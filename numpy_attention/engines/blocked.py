@@ -27,7 +27,7 @@ import numpy as np
 
 from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
-from ..options import keep_mask
+from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 
 BLOCK_BYTES = 8 << 20       # scores per block: the best of 1-32 MiB measured here (a few MiB, about L2)
@@ -73,6 +73,8 @@ def _block_scores(q3, k3, options, score_shape, block, group):
         s = np.multiply(softcap_tanh, o.softcap, out=s)
     if o.bias is not None:
         s += np.broadcast_to(o.bias, score_shape)[index]
+    if o.alibi_slopes is not None:
+        s += alibi_bias(o, score_shape, index)
     keep = keep_mask(o, score_shape, index)
     if keep is not None:
         np.copyto(s, -np.inf, where=~keep)
@@ -94,7 +96,13 @@ def blocked_forward(q, k, v, options):
         s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group)   # 1-4.
         if tanh_block is not None:
             softcap_tanh[block] = tanh_block
-        p_block, lse[block], top[block] = softmax_and_logsumexp(s, out=p[block], overwrite_z=True)  # 5.
+        if o.sinks is None:                                          # 5. P = softmax(S)
+            p_block, lse[block], top[block] = softmax_and_logsumexp(s, out=p[block], overwrite_z=True)
+        else:                                                        #    the sink: one more logit
+            p_row, lse[block], top[block] = softmax_and_logsumexp(
+                with_sink(s, o, score_shape, block + (slice(None),)), overwrite_z=True)
+            p_block = p[block]
+            p_block[...] = p_row[..., :-1]
         if o.fully_masked != "zero":
             dead = np.isneginf(lse[block].real)[..., None]
             np.copyto(p_block, 1.0 / score_shape[-1] if o.fully_masked == "uniform" else np.nan,
@@ -116,8 +124,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     p = with_head_axis(cache.weights)
     score_shape = p.shape
     group = q3.shape[-3] // k3.shape[-3]
-    as_scores = lambda x: None if x is None else np.broadcast_to(x, score_shape)
-    dropout_scale = as_scores(o.dropout_scale)
+    dropout_scale = None if o.dropout_scale is None else np.broadcast_to(o.dropout_scale, score_shape)
     softcap_tanh = None if cache.softcap_tanh is None else with_head_axis(cache.softcap_tanh)
     D = np.sum(dout3 * with_head_axis(cache.out), axis=-1)           # [..., H, N_q] rowsum(dout * out)
     lse, top = cache.lse.reshape(score_shape[:-1]), cache.top.reshape(score_shape[:-1] + (1,))
@@ -126,10 +133,12 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dq = np.empty(q3.shape, dtype)
     dkT = np.zeros(k3.shape[:-2] + k3.shape[:-3:-1], dtype)          # [..., H_kv, d_k, N_k]
     dvT = np.zeros(v3.shape[:-2] + v3.shape[:-3:-1], dtype)          # [..., H_kv, d_v, N_k]
+    per_head = {name: np.zeros(score_shape[:-2], dtype) for name, x in
+                (("sinks", o.sinks), ("alibi_slopes", o.alibi_slopes)) if x is not None}   # [..., H]
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
     dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
     for block in row_blocks(score_shape, group, p.itemsize):
-        kv = _kv_heads(block, group)                                 # the block's k, v
+        kv, index = _kv_heads(block, group), block + (slice(None),)  # the block's k, v and scores
         n_kv = kv[-1].stop - kv[-1].start
         # 7. out = P~ v:  dv^T = dout^T P~ (summed over the group),  dP~ = dout v^T
         p_drop = p[block] if dropout_scale is None else p[block] * dropout_scale[block]
@@ -139,15 +148,23 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
             dp *= dropout_scale[block]
         if dP is not None:
             dP[block] = dp
-        ds = _softmax_backward(method, dp, p[block], top[block], D[block], lse[block],  # 5.
-                               lambda: _block_scores(q3, k3, o, score_shape, block, group)[0])
+        # 5. dS = P * (dP - rowsum(P * dP)) on the softmax's whole row (with sinks, one more column)
+        p_row = _weights_row(p[block], o, score_shape, index, lse[block])
+        ds = _softmax_backward(method, _pad_like(dp, p_row), p_row, top[block], D[block], lse[block],
+                               lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group)[0],
+                                                 o, score_shape, index))
         if dlse is not None:                                         #    dS += P * dlse
-            ds += p[block] * dlse3[block][..., None]
-        keep = keep_mask(o, score_shape, block + (slice(None),))     # 4. dS = 0 where masked
+            ds += p_row * dlse3[block][..., None]
+        if o.sinks is not None:                                      #    the sink's column: dsinks
+            per_head["sinks"][block[:-1]] += ds[..., -1].sum(axis=-1)
+            ds = np.ascontiguousarray(ds[..., :-1])
+        keep = keep_mask(o, score_shape, index)                      # 4. dS = 0 where masked
         if keep is not None:
             np.copyto(ds, 0, where=~keep)
         if dS is not None:                                           # 3. dbias (after the loop)
             dS[block] = ds
+        if o.alibi_slopes is not None:                               #    dalibi = -sum dS * distance
+            per_head["alibi_slopes"][block[:-1]] -= np.sum(ds * alibi_distance(score_shape, index), axis=(-2, -1))
         if softcap_tanh is not None:                                 # 2. dS *= 1 - tanh^2
             ds *= 1 - softcap_tanh[block] ** 2
         dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k
@@ -160,14 +177,33 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         stages = AttentionStages(dP=dP.reshape(cache.weights.shape), dS=dS.reshape(cache.weights.shape),
                                  D=D.reshape(cache.lse.shape))
     contiguous = lambda xT, like: np.ascontiguousarray(np.swapaxes(xT, -1, -2)).reshape(like.shape)
+    head_grads = {f"d{name}": head_gradient(g, getattr(o, name)) for name, g in per_head.items()}
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=contiguous(dkT, cache.k),
-                          dv=contiguous(dvT, cache.v), dbias=dbias, stages=stages)
+                          dv=contiguous(dvT, cache.v), dbias=dbias, stages=stages, **head_grads)
+
+
+def _weights_row(p, options, score_shape, index, lse):
+    """The softmax's whole row of a block: [P, P_sink] with sinks (P_sink = exp(sink - lse)), else P."""
+    if options.sinks is None:
+        return p
+    sink = with_sink(np.zeros(p.shape[:-1] + (0,), p.dtype), options, score_shape, index)
+    with np.errstate(invalid="ignore"):
+        return np.concatenate([p, np.exp(sink - lse[..., None])], axis=-1)
+
+
+def _pad_like(dp, p_row):
+    """dP with a zero column for the sink (it multiplies no value) when p_row has one; dp itself
+    otherwise (then the caller's own block, free to overwrite)."""
+    if dp.shape == p_row.shape:
+        return dp
+    return np.concatenate([dp, np.zeros(dp.shape[:-1] + (1,), dp.dtype)], axis=-1)
 
 
 def _softmax_backward(method, dp, p, top, D, lse, scores):
     """Step 5 on a block: dS from dP by `method` (attention_backward); dp is ours to overwrite.
 
-    scores() recomputes the block's S (for 'flash', which recomputes P = exp(S - lse)).
+    scores() recomputes the block's S (with the sink's column), for 'flash', which
+    recomputes P = exp(S - lse).
     """
     if method == "vjp":                                              # P * (dP - rowsum(P * dP))
         return softmax_backward(dp, SoftmaxCache(p=p, top=top), overwrite_dp=True)

@@ -39,7 +39,7 @@ import numpy as np
 from .._checks import require_choice
 from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
 from ..caches import AttentionGrads, TiledAttentionCache
-from ..options import keep_mask
+from ..options import alibi_bias, alibi_distance, head_gradient, heads_view, keep_mask
 
 
 def _tiles(n, b):
@@ -60,6 +60,8 @@ def _tile_scores(options, q_i, k_j, score_shape, tile):
     s = grouped_matmul(q_i, np.swapaxes(k_j, -1, -2))
     if o.bias is not None:
         s += np.broadcast_to(o.bias, score_shape)[tile]
+    if o.alibi_slopes is not None:
+        s += alibi_bias(o, score_shape, tile)
     if keep is not None:
         np.copyto(s, -np.inf, where=~keep)
     return s, False
@@ -90,6 +92,9 @@ def _forward_rows(o, q_i, k3, v3, score_shape, rows):
     lead = q_i.shape[:-1]                                               # [..., H, b_q]
     m = np.full(lead, -np.inf, dtype=q_i.real.dtype)                    # running row max of Re S
     l = np.zeros(lead, dtype=q_i.dtype)                                 # running row sum of P
+    if o.sinks is not None:                                             # the sink starts each row:
+        sink = _row_sinks(o, score_shape)                               # its exp(sink - m) = 1 is in l
+        m, l = np.broadcast_to(sink.real, lead).copy(), np.exp(sink - sink.real) * np.ones(lead)
     acc = np.zeros(lead + v3.shape[-1:], dtype=q_i.dtype)               # running P v
     for cols in _tiles(score_shape[-1], o.block_size):
         s, skip = _tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
@@ -108,6 +113,11 @@ def _forward_rows(o, q_i, k3, v3, score_shape, rows):
     with np.errstate(divide="ignore"):
         lse = np.where(dead, -np.inf, np.where(np.isneginf(m), 0.0, m) + np.log(np.where(dead, 1, l)))
     return out, lse
+
+
+def _row_sinks(o, score_shape):
+    """Each row's sink logit, [..., H, 1]: broadcastable to the rows [..., H, N_q]."""
+    return heads_view(o.sinks, score_shape)[..., None]
 
 
 def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=False):
@@ -132,6 +142,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     dq, dk, dv = (np.zeros(x.shape, dout3.dtype) for x in (q3, k3, v3))
     bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
     dbias = None if bias is None else np.zeros(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
+    dslopes = None if o.alibi_slopes is None else np.zeros(score_shape[:-2], dout3.dtype)   # [..., H]
     for rows in _tiles(score_shape[-2], o.block_size):
         q_i, dout_i = q3[..., rows, :] * o.scale, dout3[..., rows, :]
         for cols in _tiles(score_shape[-1], o.block_size):
@@ -147,11 +158,20 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
             if dbias is not None:
                 block = _bias_block(dbias, rows, cols)
                 block += unbroadcast(ds, block.shape)
+            if dslopes is not None:                                     # dalibi = -sum dS * distance
+                dslopes -= np.sum(ds * alibi_distance(score_shape, (Ellipsis, rows, cols)), axis=(-2, -1))
             dq[..., rows, :] += o.scale * grouped_matmul(ds, k3[..., cols, :])   # dq_i += scale dS k_j
             dk[..., cols, :] += grouped_sum_matmul(ds, q_i, h_kv)       # dk_j += dS^T (scale q_i)
     dbias = None if dbias is None else dbias.reshape(o.bias.shape)
+    head_grads = {}
+    if dslopes is not None:
+        head_grads["dalibi_slopes"] = head_gradient(dslopes, o.alibi_slopes)
+    if o.sinks is not None:                                             # dsink = P_sink (dlse - D)
+        with np.errstate(invalid="ignore"):
+            p_sink = np.exp(_row_sinks(o, score_shape) - lse)           # [..., H, N_q]
+        head_grads["dsinks"] = head_gradient(-np.sum(p_sink * D, axis=-1), o.sinks)
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
-                          dv=dv.reshape(cache.v.shape), dbias=dbias)
+                          dv=dv.reshape(cache.v.shape), dbias=dbias, **head_grads)
 
 
 def _bias_block(x, rows, cols):
