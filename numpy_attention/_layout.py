@@ -1,8 +1,8 @@
-"""Score-layout pieces shared by the materialized (attention.py) and tiled (tiled.py) paths.
+"""Layout pieces shared by the textbook and the engines.
 
-A leaf module (it imports only _checks): which (query, key) pairs causal masking and
-a window keep (and the checks of those options), the grouped-query fold, and undoing
-a broadcast.
+A leaf module (it imports only _checks): the checks of causal alignment and the window
+(positions.py says which pairs they keep), the grouped-query fold and its matmuls, and
+undoing a broadcast.
 
 Shape legend:  ... leading batch axes,  H query heads,  H_kv key/value heads,
 G = H / H_kv,  N lengths,  X a trailing width.
@@ -81,30 +81,3 @@ def check_window(window):
         raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
                          f"(-1 = unbounded), got {window!r}")
     return int(window[0]), int(window[1])
-
-
-def positional_keep(rows, cols, n_q, n_k, causal, window, align):
-    """Which (query row, key column) pairs causal masking and the window keep.
-
-    rows [r] and cols [c] are absolute positions (a tiled kernel passes one block's).
-    The diagonal is i == j for 'top_left' (torch is_causal) and i + (N_k - N_q) == j for
-    'bottom_right' (FlashAttention 2.1+). Causal keeps j <= diagonal; window (left, right)
-    keeps diagonal - left <= j <= diagonal + right, -1 meaning unbounded.
-
-    Returns:
-        [r, c] bool array, or None when nothing is masked by position.
-    """
-    if not causal and window is None:
-        return None
-    diag = np.asarray(rows)[:, None] + (n_k - n_q if align == "bottom_right" else 0)
-    j = np.asarray(cols)[None, :]
-    keep = np.ones((len(rows), len(cols)), dtype=bool)
-    if causal:
-        keep &= j <= diag
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            keep &= j >= diag - left
-        if right >= 0:
-            keep &= j <= diag + right
-    return keep

@@ -128,7 +128,7 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
         dS = np.where(keep, dS, 0)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)   # 3. S = S + bias
     dslopes = None if o.alibi_slopes is None else \
-        head_gradient(-np.sum(dS * alibi_distance(P.shape), axis=(-2, -1)), o.alibi_slopes)
+        head_gradient(-np.sum(dS * alibi_distance(o, P.shape), axis=(-2, -1)), o.alibi_slopes)
     dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
     dS_softcap = dS                                 # 2. S = c tanh(S / c):  dS = dS (1 - tanh^2)
     if cache.softcap_tanh is not None:
@@ -181,7 +181,8 @@ ENGINES = {"textbook": (textbook_forward, textbook_backward),
 def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
-                      sinks=None, alibi_slopes=None):
+                      sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                      seqused_k=None):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -206,6 +207,11 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             sink's weight exp(sink_h - lse) multiplies nothing. A row whose keys are all
             masked gives out 0 and lse = sink (fully_masked must be 'zero'); the gradient
             is grads.dsinks.
+        cu_seqlens_q, cu_seqlens_k: [B + 1] int, FlashAttention's varlen: B sequences packed
+            along the length axes, q [H, total_q, d_k], k, v [H_kv, total_k, d]; no row
+            attends across a sequence boundary, and causal, window and ALiBi align on each
+            sequence's own lengths (positions.py). A zero-length sequence is allowed.
+        seqused_k: [B] int: only the first seqused_k[b] keys of sequence b are used.
         dropout_mask, dropout_p: explicit keep-mask (broadcastable to the weights) and
             drop probability: P <- P * dropout_mask / (1 - dropout_p). No RNG inside.
         fully_masked: a row with every score -inf gives
@@ -228,7 +234,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window, scale=scale,
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, implementation=implementation,
-        block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes)
+        block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     forward, _ = ENGINES[options.implementation]
     return forward(q, k, v, options)
 

@@ -19,7 +19,8 @@ import numpy as np
 
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
                       require_positive_int, require_positive_real, require_probability, result_dtype)
-from ._layout import check_window, positional_keep, resolve_alignment, unbroadcast
+from ._layout import check_window, resolve_alignment, unbroadcast
+from .positions import band_keep, distance, positions, sequence_lengths
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
@@ -39,6 +40,9 @@ class AttentionOptions(NamedTuple):
     fully_masked: str                   # 'zero', 'uniform' or 'nan'
     sinks: Optional[np.ndarray]         # [H] one extra logit per query head, with no value (read-only)
     alibi_slopes: Optional[np.ndarray]  # [H] or [..., H]: S += -slope |i + N_k - N_q - j| (read-only)
+    cu_seqlens_q: Optional[np.ndarray]  # [B + 1] packed sequences' offsets along N_q (positions.py)
+    cu_seqlens_k: Optional[np.ndarray]  # [B + 1] along N_k
+    seqused_k: Optional[np.ndarray]     # [B] keys used of each sequence (None: all)
     masked: bool                        # whether any score is set to -inf (step 4)
     implementation: str                 # 'textbook', 'blocked' or 'tiled'
     block_size: Optional[int]           # the tiled engine's tile size; None for the others
@@ -54,9 +58,7 @@ def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
     o = options
     if not o.masked:
         return None
-    n_q, n_k = score_shape[-2:]
-    keep = positional_keep(np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]], n_q, n_k,
-                           o.causal, o.window, o.align)                # [rows, cols] or None
+    keep = band_keep(_positions(o, score_shape, index, o.align), o.causal, o.window)   # [rows, cols] or None
     block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
     parts = ([] if o.mask is None else [block(o.mask)]) + \
             ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])
@@ -68,7 +70,8 @@ def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
 def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
-                      sinks=None, alibi_slopes=None):
+                      sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                      seqused_k=None):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh arrays of the computation's dtype (a cache that keeps them
@@ -106,14 +109,60 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         dropout_scale = dropout_scale.astype(q.real.dtype)
     implementation, block_size = _engine(implementation, block_size, softcap, dropout_scale,
                                          fully_masked)
-    masked = (keep is not None or causal or window is not None
+    packed = _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    masked = (keep is not None or causal or window is not None or packed[0] is not None
               or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=_read_only(bias), mask=_read_only(keep),
         causal=causal, align=align, window=window, dropout_scale=_read_only(dropout_scale),
         dropout_p=dropout_p,
         fully_masked=fully_masked, sinks=_read_only(sinks), alibi_slopes=_read_only(alibi_slopes),
+        cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
+        seqused_k=_read_only(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size)
+
+
+def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    """(cu_seqlens_q, cu_seqlens_k, seqused_k) checked as int64 arrays, or Nones.
+
+    Packed sequences (positions.py): q [H, total_q, d_k], k and v [H_kv, total_k, d]
+    (no batch axes), cu_seqlens_* [B + 1] non-decreasing from 0 to the total length,
+    seqused_k [B] with 0 <= seqused_k[b] <= sequence b's key length.
+    """
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        if seqused_k is not None:
+            raise ValueError("seqused_k needs cu_seqlens_q and cu_seqlens_k (packed sequences)")
+        return None, None, None
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("packed sequences need both cu_seqlens_q and cu_seqlens_k")
+    if q.ndim > 3:
+        raise ValueError(f"with cu_seqlens, q, k, v are packed [H, total, d] with no batch axes, "
+                         f"got q {q.shape}, k {k.shape}")
+    checked = []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[-2]), ("cu_seqlens_k", cu_seqlens_k, k.shape[-2])):
+        cu = _int_array(cu, name)
+        if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
+            raise ValueError(f"{name} must be [B + 1] non-decreasing offsets from 0 to the packed "
+                             f"length {total}, got {cu.tolist() if cu.size <= 16 else cu.shape}")
+        checked.append(cu)
+    if checked[0].size != checked[1].size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must count the same B + 1 sequences, "
+                         f"got {checked[0].size} and {checked[1].size}")
+    if seqused_k is not None:
+        seqused_k = _int_array(seqused_k, "seqused_k")
+        lengths = sequence_lengths(checked[1])
+        if seqused_k.shape != lengths.shape or (seqused_k < 0).any() or (seqused_k > lengths).any():
+            raise ValueError(f"seqused_k must be [B] = {lengths.shape} with 0 <= seqused_k[b] <= "
+                             f"the key lengths {lengths.tolist()}, got {seqused_k.tolist()}")
+    return checked[0], checked[1], seqused_k
+
+
+def _int_array(x, name):
+    """x as an int64 array; TypeError for anything but integers."""
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype} with shape {arr.shape}")
+    return arr.astype(np.int64)
 
 
 def _per_head(q, sinks, alibi_slopes, fully_masked):
@@ -145,12 +194,18 @@ def heads_view(x, score_shape):
     return np.broadcast_to(x.reshape(x.shape[len(x.shape) - len(lead):]) if x.ndim > len(lead) else x, lead)
 
 
-def alibi_distance(score_shape, index=(Ellipsis, slice(None), slice(None))):
-    """|i + N_k - N_q - j| [rows, cols] for the rows and columns of S[index]: the distance from
-    the bottom-right-aligned diagonal (FlashAttention's ALiBi; N_q == N_k: the main diagonal)."""
+def _positions(options, score_shape, index, align):
+    """positions.Positions of the rows and columns of S[index] (index as for keep_mask)."""
     n_q, n_k = score_shape[-2:]
-    rows, cols = np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]]
-    return np.abs(rows[:, None] + (n_k - n_q) - cols[None, :])
+    return positions(n_q, n_k, np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]], align,
+                     options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
+
+
+def alibi_distance(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
+    """|i + N_k - N_q - j| [rows, cols] for the rows and columns of S[index]: the distance from
+    the bottom-right-aligned diagonal, in each row's own sequence (FlashAttention's ALiBi;
+    N_q == N_k: the main diagonal)."""
+    return distance(_positions(options, score_shape, index, "bottom_right"))
 
 
 def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
@@ -159,7 +214,7 @@ def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None)))
     if options.alibi_slopes is None:
         return None
     slopes = heads_view(options.alibi_slopes, score_shape)[index[:-2]]
-    return -slopes[..., None, None] * alibi_distance(score_shape, index)
+    return -slopes[..., None, None] * alibi_distance(options, score_shape, index)
 
 
 def head_gradient(g, x):

@@ -164,7 +164,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         if dS is not None:                                           # 3. dbias (after the loop)
             dS[block] = ds
         if o.alibi_slopes is not None:                               #    dalibi = -sum dS * distance
-            per_head["alibi_slopes"][block[:-1]] -= np.sum(ds * alibi_distance(score_shape, index), axis=(-2, -1))
+            per_head["alibi_slopes"][block[:-1]] -= np.sum(ds * alibi_distance(o, score_shape, index), axis=(-2, -1))
         if softcap_tanh is not None:                                 # 2. dS *= 1 - tanh^2
             ds *= 1 - softcap_tanh[block] ** 2
         dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k

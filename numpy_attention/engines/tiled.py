@@ -159,7 +159,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
                 block = _bias_block(dbias, rows, cols)
                 block += unbroadcast(ds, block.shape)
             if dslopes is not None:                                     # dalibi = -sum dS * distance
-                dslopes -= np.sum(ds * alibi_distance(score_shape, (Ellipsis, rows, cols)), axis=(-2, -1))
+                dslopes -= np.sum(ds * alibi_distance(o, score_shape, (Ellipsis, rows, cols)), axis=(-2, -1))
             dq[..., rows, :] += o.scale * grouped_matmul(ds, k3[..., cols, :])   # dq_i += scale dS k_j
             dk[..., cols, :] += grouped_sum_matmul(ds, q_i, h_kv)       # dk_j += dS^T (scale q_i)
     dbias = None if dbias is None else dbias.reshape(o.bias.shape)

@@ -1,0 +1,73 @@
+"""Where each score sits: its query's diagonal and its key's position, in their own sequence.
+
+Causal masking, the sliding window and ALiBi depend only on positions. A leaf module (it
+imports nothing of the package).
+
+One sequence (the usual case): row i and column j are their own positions, and the
+diagonal of row i is i (top_left, torch's is_causal) or i + N_k - N_q (bottom_right,
+FlashAttention 2.1+).
+
+Packed sequences (FlashAttention's varlen): the rows and columns of B sequences are
+concatenated, sequence b's rows cu_seqlens_q[b] : cu_seqlens_q[b + 1], its columns
+cu_seqlens_k[b] : cu_seqlens_k[b + 1], of which only the first seqused_k[b] are used.
+A row keeps only columns of its own sequence, counts positions from the start of its
+sequence, and aligns on that sequence's own lengths:
+
+    i' = i - cu_seqlens_q[b],  j' = j - cu_seqlens_k[b],  N_q' = its length,  N_k' = seqused_k[b]
+    diagonal = i' (top_left)  or  i' + N_k' - N_q' (bottom_right)
+
+    causal keeps   j' <= diagonal
+    window keeps   diagonal - left <= j' <= diagonal + right   (-1: unbounded on that side)
+    ALiBi          distance = |i' + N_k' - N_q' - j'|           (the bottom-right diagonal)
+"""
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+
+class Positions(NamedTuple):
+    diagonal: np.ndarray            # [r] each row's diagonal, in its sequence's columns
+    cols: np.ndarray                # [c] each column's position in its sequence
+    same: Optional[np.ndarray]      # [r, c] the pairs within one sequence and used; None: all
+
+
+def sequence_lengths(cu_seqlens):
+    """[B] the lengths of the packed sequences, from their cumulative offsets [B + 1]."""
+    return np.diff(cu_seqlens)
+
+
+def positions(n_q, n_k, rows, cols, align, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
+    """The Positions of rows [r] and cols [c] (absolute indices into the N_q, N_k axes)."""
+    rows, cols = np.asarray(rows), np.asarray(cols)
+    if cu_seqlens_q is None:
+        return Positions(diagonal=rows + (n_k - n_q if align == "bottom_right" else 0), cols=cols, same=None)
+    seq_q = np.searchsorted(cu_seqlens_q, rows, side="right") - 1            # [r] each row's sequence
+    seq_k = np.searchsorted(cu_seqlens_k, cols, side="right") - 1            # [c]
+    used_k = sequence_lengths(cu_seqlens_k) if seqused_k is None else seqused_k
+    offset = used_k - sequence_lengths(cu_seqlens_q) if align == "bottom_right" else np.zeros_like(used_k)
+    local_cols = cols - cu_seqlens_k[seq_k]
+    same = (seq_q[:, None] == seq_k[None, :]) & (local_cols < used_k[seq_k])[None, :]
+    return Positions(diagonal=rows - cu_seqlens_q[seq_q] + offset[seq_q], cols=local_cols, same=same)
+
+
+def band_keep(pos, causal, window):
+    """[r, c] the pairs that the sequences, causal masking and the window keep; None: all."""
+    j, diagonal = pos.cols[None, :], pos.diagonal[:, None]
+    bounds = []
+    if causal:
+        bounds.append(j <= diagonal)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            bounds.append(j >= diagonal - left)
+        if right >= 0:
+            bounds.append(j <= diagonal + right)
+    keep = pos.same
+    for bound in bounds:
+        keep = bound if keep is None else keep & bound
+    return keep
+
+
+def distance(pos):
+    """[r, c] |diagonal - j|: ALiBi's distance when pos has the bottom-right diagonal."""
+    return np.abs(pos.diagonal[:, None] - pos.cols[None, :])
