@@ -46,6 +46,7 @@ from ._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_
 from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache
 from .engines.blocked import blocked_backward, blocked_forward
 from .engines.tiled import tiled_backward, tiled_forward
+from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .options import (FULLY_MASKED_POLICIES, alibi_bias, alibi_distance, attention_options,
                       head_gradient, keep_mask, with_sink)
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
@@ -182,7 +183,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                      seqused_k=None):
+                      seqused_k=None, page_table=None, cache_seqlens=None):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -212,6 +213,11 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             attends across a sequence boundary, and causal, window and ALiBi align on each
             sequence's own lengths (positions.py). A zero-length sequence is allowed.
         seqused_k: [B] int: only the first seqused_k[b] keys of sequence b are used.
+        page_table, cache_seqlens: [B, P] and [B] int, a paged KV cache (paged.py): k, v are
+            then k_cache, v_cache [num_pages, H_kv, page, d] and q is [B, H, N_q, d_k];
+            sequence b's keys are the first cache_seqlens[b] rows of its pages. It runs as
+            packed sequences (the cache holds that problem: cache.q [H, B N_q, d_k]); out and
+            the gradients come back in the caller's layout (dk, dv as the pages' gradients).
         dropout_mask, dropout_p: explicit keep-mask (broadcastable to the weights) and
             drop probability: P <- P * dropout_mask / (1 - dropout_p). No RNG inside.
         fully_masked: a row with every score -inf gives
@@ -230,6 +236,15 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside;
         cache.scores recomputes S), or a TiledAttentionCache (out and lse) for 'tiled'.
     """
+    paged = None
+    if page_table is not None or cache_seqlens is not None:          # gather the pages: packed sequences
+        if mask is not None or bias is not None or cu_seqlens_q is not None or seqused_k is not None:
+            raise ValueError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens or "
+                             "seqused_k: each sequence's keys are its cache_seqlens rows")
+        q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
+        paged = check_pages(q, k, v, page_table, cache_seqlens)
+        q, k, v = pack(q, k, v, paged)
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens(paged)
     q, k, v, options = attention_options(
         q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window, scale=scale,
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
@@ -237,7 +252,10 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     forward, _ = ENGINES[options.implementation]
-    return forward(q, k, v, options)
+    if paged is None:
+        return forward(q, k, v, options)
+    out, cache = forward(q, k, v, options._replace(paged=paged))
+    return unpack_rows(out, paged), cache
 
 
 def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -265,6 +283,11 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
         contiguous arrays; dbias, dsinks, dalibi_slopes None without their option.
     """
     require_cache(cache, AttentionCache, "attention_backward")      # (a TiledAttentionCache is one)
+    paged = cache.options.paged
+    if paged is not None:                                           # the caller's layout -> packed
+        require_same_shape(dout, paged.q_shape[:-1] + cache.v.shape[-1:], "dout")
+        require_same_shape(dlse, paged.q_shape[:-1], "dlse") if dlse is not None else None
+        dout, dlse = pack_rows(np.asarray(dout)), None if dlse is None else pack_rows(np.asarray(dlse))
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", BACKWARD_METHODS)
     dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)
@@ -274,4 +297,8 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
                              f"got {np.shape(dlse)}")
         dlse = as_float_array(dlse, "dlse").astype(dout.dtype, copy=False)
     _, backward = ENGINES[cache.options.implementation]
-    return backward(dout, cache, dlse, method=method, return_stages=return_stages)
+    grads = backward(dout, cache, dlse, method=method, return_stages=return_stages)
+    if paged is None:
+        return grads
+    return grads._replace(dq=unpack_rows(grads.dq, paged), dk=scatter_keys(grads.dk, paged.k_cache_shape, paged),
+                          dv=scatter_keys(grads.dv, paged.v_cache_shape, paged))

@@ -46,6 +46,7 @@ class AttentionOptions(NamedTuple):
     masked: bool                        # whether any score is set to -inf (step 4)
     implementation: str                 # 'textbook', 'blocked' or 'tiled'
     block_size: Optional[int]           # the tiled engine's tile size; None for the others
+    paged: Optional[object] = None      # paged.PagedLayout: q, k, v were packed from a paged KV cache
 
 
 def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
