@@ -11,6 +11,8 @@ each is the other's backward (docs/derivations.md, "Heads"):
     d(split_heads)(dxh) = merge_heads(dxh),   d(merge_heads)(dx) = split_heads(dx, H)
 
 Any leading axes before N are allowed: [..., N, D] <-> [..., H, N, d].
+Being linear, each is its own forward-mode derivative: the tangent of split_heads(x, H)
+along x_dot is split_heads(x_dot, H), and likewise for merge_heads.
 Both return fresh arrays (never a view into the argument).
 """
 import numpy as np

@@ -82,3 +82,23 @@ def linear_backward(dy, cache):
     # 3. db: b was broadcast over the leading axes, so its gradient sums over them
     db = dy2.sum(axis=0) if cache.has_bias else None     # [d_out]
     return dx, dW, db
+
+
+def linear_jvp(x, W, b=None, x_dot=None, W_dot=None, b_dot=None):
+    """(y, y_dot): y = x W + b and its directional derivative along the tangents.
+
+    Forward mode:  y_dot = x_dot W + x W_dot + b_dot   (a tangent left None is 0)
+    Shapes as linear_forward's; each tangent has its primal's shape.
+    """
+    y, cache = linear_forward(x, W, b)
+    y_dot = np.zeros(y.shape, y.dtype)
+    for name, tangent, primal in (("x_dot", x_dot, cache.x), ("W_dot", W_dot, cache.W), ("b_dot", b_dot, b)):
+        if tangent is not None and np.shape(tangent) != np.shape(primal):
+            raise ValueError(f"{name} must have the shape of its primal {np.shape(primal)}, got {np.shape(tangent)}")
+    if x_dot is not None:
+        y_dot = y_dot + linear_forward(x_dot, cache.W)[0]               # x_dot W
+    if W_dot is not None:
+        y_dot = y_dot + linear_forward(cache.x, W_dot)[0]               # x W_dot
+    if b_dot is not None:
+        y_dot = y_dot + as_float_array(b_dot, "b_dot")                   # b_dot
+    return y, y_dot

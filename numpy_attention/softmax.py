@@ -154,6 +154,19 @@ def softmax_backward(dp, cache, *, overwrite_dp=False):
     return dz
 
 
+def softmax_jvp(z, z_dot):
+    """(p, p_dot): p = softmax(z) and its directional derivative along z_dot (forward mode).
+
+    Forward mode (docs/derivations.md):  p_dot = J z_dot = p * (z_dot - <p, z_dot>)
+    (J is symmetric, so this is softmax_backward's formula with z_dot in dp's place; z_dot
+    is shifted by its value at the row's largest p first, which changes nothing since
+    J 1 = 0 and keeps the tiny tangents of saturated rows accurate.)
+    Shapes: z, z_dot [..., n] -> p, p_dot [..., n].
+    """
+    p, cache = softmax_forward(z)
+    return p, softmax_backward(z_dot, cache)
+
+
 def softmax_jacobian(p):
     """The explicit softmax Jacobian J[..., i, j] = dp_i / dz_j = p_i [i == j] - p_i p_j.
 

@@ -19,12 +19,14 @@ are ignored; None for an input that has no gradient). One concept per module:
     check.py         gradcheck itself
     taylor.py        taylor_test: eps-free, the Taylor remainder shrinking as O(h^2)
     blocks.py        block_functions: a forward/backward pair restricted to blocks
+    jvpcheck.py      jvpcheck: a forward-mode derivative (JVP) against finite differences
 """
 from .blocks import block_functions
 from .check import MODES, gradcheck
 from .differences import DEFAULTS, METHODS, directional_derivative
+from .jvpcheck import jvpcheck
 from .report import CheckRow, GradcheckError, GradcheckReport
 from .taylor import TaylorReport, taylor_test
 
-__all__ = ["gradcheck", "taylor_test", "directional_derivative", "block_functions",
+__all__ = ["gradcheck", "jvpcheck", "taylor_test", "directional_derivative", "block_functions",
            "GradcheckReport", "GradcheckError", "CheckRow", "TaylorReport", "METHODS", "MODES", "DEFAULTS"]

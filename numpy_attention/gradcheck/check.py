@@ -31,7 +31,7 @@ class Settings(NamedTuple):
     chunk_size: Optional[int]
 
 
-def _settings(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections, batched, chunk_size):
+def settings_of(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections, batched, chunk_size):
     """Settings from gradcheck's keyword arguments; TypeError / ValueError naming a bad one."""
     require_choice(method, "method", METHODS)
     require_choice(mode, "mode", MODES)
@@ -50,14 +50,14 @@ def _settings(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections, 
                     None if chunk_size is None else require_positive_int(chunk_size, "chunk_size"))
 
 
-def _names(names, inputs):
+def names_of(names, inputs):
     names = names or [f"input {i}" for i in range(len(inputs))]
     if len(names) != len(inputs):
         raise ValueError(f"names has {len(names)} entries for {len(inputs)} inputs")
     return names
 
 
-def _report(derivatives, names, settings, batching):
+def report_of(derivatives, names, settings, batching):
     """The GradcheckReport of {i: Derivatives}: one row per input, atol by default_atol."""
     size = {i: max(largest(d.analytic), largest(d.numeric)) for i, d in derivatives.items()}
     rows, hints = [], []
@@ -108,8 +108,8 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
     if not callable(forward) or not callable(backward):
         raise TypeError("forward and backward must be callables")
     inputs, wrt = inputs_and_wrt(inputs, wrt, "fc", "floating-point (or complex)")
-    names = _names(names, inputs)
-    settings = _settings(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections, batched,
+    names = names_of(names, inputs)
+    settings = settings_of(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections, batched,
                          chunk_size)
     rng = rng_from_seed(seed)
     if settings.mode == "full":
@@ -119,7 +119,7 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
         derivatives = {i: projections(forward, backward, inputs, i, names[i], settings.method,
                                       settings.h, rng, settings.n_projections) for i in wrt}
         batching = None
-    report = _report(derivatives, names, settings, batching)
+    report = report_of(derivatives, names, settings, batching)
     if raise_on_failure and not report:
         raise GradcheckError("\n" + str(report))
     return report

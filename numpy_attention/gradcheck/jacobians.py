@@ -40,7 +40,7 @@ def _unit_vectors(indices, n, dtype):
     return units
 
 
-def _numeric_jacobian(forward, inputs, i, name, out_size, method, h, batched, chunk_size, rng):
+def numeric_jacobian(forward, inputs, i, name, out_size, method, h, batched, chunk_size, rng):
     """(J [out.size, x.size] by finite differences, column by column; its Evaluator)."""
     x = np.asarray(inputs[i])
     looped = looped_outputs(forward, inputs, i)
@@ -73,7 +73,7 @@ def _analytic_jacobians(forward, backward, inputs, wrt, names, out, cache, batch
     return jacobians, evaluator
 
 
-def _jacobian_index(out_shape, x_shape):
+def jacobian_index(out_shape, x_shape):
     """flat index of J [out.size, x.size] -> (output index, input index)."""
     x_size = int(np.prod(x_shape))
     return lambda flat: (tuple(int(a) for a in np.unravel_index(flat // x_size, out_shape)),
@@ -88,13 +88,13 @@ def full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, ch
     out, cache = forward_output(forward, inputs)
     numeric, evaluators = {}, []
     for i in wrt:
-        numeric[i], evaluator = _numeric_jacobian(forward, inputs, i, names[i], out.size, method, h,
+        numeric[i], evaluator = numeric_jacobian(forward, inputs, i, names[i], out.size, method, h,
                                                   batched, chunk_size, rng)
         evaluators.append(evaluator)
     analytic, evaluator = _analytic_jacobians(forward, backward, inputs, wrt, names, out, cache,
                                               batched, chunk_size, rng)
     largest_output = float(np.max(np.abs(out), initial=0))
-    derivatives = {i: Derivatives(analytic[i], numeric[i], _jacobian_index(out.shape, np.shape(inputs[i])),
+    derivatives = {i: Derivatives(analytic[i], numeric[i], jacobian_index(out.shape, np.shape(inputs[i])),
                                   largest_output) for i in wrt}
     return derivatives, summary(evaluators + [evaluator])
 

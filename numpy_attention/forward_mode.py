@@ -1,0 +1,171 @@
+"""Attention in forward mode and to second order: the textbook's steps carrying tangents.
+
+Shape legend as in attention.py; a dot marks a tangent (a direction of the inputs), of its
+primal's shape: q_dot [..., H, N_q, d_k], k_dot, v_dot like k, v.
+
+attention_jvp: the directional derivative of (out, lse) along (q_dot, k_dot, v_dot) (and
+bias_dot, sinks_dot, alibi_slopes_dot), the forward's steps differentiated in order:
+
+    1. S_dot = scale (q_dot k^T + q k_dot^T)
+    2. S_dot = (1 - tanh^2(S / softcap)) S_dot                     softcap
+    3. S_dot = S_dot + bias_dot - slope_dot |i + N_k - N_q - j|    bias, ALiBi
+    4. S_dot = 0 where masked
+    5. P_dot = P * (S_dot - <P, S_dot>),  lse_dot = <P, S_dot>     rows with the sink's column
+    6. P~_dot = P_dot * dropout_mask / (1 - p)
+    7. out_dot = P~_dot v + P~ v_dot
+
+attention_hvp: forward over reverse. The backward's steps (attention.py) differentiated along
+the same tangents give the tangents of (dq, dk, dv) for a fixed dout: Hessian-vector
+products of <dout, out> (torch's double backward, JAX's jvp of grad):
+
+    7. dv_dot = P~_dot^T dout,   dP_dot = dout v_dot^T (* dropout)
+    5. dS = P (dP - D), D = rowsum(P dP):
+       dS_dot = P_dot (dP - D) + P (dP_dot - D_dot),  D_dot = rowsum(P_dot dP + P dP_dot)
+    4. 0 where masked
+    2. dS0 = dS (1 - t^2):  dS0_dot = dS_dot (1 - t^2) - 2 dS t t_dot,  t_dot = (1 - t^2) S0_dot / softcap
+    1. dq_dot = scale (dS0_dot k + dS0 k_dot),  dk_dot = scale (dS0_dot^T q + dS0^T q_dot)
+
+Derivations: docs/derivations.md, "Forward mode and second order".
+"""
+import numpy as np
+
+from ._checks import as_float_array
+from ._layout import grouped_matmul, grouped_sum_matmul, with_head_axis
+from .attention import attention_scores, textbook_forward
+from .caches import AttentionGrads
+from .options import alibi_distance, attention_options, heads_view, keep_mask, with_sink
+
+
+def _t(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def _tangent(x, like, name, dtype):
+    """A tangent of `like`'s shape as an array of the computation's dtype; None is zeros."""
+    if x is None:
+        return np.zeros(like.shape, dtype)
+    x = as_float_array(x, name)
+    if x.shape != like.shape:
+        raise ValueError(f"{name} must have its primal's shape {like.shape}, got {x.shape}")
+    return x.astype(np.result_type(dtype, x.dtype), copy=False)
+
+
+def _scores_tangent(q, k, o, q_dot, k_dot, softcap_tanh, bias_dot, alibi_slopes_dot):
+    """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k]."""
+    S_dot = o.scale * (grouped_matmul(q_dot, _t(k)) + grouped_matmul(q, _t(k_dot)))   # 1.
+    if softcap_tanh is not None:                                                      # 2.
+        S_dot = (1 - softcap_tanh ** 2) * S_dot
+    if bias_dot is not None:                                                          # 3.
+        S_dot = S_dot + bias_dot
+    if alibi_slopes_dot is not None:
+        slopes_dot = heads_view(alibi_slopes_dot, S_dot.shape)
+        S_dot = S_dot - slopes_dot[..., None, None] * alibi_distance(o, S_dot.shape)
+    keep = keep_mask(o, S_dot.shape)                                                  # 4.
+    return S_dot if keep is None else np.where(keep, S_dot, 0)
+
+
+def _row_tangent(S_dot, o, sinks_dot):
+    """S_dot with the sink's column (sinks_dot, or 0) when the options have sinks."""
+    if o.sinks is None:
+        return S_dot
+    return with_sink(S_dot, o._replace(sinks=np.zeros_like(o.sinks) if sinks_dot is None else sinks_dot))
+
+
+def _softmax_tangent(P_row, S_dot_row):
+    """Step 5 in forward mode: (P_dot_row, lse_dot) = (P (S_dot - <P, S_dot>), <P, S_dot>)."""
+    lse_dot = np.sum(P_row * S_dot_row, axis=-1)
+    return P_row * (S_dot_row - lse_dot[..., None]), lse_dot
+
+
+def _weights_row(cache):
+    """[P, P_sink] with sinks, else P (P_sink = exp(sink - lse))."""
+    o = cache.options
+    if o.sinks is None:
+        return cache.weights
+    sink = with_sink(np.zeros(cache.weights.shape[:-1] + (0,), cache.weights.dtype), o)
+    return np.concatenate([cache.weights, np.exp(sink - cache.lse[..., None])], axis=-1)
+
+
+def _primal_and_tangents(q, k, v, tangents, options):
+    """(q, k, v, options record, textbook cache, dict of tangents) checked, the tangents in the
+    computation's dtype (a tangent left None: zeros for q, k, v; None for the others)."""
+    if options.get("implementation", "textbook") != "textbook" or options.get("block_size") is not None:
+        raise ValueError("forward mode runs the textbook's steps (implementation='textbook'); "
+                         "the engines have no forward mode yet")
+    if options.get("page_table") is not None:
+        raise ValueError("forward mode takes packed sequences (cu_seqlens), not a paged KV cache")
+    q, k, v, o = attention_options(q, k, v, **{**options, "implementation": "textbook"})
+    cache = textbook_forward(q, k, v, o)[1]
+    primals = {"q_dot": q, "k_dot": k, "v_dot": v, "bias_dot": o.bias, "sinks_dot": o.sinks,
+               "alibi_slopes_dot": o.alibi_slopes}
+    checked = {}
+    for name, x in tangents.items():
+        if x is None and name in ("q_dot", "k_dot", "v_dot"):
+            checked[name] = np.zeros(primals[name].shape, q.dtype)
+        elif x is not None:
+            if primals[name] is None:
+                raise ValueError(f"{name} is the tangent of an option this call does not have")
+            checked[name] = _tangent(x, primals[name], name, q.dtype)
+        else:
+            checked[name] = None
+    return q, k, v, o, cache, checked
+
+
+def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None, sinks_dot=None,
+                  alibi_slopes_dot=None, **options):
+    """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
+
+    options: attention_forward's (mask, bias, causal, window, softcap, dropout, sinks, ALiBi,
+    packed sequences, ...); computed by the textbook. A tangent left None is 0.
+    """
+    q, k, v, o, cache, dot = _primal_and_tangents(q, k, v, dict(
+        q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,
+        alibi_slopes_dot=alibi_slopes_dot), options)
+    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.softcap_tanh,          # 1-4.
+                            dot["bias_dot"], dot["alibi_slopes_dot"])
+    P_dot, lse_dot = _softmax_tangent(_weights_row(cache), _row_tangent(S_dot, o, dot["sinks_dot"]))   # 5.
+    P_dot = P_dot[..., :S_dot.shape[-1]]
+    if o.fully_masked == "nan":                       # a NaN row's tangent is NaN too
+        P_dot = np.where(np.isneginf(cache.lse.real)[..., None], np.nan, P_dot)
+    drop = 1 if o.dropout_scale is None else o.dropout_scale
+    out_dot = grouped_matmul(P_dot * drop, v) + grouped_matmul(cache.weights * drop, dot["v_dot"])   # 6-7.
+    return cache.out.copy(), out_dot, cache.lse, lse_dot
+
+
+def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
+    """(grads, grads_dot): attention's gradients for the upstream gradient dout, and their
+    tangents along (q_dot, k_dot, v_dot): AttentionGrads of dq_dot, dk_dot, dv_dot, the
+    Hessian of <dout, out> times the tangent (forward over reverse; module docstring).
+
+    options as attention_jvp's (bias, sinks and ALiBi slopes are constants here).
+    """
+    q, k, v, o, cache, dot = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot, v_dot=v_dot),
+                                                  options)
+    dout = _tangent(dout, cache.out, "dout", q.dtype)
+    h_kv, n_k = with_head_axis(k).shape[-3], cache.weights.shape[-1]
+    drop = 1 if o.dropout_scale is None else o.dropout_scale
+    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.softcap_tanh, None, None)
+    P_row = _weights_row(cache)
+    P_dot_row = _softmax_tangent(P_row, _row_tangent(S_dot, o, None))[0]
+    pad = lambda x: x if o.sinks is None else np.concatenate([x, np.zeros(x.shape[:-1] + (1,), x.dtype)], -1)
+    dP, dP_dot = (pad(grouped_matmul(dout, _t(x)) * drop) for x in (v, dot["v_dot"]))     # 7.
+    dv = grouped_sum_matmul(cache.weights * drop, dout, h_kv)
+    dv_dot = grouped_sum_matmul(P_dot_row[..., :n_k] * drop, dout, h_kv)
+    D = np.sum(P_row * dP, axis=-1, keepdims=True)                                       # 5.
+    D_dot = np.sum(P_dot_row * dP + P_row * dP_dot, axis=-1, keepdims=True)
+    dS = (P_row * (dP - D))[..., :n_k]
+    dS_dot = (P_dot_row * (dP - D) + P_row * (dP_dot - D_dot))[..., :n_k]
+    keep = keep_mask(o, S_dot.shape)                                                     # 4.
+    if keep is not None:
+        dS, dS_dot = np.where(keep, dS, 0), np.where(keep, dS_dot, 0)
+    if cache.softcap_tanh is not None:                                                   # 2.
+        t, t_dot = cache.softcap_tanh, S_dot / o.softcap       # S_dot = (1 - t^2) S0_dot already
+        dS, dS_dot = dS * (1 - t ** 2), dS_dot * (1 - t ** 2) - 2 * dS * t * t_dot
+    q_dot, k_dot = dot["q_dot"], dot["k_dot"]
+    grads = AttentionGrads(dq=o.scale * grouped_matmul(dS, k), dk=o.scale * grouped_sum_matmul(dS, q, h_kv),
+                           dv=dv, dbias=None)
+    grads_dot = AttentionGrads(                                                          # 1.
+        dq=o.scale * (grouped_matmul(dS_dot, k) + grouped_matmul(dS, k_dot)),
+        dk=o.scale * (grouped_sum_matmul(dS_dot, q, h_kv) + grouped_sum_matmul(dS, q_dot, h_kv)),
+        dv=dv_dot, dbias=None)
+    return grads, grads_dot
