@@ -50,6 +50,20 @@ def settings_of(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections
                     None if chunk_size is None else require_positive_int(chunk_size, "chunk_size"))
 
 
+def prepare(first, second, inputs, wrt, names, seed, *settings):
+    """The checked arguments of gradcheck and jvpcheck: (inputs, wrt, names, Settings, rng).
+
+    first, second: (function, its name) pairs that must be callables; settings: settings_of's
+    arguments from method on.
+    """
+    for function, name in (first, second):
+        if not callable(function):
+            raise TypeError(f"{first[1]} and {second[1]} must be callables, got {name} = {function!r:.60}")
+    inputs, wrt = inputs_and_wrt(inputs, wrt, "fc", "floating-point (or complex)")
+    names = names_of(names, inputs)
+    return inputs, wrt, names, settings_of(inputs, wrt, names, *settings), rng_from_seed(seed)
+
+
 def names_of(names, inputs):
     names = names or [f"input {i}" for i in range(len(inputs))]
     if len(names) != len(inputs):
@@ -105,13 +119,9 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
     Returns:
         GradcheckReport: truthy iff every check passed; prints as a table.
     """
-    if not callable(forward) or not callable(backward):
-        raise TypeError("forward and backward must be callables")
-    inputs, wrt = inputs_and_wrt(inputs, wrt, "fc", "floating-point (or complex)")
-    names = names_of(names, inputs)
-    settings = settings_of(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections, batched,
-                         chunk_size)
-    rng = rng_from_seed(seed)
+    inputs, wrt, names, settings, rng = prepare(
+        (forward, "forward"), (backward, "backward"), inputs, wrt, names, seed,
+        method, mode, eps, atol, rtol, n_projections, batched, chunk_size)
     if settings.mode == "full":
         derivatives, batching = full_jacobians(forward, backward, inputs, wrt, names, settings.method,
                                                settings.h, settings.batched, settings.chunk_size, rng)

@@ -16,9 +16,8 @@ JVP is exactly what it computes, Im f(x + i h v) / h, with no cancellation.
 """
 import numpy as np
 
-from .._checks import rng_from_seed
-from .calls import forward_output, inputs_and_wrt
-from .check import names_of, report_of, settings_of
+from .calls import forward_output
+from .check import prepare, report_of
 from .differences import directional_derivative
 from .jacobians import Derivatives, jacobian_index, numeric_jacobian
 
@@ -61,12 +60,9 @@ def jvpcheck(forward, jvp, inputs, *, method="complex", mode="full", eps=None, a
     Returns:
         GradcheckReport: truthy iff every check passed; prints as a table.
     """
-    if not callable(forward) or not callable(jvp):
-        raise TypeError("forward and jvp must be callables")
-    inputs, wrt = inputs_and_wrt(inputs, wrt, "fc", "floating-point (or complex)")
-    names = names_of(names, inputs)
-    settings = settings_of(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections, False, None)
-    rng = rng_from_seed(seed)
+    inputs, wrt, names, settings, rng = prepare((forward, "forward"), (jvp, "jvp"), inputs, wrt, names,
+                                                seed, method, mode, eps, atol, rtol, n_projections,
+                                                False, None)
     out, _ = forward_output(forward, inputs)
     derivatives = {}
     for i in wrt:
