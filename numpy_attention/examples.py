@@ -1,5 +1,6 @@
 """Small random cases of every op and attention variant, as (forward, backward, inputs, names),
-for gradient checks (`numpy-attention gradcheck` runs them; so do the tests).
+for gradient checks (`numpy-attention gradcheck` runs them; so do the tests); their forward
+mode as (forward, jvp, inputs, names) for jvpcheck; and the identities between derivatives.
 
     forward(*inputs) -> (out, cache)          backward(dout, cache) -> gradients in input order
 
@@ -8,10 +9,11 @@ Inputs are float64 draws from the given numpy Generator; names label the table's
 import numpy as np
 
 from .attention import attention_backward, attention_forward
+from .forward_mode import attention_hvp, attention_jvp
 from .heads import merge_heads, split_heads
-from .linear import linear_backward, linear_forward
+from .linear import linear_backward, linear_forward, linear_jvp
 from .multihead import MultiHeadAttention, multihead_backward, multihead_forward
-from .softmax import softmax_backward, softmax_forward
+from .softmax import softmax_backward, softmax_forward, softmax_jvp
 
 MHA_INPUTS = ("query", "key", "value")
 
@@ -92,6 +94,11 @@ def _attention_cases(rng, mask, dead):
         "one head, [N, d] arrays": attention_case(rng, (3, 4), (5, 4)),
         "tiled, causal, bias, GQA": attention_case(rng, shape_q=(1, 4, 5, 4), shape_kv=(1, 2, 7, 4),
                                                    bias=(4, 5, 7), causal="bottom_right", block_size=3),
+        "sinks, ALiBi": attention_case(rng, sinks=rng.standard_normal(2), alibi_slopes=rng.random(2)),
+        "packed sequences, causal": attention_case(rng, (2, 6, 4), (1, 7, 4), cu_seqlens_q=[0, 2, 6],
+                                                   cu_seqlens_k=[0, 3, 7], causal="bottom_right"),
+        "paged KV cache": attention_case(rng, (2, 2, 2, 4), (3, 1, 4, 4), page_table=[[0, 2], [1, 0]],
+                                         cache_seqlens=[6, 3], causal="bottom_right"),
     }
 
 
@@ -101,6 +108,42 @@ def _multihead_case(rng):
     forward, backward, keys = mha_functions(mha)
     inputs = [rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 4, 8)), rng.standard_normal((2, 4, 8))]
     return forward, backward, inputs + [mha.params[k] for k in keys], list(MHA_INPUTS) + keys
+
+
+def jvp_cases(rng):
+    """name -> (forward, jvp, inputs, names) for jvpcheck: jvp(inputs, tangents) -> out_dot."""
+    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 1, 5, 4)), rng.standard_normal((2, 1, 5, 3))
+
+    def attention(**options):
+        forward = lambda q, k, v: (attention_forward(q, k, v, **options)[0], None)
+        return forward, lambda xs, ts: attention_jvp(*xs, *ts, **options)[1], [q, k, v], ["q", "k", "v"]
+    return {
+        "linear": (lambda x, W, b: (linear_forward(x, W, b)[0], None), lambda xs, ts: linear_jvp(*xs, *ts)[1],
+                   [rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)],
+                   ["x", "W", "b"]),
+        "softmax": (lambda z: (softmax_forward(z)[0], None), lambda zs, ts: softmax_jvp(zs[0], ts[0])[1],
+                    [3 * rng.standard_normal((3, 6))], ["z"]),
+        "attention, GQA": attention(),
+        "attention, causal bottom_right, softcap": attention(causal="bottom_right", softcap=1.5),
+        "attention, sinks, ALiBi": attention(sinks=rng.standard_normal(2), alibi_slopes=rng.random(2)),
+    }
+
+
+def identity_gaps(rng):
+    """name -> relative gap of an identity between derivatives, for a causal, softcapped GQA case:
+    the JVP is the adjoint of the VJP, <u, J v> = <J^T u, v>, and the Hessian of <dout, out>
+    is symmetric, <a, H b> = <b, H a>. Both are 0 up to rounding."""
+    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 1, 5, 4)), rng.standard_normal((2, 1, 5, 3))
+    options = {"causal": True, "softcap": 2.0}
+    a, b = ([rng.standard_normal(x.shape) for x in (q, k, v)] for _ in range(2))
+    u = rng.standard_normal((2, 2, 3, 3))
+    inner = lambda xs, ys: sum(float(np.sum(x * y)) for x, y in zip(xs, ys))
+    forward_mode = float(np.sum(u * attention_jvp(q, k, v, *a, **options)[1]))
+    reverse_mode = inner(attention_backward(u, attention_forward(q, k, v, **options)[1])[:3], a)
+    Ha, Hb = (attention_hvp(q, k, v, u, *t, **options)[1][:3] for t in (a, b))
+    gap = lambda x, y: abs(x - y) / max(abs(x), abs(y), 1e-300)
+    return {"adjoint: <u, J v> = <J^T u, v>": gap(forward_mode, reverse_mode),
+            "Hessian symmetry: <a, H b> = <b, H a>": gap(inner(a, Hb), inner(b, Ha))}
 
 
 def cases(rng):

@@ -135,3 +135,14 @@ def test_against_torch_func_jvp_and_double_backward():
 def test_bad_jvp_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         na.attention_jvp(*inputs(), **kwargs)
+
+
+def test_the_gradcheck_command_checks_forward_mode_and_the_identities(capsys):
+    from numpy_attention.commands.cli import main
+    from numpy_attention.examples import identity_gaps, jvp_cases
+    assert all(gap <= 1e-12 for gap in identity_gaps(np.random.default_rng(0)).values())
+    for forward, jvp, inputs, names in jvp_cases(np.random.default_rng(0)).values():
+        assert na.jvpcheck(forward, jvp, inputs, names=names)
+    assert main(["gradcheck"]) == 0
+    out = capsys.readouterr().out
+    assert "== forward mode: attention, sinks, ALiBi\njvpcheck" in out and "Hessian symmetry" in out

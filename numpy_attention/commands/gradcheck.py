@@ -2,12 +2,13 @@
 
 Runs `gradcheck` in full mode (the whole Jacobian, by --method) and `taylor_test` on every
 case of numpy_attention.examples (each op and attention variant, small random float64
-inputs) and prints one table per case.
+inputs) and prints one table per case; then `jvpcheck` on the forward-mode cases, and the
+identities between derivatives (the JVP is the VJP's adjoint; the Hessian is symmetric).
 """
 import numpy as np
 
-from ..examples import cases
-from ..gradcheck import METHODS, gradcheck, taylor_test
+from ..examples import cases, identity_gaps, jvp_cases
+from ..gradcheck import METHODS, gradcheck, jvpcheck, taylor_test
 from .cli import integer
 
 HELP = "check every op's backward against finite differences"
@@ -15,7 +16,10 @@ DESCRIPTION = """\
 Check the backward of every op and attention variant on small random inputs
 (numpy_attention.examples): the whole Jacobian against finite differences
 (--method: complex step by default, central or richardson differences), and a
-Taylor test. Exit codes: 0 every check passed, 1 a check failed, 2 bad arguments."""
+Taylor test; the forward-mode derivatives (JVPs) the same way; and the adjoint
+identity <u, J v> = <J^T u, v> and the Hessian's symmetry to 1e-12.
+Exit codes: 0 every check passed, 1 a check failed, 2 bad arguments."""
+IDENTITY_RTOL = 1e-12
 
 
 def add_arguments(parser):
@@ -32,5 +36,12 @@ def run(args):
         taylor = taylor_test(forward, backward, inputs)
         print(f"== {name}   (taylor remainder order {taylor.order:.2f})\n{report}\n")
         passed &= bool(report) and bool(taylor)
+    for name, (forward, jvp, inputs, names) in jvp_cases(np.random.default_rng(args.seed)).items():
+        report = jvpcheck(forward, jvp, inputs, method=args.method, names=names)
+        print(f"== forward mode: {name}\n{report}\n")
+        passed &= bool(report)
+    for name, gap in identity_gaps(np.random.default_rng(args.seed)).items():
+        print(f"== {name}: relative gap {gap:.1e} (<= {IDENTITY_RTOL:g}: {'yes' if gap <= IDENTITY_RTOL else 'NO'})")
+        passed &= gap <= IDENTITY_RTOL
     print("ALL GRADIENT CHECKS PASSED" if passed else "SOME GRADIENT CHECK FAILED")
     return 0 if passed else 1

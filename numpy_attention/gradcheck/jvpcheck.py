@@ -75,4 +75,4 @@ def jvpcheck(forward, jvp, inputs, *, method="complex", mode="full", eps=None, a
         else:
             derivatives[i] = _directions(forward, jvp, inputs, i, out, settings.method, settings.h,
                                          rng, settings.n_projections)
-    return report_of(derivatives, names, settings, None)
+    return report_of(derivatives, names, settings, None)._replace(check="jvpcheck")

@@ -45,6 +45,7 @@ class GradcheckReport(NamedTuple):
     dtype: str
     batching: Optional[str] = None   # full mode: "vectorized" or "looped: <why>"; None in projection mode
     hints: tuple = ()                # lines printed under the table: likely causes of a failure
+    check: str = "gradcheck"         # which check made it: "gradcheck" or "jvpcheck"
 
     def __bool__(self):
         return all(row.passed for row in self.rows)
@@ -53,7 +54,7 @@ class GradcheckReport(NamedTuple):
         """The settings and the verdict on one line; then, if the batching fell back, why."""
         atol = "floor" if self.atol is None else f"{self.atol:g}"
         batching, _, why = (self.batching or "").partition(": ")        # "looped", "<reasons>"
-        head = (f"gradcheck  method={self.method}  mode={self.mode}  dtype={self.dtype}  "
+        head = (f"{self.check}  method={self.method}  mode={self.mode}  dtype={self.dtype}  "
                 f"h={self.eps:g}  rtol={self.rtol:g}  atol={atol}"
                 f"{f'  batching={batching}' if batching else ''}  -> {'PASS' if self else 'FAIL'}")
         return [head] + ([f"(batching {batching}: {why})"] if why else [])
