@@ -33,6 +33,7 @@ from ._checks import as_float_array
 from ._layout import grouped_matmul, grouped_sum_matmul, with_head_axis
 from .attention import attention_scores, textbook_forward
 from .caches import AttentionGrads
+from .engines.tiled import tiled_jvp
 from .options import alibi_distance, attention_options, heads_view, keep_mask, with_sink
 
 
@@ -86,16 +87,21 @@ def _weights_row(cache):
     return np.concatenate([cache.weights, np.exp(sink - cache.lse[..., None])], axis=-1)
 
 
-def _primal_and_tangents(q, k, v, tangents, options):
-    """(q, k, v, options record, textbook cache, dict of tangents) checked, the tangents in the
-    computation's dtype (a tangent left None: zeros for q, k, v; None for the others)."""
-    if options.get("implementation", "textbook") != "textbook" or options.get("block_size") is not None:
-        raise ValueError("forward mode runs the textbook's steps (implementation='textbook'); "
-                         "the engines have no forward mode yet")
+def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
+    """(q, k, v, options record, textbook cache (None for the tiled engine), dict of tangents)
+    checked, the tangents in the computation's dtype (a tangent left None: zeros for q, k, v;
+    None for the others). engines: the implementations this call runs (default: textbook)."""
+    if options.get("implementation") == "blocked" or (options.get("implementation") == "tiled"
+                                                      and "tiled" not in engines):
+        raise ValueError(f"this runs on the {' or '.join(engines)} engine, not "
+                         f"implementation={options['implementation']!r}")
     if options.get("page_table") is not None:
         raise ValueError("forward mode takes packed sequences (cu_seqlens), not a paged KV cache")
-    q, k, v, o = attention_options(q, k, v, **{**options, "implementation": "textbook"})
-    cache = textbook_forward(q, k, v, o)[1]
+    tiled = options.get("implementation") == "tiled" or options.get("block_size") is not None
+    if tiled and "tiled" not in engines:
+        raise ValueError("this runs on the textbook engine; block_size selects the tiled one")
+    q, k, v, o = attention_options(q, k, v, **{**options, "implementation": "tiled" if tiled else "textbook"})
+    cache = None if tiled else textbook_forward(q, k, v, o)[1]
     primals = {"q_dot": q, "k_dot": k, "v_dot": v, "bias_dot": o.bias, "sinks_dot": o.sinks,
                "alibi_slopes_dot": o.alibi_slopes}
     checked = {}
@@ -116,11 +122,16 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
     """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
 
     options: attention_forward's (mask, bias, causal, window, softcap, dropout, sinks, ALiBi,
-    packed sequences, ...); computed by the textbook. A tangent left None is 0.
+    packed sequences, ...); computed by the textbook, or with implementation='tiled' (or a
+    block_size) by the tiled engine's online softmax carrying the tangents (engines/tiled.py,
+    tiled_jvp: O(N) memory). A tangent left None is 0.
     """
     q, k, v, o, cache, dot = _primal_and_tangents(q, k, v, dict(
         q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,
-        alibi_slopes_dot=alibi_slopes_dot), options)
+        alibi_slopes_dot=alibi_slopes_dot), options, engines=("textbook", "tiled"))
+    if cache is None:                                  # the tiled engine: O(N) memory
+        return tiled_jvp(q, k, v, o, dot["q_dot"], dot["k_dot"], dot["v_dot"], dot["bias_dot"],
+                         dot["alibi_slopes_dot"], dot["sinks_dot"])
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.softcap_tanh,          # 1-4.
                             dot["bias_dot"], dot["alibi_slopes_dot"])
     P_dot, lse_dot = _softmax_tangent(_weights_row(cache), _row_tangent(S_dot, o, dot["sinks_dot"]))   # 5.

@@ -146,3 +146,38 @@ def test_the_gradcheck_command_checks_forward_mode_and_the_identities(capsys):
     assert main(["gradcheck"]) == 0
     out = capsys.readouterr().out
     assert "== forward mode: attention, sinks, ALiBi\njvpcheck" in out and "Hessian symmetry" in out
+
+
+# ----------------------------------------------------------------------------- the tiled JVP
+
+TILED_OPTIONS = [o for o in OPTIONS if not {"softcap", "dropout_mask"} & set(OPTIONS[o])
+                 and OPTIONS[o].get("fully_masked", "zero") == "zero"]
+
+
+@pytest.mark.parametrize("option", TILED_OPTIONS)
+@pytest.mark.parametrize("block_size", [1, 3, 128])
+def test_the_tiled_jvp_equals_the_textbook(option, block_size):
+    rng = np.random.default_rng(6)
+    q, k, v = inputs(6)
+    tangents = [rng.standard_normal(x.shape) for x in (q, k, v)]
+    extra = {TANGENTS[n]: rng.standard_normal(np.shape(OPTIONS[option][n])) for n in TANGENTS if n in OPTIONS[option]}
+    spec = na.attention_jvp(q, k, v, *tangents, **OPTIONS[option], **extra)
+    tiled = na.attention_jvp(q, k, v, *tangents, implementation="tiled", block_size=block_size,
+                             **OPTIONS[option], **extra)
+    for got, want in zip(tiled, spec):
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(np.isfinite(got), finite)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-13 * np.abs(want[finite]).max())
+
+
+def test_the_tiled_jvp_runs_in_o_n_memory():
+    """N = 4096: one float64 [2, N, N] array would be 256 MiB; the tiled JVP stays far below."""
+    import subprocess
+    import sys
+    code = ("import numpy as np, numpy_attention as na\n"
+            "rng = np.random.default_rng(0)\n"
+            "q, k, v, qd, kd, vd = (rng.standard_normal((2, 4096, 16)) for _ in range(6))\n"
+            "na.attention_jvp(q, k, v, qd, kd, vd, causal=True, implementation='tiled', block_size=256)\n"
+            "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n")
+    peak_kib = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert peak_kib < 200 * 1024, peak_kib                      # a materialized JVP needs > 1 GiB here

@@ -34,6 +34,8 @@ Supported: mask, bias, causal (both alignments), window, scale, GQA, fully_maske
 computation here); method='jacobian' and return_stages need the [N_q, N_k] weights:
 ValueError.
 """
+from typing import NamedTuple
+
 import numpy as np
 
 from .._checks import require_choice
@@ -87,15 +89,19 @@ def tiled_forward(q, k, v, options):
     return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse)
 
 
-def _forward_rows(o, q_i, k3, v3, score_shape, rows):
-    """(out_i, lse_i) of one query tile by the online softmax over key tiles j."""
+def _forward_rows(o, q_i, k3, v3, score_shape, rows, tangents=None):
+    """(out_i, lse_i) of one query tile by the online softmax over key tiles j; with tangents
+    (Tangents of the tile), also (out_dot_i, lse_dot_i) (tiled_jvp)."""
     lead = q_i.shape[:-1]                                               # [..., H, b_q]
     m = np.full(lead, -np.inf, dtype=q_i.real.dtype)                    # running row max of Re S
     l = np.zeros(lead, dtype=q_i.dtype)                                 # running row sum of P
+    acc = np.zeros(lead + v3.shape[-1:], dtype=q_i.dtype)               # running P v
+    acc_dot, l_dot = np.zeros(acc.shape, acc.dtype), np.zeros(lead, l.dtype)   # sum P (S_dot v + v_dot), sum P S_dot
     if o.sinks is not None:                                             # the sink starts each row:
         sink = _row_sinks(o, score_shape)                               # its exp(sink - m) = 1 is in l
         m, l = np.broadcast_to(sink.real, lead).copy(), np.exp(sink - sink.real) * np.ones(lead)
-    acc = np.zeros(lead + v3.shape[-1:], dtype=q_i.dtype)               # running P v
+        if tangents is not None and tangents.sinks is not None:
+            l_dot = l * heads_view(tangents.sinks, score_shape)[..., None]
     for cols in _tiles(score_shape[-1], o.block_size):
         s, skip = _tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
         if skip:
@@ -107,12 +113,68 @@ def _forward_rows(o, q_i, k3, v3, score_shape, rows):
         a = np.exp(m - shift)                                           # rescales the earlier tiles
         l = a * l + p.sum(axis=-1)
         acc = a[..., None] * acc + grouped_matmul(p, v3[..., cols, :])
+        if tangents is not None:                                        # the same sums with S_dot
+            p_s_dot = p * _tile_scores_tangent(o, q_i, k3[..., cols, :], tangents, score_shape, rows, cols)
+            l_dot = a * l_dot + p_s_dot.sum(axis=-1)
+            acc_dot = a[..., None] * acc_dot + grouped_matmul(p_s_dot, v3[..., cols, :]) \
+                + grouped_matmul(p, tangents.v[..., cols, :])
         m = m_new
     dead = l == 0                                                       # fully masked rows
-    out = acc / np.where(dead, 1, l)[..., None]                        # 0 in a dead row
+    safe_l = np.where(dead, 1, l)[..., None]
+    out = acc / safe_l                                                  # 0 in a dead row
     with np.errstate(divide="ignore"):
         lse = np.where(dead, -np.inf, np.where(np.isneginf(m), 0.0, m) + np.log(np.where(dead, 1, l)))
-    return out, lse
+    if tangents is None:
+        return out, lse
+    lse_dot = l_dot / safe_l[..., 0]                                    # <P, S_dot>
+    return out, lse, (acc_dot - out * l_dot[..., None]) / safe_l, lse_dot
+
+
+class Tangents(NamedTuple):
+    """The tangents of one query tile's computation (tiled_jvp); None: 0."""
+    q: np.ndarray                   # [..., H, b_q, d_k] the tile's q_dot, scaled like q
+    k: np.ndarray                   # [..., H_kv, N_k, d_k]
+    v: np.ndarray                   # [..., H_kv, N_k, d_v]
+    bias: object                    # bias_dot (bias's shape) or None
+    alibi_slopes: object            # alibi_slopes_dot or None
+    sinks: object                   # sinks_dot or None
+
+
+def _tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols):
+    """S_dot_ij = scale (q_dot_i k_j^T + q_i k_dot_j^T) + bias_dot_ij - slope_dot |..| (q_i scaled)."""
+    s_dot = grouped_matmul(tangents.q, np.swapaxes(k_j, -1, -2)) \
+        + grouped_matmul(q_i, np.swapaxes(tangents.k[..., cols, :], -1, -2))
+    tile = (Ellipsis, rows, cols)
+    if tangents.bias is not None:
+        s_dot = s_dot + np.broadcast_to(tangents.bias, score_shape)[tile]
+    if tangents.alibi_slopes is not None:
+        s_dot = s_dot + alibi_bias(o._replace(alibi_slopes=tangents.alibi_slopes), score_shape, tile)
+    return s_dot
+
+
+def tiled_jvp(q, k, v, options, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes_dot=None, sinks_dot=None):
+    """(out, out_dot, lse, lse_dot) by the online softmax carrying its tangents, O(N) memory.
+
+    With e_j = exp(S_j - m) over a row's kept keys j (and the sink):
+        out_dot = (sum_j e_j (S_dot_j v_j + v_dot_j) - out sum_j e_j S_dot_j) / sum_j e_j
+        lse_dot = sum_j e_j S_dot_j / sum_j e_j
+    both sums rescaled with the running max exactly as out's (module docstring).
+    q, k, v, options as `attention_options` returns them; tangents of their primals' shapes.
+    """
+    o = options
+    q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
+    q_dot3, k_dot3, v_dot3 = with_head_axis(q_dot), with_head_axis(k_dot), with_head_axis(v_dot)
+    score_shape = q3.shape[:-1] + (k3.shape[-2],)
+    out, out_dot = (np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype) for _ in range(2))
+    lse, lse_dot = (np.empty(q3.shape[:-1], q3.dtype) for _ in range(2))
+    for rows in _tiles(score_shape[-2], o.block_size):
+        tangents = Tangents(q=q_dot3[..., rows, :] * o.scale, k=k_dot3, v=v_dot3, bias=bias_dot,
+                            alibi_slopes=alibi_slopes_dot, sinks=sinks_dot)
+        out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = _forward_rows(
+            o, q3[..., rows, :] * o.scale, k3, v3, score_shape, rows, tangents)
+    shape = q.shape[:-1]
+    return (out.reshape(shape + v.shape[-1:]), out_dot.reshape(shape + v.shape[-1:]), lse.reshape(shape),
+            lse_dot.reshape(shape))
 
 
 def _row_sinks(o, score_shape):
