@@ -62,34 +62,39 @@ def require_bool(value, name):
     return bool(value)
 
 
-def _require_real_number(value, name, expected):
-    """Raise TypeError unless `value` is a Python or NumPy real scalar (not a bool)."""
+def _real_number(value, name, expected):
+    """`value` as a float, raising TypeError unless it is a Python or NumPy real scalar (not a
+    bool), and ValueError for an integer too large for a float (10**400 is not finite)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be {expected}, got an integer of {len(str(value))} digits") from None
 
 
 def require_positive_real(value, name):
     """Return `value` as a float, raising unless it is a finite real number > 0."""
-    _require_real_number(value, name, "a finite real number > 0")
-    if not (math.isfinite(value) and value > 0):
+    number = _real_number(value, name, "a finite real number > 0")
+    if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{name} must be a finite real number > 0, got {value}")
-    return float(value)
+    return number
 
 
 def require_nonnegative_real(value, name):
     """Return `value` as a float, raising unless it is a finite real number >= 0."""
-    _require_real_number(value, name, "a finite real number >= 0")
-    if not (math.isfinite(value) and value >= 0):
+    number = _real_number(value, name, "a finite real number >= 0")
+    if not (math.isfinite(number) and number >= 0):
         raise ValueError(f"{name} must be a finite real number >= 0, got {value}")
-    return float(value)
+    return number
 
 
 def require_probability(value, name):
     """Return `value` as a float, raising unless it is a real number in [0, 1)."""
-    _require_real_number(value, name, "a real number in [0, 1)")
-    if not 0.0 <= value < 1.0:
+    number = _real_number(value, name, "a real number in [0, 1)")
+    if not 0.0 <= number < 1.0:
         raise ValueError(f"{name} must be a real number in [0, 1), got {value}")
-    return float(value)
+    return number
 
 
 def require_mapping(value, name):
@@ -123,16 +128,26 @@ def require_choice(value, name, choices):
 
 def require_same_shape(grad, expected_shape, name):
     """Check an upstream gradient against the forward output it belongs to."""
-    if np.shape(grad) != tuple(expected_shape):
+    try:
+        shape = np.shape(grad)
+    except ValueError:                                  # a ragged nested list has no shape
+        raise TypeError(f"{name} must be a numeric array of the forward output's shape "
+                        f"{tuple(expected_shape)}, got a ragged nested {type(grad).__name__}") from None
+    if shape != tuple(expected_shape):
         raise ValueError(f"{name} must have the forward output's shape {tuple(expected_shape)}, "
-                         f"got {np.shape(grad)}")
+                         f"got {shape}")
 
 
-def require_cache(cache, cache_type, function):
-    """Raise TypeError unless `cache` is the NamedTuple the matching forward returned."""
+def require_cache(cache, cache_type, function, arrays=()):
+    """Raise TypeError unless `cache` is the NamedTuple the matching forward returned and its
+    fields named in `arrays` hold arrays (a cache edited by hand may not)."""
     if not isinstance(cache, cache_type):
         raise TypeError(f"{function} needs the {cache_type.__name__} returned by its forward, "
                         f"got {type(cache).__name__}")
+    for field in arrays:
+        if not isinstance(getattr(cache, field), np.ndarray):
+            raise TypeError(f"{function} needs the {cache_type.__name__} returned by its forward; "
+                            f"its {field} is {type(getattr(cache, field)).__name__}, not an array")
 
 
 def broadcast_shape_to(x, name, target_shape, legend):

@@ -1,8 +1,8 @@
 """Layout pieces shared by the textbook and the engines.
 
 A leaf module (it imports only _checks): the checks of causal alignment and the window
-(positions.py says which pairs they keep), the grouped-query fold and its matmuls, and
-undoing a broadcast.
+(positions.py says which pairs they keep), the grouped-query fold and its matmuls, the
+scale in any dtype, and undoing a broadcast.
 
 Shape legend:  ... leading batch axes,  H query heads,  H_kv key/value heads,
 G = H / H_kv,  N lengths,  X a trailing width.
@@ -12,6 +12,7 @@ import numpy as np
 from ._checks import require_choice
 
 ALIGNMENTS = ("top_left", "bottom_right")
+WINDOW_MAX = 2 ** 62        # a window side above this reaches every key of any array numpy can hold
 
 
 def with_head_axis(x):
@@ -49,6 +50,15 @@ def grouped_sum_matmul(x, y, h_kv):
     return np.swapaxes(fold(x, h_kv), -1, -2) @ fold(y, h_kv)
 
 
+def scaled(x, scale):
+    """scale * x in x's dtype. A scale outside the dtype's range (1e39 for float32) would turn to
+    inf (or 0) before it multiplies; then the product is taken in float64 and rounded once."""
+    info = np.finfo(x.real.dtype)
+    if float(info.tiny) <= scale <= float(info.max):
+        return scale * x
+    return (np.float64(scale) * x).astype(x.dtype)
+
+
 def unbroadcast(g, shape):
     """Sum g over the axes along which an array of `shape` was broadcast to g.shape."""
     g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
@@ -80,4 +90,5 @@ def check_window(window):
     if not ok:
         raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
                          f"(-1 = unbounded), got {window!r}")
-    return int(window[0]), int(window[1])
+    # a side wider than any sequence is unbounded; clamped, positions + right cannot overflow int64
+    return tuple(min(int(w), WINDOW_MAX) for w in window)

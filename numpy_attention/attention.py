@@ -42,7 +42,7 @@ engines that compute the same thing, each tested equal to the textbook:
 import numpy as np
 
 from ._checks import as_float_array, require_cache, require_choice, require_same_shape, result_dtype
-from ._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
+from ._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
 from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache
 from .engines.blocked import blocked_backward, blocked_forward
 from .engines.tiled import tiled_backward, tiled_forward
@@ -71,7 +71,7 @@ def attention_scores(q, k, options):
     Returns (S, tanh(scale q k^T / softcap)); the second is None without softcap.
     """
     o = options
-    S = o.scale * grouped_matmul(q, _t(k))          # 1. S = scale q k^T      [..., H, N_q, N_k]
+    S = scaled(grouped_matmul(q, _t(k)), o.scale)   # 1. S = scale q k^T      [..., H, N_q, N_k]
     softcap_tanh = None
     if o.softcap is not None:                       # 2. S = softcap tanh(S / softcap)
         softcap_tanh = np.tanh(S / o.softcap)
@@ -134,8 +134,8 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     dS_softcap = dS                                 # 2. S = c tanh(S / c):  dS = dS (1 - tanh^2)
     if cache.softcap_tanh is not None:
         dS_softcap = dS * (1 - cache.softcap_tanh ** 2)
-    dq = o.scale * grouped_matmul(dS_softcap, k)    # 1. S = scale q k^T:  dq = scale dS k
-    dk = o.scale * grouped_sum_matmul(dS_softcap, q, h_kv)   #          dk = scale dS^T q
+    dq = scaled(grouped_matmul(dS_softcap, k), o.scale)   # 1. S = scale q k^T:  dq = scale dS k
+    dk = scaled(grouped_sum_matmul(dS_softcap, q, h_kv), o.scale)   #    dk = scale dS^T q
     stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None
     return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, stages=stages, dsinks=dsinks,
                           dalibi_slopes=dslopes)
@@ -282,7 +282,9 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
         AttentionGrads(dq, dk, dv, dbias, stages, dsinks, dalibi_slopes); dq, dk, dv are
         contiguous arrays; dbias, dsinks, dalibi_slopes None without their option.
     """
-    require_cache(cache, AttentionCache, "attention_backward")      # (a TiledAttentionCache is one)
+    require_cache(cache, AttentionCache, "attention_backward",      # (a TiledAttentionCache is one)
+                  arrays=("q", "k", "v", "out", "lse") + (() if isinstance(cache, TiledAttentionCache)
+                                                          else ("weights", "top")))
     paged = cache.options.paged
     if paged is not None:                                           # the caller's layout -> packed
         require_same_shape(dout, paged.q_shape[:-1] + cache.v.shape[-1:], "dout")

@@ -74,7 +74,7 @@ def combine_backward(dout, dlse, cache):
 
     dout [..., N, d]; dlse [..., N] or None (0).
     """
-    require_cache(cache, CombineCache, "combine_backward")
+    require_cache(cache, CombineCache, "combine_backward", arrays=("outs", "weights", "out"))
     require_same_shape(dout, cache.out.shape, "dout")
     dout = as_float_array(dout, "dout")
     w = cache.weights

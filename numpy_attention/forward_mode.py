@@ -30,7 +30,7 @@ Derivations: docs/derivations.md, "Forward mode and second order".
 import numpy as np
 
 from ._checks import as_float_array
-from ._layout import grouped_matmul, grouped_sum_matmul, with_head_axis
+from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .attention import attention_scores, textbook_forward
 from .caches import AttentionGrads
 from .engines.tiled import tiled_jvp
@@ -53,7 +53,7 @@ def _tangent(x, like, name, dtype):
 
 def _scores_tangent(q, k, o, q_dot, k_dot, softcap_tanh, bias_dot, alibi_slopes_dot):
     """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k]."""
-    S_dot = o.scale * (grouped_matmul(q_dot, _t(k)) + grouped_matmul(q, _t(k_dot)))   # 1.
+    S_dot = scaled(grouped_matmul(q_dot, _t(k)) + grouped_matmul(q, _t(k_dot)), o.scale)   # 1.
     if softcap_tanh is not None:                                                      # 2.
         S_dot = (1 - softcap_tanh ** 2) * S_dot
     if bias_dot is not None:                                                          # 3.
@@ -173,10 +173,10 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
         t, t_dot = cache.softcap_tanh, S_dot / o.softcap       # S_dot = (1 - t^2) S0_dot already
         dS, dS_dot = dS * (1 - t ** 2), dS_dot * (1 - t ** 2) - 2 * dS * t * t_dot
     q_dot, k_dot = dot["q_dot"], dot["k_dot"]
-    grads = AttentionGrads(dq=o.scale * grouped_matmul(dS, k), dk=o.scale * grouped_sum_matmul(dS, q, h_kv),
+    grads = AttentionGrads(dq=scaled(grouped_matmul(dS, k), o.scale), dk=scaled(grouped_sum_matmul(dS, q, h_kv), o.scale),
                            dv=dv, dbias=None)
     grads_dot = AttentionGrads(                                                          # 1.
-        dq=o.scale * (grouped_matmul(dS_dot, k) + grouped_matmul(dS, k_dot)),
-        dk=o.scale * (grouped_sum_matmul(dS_dot, q, h_kv) + grouped_sum_matmul(dS, q_dot, h_kv)),
+        dq=scaled(grouped_matmul(dS_dot, k) + grouped_matmul(dS, k_dot), o.scale),
+        dk=scaled(grouped_sum_matmul(dS_dot, q, h_kv) + grouped_sum_matmul(dS, q_dot, h_kv), o.scale),
         dv=dv_dot, dbias=None)
     return grads, grads_dot

@@ -68,7 +68,7 @@ def linear_backward(dy, cache):
     Returns:
         (dx, dW, db)
     """
-    require_cache(cache, LinearCache, "linear_backward")
+    require_cache(cache, LinearCache, "linear_backward", arrays=("x", "W"))
     require_same_shape(dy, cache.out_shape, "dy")
     dy = as_float_array(dy, "dy")
     x, W = cache.x, cache.W

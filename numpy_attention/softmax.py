@@ -132,15 +132,15 @@ def softmax_backward(dp, cache, *, overwrite_dp=False):
         dz [..., n]
     """
     require_cache(cache, SoftmaxCache, "softmax_backward")
-    require_same_shape(dp, cache.p.shape, "dp")
+    p = as_float_array(cache.p, "cache.p")                        # a cache built by hand: any array
     dp = as_float_array(dp, "dp")
-    p = cache.p
+    require_same_shape(dp, p.shape, "dp")
     # J 1 = 0, so dz does not change if a row of dp is shifted by a constant. Shifting by dp at
     # the row's largest p makes that entry's bracket exactly 0: in a saturated row (p nearly
     # one-hot) the tiny gradient is then a sum of small terms, not a difference of O(1) ones,
     # and keeps full relative accuracy instead of an absolute error of eps.
-    if p.shape[-1] == 0:                                          # an empty row has no gradient
-        return np.zeros(np.broadcast_shapes(p.shape, dp.shape), np.result_type(p, dp))
+    if p.size == 0:                                               # no row, or empty rows: no gradient
+        return np.zeros(p.shape, np.result_type(p, dp))           # (and no einsum over nothing)
     top = np.argmax(p.real, axis=-1)[..., None] if cache.top is None else np.asarray(cache.top)
     if top.shape != p.shape[:-1] + (1,) or top.dtype.kind not in "iu":
         raise ValueError(f"cache.top must be integer indices of shape p.shape[:-1] + (1,) = "

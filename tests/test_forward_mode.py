@@ -128,13 +128,19 @@ def test_against_torch_func_jvp_and_double_backward():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"implementation": "tiled"}, "the engines have no forward mode yet"),
+    ({"implementation": "blocked"}, "runs on the textbook or tiled engine, not implementation='blocked'"),
     ({"q_dot": np.zeros((2, 4, 4, 4))}, r"q_dot must have its primal's shape \(2, 4, 4, 3\)"),
     ({"bias_dot": np.zeros((4, 6))}, "bias_dot is the tangent of an option this call does not have"),
 ])
 def test_bad_jvp_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         na.attention_jvp(*inputs(), **kwargs)
+
+
+def test_the_hvp_runs_on_the_textbook_only():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="runs on the textbook engine, not implementation='tiled'"):
+        na.attention_hvp(q, k, v, np.ones((2, 4, 4, 2)), implementation="tiled")
 
 
 def test_the_gradcheck_command_checks_forward_mode_and_the_identities(capsys):

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
+from .._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
 from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
@@ -66,7 +66,7 @@ def _block_scores(q3, k3, options, score_shape, block, group):
     """Steps 1-4 on a block: (S, tanh(S_1 / softcap) or None), S a fresh [..., heads, rows, N_k]."""
     o = options
     index = block + (slice(None),)                                   # the block's scores
-    s = grouped_matmul(q3[block] * o.scale, np.swapaxes(k3[_kv_heads(block, group)], -1, -2))
+    s = grouped_matmul(scaled(q3[block], o.scale), np.swapaxes(k3[_kv_heads(block, group)], -1, -2))
     softcap_tanh = None
     if o.softcap is not None:
         softcap_tanh = np.tanh(s / o.softcap)
@@ -169,8 +169,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
             ds *= 1 - softcap_tanh[block] ** 2
         dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k
         dkT[kv] += grouped_sum_matmul(q3[block], ds, n_kv)           #    dk^T = scale q^T dS
-    dq *= o.scale
-    dkT *= o.scale
+    dq, dkT = scaled(dq, o.scale), scaled(dkT, o.scale)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)
     stages = None
     if return_stages:

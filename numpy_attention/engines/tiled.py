@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
-from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
+from .._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..options import alibi_bias, alibi_distance, head_gradient, heads_view, keep_mask
 
@@ -83,7 +83,7 @@ def tiled_forward(q, k, v, options):
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype=q3.dtype)     # [..., H, N_q, d_v]
     lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                      # [..., H, N_q]
     for rows in _tiles(score_shape[-2], o.block_size):
-        out[..., rows, :], lse[..., rows] = _forward_rows(o, q3[..., rows, :] * o.scale, k3, v3,
+        out[..., rows, :], lse[..., rows] = _forward_rows(o, scaled(q3[..., rows, :], o.scale), k3, v3,
                                                           score_shape, rows)
     out, lse = out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
     return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse)
@@ -168,10 +168,10 @@ def tiled_jvp(q, k, v, options, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes
     out, out_dot = (np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype) for _ in range(2))
     lse, lse_dot = (np.empty(q3.shape[:-1], q3.dtype) for _ in range(2))
     for rows in _tiles(score_shape[-2], o.block_size):
-        tangents = Tangents(q=q_dot3[..., rows, :] * o.scale, k=k_dot3, v=v_dot3, bias=bias_dot,
+        tangents = Tangents(q=scaled(q_dot3[..., rows, :], o.scale), k=k_dot3, v=v_dot3, bias=bias_dot,
                             alibi_slopes=alibi_slopes_dot, sinks=sinks_dot)
         out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = _forward_rows(
-            o, q3[..., rows, :] * o.scale, k3, v3, score_shape, rows, tangents)
+            o, scaled(q3[..., rows, :], o.scale), k3, v3, score_shape, rows, tangents)
     shape = q.shape[:-1]
     return (out.reshape(shape + v.shape[-1:]), out_dot.reshape(shape + v.shape[-1:]), lse.reshape(shape),
             lse_dot.reshape(shape))
@@ -206,7 +206,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     dbias = None if bias is None else np.zeros(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
     dslopes = None if o.alibi_slopes is None else np.zeros(score_shape[:-2], dout3.dtype)   # [..., H]
     for rows in _tiles(score_shape[-2], o.block_size):
-        q_i, dout_i = q3[..., rows, :] * o.scale, dout3[..., rows, :]
+        q_i, dout_i = scaled(q3[..., rows, :], o.scale), dout3[..., rows, :]
         for cols in _tiles(score_shape[-1], o.block_size):
             s, skip = _tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
             if skip:
@@ -222,7 +222,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
                 block += unbroadcast(ds, block.shape)
             if dslopes is not None:                                     # dalibi = -sum dS * distance
                 dslopes -= np.sum(ds * alibi_distance(o, score_shape, (Ellipsis, rows, cols)), axis=(-2, -1))
-            dq[..., rows, :] += o.scale * grouped_matmul(ds, k3[..., cols, :])   # dq_i += scale dS k_j
+            dq[..., rows, :] += scaled(grouped_matmul(ds, k3[..., cols, :]), o.scale)   # dq_i += scale dS k_j
             dk[..., cols, :] += grouped_sum_matmul(ds, q_i, h_kv)       # dk_j += dS^T (scale q_i)
     dbias = None if dbias is None else dbias.reshape(o.bias.shape)
     head_grads = {}
