@@ -151,6 +151,12 @@ class MultiHeadAttention:
 
     fully_masked: the policy for query rows whose keys are all masked
     ('zero' by default; 'uniform' reproduces the seed's -1e9 fill exactly).
+
+    Threads: like a torch module, the object remembers its last forward for `backward`, so
+    one module shared by threads (forward A, forward B, backward A) returns B's gradients.
+    Give each thread its own module, or call the pure pair multihead_forward /
+    multihead_backward, which keeps no state: it is safe across threads and gives bitwise
+    the same results as the module.
     """
 
     def __init__(self, d_model, num_heads, *, kdim=None, vdim=None, seed=0, dtype=np.float64,

@@ -71,3 +71,62 @@ def test_a_scale_beyond_float32_still_computes_in_float32(implementation):
     grads = na.attention_backward(np.ones_like(out), cache)
     assert out.dtype == np.float32 and np.isfinite(out).all() and np.isfinite(grads.dq).all()
     np.testing.assert_allclose(cache.lse, 3e19 + np.log(2), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+def test_outputs_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that fails part-way leaves the old file as it was (and no temporary file)."""
+    from numpy_attention.crosscheck import save_case, write_example_case
+    from numpy_attention.experiments import report
+    target = tmp_path / "records.json"
+    target.write_text("old")
+
+    def failing_dump(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(report.json, "dump", failing_dump)
+    with pytest.raises(OSError):
+        report.write_json([{"a": 1}], str(target))
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["records.json"]
+    case = tmp_path / "case.npz"
+    write_example_case(str(case))
+    before = case.read_bytes()
+    monkeypatch.setattr(np, "savez", failing_dump)
+    with pytest.raises(OSError):
+        save_case(str(case), q=np.ones((1, 2, 3)), k=np.ones((1, 2, 3)), v=np.ones((1, 2, 3)), out=np.ones((1, 2, 3)))
+    assert case.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["case.npz", "records.json"]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    from numpy_attention.commands import cli, demo
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(demo, "run", interrupted)
+    assert cli.main(["demo"]) == 130
+    err = capsys.readouterr().err
+    assert err == "numpy-attention: interrupted\n"
+
+
+def test_a_sweep_too_large_for_this_machine_is_refused_before_the_work(capsys):
+    from numpy_attention.commands.cli import main
+    assert main(["vanishing", "--trials", "2147483647"]) == 2
+    err = capsys.readouterr().err
+    assert "needs about" in err and "GiB" in err and err.count("\n") == 1
+
+
+def test_the_pure_pair_is_thread_safe_and_equals_the_module():
+    """The module keeps its last forward (its docstring says so); the pure pair keeps nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+    mha = na.MultiHeadAttention(16, 2, seed=3)
+    rng = np.random.default_rng(7)
+    inputs = [(rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 5, 16))) for _ in range(8)]
+
+    def pure(x, dout):
+        out, _, cache = na.multihead_forward(x, x, x, mha.params, 2)
+        return out, na.multihead_backward(dout, cache)["query"]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda pair: pure(*pair), inputs))
+    for (x, dout), (out, dquery) in zip(inputs, threaded):
+        serial_out, _ = mha(x, x, x)
+        np.testing.assert_array_equal(out, serial_out)
+        np.testing.assert_array_equal(dquery, mha.backward(dout)["query"])

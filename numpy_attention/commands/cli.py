@@ -6,7 +6,8 @@
     numpy-attention crosscheck CASE.npz    judge another implementation against the oracle
 
 Exit codes: 0 success, 1 a check failed, 2 bad arguments or input: one line on stderr,
-`numpy-attention <command>: <message>` (no command given: the usage and the command list).
+`numpy-attention <command>: <message>` (no command given: the usage and the command list);
+130 interrupted (Ctrl-C), one line.
 Each command lives in its own module, which provides HELP (its line of the command list),
 DESCRIPTION and optionally EPILOG (its --help, as written), add_arguments(parser) and
 run(args) -> exit code; a command raises UsageError(message) for bad input.
@@ -21,7 +22,8 @@ PROG = "numpy-attention"
 COMMANDS = ("demo", "gradcheck", "crosscheck", "vanishing")        # modules of this package
 DESCRIPTION = ("Transformer attention in NumPy with every backward written by hand and checked "
                "against finite differences; a float64 oracle for other implementations.")
-EPILOG = (f"exit codes: 0 success, 1 a check failed, 2 bad arguments or input (one line on stderr). "
+EPILOG = (f"exit codes: 0 success, 1 a check failed, 2 bad arguments or input (one line on stderr), "
+          f"130 interrupted. "
           f"'{PROG} <command> --help' for a command's options.")
 
 
@@ -100,3 +102,6 @@ def main(argv=None):
     except UsageError as exc:
         print(" ".join(str(exc).split()), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                          # Ctrl-C: one line, the shell's 128 + SIGINT
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

@@ -102,7 +102,21 @@ def _save(function, data, path, option):
         print(f"{option}: wrote {path}", file=sys.stderr)
 
 
+def _require_memory(n_keys, trials):
+    """UsageError before the work when the sweep would need more than half this machine's memory."""
+    need = max(vanishing.peak_bytes(n, trials) for n in n_keys)
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):      # not a POSIX system: no bound to check
+        return
+    if need > have / 2:
+        raise UsageError(f"--trials {trials} with {max(n_keys)} keys needs about {need / 2 ** 30:.1f} GiB "
+                         f"for the per-trial results; this machine has {have / 2 ** 30:.1f} GiB: "
+                         f"lower --trials or --n-keys")
+
+
 def run_sweep(args):
+    _require_memory(args.n_keys, args.trials)
     records = vanishing.sweep(args.d_k, args.n_keys, args.trials, args.seed, _progress("sweep"))
     alphas = vanishing.scale_sweep(args.alpha_d_k, args.n_keys, trials=args.trials, seed=args.seed)
     if "-" not in (args.json, args.csv):

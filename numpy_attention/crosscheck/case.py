@@ -29,10 +29,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice, require_positive_real, require_probability
+from .._files import replacing
 from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from ..options import attention_options
 from .precision import PRECISIONS, Precision
+from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
 
 INPUTS = ("q", "k", "v", "dout")
@@ -225,26 +227,19 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
 
 
 def load_case(path):
-    """Read a .npz case into a dict of arrays; CaseError for a file that is not one."""
+    """Read a .npz case into a dict of arrays, every member checked before its data is read
+    (npz.py); CaseError for a file that is not a case."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(6)
-        if not head.startswith(b"PK") and head != b"\x93NUMPY":    # neither a zip (.npz) nor a .npy
-            raise ValueError("not an .npz archive (no zip header)")
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise ValueError(f"not an .npz archive (a single {type(data).__name__})")
-        with data:
-            return {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        return read_npz(path, KEYS)
+    except (OSError, ValueError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile) as exc:
         raise CaseError(f"cannot read {path} as a .npz case: {exc}") from None
 
 
 def save_case(path, **arrays):
     """Write a case (keys as in the module docstring); Python values become 0-d arrays."""
     split_case({name: np.asarray(x) for name, x in arrays.items()})     # refuse to write a bad case
-    with open(path, "wb") as f:                  # exactly `path`: np.savez(path) would append .npz
-        np.savez(f, **arrays)
+    with replacing(path, "wb") as f:             # exactly `path` (np.savez(path) would append .npz),
+        np.savez(f, **arrays)                    # replaced only once written whole
 
 
 def write_example_case(path, *, seed=0):

@@ -5,6 +5,8 @@ caller's backend and pyplot's list of open figures are left alone (e.g. in a not
 """
 import os
 
+from .._files import replacing
+
 
 def _matplotlib():
     """(Figure, FigureCanvasAgg), or ImportError naming the optional extra."""
@@ -42,7 +44,8 @@ def _save(fig, path):
     """Save to exactly `path`, in its extension's format (PNG without one: savefig would
     append '.png' to the name instead)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110, format=os.path.splitext(path)[1][1:].lower() or "png")
+    with replacing(path, "wb") as f:                     # a failure part-way leaves `path` as it was
+        fig.savefig(f, dpi=110, format=os.path.splitext(path)[1][1:].lower() or "png")
 
 
 def plot_sweep(records, path):

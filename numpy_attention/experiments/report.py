@@ -8,6 +8,8 @@ import csv
 import json
 import sys
 
+from .._files import replacing
+
 # (key, header, format) of the printed table
 SWEEP_COLUMNS = (("d_k", "d_k", "{:>6d}"), ("n_keys", "n_keys", "{:>6d}"),
                  ("scaled", "scaled", "{!s:>7}"), ("logit_var", "Var S", "{:>9.3g}"),
@@ -29,11 +31,12 @@ def format_table(records, columns=SWEEP_COLUMNS):
 
 @contextlib.contextmanager
 def _output(path):
-    """A text file opened for writing, or sys.stdout (left open) for '-'."""
+    """A text file opened for writing (replaced only once written whole), or sys.stdout
+    (left open) for '-'."""
     if path == "-":
         yield sys.stdout
     else:
-        with open(path, "w", newline="") as f:
+        with replacing(path, "w") as f:
             yield f
 
 

@@ -103,6 +103,12 @@ def _summary(d_k, n_keys, scale, stats):
     return record
 
 
+def peak_bytes(n_keys, trials, n_scales=2):
+    """About the most memory one cell of the sweep holds: per scale and trial, its logits [N_k]
+    and six numbers, stored until the cell's summary, twice while they are concatenated."""
+    return 2 * n_scales * trials * (n_keys + 6) * 8
+
+
 def measure(d_k, n_keys, scales, trials, seed):
     """Records of one (d_k, n_keys) at each of `scales`, all on the same samples."""
     chunks = [[] for _ in scales]                    # per scale: one stats dict per chunk

@@ -1,0 +1,33 @@
+"""Writing an output file so that a failure part-way never leaves a truncated file behind.
+
+A leaf module. `replacing(path, mode)` opens a temporary file in the target's directory;
+when the writing succeeds it is renamed onto `path` (atomic on POSIX: readers see the old
+file or the new one, never half of one); when it fails, the temporary file is removed and
+`path` is as it was.
+"""
+import contextlib
+import os
+import tempfile
+
+
+def _umask():
+    """The process's umask (read by setting and restoring it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def replacing(path, mode="w"):
+    """A file object to write `path`'s new content into ('w' text, 'wb' binary)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".partial")
+    try:
+        os.chmod(temporary, 0o666 & ~_umask())                 # as open() would have created it
+        with os.fdopen(descriptor, mode, **({} if "b" in mode else {"newline": ""})) as f:
+            yield f
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
