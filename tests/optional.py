@@ -13,3 +13,4 @@ MATPLOTLIB_REASON = "matplotlib is an optional extra: pip install 'numpy-attenti
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                       reason=MATPLOTLIB_REASON)
+JAX_REASON = "jax is an optional extra: pip install 'numpy-attention[jax]'"
