@@ -31,7 +31,7 @@ import numpy as np
 
 from ._checks import as_float_array
 from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
-from .attention import attention_scores, textbook_forward
+from .attention import textbook_forward
 from .caches import AttentionGrads
 from .engines.tiled import tiled_jvp
 from .options import alibi_distance, attention_options, heads_view, keep_mask, with_sink

@@ -115,13 +115,13 @@ def test_causal_skips_blocks_above_the_diagonal(monkeypatch):
     """Fully masked blocks are never computed: count the score blocks formed."""
     from numpy_attention.engines import tiled
     calls = []
-    original = tiled._tile_scores
+    original = tiled.tile_scores
 
     def counted(*args):
         s, skip = original(*args)
         calls.extend([] if skip else [1])
         return s, skip
-    monkeypatch.setattr(tiled, "_tile_scores", counted)
+    monkeypatch.setattr(tiled, "tile_scores", counted)
     x = np.random.default_rng(0).standard_normal((1, 1, 16, 4))
     out, cache = na.attention_forward(x, x, x, causal=True, block_size=4)
     assert len(calls) == 10                                 # 4 + 3 + 2 + 1 of the 16 blocks

@@ -5,6 +5,8 @@
     precision.py  the precisions and their recipes: what a kernel at float16, bfloat16, float8 does
     rule.py       the tolerance rule: err(candidate) <= k * err(baseline) + atol
     naive.py      the naive baseline: every sum left to right, FlashAttention's backward
+    blocks.py     a large case in blocks of query rows: O(N) memory for oracle and baselines
+    npz.py        reading a case file from a stranger: checked before any data is read
     diagnosis.py  which convention mix-up a failing candidate matches instead
     check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules

@@ -12,20 +12,30 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
               largest sum of absolute terms that makes an entry of X, e.g. for dq
               scale * max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|: rounding error is relative
               to the terms, not to the result (a gradient that cancels to 0 still rounds).
+
+A large case (scores [..., H, N_q, N_k] over blocks.SCORE_BUDGET entries) runs in O(N)
+memory plus its own arrays: the oracle on the tiled engine (no softcap, dropout or
+fully_masked other than 'zero': CaseError), the baselines and the term magnitudes in blocks
+of query rows (blocks.py), with the same results as whole arrays; no diagnosis.
 """
 import math
 
 import numpy as np
 
-from .._checks import require_bool, require_mapping, require_nonnegative_real, require_positive_real, to_numpy
-from .._layout import fold, unbroadcast, with_head_axis
-from ..attention import ENGINES, attention_backward
+from .._checks import (require_bool, require_mapping, require_nonnegative_real, require_positive_real,
+                       to_numpy)
+from .._layout import grouped_matmul, unbroadcast, with_head_axis
+from ..attention import ENGINES, TiledAttentionCache, attention_backward
+from ..engines.tiled import tile_scores
 from ..options import attention_options
+from . import blocks
 from .case import CANDIDATES, GRADIENTS, CaseError, split_case
 from .diagnosis import diagnose, rel_l2
-from .precision import PRECISIONS, eps, recipe_attention
+from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention
 from .naive import naive_attention
 from .rule import K_L2, CrosscheckReport, atol_for, judge
+
+ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
 
 
 def _case_in(inputs, options, dtype, scale_factor=1.0):
@@ -55,41 +65,51 @@ def _case_in(inputs, options, dtype, scale_factor=1.0):
     return q, k, v, dout, record, scale
 
 
-def reference(inputs, options, dtype, gradients=True, forward_of=None):
+def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=True):
     """The oracle: attention.py with every input cast to `dtype`, on the record's engine.
 
     forward_of: None, or a candidate's own {"out", "lse"} (natural log): the gradients are
     then those of FlashAttention's backward from that forward, P = exp(S - lse) and
     D = rowsum(dout * out), so that a backward is judged apart from its forward's error.
+    stages: False runs the tiled engine (O(N) memory; no softcap, dropout or fully_masked
+    other than 'zero') and returns no [..., H, N_q, N_k] stage.
     Returns:
-        dict with out [..., H, N_q, d_v], lse [..., H, N_q], the scores S (-inf where
-        masked) and the weights P and P~ (after dropout) [..., H, N_q, N_k], and with
-        gradients and dout: dq, dk, dv (dbias with a bias) and the stages dP, dS
-        [..., H, N_q, N_k] and D [..., H, N_q].
+        dict with out [..., H, N_q, d_v], lse [..., H, N_q], and with gradients and dout
+        dq, dk, dv (dbias with a bias); with stages also the scores S (-inf where masked),
+        the weights P and P~ (after dropout) [..., H, N_q, N_k], and with gradients the
+        stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
     """
-    q, k, v, dout, record, scale = _case_in(inputs, options, dtype)
+    engine = {} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE}
+    q, k, v, dout, record, scale = _case_in(inputs, {**options, **engine}, dtype)
     forward, _ = ENGINES[record.implementation]
     out, cache = forward(q, k, v, record)
-    dropout_scale = record.dropout_scale
-    p_drop = cache.weights if dropout_scale is None else cache.weights * dropout_scale
-    result = {"out": out, "lse": cache.lse, "S": cache.scores, "P": cache.weights, "P~": p_drop}
+    result = {"out": out, "lse": cache.lse}
+    if stages:
+        dropout_scale = record.dropout_scale
+        p_drop = cache.weights if dropout_scale is None else cache.weights * dropout_scale
+        result.update({"S": cache.scores, "P": cache.weights, "P~": p_drop})
     if gradients and dout is not None:
         if forward_of is not None:
             cache = _from_candidate_forward(cache, forward_of, dtype)
-        g = attention_backward(dout, cache, method="flash" if forward_of else "vjp", return_stages=True)
-        result.update(dq=scale * g.dq, dk=g.dk, dv=g.dv, dP=g.stages.dP, dS=g.stages.dS,
-                      D=g.stages.D)
+        g = attention_backward(dout, cache, method="flash" if forward_of else "vjp",
+                               return_stages=stages)
+        result.update(dq=scale * g.dq, dk=g.dk, dv=g.dv)
+        if stages:
+            result.update(dP=g.stages.dP, dS=g.stages.dS, D=g.stages.D)
         if g.dbias is not None:
             result["dbias"] = g.dbias
     return result
 
 
 def _from_candidate_forward(cache, forward_of, dtype):
-    """The oracle's cache with the candidate's out and lse, and P = exp(S - lse) from them,
-    for the textbook's flash backward (a +inf lse, FlashAttention's fully masked row, is -inf)."""
+    """The oracle's cache with the candidate's out and lse (a +inf lse, FlashAttention's fully
+    masked row, is -inf), for a flash backward: the tiled engine's recomputes P from them;
+    for the others P = exp(S - lse) here, and the textbook's flash backward."""
     out = np.asarray(forward_of["out"]).astype(dtype)
     lse = np.asarray(forward_of["lse"]).astype(dtype)
     lse = np.where(np.isposinf(lse) & np.isneginf(cache.lse), -np.inf, lse)
+    if isinstance(cache, TiledAttentionCache):
+        return cache._replace(out=out, lse=lse)
     scores = cache.scores
     with np.errstate(invalid="ignore"):
         weights = np.where(np.isneginf(scores) | np.isneginf(lse)[..., None], 0,
@@ -98,44 +118,100 @@ def _from_candidate_forward(cache, forward_of, dtype):
                           options=cache.options._replace(implementation="textbook"))
 
 
-def baseline(inputs, options, dtype, gradients=True):
+def baseline(inputs, options, dtype, gradients=True, block_rows=None):
     """The naive baseline (naive.py) in the candidate's dtype: dict out, lse (dq, dk, dv, dbias).
 
     Its scale is one ulp off, scale * (1 + eps): a kernel holds the scale in its own
     precision (1/sqrt(d_k) rounded, or torch's sqrt(scale) applied to q and to k), and
     that error is systematic over a whole row of scores; with a sharp softmax it is what
-    the result is most sensitive to.
+    the result is most sensitive to. block_rows: query rows per block (blocks.py), None: all.
     """
     work = np.result_type(dtype, np.float32)
     q, k, v, dout, record, scale = _case_in(inputs, options, dtype, 1 + np.finfo(work).eps)
-    result = naive_attention(q, k, v, record, dout=dout if gradients else None)
+    result = naive_attention(q, k, v, record, dout=dout if gradients else None,
+                             block_rows=block_rows)
     if "dq" in result:
         result["dq"] = scale * result["dq"]
     return result
 
 
-def term_magnitudes(truth, inputs, options):
-    """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages."""
+def term_magnitudes(stage_blocks, inputs, options):
+    """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages.
+
+    stage_blocks: (index, stages) for blocks of query rows of the scores (index as in
+    blocks.py), stages the block's S, P, P~ [..., H, b, N_k] (with gradients also dP
+    [..., H, b, N_k] and D [..., H, b]) in float64. Sums along a row (out, dq) are maxed
+    over the blocks, sums down a column (dv, dk, dbias) added up. NaN weights (the 'nan'
+    policy's fully masked rows) are terms of 0.
+    """
     q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
     scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
     h_kv = with_head_axis(k).shape[-3]
-    group = lambda x: fold(with_head_axis(x), h_kv)             # [..., H_kv, G*N_q, X]
-    p_drop = np.asarray(truth["P~"], dtype=np.float64)
-    kept = np.asarray(truth["S"], dtype=np.float64)
-    mags = {"out": np.sum(p_drop, -1).max(initial=0) * v.max(initial=0),
-            "lse": np.abs(kept[np.isfinite(kept)]).max(initial=0) + np.log(max(k.shape[-2], 1))}
-    if "dS" in truth:
-        dout = np.abs(inputs["dout"]).astype(np.float64)
-        terms = np.asarray(truth["P"], dtype=np.float64) * (
-            np.abs(np.asarray(truth["dP"], dtype=np.float64))
-            + np.abs(np.asarray(truth["D"], dtype=np.float64))[..., None])   # |dS|'s terms
-        terms = np.nan_to_num(terms)
-        mags.update(dv=np.sum(group(p_drop), -2).max(initial=0) * dout.max(initial=0),
-                    dq=scale * np.sum(terms, -1).max(initial=0) * k.max(initial=0),
-                    dk=scale * np.sum(group(terms), -2).max(initial=0) * q.max(initial=0))
-        if "bias" in options:
-            mags["dbias"] = unbroadcast(terms, np.shape(options["bias"])).max(initial=0)
+    row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
+    col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
+    dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
+    for index, stages in stage_blocks:
+        p_drop, kept = np.nan_to_num(stages["P~"]), stages["S"]
+        row_max["out"] = max(row_max["out"], np.sum(p_drop, -1).max(initial=0))
+        row_max["lse"] = max(row_max["lse"], np.abs(kept[np.isfinite(kept)]).max(initial=0))
+        if "dP" not in stages:
+            continue
+        terms = np.nan_to_num(stages["P"] * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]))
+        row_max["dq"] = max(row_max["dq"], np.sum(terms, -1).max(initial=0))    # |dS|'s terms
+        col_sum = {"dv": col_sum["dv"] + np.sum(p_drop, -2),
+                   "dk": col_sum["dk"] + np.sum(terms, -2)}
+        if dbias is not None:
+            block = blocks.bias_block(dbias, index)
+            block += unbroadcast(terms, block.shape)
+    mags = {"out": row_max["out"] * v.max(initial=0),
+            "lse": row_max["lse"] + np.log(max(k.shape[-2], 1))}
+    if "dout" in inputs:
+        mags.update(dv=_kv_column_max(col_sum["dv"], h_kv) * np.abs(inputs["dout"]).max(initial=0),
+                    dq=scale * row_max["dq"] * k.max(initial=0),
+                    dk=scale * _kv_column_max(col_sum["dk"], h_kv) * q.max(initial=0))
+        if dbias is not None:
+            mags["dbias"] = dbias.max(initial=0)
     return mags
+
+
+def _kv_column_max(col_sum, h_kv):
+    """The largest sum down a column of a kv head's G query heads: col_sum [..., H, N_k] summed
+    to [..., H_kv, N_k], then its max (0 when no block had terms: col_sum is 0)."""
+    if np.ndim(col_sum) == 0:
+        return 0.0
+    return col_sum.reshape(col_sum.shape[:-2] + (h_kv, -1) + col_sum.shape[-1:]).sum(-2).max(initial=0)
+
+
+def _whole_stages(truth):
+    """The oracle's stages as one block of all rows (for term_magnitudes), as [..., H, N_q, N_k]."""
+    shape = with_head_axis(truth["S"]).shape
+    stages = {name: truth[name].reshape(shape[:-1] if name == "D" else shape).astype(np.float64)
+              for name in ("S", "P", "P~", "dP", "D") if name in truth}
+    return [((Ellipsis, slice(None), slice(None)), stages)]
+
+
+def _recomputed_stages(truth, inputs, options, block_rows):
+    """The tiled oracle's stages block by block (for term_magnitudes on a large case): S of
+    the block's rows in float64, P = exp(S - lse) from the oracle's lse (P~ = P: no dropout),
+    dP = dout v^T and D = rowsum(dout * out) from the oracle's out. Yields (index, stages)."""
+    q, k, v, dout, record, _ = _case_in(inputs, options, np.float64)
+    q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
+    score_shape = q3.shape[:-1] + k3.shape[-2:-1]
+    lse = truth["lse"].astype(np.float64).reshape(score_shape[:-1])
+    out = with_head_axis(truth["out"]).astype(np.float64)
+    for r in blocks.row_slices(score_shape[-2], block_rows):
+        index = (Ellipsis, r, slice(None))
+        s, skip = tile_scores(record, q3[..., r, :], k3, score_shape, index)
+        if skip:                                        # nothing kept: no term
+            continue
+        with np.errstate(invalid="ignore"):
+            p = np.where(np.isneginf(lse[..., r, None]), 0, np.exp(s - lse[..., r, None]))
+        stages = {"S": s, "P": p, "P~": p}
+        if dout is not None and "dq" in truth:
+            dout_r = with_head_axis(dout)[..., r, :]
+            stages.update(dP=grouped_matmul(dout_r, np.swapaxes(v3, -1, -2)),
+                          D=np.sum(dout_r * out[..., r, :], axis=-1))
+        yield index, stages
 
 
 def _check_k_factors(k_factors):
@@ -150,16 +226,17 @@ def _check_k_factors(k_factors):
     return dict(k_factors)
 
 
-def baselines(case, gradients=True):
+def baselines(case, gradients=True, block_rows=None):
     """The baselines of the case's precision (precision.py): a list of result dicts.
 
     float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
     recipe, with its two backwards (the eager one and the tiled flash one; the rule
     takes the larger error of the two, since a kernel may be built either way).
+    block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
     """
     p = case.precision
     if not p.recipe:
-        return [baseline(case.inputs, case.options, p.compute, gradients)]
+        return [baseline(case.inputs, case.options, p.compute, gradients, block_rows)]
     rounded = lambda x: None if x is None else x.astype(p.compute).astype(np.float32)
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
     options = dict(case.options)
@@ -168,8 +245,28 @@ def baselines(case, gradients=True):
     q, k, v, record = attention_options(q, k, v, **options)
     dout = dout if gradients else None
     ways = [("eager", True), ("eager", False)] + ([("flash", True)] if dout is not None else [])
-    return [recipe_attention(q, k, v, record, p, dout=dout, backward=backward, reorder=reorder)
-            for backward, reorder in ways]
+    return [recipe_attention(q, k, v, record, p, dout=dout, backward=backward, reorder=reorder,
+                             block_rows=block_rows) for backward, reorder in ways]
+
+
+def _block_rows(case):
+    """Query rows per block for the case (blocks.block_rows): None when its scores fit
+    blocks.SCORE_BUDGET. A larger case runs on the tiled oracle: CaseError naming an option
+    it lacks."""
+    q, k = with_head_axis(case.inputs["q"]), with_head_axis(case.inputs["k"])
+    score_shape = q.shape[:-1] + k.shape[-2:-1]
+    block_rows = blocks.block_rows(score_shape, TILE_ROWS)
+    o = case.options
+    lacking = [name for name, used in (("softcap", "softcap" in o),
+                                       ("dropout_mask", "dropout_mask" in o),
+                                       (f"fully_masked={o.get('fully_masked')!r}",
+                                        o.get("fully_masked", "zero") != "zero")) if used]
+    if block_rows is not None and lacking:
+        raise CaseError(f"{lacking[0]} is not supported on a case this large: its scores "
+                        f"{score_shape} have {blocks.score_entries(score_shape):,} entries, more than "
+                        f"the {blocks.SCORE_BUDGET:,} crosscheck forms whole, so the oracle runs on "
+                        f"the tiled engine (O(N) memory), which has no {lacking[0]}")
+    return block_rows
 
 
 def _as_arrays(arrays):
@@ -228,34 +325,57 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     case = split_case(arrays, precision=precision, layout=layout, lse_base=lse_base)
     wide = np.dtype(np.longdouble if case.precision.name == "float64" else np.float64)
     want_grads = any(name in case.candidates for name in GRADIENTS)
-    forward_of = None
-    if require_bool(own_forward, "own_forward"):
-        if not {"out", "lse"} <= set(case.candidates) or not want_grads:
-            raise CaseError("own_forward=True judges gradients from the candidate's own out and lse: "
-                            "the case needs out, lse and a gradient")
-        lse = case.candidates["lse"].astype(np.float64) * (math.log(2) if case.lse_base == "2" else 1)
-        forward_of = {"out": case.candidates["out"], "lse": lse}
+    forward_of = _candidate_forward(case, require_bool(own_forward, "own_forward"), want_grads)
+    block_rows = _block_rows(case)                       # None: whole arrays
+    whole = block_rows is None
     with np.errstate(all="ignore"):
-        truth = reference(case.inputs, case.options, wide, want_grads)
+        truth = reference(case.inputs, case.options, wide, want_grads, stages=whole)
         against = dict(truth)                              # what each candidate tensor is judged against
         if forward_of is not None:
             against.update({name: value for name, value in reference(
-                case.inputs, case.options, wide, True, forward_of).items() if name in GRADIENTS})
-        bases = baselines(case, want_grads)
-        mags = term_magnitudes(truth, case.inputs, case.options)
-        rows = []
-        for name, cand in case.candidates.items():
-            values = cand.astype(np.float64) * np.log(2) if name == "lse" and case.lse_base == "2" else cand
-            rows.append(judge(name, values, against[name], [b[name].astype(cand.dtype) for b in bases],
-                              baseline_oracle=truth[name],
-                              k=k_factors.get(name), atol=_atol(case, cand.dtype, truth[name],
-                                                                 mags[name], atol),
-                              dtype=cand.dtype, l2_k=K_L2 if case.precision.recipe else None))
-        failing = [row.name for row in rows if not row.passed]
-        diagnosis = (diagnose(case, truth, failing) or _layout_mixup(arrays, case, failing)) if failing else []
+                case.inputs, case.options, wide, True, forward_of, stages=whole).items()
+                if name in GRADIENTS})
+        bases = baselines(case, want_grads, block_rows)
+        stage_blocks = (_whole_stages(truth) if whole else
+                        _recomputed_stages(truth, case.inputs, case.options, block_rows))
+        mags = {} if case.precision.recipe else term_magnitudes(stage_blocks, case.inputs, case.options)
+        verdicts = [judge(name, _in_base_e(case, name, cand), against[name],
+                          [b[name].astype(cand.dtype) for b in bases], baseline_oracle=truth[name],
+                          k=k_factors.get(name), dtype=cand.dtype,
+                          atol=_atol(case, cand.dtype, truth[name], mags.get(name), atol),
+                          l2_k=K_L2 if case.precision.recipe else None)
+                    for name, cand in case.candidates.items()]
+        failing = [row.name for row in verdicts if not row.passed]
+        diagnosis = _diagnosis(arrays, case, truth, failing, whole) if failing else []
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
-    return CrosscheckReport(rows=rows, oracle_dtype=str(wide),
+    return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
+
+
+def _candidate_forward(case, own_forward, want_grads):
+    """own_forward: the candidate's {"out", "lse" (base e, float64)} for the reference's
+    gradients; else None."""
+    if not own_forward:
+        return None
+    if not {"out", "lse"} <= set(case.candidates) or not want_grads:
+        raise CaseError("own_forward=True judges gradients from the candidate's own out and lse: "
+                        "the case needs out, lse and a gradient")
+    lse = case.candidates["lse"].astype(np.float64) * (math.log(2) if case.lse_base == "2" else 1)
+    return {"out": case.candidates["out"], "lse": lse}
+
+
+def _in_base_e(case, name, cand):
+    """The candidate tensor, its lse in base e (lse_base '2': times log 2, in float64)."""
+    return cand.astype(np.float64) * np.log(2) if name == "lse" and case.lse_base == "2" else cand
+
+
+def _diagnosis(arrays, case, truth, failing, whole):
+    """The diagnosis lines of a failing case: the mix-up it matches (diagnosis.py, or the
+    other layout); none for a large case (not whole), whose reruns would be whole arrays."""
+    if not whole:
+        return ["not run: the case is too large to rerun the oracle under each mix-up "
+                f"(more than {blocks.SCORE_BUDGET:,} scores)"]
+    return diagnose(case, truth, failing) or _layout_mixup(arrays, case, failing)
 
 
 def _layout_mixup(arrays, case, failing):

@@ -18,17 +18,27 @@ Shapes as in attention.py; the steps are attention.py's, with recursive sums:
     -> out = P~ v;   backward: P = exp(S - lse),  dv = P~^T dout,  dP = (dout v^T) * dropout,
     D = rowsum(dout * out),  dS = P (dP - D),  dbias = dS summed to bias's shape,
     dq = scale dS k,  dk = scale dS^T q
+
+Computed block by block (blocks.py): a block is query head g of each group of G = H / H_kv
+heads (heads g, g + G, ...) and a range of rows, so it meets the kv heads one to one. The
+blocks go group head by group head, rows in order: dk and dv continue one running sum over
+the rows of each group (head 0's rows, then head 1's, ...), the order of one sum over the
+whole array, and the results are the same bitwise for any block size; but for dbias of a
+bias broadcast along heads or rows: a NumPy sum over them, which the blocks split (the
+same to rounding).
 """
 import numpy as np
 
-from .._layout import unbroadcast
+from .._layout import unbroadcast, with_head_axis
 from ..options import keep_mask
+from .blocks import bias_block, block_of, row_slices
 
 
-def recursive_matmul(a, b):
-    """a @ b, [..., m, n] @ [..., n, p] -> [..., m, p], each dot product summed left to right."""
+def recursive_matmul(a, b, start=None):
+    """start + a @ b, [..., m, n] @ [..., n, p] -> [..., m, p], each dot product summed left to
+    right (continuing from start [..., m, p]; default zeros)."""
     acc = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
-                   dtype=np.result_type(a, b))
+                   dtype=np.result_type(a, b)) if start is None else start
     for i in range(a.shape[-1]):
         acc = acc + a[..., :, i:i + 1] * b[..., i:i + 1, :]
     return acc
@@ -39,31 +49,61 @@ def recursive_rowsum(x):
     return recursive_matmul(x, np.ones(x.shape[-1:] + (1,), dtype=x.dtype))
 
 
-def _heads(q, k):
-    """(H, H_kv) with a head axis of 1 for 2-axis inputs."""
-    return (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
+def _swap(x):
+    return np.swapaxes(x, -1, -2)
 
 
-def naive_attention(q, k, v, options, dout=None):
+def naive_attention(q, k, v, options, dout=None, block_rows=None):
     """out, lse (and dq, dk, dv, dbias with dout) in q's dtype, as a dict.
 
     q, k, v and options (an AttentionOptions record) as `attention_options` returns them:
     naive_attention(*attention_options(q, k, v, **kwargs), dout=dout). Without dout, the
-    forward alone.
+    forward alone. block_rows: query rows per block (None: all of them), the same results
+    bitwise (module docstring); a block's scores are [..., H_kv, block_rows, N_k].
     """
     o = options
-    h, h_kv = _heads(q, k)
-    fold = lambda x: (x.reshape(x.shape[:-3] + (h_kv, x.shape[-3] // h_kv * x.shape[-2], x.shape[-1]))
-                      if q.ndim >= 3 else x)                          # [..., H, N, X] -> [..., H_kv, G*N, X]
+    q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
+    dout3 = None if dout is None else with_head_axis(dout)
+    groups = q3.shape[-3] // k3.shape[-3]
+    score_shape = q3.shape[:-1] + k3.shape[-2:-1]                    # [..., H, N_q, N_k]
+    out = np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype)
+    lse = np.empty(q3.shape[:-1], q3.dtype)
+    dq, dk, dv = np.empty(q3.shape, q3.dtype), None, None       # dk, dv: running sums (None: start)
+    dbias = None if o.bias is None else np.zeros(o.bias.shape, q3.dtype)
+    for g in range(groups):
+        for rows in row_slices(score_shape[-2], block_rows):
+            index = (Ellipsis, slice(g, None, groups), rows, slice(None))
+            q_b = q3[..., g::groups, rows, :]                           # [..., H_kv, b, d_k]
+            f = _forward_block(q_b, k3, v3, o, score_shape, index)
+            out[..., g::groups, rows, :], lse[..., g::groups, rows] = f["out"], f["lse"]
+            if dout3 is None:
+                continue
+            dout_b = dout3[..., g::groups, rows, :]
+            dq[..., g::groups, rows, :], ds, dk, dv = _backward_block(dout_b, q_b, k3, v3, o, f, dk, dv)
+            if dbias is not None:
+                block = bias_block(dbias, index)
+                block += unbroadcast(ds, block.shape)
+    result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
+    if dout3 is not None:
+        result.update(dq=dq.reshape(q.shape), dk=(o.scale * dk).reshape(k.shape),
+                      dv=dv.reshape(v.shape))
+        if dbias is not None:
+            result["dbias"] = dbias
+    return result
+
+
+def _forward_block(q, k, v, o, score_shape, index):
+    """The forward of one block, q [..., H_kv, b, d_k]: dict out [..., H_kv, b, d_v], lse
+    [..., H_kv, b] and, for the backward, S, tanh(S / softcap), dead rows and the dropout."""
     n_k = k.shape[-2]
-    s = recursive_matmul(fold(q) * o.scale, np.swapaxes(k, -1, -2)).reshape(q.shape[:-1] + (n_k,))
+    s = recursive_matmul(q * o.scale, _swap(k))                      # [..., H_kv, b, N_k]
     softcap_tanh = None
     if o.softcap is not None:
         softcap_tanh = np.tanh(s / o.softcap)
         s = o.softcap * softcap_tanh
     if o.bias is not None:
-        s = s + o.bias
-    keep = keep_mask(o, s.shape)
+        s = s + block_of(o.bias, score_shape, index)
+    keep = keep_mask(o, score_shape, index)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)          # -inf: no key (N_k = 0) or all masked
@@ -72,29 +112,31 @@ def naive_attention(q, k, v, options, dout=None):
     total = recursive_rowsum(e)
     dead = total == 0                                              # a fully masked row
     fill = {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[o.fully_masked]   # (no key: 'zero' only)
-    p = np.where(dead, fill,
-                 e / np.where(dead, 1, total)).astype(s.dtype)
+    p = np.where(dead, fill, e / np.where(dead, 1, total)).astype(s.dtype)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]
-    drop = o.dropout_scale
+    drop = block_of(o.dropout_scale, score_shape, index)
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
-    out = recursive_matmul(fold(p_drop), v).reshape(q.shape[:-1] + v.shape[-1:])
-    result = {"out": out, "lse": lse}
-    if dout is None:
-        return result
-    swap = lambda x: np.swapaxes(x, -1, -2)
+    return {"out": recursive_matmul(p_drop, v), "lse": lse, "s": s, "p": p, "dead": dead,
+            "drop": drop, "softcap_tanh": softcap_tanh}
+
+
+def _backward_block(dout, q, k, v, o, f, dk, dv):
+    """The backward of one block (dout [..., H_kv, b, d_v]): dq [..., H_kv, b, d_k], dS before the
+    softcap (for dbias) [..., H_kv, b, N_k], and dk / scale and dv continued over the block's
+    rows (dk, dv None: the first block)."""
+    s, drop = f["s"], f["drop"]
     with np.errstate(invalid="ignore"):                            # -inf - (-inf) in dead rows
-        p = np.where(dead, p, np.exp(s - lse[..., None]))           # FlashAttention's recomputation
+        p = np.where(f["dead"], f["p"], np.exp(s - f["lse"][..., None]))   # FlashAttention's recomputation
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
-    result["dv"] = recursive_matmul(swap(fold(p_drop)), fold(dout)).reshape(v.shape)
-    dp = recursive_matmul(fold(dout), swap(v)).reshape(p.shape)
+    dv = recursive_matmul(_swap(p_drop), dout, start=dv)
+    dp = recursive_matmul(dout, _swap(v))
     dp = dp if drop is None else (dp * drop).astype(s.dtype)
-    ds = p * (dp - recursive_rowsum(dout * out))
+    ds = p * (dp - recursive_rowsum(dout * f["out"]))
     ds = np.where(np.isneginf(s), 0, ds)
-    if o.bias is not None:
-        result["dbias"] = unbroadcast(ds, o.bias.shape)
-    if softcap_tanh is not None:
-        ds = ds * (1 - softcap_tanh ** 2)
-    result["dq"] = o.scale * recursive_matmul(fold(ds), k).reshape(q.shape)
-    result["dk"] = o.scale * recursive_matmul(swap(fold(ds)), fold(q)).reshape(k.shape)
-    return result
+    ds_bias = ds
+    if f["softcap_tanh"] is not None:
+        ds = ds * (1 - f["softcap_tanh"] ** 2)
+    dq = o.scale * recursive_matmul(ds, k)
+    dk = recursive_matmul(_swap(ds), q, start=dk)
+    return dq, ds_bias, dk, dv

@@ -25,7 +25,9 @@ result rounded to T, every element-wise step computed in float32 and rounded to 
               softcap: dS = round(round(round(dS * softcap) * (1 - t^2)) / softcap)
               dq = round(dS k'),  dk = round(round(dS^T q) * scale)
 
-Grouped-query heads sum their dk, dv in float32 before the one rounding.
+Grouped-query heads sum their dk, dv in float32 before the one rounding. On a large case
+the recipe runs on blocks of query rows (blocks.py): the same results, but that the eager
+backward's float32 sums of dk, dv, dbias add up the blocks' products.
 Storage: bfloat16 and float8 arrays are ml_dtypes arrays (the dtypes JAX gives NumPy).
 """
 from typing import NamedTuple
@@ -35,6 +37,7 @@ import numpy as np
 
 from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
 from ..options import keep_mask
+from .blocks import bias_block, block_of, row_slices
 
 
 TILE_ROWS, TILE_COLS = 32, 512
@@ -79,7 +82,8 @@ def precision_of(dtype):
     return None
 
 
-def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", reorder=True):
+def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", reorder=True,
+                     block_rows=None):
     """The recipe of the module docstring: out, lse (and dq, dk, dv, dbias with dout).
 
     q, k, v (and dout): float32 arrays holding values of the compute dtype (float8 inputs
@@ -87,59 +91,99 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     is the one the kernel applies. backward: 'eager' (the forward's ops differentiated one by
     one) or 'flash' (the tiled flash backward). reorder: the scale and the dropout's
     1 / (1 - p) applied to k and v (FlashAttention's reorder_ops), else to S and P.
+    block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all of them.
+    Blocks change no result but the eager backward's dk, dv, dbias: float32 sums over the
+    blocks, rounded once, may round differently from one float32 product (by an ulp of T).
     Results are float32 arrays holding values of the output dtype (lse: float32).
     """
     T = precision.compute
     rnd = lambda x: np.asarray(x, np.float32).astype(T).astype(np.float32)      # round to T
     o = options
+    q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
+    score_shape = q3.shape[:-1] + k3.shape[-2:-1]                              # [..., H, N_q, N_k]
+    inv_keep = np.float32(1 / (1 - o.dropout_p))
+    used = _Used(k=rnd(k3 * np.float32(o.scale)) if reorder else k3,             # S = q (scale k)^T
+                 v=rnd(v3 * inv_keep) if reorder else v3)                        # out = P~ (v / (1 - p))
+    out = np.empty(q3.shape[:-1] + v3.shape[-1:], np.float32)
+    lse = np.empty(q3.shape[:-1], np.float32)
+    dout3 = None if dout is None else rnd(with_head_axis(dout))
+    step = _flash_rows if backward == "flash" else _eager_rows
+    dq, sums = np.empty(q3.shape, np.float32), {"dk": np.zeros(k3.shape, np.float32),
+                                               "dv": np.zeros(v3.shape, np.float32)}
+    dbias = None if o.bias is None else np.zeros(o.bias.shape, np.float32)
+    for rows in row_slices(score_shape[-2], block_rows):
+        index = (Ellipsis, rows, slice(None))
+        f = _forward_rows(rnd, q3[..., rows, :], k3, v3, used, o, precision, score_shape, index,
+                          reorder)
+        out[..., rows, :], lse[..., rows] = f.out, f.lse
+        if dout3 is not None:
+            dq[..., rows, :], ds, sums = step(rnd, dout3[..., rows, :], o, f, sums)
+            if dbias is not None:
+                block = bias_block(dbias, index)
+                block += unbroadcast(ds, block.shape)
+    result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
+    if dout3 is None:
+        return result
+    if backward != "flash":
+        sums = _eager_sums_rounded(rnd, sums, o, reorder)
+    result.update(dq=dq.reshape(q.shape), dk=sums["dk"].reshape(k.shape),
+                  dv=sums["dv"].reshape(v.shape))
+    if dbias is not None:
+        result["dbias"] = rnd(dbias)
+    return result
+
+
+class _Used(NamedTuple):
+    """The k and v of the products, k [..., H_kv, N_k, d_k], v [..., H_kv, N_k, d_v] (float32)."""
+    k: np.ndarray           # the k of S = q k^T: round(scale k) (reorder) or k
+    v: np.ndarray           # the v of out = P~ v: round(v / (1 - p)) (reorder) or v
+
+
+class _Forward(NamedTuple):
+    """What the recipe's forward computed on a block of rows, for its backwards (float32
+    arrays; [..., H, b, N_k] and [..., H, b, d] blocks, k and v whole)."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    used: _Used
+    keep: object            # the keep-mask, or None
+    tanh: object            # tanh(S / softcap) rounded, or None
+    bias: object            # the bias's block, or None
+    drop: object            # the dropout keep-mask as 0 / 1 (1 without dropout)
+    p: np.ndarray           # P rounded
+    p_drop: np.ndarray      # P~ as multiplied with used.v
+    out: np.ndarray
+    lse: np.ndarray
+    reorder: bool
+
+
+def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder):
+    """The recipe's forward on the rows of q [..., H, b, d_k] (index: their block of the scores)."""
     scale, inv_keep = np.float32(o.scale), np.float32(1 / (1 - o.dropout_p))
     if reorder:                                                                  # S = q (scale k)^T
-        k_used = rnd(k * scale)
-        s = rnd(grouped_matmul(q, np.swapaxes(k_used, -1, -2)))
+        s = rnd(grouped_matmul(q, np.swapaxes(used.k, -1, -2)))
     else:                                                                        # S = scale (q k^T)
-        k_used = k
         s = rnd(rnd(grouped_matmul(q, np.swapaxes(k, -1, -2))) * scale)
     tanh = None
     if o.softcap is not None:
         tanh = rnd(np.tanh(rnd(s / np.float32(o.softcap))))
         s = rnd(tanh * np.float32(o.softcap))
-    if o.bias is not None:
-        s = rnd(s + rnd(o.bias))
-    keep = keep_mask(o, s.shape)
+    bias = block_of(o.bias, score_shape, index)
+    if bias is not None:
+        s = rnd(s + rnd(bias))
+    keep = keep_mask(o, score_shape, index)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
     p32, lse = _softmax32(s)
     p = rnd(p32)
-    drop = _drop(o)
+    drop = _drop(block_of(o.dropout_scale, score_shape, index))
     if reorder:                                                                  # P~ = P mask, v' = v / (1 - p)
-        p_drop, v_used = p * drop, rnd(v * inv_keep)
+        p_drop = p * drop
     else:                                                                        # P~ = P mask / (1 - p)
-        p_drop, v_used = rnd(rnd(p * drop) * inv_keep), v
+        p_drop = rnd(rnd(p * drop) * inv_keep)
     p_drop = p_drop.astype(precision.weights).astype(np.float32)
-    out = rnd(grouped_matmul(p_drop, v_used))
-    result = {"out": out, "lse": lse}
-    if dout is None:
-        return result
-    forward = _Forward(q=q, k=k, v=v, k_used=k_used, v_used=v_used, keep=keep, tanh=tanh, p=p,
-                       p_drop=p_drop, out=out, lse=lse, reorder=reorder)
-    grads = (_flash_backward if backward == "flash" else _eager_backward)(rnd, rnd(dout), o, forward)
-    return {**result, **grads}
-
-
-class _Forward(NamedTuple):
-    """What the recipe's forward computed, for its backwards (float32 arrays)."""
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    k_used: np.ndarray      # the k of S = q k_used^T: scale k (reorder) or k
-    v_used: np.ndarray      # the v of out = P~ v_used: v / (1 - p) (reorder) or v
-    keep: object            # the keep-mask, or None
-    tanh: object            # tanh(S / softcap) rounded, or None
-    p: np.ndarray           # P rounded
-    p_drop: np.ndarray      # P~ as multiplied with v_used
-    out: np.ndarray
-    lse: np.ndarray
-    reorder: bool
+    return _Forward(q=q, k=k, v=v, used=used, keep=keep, tanh=tanh, bias=bias, drop=drop, p=p,
+                    p_drop=p_drop, out=rnd(grouped_matmul(p_drop, used.v)), lse=lse, reorder=reorder)
 
 
 def _softmax32(s):
@@ -152,61 +196,68 @@ def _softmax32(s):
         return np.where(total > 0, e / total, 0).astype(np.float32), lse.astype(np.float32)
 
 
-def _eager_backward(rnd, dout, o, f):
-    """The backward of the forward's ops, each rounded (torch's autograd in that dtype)."""
-    h_kv, drop = with_head_axis(f.k).shape[-3], _drop(o)
+def _eager_rows(rnd, dout, o, f, sums):
+    """The backward of the forward's ops on a block of rows, each rounded (torch's autograd in
+    that dtype): (dq, dS for dbias, sums) with the float32 sums of dk and dv over the rows
+    continued (rounded once at the end, _eager_sums_rounded)."""
+    h_kv = f.k.shape[-3]
     inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
-    dv = rnd(grouped_sum_matmul(f.p_drop, dout, h_kv))
-    dp = rnd(grouped_matmul(dout, np.swapaxes(f.v_used, -1, -2)))
-    if f.reorder:
-        grads, dp = {"dv": rnd(dv * inv_keep)}, dp * drop
-    else:
-        grads, dp = {"dv": dv}, rnd(rnd(dp * inv_keep) * drop)
+    dv = grouped_sum_matmul(f.p_drop, dout, h_kv)
+    dp = rnd(grouped_matmul(dout, np.swapaxes(f.used.v, -1, -2)))
+    dp = dp * f.drop if f.reorder else rnd(rnd(dp * inv_keep) * f.drop)
     ds = rnd(f.p * (dp - np.sum(f.p * dp, axis=-1, keepdims=True)))
     if f.keep is not None:
         ds = np.where(f.keep, ds, 0)
-    if o.bias is not None:
-        grads["dbias"] = rnd(unbroadcast(ds, o.bias.shape))
+    ds_bias = ds
     if f.tanh is not None:
         softcap = np.float32(o.softcap)
         ds = rnd(rnd(rnd(ds * softcap) * (1 - f.tanh ** 2)) / softcap)
     if f.reorder:
-        grads["dq"] = rnd(grouped_matmul(ds, f.k_used))
-        grads["dk"] = rnd(rnd(grouped_sum_matmul(ds, f.q, h_kv)) * scale)
+        dq = rnd(grouped_matmul(ds, f.used.k))
     else:
         ds = rnd(ds * scale)
-        grads["dq"] = rnd(grouped_matmul(ds, f.k))
-        grads["dk"] = rnd(grouped_sum_matmul(ds, f.q, h_kv))
-    return grads
+        dq = rnd(grouped_matmul(ds, f.k))
+    dk = grouped_sum_matmul(ds, f.q, h_kv)
+    return dq, ds_bias, {"dk": sums["dk"] + dk, "dv": sums["dv"] + dv}
 
 
-def _flash_backward(rnd, dout, o, f):
-    """FlashAttention's backward: P = exp(S - lse) and dS = P (dP - D) in float32 from float32
-    scores, P and dS rounded to T for the products, dq, dk, dv accumulated in T over tiles
-    (TILE_ROWS query rows for dk, dv; TILE_COLS keys for dq), as torch's CPU kernel does."""
+def _eager_sums_rounded(rnd, sums, o, reorder):
+    """dk, dv of the eager backward from their float32 sums: dv = round(dv) (reorder: then
+    round(dv / (1 - p))), dk = round(round(dk) * scale) (reorder; else round(dk))."""
+    dv, dk = rnd(sums["dv"]), rnd(sums["dk"])
+    if reorder:
+        dv, dk = rnd(dv * np.float32(1 / (1 - o.dropout_p))), rnd(dk * np.float32(o.scale))
+    return {"dk": dk, "dv": dv}
+
+
+def _flash_rows(rnd, dout, o, f, sums):
+    """FlashAttention's backward on a block of rows: P = exp(S - lse) and dS = P (dP - D) in
+    float32 from float32 scores, P and dS rounded to T for the products, dq, dk, dv accumulated
+    in T over tiles (TILE_ROWS query rows for dk, dv, continuing `sums` over the block's
+    tiles; TILE_COLS keys for dq), as torch's CPU kernel does. Returns (dq, dS for dbias, sums)."""
     q, k, v = f.q, f.k, f.v
-    h_kv, drop = with_head_axis(k).shape[-3], _drop(o)
+    h_kv = k.shape[-3]
     inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
     s = grouped_matmul(q, np.swapaxes(k, -1, -2)) * scale
     tanh32 = None
     if o.softcap is not None:
         tanh32 = np.tanh(s / np.float32(o.softcap))
         s = tanh32 * np.float32(o.softcap)
-    if o.bias is not None:
-        s = s + o.bias.astype(np.float32)
+    if f.bias is not None:
+        s = s + f.bias.astype(np.float32)
     if f.keep is not None:
         s = np.where(f.keep, s, -np.inf)
     with np.errstate(invalid="ignore"):
         p32 = np.where(np.isneginf(f.lse)[..., None], 0, np.exp(s - f.lse[..., None]))
-    dp = grouped_matmul(dout, np.swapaxes(v, -1, -2)) * drop * inv_keep
+    dp = grouped_matmul(dout, np.swapaxes(v, -1, -2)) * f.drop * inv_keep
     ds = p32 * (dp - np.sum(dout * f.out, axis=-1, keepdims=True))
     if f.keep is not None:
         ds = np.where(f.keep, ds, 0)
-    grads = {} if o.bias is None else {"dbias": rnd(unbroadcast(ds, o.bias.shape))}
+    ds_bias = ds
     if tanh32 is not None:
         ds = ds * (1 - tanh32 ** 2)
-    p_T, ds_T = rnd(p32 * drop), rnd(ds)
-    dq, dk, dv = (np.zeros(x.shape, np.float32) for x in (q, k, v))
+    p_T, ds_T = rnd(p32 * f.drop), rnd(ds)
+    dq, dk, dv = np.zeros(q.shape, np.float32), sums["dk"], sums["dv"]
     for r in range(0, q.shape[-2], TILE_ROWS):
         rows = (Ellipsis, slice(r, r + TILE_ROWS), slice(None))
         dv = rnd(dv + grouped_sum_matmul(p_T[rows], dout[rows], h_kv) * inv_keep)
@@ -214,10 +265,10 @@ def _flash_backward(rnd, dout, o, f):
     for c in range(0, k.shape[-2], TILE_COLS):
         cols = slice(c, c + TILE_COLS)
         dq = rnd(dq + grouped_matmul(ds_T[..., cols], k[..., cols, :]) * scale)
-    return {**grads, "dq": dq, "dk": dk, "dv": dv}
+    return dq, ds_bias, {"dk": dk, "dv": dv}
 
 
-def _drop(options):
-    """The dropout keep-mask as 0/1 float32 (1 without dropout)."""
-    return np.float32(1) if options.dropout_scale is None else \
-        (options.dropout_scale != 0).astype(np.float32)
+def _drop(dropout_scale):
+    """The dropout keep-mask as 0/1 float32 (1 without dropout) from (a block of) the record's
+    dropout_scale."""
+    return np.float32(1) if dropout_scale is None else (dropout_scale != 0).astype(np.float32)

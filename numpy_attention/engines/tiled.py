@@ -49,7 +49,7 @@ def _tiles(n, b):
     return [slice(i, min(i + b, n)) for i in range(0, n, b)]
 
 
-def _tile_scores(options, q_i, k_j, score_shape, tile):
+def tile_scores(options, q_i, k_j, score_shape, tile):
     """S_ij = (scale q_i) k_j^T + bias_ij, -inf where not kept: [..., H, b_q, b_k], fresh.
 
     q_i is the query tile, already scaled. Returns (S_ij, skip): skip is True when the
@@ -103,7 +103,7 @@ def _forward_rows(o, q_i, k3, v3, score_shape, rows, tangents=None):
         if tangents is not None and tangents.sinks is not None:
             l_dot = l * heads_view(tangents.sinks, score_shape)[..., None]
     for cols in _tiles(score_shape[-1], o.block_size):
-        s, skip = _tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
+        s, skip = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
         if skip:
             continue
         m_new = np.maximum(m, s.real.max(axis=-1))
@@ -114,7 +114,7 @@ def _forward_rows(o, q_i, k3, v3, score_shape, rows, tangents=None):
         l = a * l + p.sum(axis=-1)
         acc = a[..., None] * acc + grouped_matmul(p, v3[..., cols, :])
         if tangents is not None:                                        # the same sums with S_dot
-            p_s_dot = p * _tile_scores_tangent(o, q_i, k3[..., cols, :], tangents, score_shape, rows, cols)
+            p_s_dot = p * tile_scores_tangent(o, q_i, k3[..., cols, :], tangents, score_shape, rows, cols)
             l_dot = a * l_dot + p_s_dot.sum(axis=-1)
             acc_dot = a[..., None] * acc_dot + grouped_matmul(p_s_dot, v3[..., cols, :]) \
                 + grouped_matmul(p, tangents.v[..., cols, :])
@@ -140,7 +140,7 @@ class Tangents(NamedTuple):
     sinks: object                   # sinks_dot or None
 
 
-def _tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols):
+def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols):
     """S_dot_ij = scale (q_dot_i k_j^T + q_i k_dot_j^T) + bias_dot_ij - slope_dot |..| (q_i scaled)."""
     s_dot = grouped_matmul(tangents.q, np.swapaxes(k_j, -1, -2)) \
         + grouped_matmul(q_i, np.swapaxes(tangents.k[..., cols, :], -1, -2))
@@ -208,7 +208,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     for rows in _tiles(score_shape[-2], o.block_size):
         q_i, dout_i = scaled(q3[..., rows, :], o.scale), dout3[..., rows, :]
         for cols in _tiles(score_shape[-1], o.block_size):
-            s, skip = _tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
+            s, skip = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
             if skip:
                 continue
             s -= lse[..., rows, None]
