@@ -39,9 +39,11 @@ from .storage import StorageError, decode, infer_precision
 
 INPUTS = ("q", "k", "v", "dout")
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
-           "dropout_p", "fully_masked")
-CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias")
-GRADIENTS = ("dq", "dk", "dv", "dbias")
+           "dropout_p", "fully_masked", "sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
+           "seqused_k")
+CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
+GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
+_PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
 DESCALES = ("q_descale", "k_descale", "v_descale")
 SETTINGS = ("precision", "layout", "lse_base")        # how to read the case (also keywords)
 LAYOUTS = ("bhnd", "bnhd")
@@ -136,11 +138,11 @@ def _read_tensors(arrays, precision, layout):
     """(inputs as stored, candidates): decoded under the precision, in [..., H, N, d]."""
     roles = {"q": "input", "k": "input", "v": "input", "dout": "gradient input"}
     tensors = {}
-    for name in INPUTS + CANDIDATES + ("bias",) + DESCALES:
+    for name in INPUTS + CANDIDATES + ("bias", "sinks", "alibi_slopes") + DESCALES:
         if name in arrays:
             role = roles.get(name, "result" if name in CANDIDATES else None)
             x = np.asarray(arrays[name])
-            if role is None:                                    # bias, descales: plain floats
+            if role is None:                                    # bias, sinks, slopes, descales: floats
                 if x.dtype.kind != "f":
                     raise StorageError(f"{name} must be a float array, got dtype {x.dtype} "
                                        f"with shape {x.shape}")
@@ -202,14 +204,16 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
         raise CaseError(f"precision {chosen.name!r} is checked forward only; the case has {gradients[0]}")
     if gradients and "dout" not in tensors:
         raise CaseError(f"missing key 'dout': the upstream gradient that {gradients[0]} belongs to")
-    if "dbias" in tensors and "bias" not in tensors:
-        raise CaseError("dbias is given but bias is not")
+    for gradient, option in (("dbias", "bias"), *_PER_HEAD.items()):
+        if gradient in tensors and option not in tensors:
+            raise CaseError(f"{gradient} is given but {option} is not")
     inputs = _dequantized(tensors, chosen)
     try:
         attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
-    options = _decode_options({**arrays, **({"bias": tensors["bias"]} if "bias" in tensors else {})})
+    options = _decode_options({**arrays, **{n: tensors[n] for n in ("bias", "sinks", "alibi_slopes")
+                                            if n in tensors}})
     try:
         attention_options(inputs["q"], inputs["k"], inputs["v"], **options)
     except (ValueError, TypeError) as exc:
@@ -218,7 +222,8 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     out_shape = q.shape[:-1] + v.shape[-1:]
     for n, shape in (("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),
                      ("dq", q.shape), ("dk", inputs["k"].shape), ("dv", v.shape),
-                     ("dbias", np.shape(tensors.get("bias")))):
+                     ("dbias", np.shape(tensors.get("bias"))),
+                     *((g, np.shape(tensors.get(o))) for g, o in _PER_HEAD.items())):
         if n in tensors:
             _require_shape(tensors, n, shape)
     return Case(inputs=inputs, options=options,

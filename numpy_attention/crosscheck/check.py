@@ -96,8 +96,8 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
         result.update(dq=scale * g.dq, dk=g.dk, dv=g.dv)
         if stages:
             result.update(dP=g.stages.dP, dS=g.stages.dS, D=g.stages.D)
-        if g.dbias is not None:
-            result["dbias"] = g.dbias
+        result.update({name: value for name, value in (("dbias", g.dbias), ("dsinks", g.dsinks),
+                                                       ("dalibi_slopes", g.dalibi_slopes)) if value is not None})
     return result
 
 
@@ -150,6 +150,8 @@ def term_magnitudes(stage_blocks, inputs, options):
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
     dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
+    head_sums = {"dsinks": 0.0, "dalibi_slopes": 0.0}  # [..., H] sums over rows (and columns)
+    reach = q.shape[-2] + k.shape[-2]                  # ALiBi's distances are below N_q + N_k
     for index, stages in stage_blocks:
         p_drop, kept = np.nan_to_num(stages["P~"]), stages["S"]
         row_max["out"] = max(row_max["out"], np.sum(p_drop, -1).max(initial=0))
@@ -160,6 +162,9 @@ def term_magnitudes(stage_blocks, inputs, options):
         row_max["dq"] = max(row_max["dq"], np.sum(terms, -1).max(initial=0))    # |dS|'s terms
         col_sum = {"dv": col_sum["dv"] + np.sum(p_drop, -2),
                    "dk": col_sum["dk"] + np.sum(terms, -2)}
+        p_sink = np.clip(1 - np.sum(np.nan_to_num(stages["P"]), -1), 0, None)      # a sink's weight
+        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1),
+                     "dalibi_slopes": head_sums["dalibi_slopes"] + reach * np.sum(terms, (-2, -1))}
         if dbias is not None:
             block = blocks.bias_block(dbias, index)
             block += unbroadcast(terms, block.shape)
@@ -171,6 +176,8 @@ def term_magnitudes(stage_blocks, inputs, options):
                     dk=scale * _kv_column_max(col_sum["dk"], h_kv) * q.max(initial=0))
         if dbias is not None:
             mags["dbias"] = dbias.max(initial=0)
+        mags.update({name: float(np.max(total, initial=0)) for name, total in head_sums.items()
+                     if name[1:] in options})
     return mags
 
 

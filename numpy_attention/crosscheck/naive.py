@@ -30,7 +30,7 @@ same to rounding).
 import numpy as np
 
 from .._layout import unbroadcast, with_head_axis
-from ..options import keep_mask
+from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
 from .blocks import bias_block, block_of, row_slices
 
 
@@ -70,6 +70,8 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
     lse = np.empty(q3.shape[:-1], q3.dtype)
     dq, dk, dv = np.empty(q3.shape, q3.dtype), None, None       # dk, dv: running sums (None: start)
     dbias = None if o.bias is None else np.zeros(o.bias.shape, q3.dtype)
+    per_head = {f"d{name}": np.zeros(score_shape[:-2], q3.dtype) for name in ("sinks", "alibi_slopes")
+                if getattr(o, name) is not None}                    # [..., H]
     for g in range(groups):
         for rows in row_slices(score_shape[-2], block_rows):
             index = (Ellipsis, slice(g, None, groups), rows, slice(None))
@@ -83,12 +85,18 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
             if dbias is not None:
                 block = bias_block(dbias, index)
                 block += unbroadcast(ds, block.shape)
+            if o.sinks is not None:
+                per_head["dsinks"][..., g::groups] += f["dsink"]
+            if o.alibi_slopes is not None:                          # S -= slope |i + N_k - N_q - j|
+                per_head["dalibi_slopes"][..., g::groups] -= np.sum(ds * alibi_distance(o, score_shape, index),
+                                                                    axis=(-2, -1))
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     if dout3 is not None:
         result.update(dq=dq.reshape(q.shape), dk=(o.scale * dk).reshape(k.shape),
                       dv=dv.reshape(v.shape))
         if dbias is not None:
             result["dbias"] = dbias
+        result.update({name: head_gradient(g, getattr(o, name[1:])) for name, g in per_head.items()})
     return result
 
 
@@ -103,22 +111,26 @@ def _forward_block(q, k, v, o, score_shape, index):
         s = o.softcap * softcap_tanh
     if o.bias is not None:
         s = s + block_of(o.bias, score_shape, index)
+    if o.alibi_slopes is not None:
+        s = s + alibi_bias(o, score_shape, index)
     keep = keep_mask(o, score_shape, index)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)          # -inf: no key (N_k = 0) or all masked
+    s_row = with_sink(s, o, score_shape, index)                     # sinks: one more logit, no value
+    m = np.max(s_row, axis=-1, keepdims=True, initial=-np.inf)      # -inf: no key (N_k = 0) or all masked
     m = np.where(np.isneginf(m), 0, m)
-    e = np.exp(s - m)
+    e = np.exp(s_row - m)
     total = recursive_rowsum(e)
     dead = total == 0                                              # a fully masked row
     fill = {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[o.fully_masked]   # (no key: 'zero' only)
-    p = np.where(dead, fill, e / np.where(dead, 1, total)).astype(s.dtype)
+    p_row = np.where(dead, fill, e / np.where(dead, 1, total)).astype(s.dtype)
+    p = p_row[..., :n_k]
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]
     drop = block_of(o.dropout_scale, score_shape, index)
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
     return {"out": recursive_matmul(p_drop, v), "lse": lse, "s": s, "p": p, "dead": dead,
-            "drop": drop, "softcap_tanh": softcap_tanh}
+            "drop": drop, "softcap_tanh": softcap_tanh, "p_sink": p_row[..., n_k:]}
 
 
 def _backward_block(dout, q, k, v, o, f, dk, dv):
@@ -132,9 +144,11 @@ def _backward_block(dout, q, k, v, o, f, dk, dv):
     dv = recursive_matmul(_swap(p_drop), dout, start=dv)
     dp = recursive_matmul(dout, _swap(v))
     dp = dp if drop is None else (dp * drop).astype(s.dtype)
-    ds = p * (dp - recursive_rowsum(dout * f["out"]))
+    D = recursive_rowsum(dout * f["out"])                          # [..., b, 1]
+    ds = p * (dp - D)
     ds = np.where(np.isneginf(s), 0, ds)
     ds_bias = ds
+    f["dsink"] = -np.sum(f["p_sink"] * D, axis=(-2, -1))          # the sink's column of dS, summed
     if f["softcap_tanh"] is not None:
         ds = ds * (1 - f["softcap_tanh"] ** 2)
     dq = o.scale * recursive_matmul(ds, k)

@@ -36,7 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
-from ..options import keep_mask
+from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
 from .blocks import bias_block, block_of, row_slices
 
 
@@ -110,6 +110,8 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     step = _flash_rows if backward == "flash" else _eager_rows
     dq, sums = np.empty(q3.shape, np.float32), {"dk": np.zeros(k3.shape, np.float32),
                                                "dv": np.zeros(v3.shape, np.float32)}
+    per_head = {name: np.zeros(score_shape[:-2], np.float32) for name in ("sinks", "alibi_slopes")
+                if getattr(o, name) is not None}                                 # [..., H], float32 sums
     dbias = None if o.bias is None else np.zeros(o.bias.shape, np.float32)
     for rows in row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, rows, slice(None))
@@ -121,6 +123,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
             if dbias is not None:
                 block = bias_block(dbias, index)
                 block += unbroadcast(ds, block.shape)
+            _per_head_sums(per_head, o, f, ds, dout3[..., rows, :], score_shape, index)
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     if dout3 is None:
         return result
@@ -130,7 +133,17 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
                   dv=sums["dv"].reshape(v.shape))
     if dbias is not None:
         result["dbias"] = rnd(dbias)
+    result.update({f"d{name}": rnd(head_gradient(g, getattr(o, name))) for name, g in per_head.items()})
     return result
+
+
+def _per_head_sums(per_head, o, f, ds, dout, score_shape, index):
+    """Add a block's dsinks = -sum P_sink D (D = rowsum(dout out)) and dalibi_slopes =
+    -sum dS |i + N_k - N_q - j| to their float32 sums [..., H]."""
+    if "sinks" in per_head:
+        per_head["sinks"] -= np.sum(f.p_sink[..., 0] * np.sum(dout * f.out, axis=-1), axis=-1)
+    if "alibi_slopes" in per_head:
+        per_head["alibi_slopes"] -= np.sum(ds * alibi_distance(o, score_shape, index), axis=(-2, -1))
 
 
 class _Used(NamedTuple):
@@ -155,6 +168,8 @@ class _Forward(NamedTuple):
     out: np.ndarray
     lse: np.ndarray
     reorder: bool
+    alibi: object           # ALiBi's bias block, or None
+    p_sink: np.ndarray      # [..., H, b, 1] the sink's weight (float32), or [..., H, b, 0] without
 
 
 def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder):
@@ -171,11 +186,14 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder)
     bias = block_of(o.bias, score_shape, index)
     if bias is not None:
         s = rnd(s + rnd(bias))
+    alibi = alibi_bias(o, score_shape, index)
+    if alibi is not None:                                                        # S -= slope |i + N_k - N_q - j|
+        s = rnd(s + rnd(alibi))
     keep = keep_mask(o, score_shape, index)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
-    p32, lse = _softmax32(s)
-    p = rnd(p32)
+    p32, lse = _softmax32(with_sink(s, o, score_shape, index))                   # sinks: one more logit
+    p, p_sink = rnd(p32[..., :s.shape[-1]]), p32[..., s.shape[-1]:]
     drop = _drop(block_of(o.dropout_scale, score_shape, index))
     if reorder:                                                                  # P~ = P mask, v' = v / (1 - p)
         p_drop = p * drop
@@ -183,7 +201,8 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder)
         p_drop = rnd(rnd(p * drop) * inv_keep)
     p_drop = p_drop.astype(precision.weights).astype(np.float32)
     return _Forward(q=q, k=k, v=v, used=used, keep=keep, tanh=tanh, bias=bias, drop=drop, p=p,
-                    p_drop=p_drop, out=rnd(grouped_matmul(p_drop, used.v)), lse=lse, reorder=reorder)
+                    p_drop=p_drop, out=rnd(grouped_matmul(p_drop, used.v)), lse=lse, reorder=reorder,
+                    alibi=alibi, p_sink=p_sink)
 
 
 def _softmax32(s):
@@ -218,7 +237,7 @@ def _eager_rows(rnd, dout, o, f, sums):
         ds = rnd(ds * scale)
         dq = rnd(grouped_matmul(ds, f.k))
     dk = grouped_sum_matmul(ds, f.q, h_kv)
-    return dq, ds_bias, {"dk": sums["dk"] + dk, "dv": sums["dv"] + dv}
+    return dq, ds_bias, {**sums, "dk": sums["dk"] + dk, "dv": sums["dv"] + dv}
 
 
 def _eager_sums_rounded(rnd, sums, o, reorder):
@@ -227,7 +246,7 @@ def _eager_sums_rounded(rnd, sums, o, reorder):
     dv, dk = rnd(sums["dv"]), rnd(sums["dk"])
     if reorder:
         dv, dk = rnd(dv * np.float32(1 / (1 - o.dropout_p))), rnd(dk * np.float32(o.scale))
-    return {"dk": dk, "dv": dv}
+    return {**sums, "dk": dk, "dv": dv}
 
 
 def _flash_rows(rnd, dout, o, f, sums):
@@ -245,6 +264,8 @@ def _flash_rows(rnd, dout, o, f, sums):
         s = tanh32 * np.float32(o.softcap)
     if f.bias is not None:
         s = s + f.bias.astype(np.float32)
+    if f.alibi is not None:
+        s = s + f.alibi.astype(np.float32)
     if f.keep is not None:
         s = np.where(f.keep, s, -np.inf)
     with np.errstate(invalid="ignore"):
@@ -265,7 +286,7 @@ def _flash_rows(rnd, dout, o, f, sums):
     for c in range(0, k.shape[-2], TILE_COLS):
         cols = slice(c, c + TILE_COLS)
         dq = rnd(dq + grouped_matmul(ds_T[..., cols], k[..., cols, :]) * scale)
-    return dq, ds_bias, {"dk": dk, "dv": dv}
+    return dq, ds_bias, {**sums, "dk": dk, "dv": dv}
 
 
 def _drop(dropout_scale):

@@ -48,7 +48,8 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-K_DEFAULT = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dbias": 3.0}
+K_DEFAULT = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dbias": 3.0, "dsinks": 3.0,
+             "dalibi_slopes": 3.0}
 ATOL_ULPS = 4
 K_L2 = 2.0
 
@@ -87,12 +88,12 @@ class CrosscheckReport(NamedTuple):
         head = (f"crosscheck: oracle {self.oracle_dtype}, baseline {self.baseline_dtype}; "
                 f"PASS iff {rule}  -> {'PASS' if self else 'FAIL'}")
         l2 = f"{'L2 ratio':>9}" if normwise else ""
-        cols = (f"{'tensor':<7}{'dtype':<9}{'max abs err':>12}{'rel L2 err':>12}{l2}{'baseline':>11}"
+        cols = (f"{'tensor':<14}{'dtype':<9}{'max abs err':>12}{'rel L2 err':>12}{l2}{'baseline':>11}"
                 f"{'ratio':>9}{'k':>4}{'bound':>11}  {'worst index':<20}{'verdict'}")
         lines = [head, cols]
         for r in self.rows:
             l2 = f"{r.l2_ratio:>9.3g}" if normwise else ""
-            lines.append(f"{r.name:<7}{r.dtype:<9}{r.max_abs_err:>12.3e}{r.rel_l2_err:>12.3e}{l2}"
+            lines.append(f"{r.name:<14}{r.dtype:<9}{r.max_abs_err:>12.3e}{r.rel_l2_err:>12.3e}{l2}"
                          f"{r.baseline_err:>11.3e}{r.ratio:>9.3g}{r.k:>4g}{r.bound:>11.3e}  "
                          f"{str(r.worst_index):<20}{'PASS' if r.passed else 'FAIL'}")
         lines += [f"diagnosis: {line}" for line in self.diagnosis]
