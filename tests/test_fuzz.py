@@ -2,10 +2,14 @@
 types: only ValueError / TypeError come out, finite inputs within range give no NaN, and no
 input is ever modified."""
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import numpy_attention as na
+
+# extreme values overflow on purpose: numpy's RuntimeWarnings are expected, errors are not
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 DTYPES = [np.float64, np.float32, np.float16, np.int64, np.complex128, np.bool_]
 VALUES = st.sampled_from([0.0, 1.0, -2.5, 1e-300, 1e300, -1e300, 3.0e3])
