@@ -183,7 +183,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                      seqused_k=None, page_table=None, cache_seqlens=None):
+                      seqused_k=None, page_table=None, cache_seqlens=None, workers=None):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -232,6 +232,9 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             fully_masked='zero' only, ValueError for the rest). None: 'tiled' if
             block_size is given, else 'blocked'.
         block_size: the tiled engine's tile size (default options.TILE_SIZE = 128).
+        workers: threads for the blocked engine (default 1): its independent blocks of rows
+            run on a thread pool with BLAS held to one thread (engines/parallel.py); the
+            results are bitwise the same for any number. The backward uses the forward's.
     Returns:
         out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside;
         cache.scores recomputes S), or a TiledAttentionCache (out and lse) for 'tiled'.
@@ -250,7 +253,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, implementation=implementation,
         block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, workers=workers)
     forward, _ = ENGINES[options.implementation]
     if paged is None:
         return forward(q, k, v, options)

@@ -47,6 +47,7 @@ class AttentionOptions(NamedTuple):
     implementation: str                 # 'textbook', 'blocked' or 'tiled'
     block_size: Optional[int]           # the tiled engine's tile size; None for the others
     paged: Optional[object] = None      # paged.PagedLayout: q, k, v were packed from a paged KV cache
+    workers: int = 1                    # threads of the blocked engine (engines/parallel.py)
 
 
 def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
@@ -72,7 +73,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                      seqused_k=None):
+                      seqused_k=None, workers=None):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh arrays of the computation's dtype (a cache that keeps them
@@ -120,7 +121,8 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         fully_masked=fully_masked, sinks=_read_only(sinks), alibi_slopes=_read_only(alibi_slopes),
         cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
         seqused_k=_read_only(packed[2]),
-        masked=masked, implementation=implementation, block_size=block_size)
+        masked=masked, implementation=implementation, block_size=block_size,
+        workers=_workers(workers, implementation))
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -233,6 +235,15 @@ def with_sink(S, options, score_shape=None, index=(Ellipsis, slice(None), slice(
     sinks = heads_view(options.sinks, S.shape if score_shape is None else score_shape)[index[:-2]]
     column = np.broadcast_to(sinks[..., None, None], S.shape[:-1] + (1,))
     return np.concatenate([S, column.astype(S.dtype)], axis=-1)
+
+
+def _workers(workers, implementation):
+    """workers as an int >= 1 (None: 1); more than one runs the blocked engine on threads."""
+    workers = 1 if workers is None else require_positive_int(workers, "workers")
+    if workers > 1 and implementation != "blocked":
+        raise ValueError(f"workers={workers} runs the blocked engine on threads; "
+                         f"implementation={implementation!r} runs on one")
+    return workers
 
 
 def _read_only(x):

@@ -178,3 +178,29 @@ def test_the_options_record_is_frozen_and_owns_its_arrays():
         cache.options.scale = 2.0
     with pytest.raises(ValueError):
         cache.options.bias[0, 0, 0] = 1.0                       # read-only
+
+
+# ----------------------------------------------------------------------------- workers
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_workers_give_bitwise_the_same_results(monkeypatch, option):
+    """Many blocks (a small budget): 1, 2 and 3 threads give the same bits, forward and backward."""
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", 24)
+    q, k, v, dout = inputs(7)
+    results = []
+    for workers in (1, 2, 3):
+        out, cache = na.attention_forward(q, k, v, workers=workers, **OPTIONS[option])
+        grads = na.attention_backward(dout, cache, return_stages=True)
+        results.append([out, cache.lse, cache.weights, grads.dq, grads.dk, grads.dv, grads.dbias,
+                        grads.stages.dS])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert (a is None and b is None) or np.array_equal(a, b, equal_nan=True)
+
+
+def test_workers_belong_to_the_blocked_engine():
+    q, k, v, _ = inputs()
+    with pytest.raises(ValueError, match="workers=2 runs the blocked engine on threads"):
+        na.attention_forward(q, k, v, workers=2, implementation="tiled")
+    with pytest.raises(TypeError, match="workers must be a positive integer"):
+        na.attention_forward(q, k, v, workers=1.5)

@@ -22,12 +22,14 @@ Two details of the backward, each measured faster here:
   index (cache.top), so the backward does not search P for it again.
 """
 import math
+from functools import partial
 
 import numpy as np
 
 from .._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
 from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
+from .parallel import run_tasks
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 
 BLOCK_BYTES = 8 << 20       # scores per block: the best of 1-32 MiB measured here (a few MiB, about L2)
@@ -92,7 +94,7 @@ def blocked_forward(q, k, v, options):
     lse = np.empty(score_shape[:-1], q.dtype)                        # [..., H, N_q]
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
-    for block in row_blocks(score_shape, group, p.itemsize):
+    def forward_block(block):                                        # writes only its own rows
         s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group)   # 1-4.
         if tanh_block is not None:
             softcap_tanh[block] = tanh_block
@@ -110,6 +112,8 @@ def blocked_forward(q, k, v, options):
         if o.dropout_scale is not None:                              # 6. dropout
             p_block = p_block * np.broadcast_to(o.dropout_scale, score_shape)[block]
         out[block] = grouped_matmul(p_block, v3[_kv_heads(block, group)])   # 7. out = P~ v
+    run_tasks([partial(forward_block, block) for block in row_blocks(score_shape, group, p.itemsize)],
+              o.workers)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=shape(p),
@@ -137,7 +141,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
                 (("sinks", o.sinks), ("alibi_slopes", o.alibi_slopes)) if x is not None}   # [..., H]
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
     dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
-    for block in row_blocks(score_shape, group, p.itemsize):
+    def backward_block(block):                                       # dk, dv: its kv heads' sums
         kv, index = _kv_heads(block, group), block + (slice(None),)  # the block's k, v and scores
         n_kv = kv[-1].stop - kv[-1].start
         # 7. out = P~ v:  dv^T = dout^T P~ (summed over the group),  dP~ = dout v^T
@@ -169,6 +173,12 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
             ds *= 1 - softcap_tanh[block] ** 2
         dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k
         dkT[kv] += grouped_sum_matmul(q3[block], ds, n_kv)           #    dk^T = scale q^T dS
+
+    def backward_group(blocks):                                      # one kv head's blocks, in order
+        for block in blocks:
+            backward_block(block)
+    run_tasks([partial(backward_group, blocks) for blocks in _by_kv_heads(
+        row_blocks(score_shape, group, p.itemsize), group)], o.workers)
     dq, dkT = scaled(dq, o.scale), scaled(dkT, o.scale)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)
     stages = None
@@ -179,6 +189,15 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     head_grads = {f"d{name}": head_gradient(g, getattr(o, name)) for name, g in per_head.items()}
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=contiguous(dkT, cache.k),
                           dv=contiguous(dvT, cache.v), dbias=dbias, stages=stages, **head_grads)
+
+
+def _by_kv_heads(blocks, group):
+    """The blocks grouped by the kv heads they accumulate dk, dv into, each group in order."""
+    groups = {}
+    for block in blocks:
+        key = tuple((s.start, s.stop) for s in _kv_heads(block, group))
+        groups.setdefault(key, []).append(block)
+    return list(groups.values())
 
 
 def _weights_row(p, options, score_shape, index, lse):
