@@ -153,12 +153,9 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         if dP is not None:
             dP[block] = dp
         # 5. dS = P * (dP - rowsum(P * dP)) on the softmax's whole row (with sinks, one more column)
-        p_row = _weights_row(p[block], o, score_shape, index, lse[block])
-        ds = _softmax_backward(method, _pad_like(dp, p_row), p_row, top[block], D[block], lse[block],
-                               lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group)[0],
-                                                 o, score_shape, index))
-        if dlse is not None:                                         #    dS += P * dlse
-            ds += p_row * dlse3[block][..., None]
+        scores = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group)[0], o, score_shape, index)
+        ds = _row_backward(method, dp, p[block], top[block], D[block], lse[block],
+                           None if dlse is None else dlse3[block], o, score_shape, index, scores)
         if o.sinks is not None:                                      #    the sink's column: dsinks
             per_head["sinks"][block[:-1]] += ds[..., -1].sum(axis=-1)
             ds = np.ascontiguousarray(ds[..., :-1])
@@ -198,6 +195,16 @@ def _by_kv_heads(blocks, group):
         key = tuple((s.start, s.stop) for s in _kv_heads(block, group))
         groups.setdefault(key, []).append(block)
     return list(groups.values())
+
+
+def _row_backward(method, dp, p, top, D, lse, dlse, options, score_shape, index, scores):
+    """Step 5 on a block's whole softmax rows (the sink's column last, with sinks): dS by
+    `method`, plus P * dlse for a gradient of lse. dp is the block's own, free to overwrite."""
+    p_row = _weights_row(p, options, score_shape, index, lse)
+    ds = _softmax_backward(method, _pad_like(dp, p_row), p_row, top, D, lse, scores)
+    if dlse is not None:                                             # lse = log rowsum exp(S)
+        ds += p_row * dlse[..., None]
+    return ds
 
 
 def _weights_row(p, options, score_shape, index, lse):
