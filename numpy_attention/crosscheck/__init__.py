@@ -8,6 +8,7 @@
     blocks.py     a large case in blocks of query rows: O(N) memory for oracle and baselines
     npz.py        reading a case file from a stranger: checked before any data is read
     diagnosis.py  which convention mix-up a failing candidate matches instead
+    tangents.py   forward mode: a candidate's out_dot, lse_dot along q_dot, k_dot, v_dot
     check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
     (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)

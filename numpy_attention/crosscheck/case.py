@@ -37,11 +37,12 @@ from .precision import PRECISIONS, Precision
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
 
-INPUTS = ("q", "k", "v", "dout")
+INPUTS = ("q", "k", "v", "dout", "q_dot", "k_dot", "v_dot")      # the tangents: forward mode
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
            "dropout_p", "fully_masked", "sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
            "seqused_k")
-CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
+CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot")
+FORWARD_MODE = ("out_dot", "lse_dot")
 GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
 _PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
 DESCALES = ("q_descale", "k_descale", "v_descale")
@@ -50,7 +51,7 @@ LAYOUTS = ("bhnd", "bnhd")
 LSE_BASES = ("e", "2")
 KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + SETTINGS
 # tensors with a head axis and a length axis, in [..., H, N, d] (or FlashAttention's [..., N, H, d])
-_LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+_LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot")
 
 
 class Case(NamedTuple):
@@ -136,7 +137,8 @@ def _setting(arrays, name, given, choices):
 
 def _read_tensors(arrays, precision, layout):
     """(inputs as stored, candidates): decoded under the precision, in [..., H, N, d]."""
-    roles = {"q": "input", "k": "input", "v": "input", "dout": "gradient input"}
+    roles = {"q": "input", "k": "input", "v": "input", "dout": "gradient input", "q_dot": "gradient input",
+             "k_dot": "gradient input", "v_dot": "gradient input"}
     tensors = {}
     for name in INPUTS + CANDIDATES + ("bias", "sinks", "alibi_slopes") + DESCALES:
         if name in arrays:
@@ -220,7 +222,15 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
         raise CaseError(str(exc)) from None
     q, v = inputs["q"], inputs["v"]
     out_shape = q.shape[:-1] + v.shape[-1:]
-    for n, shape in (("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),
+    tangents = [n for n in FORWARD_MODE if n in tensors]
+    if tangents and not {"q_dot", "k_dot", "v_dot"} & set(tensors):
+        raise CaseError(f"missing a tangent: {tangents[0]} needs q_dot, k_dot or v_dot (the others are 0)")
+    if tangents and chosen.recipe:
+        raise CaseError(f"tangents are judged in the float32 and float64 precisions; this case's is "
+                        f"{chosen.name!r}")
+    for n, shape in (("q_dot", q.shape), ("k_dot", inputs["k"].shape), ("v_dot", v.shape),
+                     ("out_dot", out_shape), ("lse_dot", q.shape[:-1]),
+                     ("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),
                      ("dq", q.shape), ("dk", inputs["k"].shape), ("dv", v.shape),
                      ("dbias", np.shape(tensors.get("bias"))),
                      *((g, np.shape(tensors.get(o))) for g, o in _PER_HEAD.items())):

@@ -29,10 +29,11 @@ from ..attention import ENGINES, TiledAttentionCache, attention_backward
 from ..engines.tiled import tile_scores
 from ..options import attention_options
 from . import blocks
-from .case import CANDIDATES, GRADIENTS, CaseError, split_case
+from .case import CANDIDATES, FORWARD_MODE, GRADIENTS, CaseError, split_case
 from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention
 from .naive import naive_attention
+from .tangents import add_tangents
 from .rule import K_L2, CrosscheckReport, atol_for, judge
 
 ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
@@ -293,12 +294,14 @@ def _as_arrays(arrays):
 
 def _atol(case, dtype, oracle, magnitude, given):
     """The tensor's atol (rule.py): the given one; 4 ulps of its largest sum of terms in a
-    float32 / float64 precision; half an ulp of its largest entry in a 16- or 8-bit one."""
+    float32 / float64 precision (of its largest entry for a tangent, which has no term
+    magnitudes); half an ulp of its largest entry in a 16- or 8-bit one."""
     if given is not None:
         return given
+    largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
     if not case.precision.recipe:
-        return atol_for(dtype, magnitude)
-    return eps(dtype) / 2 * float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
+        return atol_for(dtype, largest if magnitude is None else magnitude)
+    return eps(dtype) / 2 * largest
 
 
 def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
@@ -343,6 +346,11 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                 case.inputs, case.options, wide, True, forward_of, stages=whole).items()
                 if name in GRADIENTS})
         bases = baselines(case, want_grads, block_rows)
+        if any(name in case.candidates for name in FORWARD_MODE):
+            if not whole:
+                raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
+            add_tangents(case, truth, bases, wide)
+            against.update({name: truth[name] for name in FORWARD_MODE})
         stage_blocks = (_whole_stages(truth) if whole else
                         _recomputed_stages(truth, case.inputs, case.options, block_rows))
         mags = {} if case.precision.recipe else term_magnitudes(stage_blocks, case.inputs, case.options)
