@@ -92,3 +92,21 @@ def test_a_split_kv_merge_mixing_lse_bases_fails(base):
     right, wrong = na.combine_forward(outs, stored, base=base), na.combine_forward(outs, stored, base=other)
     assert na.crosscheck(q=q, k=k, v=v, out=right[0], lse=right[1] * to_e[base])
     assert not na.crosscheck(q=q, k=k, v=v, out=wrong[0], lse=wrong[1] * to_e[other])
+
+
+def test_a_paged_kv_cache_case():
+    """page_table, cache_seqlens as case keys; dk, dv judged as the pages' gradients."""
+    rng = np.random.default_rng(3)
+    q, dout = rng.standard_normal((2, 2, 2, 8)), rng.standard_normal((2, 2, 2, 8))
+    k_cache, v_cache = rng.standard_normal((5, 1, 4, 8)), rng.standard_normal((5, 1, 4, 8))
+    paging = {"page_table": np.array([[3, 0], [1, 4]]), "cache_seqlens": np.array([6, 3])}
+    f32 = lambda x: x.astype(np.float32)
+    out, cache = na.attention_forward(f32(q), f32(k_cache), f32(v_cache), causal="bottom_right", **paging)
+    grads = na.attention_backward(f32(dout), cache)
+    case = dict(q=q, k=k_cache, v=v_cache, dout=dout, causal=np.array("bottom_right"), out=out,
+                dq=grads.dq, dk=grads.dk, dv=grads.dv, **paging)
+    assert na.crosscheck(**case)
+    wrong_page = grads.dk.copy()
+    wrong_page[[2, 3]] = wrong_page[[3, 2]]                          # page 3's gradient put in page 2
+    report = na.crosscheck(**{**case, "dk": wrong_page})
+    assert not report and "not run" in report.diagnosis[0]

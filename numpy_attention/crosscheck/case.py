@@ -33,6 +33,7 @@ from .._files import replacing
 from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from ..options import attention_options
+from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from .precision import PRECISIONS, Precision
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
@@ -40,9 +41,10 @@ from .storage import StorageError, decode, infer_precision
 INPUTS = ("q", "k", "v", "dout", "q_dot", "k_dot", "v_dot")      # the tangents: forward mode
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
            "dropout_p", "fully_masked", "sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
-           "seqused_k")
+           "seqused_k", "page_table", "cache_seqlens")
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot")
 FORWARD_MODE = ("out_dot", "lse_dot")
+PAGED = ("page_table", "cache_seqlens")              # read by _packed_if_paged, not options
 GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
 _PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
 DESCALES = ("q_descale", "k_descale", "v_descale")
@@ -62,6 +64,7 @@ class Case(NamedTuple):
     precision: Precision    # what the candidate computed in (precision.py)
     layout: str             # 'bhnd' or 'bnhd': how the tensors were stored (now all [..., H, N, d])
     lse_base: str           # 'e' or '2': the base of the candidate's lse
+    paged: object = None    # paged.PagedLayout: inputs packed from a paged KV cache (page_table)
 
 
 class CaseError(ValueError):
@@ -112,7 +115,7 @@ def _decode_options(arrays):
     """attention_forward's keyword arguments from the case; CaseError naming a bad option."""
     try:
         options = {name: _DECODE[name](arrays, name) if name in _DECODE else arrays[name]
-                   for name in OPTIONS if name in arrays}
+                   for name in OPTIONS if name in arrays and name not in PAGED}
         resolve_alignment(options.get("causal", False), options.get("align"))
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
@@ -210,17 +213,15 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
         if gradient in tensors and option not in tensors:
             raise CaseError(f"{gradient} is given but {option} is not")
     inputs = _dequantized(tensors, chosen)
-    try:
-        attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
-    except (ValueError, TypeError) as exc:
-        raise CaseError(str(exc)) from None
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]                  # as stored (a paged cache too)
     options = _decode_options({**arrays, **{n: tensors[n] for n in ("bias", "sinks", "alibi_slopes")
                                             if n in tensors}})
+    inputs, options, paged = _packed_if_paged(arrays, inputs, options)
     try:
+        attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
         attention_options(inputs["q"], inputs["k"], inputs["v"], **options)
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
-    q, v = inputs["q"], inputs["v"]
     out_shape = q.shape[:-1] + v.shape[-1:]
     tangents = [n for n in FORWARD_MODE if n in tensors]
     if tangents and not {"q_dot", "k_dot", "v_dot"} & set(tensors):
@@ -228,17 +229,40 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     if tangents and chosen.recipe:
         raise CaseError(f"tangents are judged in the float32 and float64 precisions; this case's is "
                         f"{chosen.name!r}")
-    for n, shape in (("q_dot", q.shape), ("k_dot", inputs["k"].shape), ("v_dot", v.shape),
+    if tangents and paged is not None:
+        raise CaseError("tangents are judged without a paged KV cache (page_table)")
+    for n, shape in (("q_dot", q.shape), ("k_dot", k.shape), ("v_dot", v.shape),
                      ("out_dot", out_shape), ("lse_dot", q.shape[:-1]),
                      ("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),
-                     ("dq", q.shape), ("dk", inputs["k"].shape), ("dv", v.shape),
+                     ("dq", q.shape), ("dk", k.shape), ("dv", v.shape),
                      ("dbias", np.shape(tensors.get("bias"))),
                      *((g, np.shape(tensors.get(o))) for g, o in _PER_HEAD.items())):
         if n in tensors:
             _require_shape(tensors, n, shape)
     return Case(inputs=inputs, options=options,
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
-                precision=chosen, layout=layout, lse_base=lse_base)
+                precision=chosen, layout=layout, lse_base=lse_base, paged=paged)
+
+
+def _packed_if_paged(arrays, inputs, options):
+    """(inputs, options, PagedLayout or None): a paged KV cache's case as packed sequences
+    (paged.py): q, dout [B, H, N_q, d] -> [H, B N_q, d], the caches' used rows gathered,
+    cu_seqlens among the options. The candidates stay in the caller's layout."""
+    if "page_table" not in arrays and "cache_seqlens" not in arrays:
+        return inputs, options, None
+    if {"mask", "bias", "cu_seqlens_q", "seqused_k"} & set(options):
+        raise CaseError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens or seqused_k")
+    try:
+        paged = check_pages(inputs["q"], inputs["k"], inputs["v"], arrays.get("page_table"),
+                            arrays.get("cache_seqlens"))
+    except ValueError as exc:
+        raise CaseError(str(exc)) from None
+    q, k, v = pack(inputs["q"], inputs["k"], inputs["v"], paged)
+    packed = {**inputs, "q": q, "k": k, "v": v}
+    if "dout" in inputs:
+        packed["dout"] = pack_rows(inputs["dout"])
+    cu_q, cu_k = cu_seqlens(paged)
+    return packed, {**options, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, paged
 
 
 def load_case(path):

@@ -28,6 +28,7 @@ from .._layout import grouped_matmul, unbroadcast, with_head_axis
 from ..attention import ENGINES, TiledAttentionCache, attention_backward
 from ..engines.tiled import tile_scores
 from ..options import attention_options
+from ..paged import scatter_keys, unpack_rows
 from . import blocks
 from .case import CANDIDATES, FORWARD_MODE, GRADIENTS, CaseError, split_case
 from .diagnosis import diagnose, rel_l2
@@ -354,6 +355,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         stage_blocks = (_whole_stages(truth) if whole else
                         _recomputed_stages(truth, case.inputs, case.options, block_rows))
         mags = {} if case.precision.recipe else term_magnitudes(stage_blocks, case.inputs, case.options)
+        if case.paged is not None:                       # the packed problem's results, as the caller's
+            truth, against = (_unpaged(x, case.paged) for x in (truth, against))
+            bases = [_unpaged(b, case.paged) for b in bases]
         verdicts = [judge(name, _in_base_e(case, name, cand), against[name],
                           [b[name].astype(cand.dtype) for b in bases], baseline_oracle=truth[name],
                           k=k_factors.get(name), dtype=cand.dtype,
@@ -365,6 +369,15 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
     return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
+
+
+def _unpaged(results, paged):
+    """A result dict of the packed problem in the paged case's layout: out, lse, dq back to
+    [B, H, N_q, ...], dk, dv scattered into the pages (paged.py)."""
+    back = {"out": unpack_rows, "lse": unpack_rows, "dq": unpack_rows,
+            "dk": lambda x, p: scatter_keys(x, p.k_cache_shape, p),
+            "dv": lambda x, p: scatter_keys(x, p.v_cache_shape, p)}
+    return {name: back[name](x, paged) if name in back else x for name, x in results.items()}
 
 
 def _candidate_forward(case, own_forward, want_grads):
@@ -390,6 +403,8 @@ def _diagnosis(arrays, case, truth, failing, whole):
     if not whole:
         return ["not run: the case is too large to rerun the oracle under each mix-up "
                 f"(more than {blocks.SCORE_BUDGET:,} scores)"]
+    if case.paged is not None:
+        return ["not run: the mix-ups are not tried on a paged KV cache's case"]
     return diagnose(case, truth, failing) or _layout_mixup(arrays, case, failing)
 
 
