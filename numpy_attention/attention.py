@@ -291,8 +291,9 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
     paged = cache.options.paged
     if paged is not None:                                           # the caller's layout -> packed
         require_same_shape(dout, paged.q_shape[:-1] + cache.v.shape[-1:], "dout")
-        require_same_shape(dlse, paged.q_shape[:-1], "dlse") if dlse is not None else None
-        dout, dlse = pack_rows(np.asarray(dout)), None if dlse is None else pack_rows(np.asarray(dlse))
+        dout = pack_rows(np.asarray(dout))
+        if dlse is not None and np.shape(dlse) == paged.q_shape[:-1]:   # (or packed, like cache.lse)
+            dlse = pack_rows(np.asarray(dlse))
     require_same_shape(dout, cache.out.shape, "dout")
     require_choice(method, "method", BACKWARD_METHODS)
     dout = as_float_array(dout, "dout").astype(result_dtype(cache.out, np.asarray(dout)), copy=False)

@@ -95,8 +95,9 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
                                                       and "tiled" not in engines):
         raise ValueError(f"this runs on the {' or '.join(engines)} engine, not "
                          f"implementation={options['implementation']!r}")
-    if options.get("page_table") is not None:
+    if options.get("page_table") is not None or options.get("cache_seqlens") is not None:
         raise ValueError("forward mode takes packed sequences (cu_seqlens), not a paged KV cache")
+    options = {name: x for name, x in options.items() if name not in ("page_table", "cache_seqlens")}
     tiled = options.get("implementation") == "tiled" or options.get("block_size") is not None
     if tiled and "tiled" not in engines:
         raise ValueError("this runs on the textbook engine; block_size selects the tiled one")
@@ -152,6 +153,8 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     """
     q, k, v, o, cache, dot = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot, v_dot=v_dot),
                                                   options)
+    if dout is None:
+        raise TypeError("attention_hvp needs dout, the upstream gradient the Hessian is of <dout, out>")
     dout = _tangent(dout, cache.out, "dout", q.dtype)
     h_kv, n_k = with_head_axis(k).shape[-3], cache.weights.shape[-1]
     drop = 1 if o.dropout_scale is None else o.dropout_scale

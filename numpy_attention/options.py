@@ -98,13 +98,17 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     keep = None if mask is None else as_mask(mask, "mask", score_shape, legend)
     dropout_p = require_probability(dropout_p, "dropout_p")
     dropout_scale = _dropout_scale(dropout_mask, dropout_p, score_shape, legend)
-    if require_bool(check_finite, "check_finite"):
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            _require_finite(name, x)
-        if bias is not None:
-            _require_finite("bias", bias, allow_neginf=True)
     sinks, alibi_slopes = _per_head(q, sinks, alibi_slopes, fully_masked)
-    dtype = result_dtype(q, bias, sinks, alibi_slopes)         # a float64 bias widens float32 scores
+    if require_bool(check_finite, "check_finite"):
+        for name, x in (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)):
+            if x is not None:
+                _require_finite(name, x)
+        for name, x in (("bias", bias), ("sinks", sinks)):         # -inf: masked, or no sink
+            if x is not None:
+                _require_finite(name, x, allow_neginf=True)
+    # a float64 bias widens float32 scores; per-head vectors (often Python lists) widen only to
+    # complex, for complex-step checks: real ones are cast to the scores' dtype
+    dtype = result_dtype(q, bias, *(x for x in (sinks, alibi_slopes) if x is not None and x.dtype.kind == "c"))
     q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
     sinks, alibi_slopes = (None if x is None else x.astype(dtype) for x in (sinks, alibi_slopes))
     if dropout_scale is not None:                                # keep / (1 - p) in the scores' dtype
@@ -112,6 +116,9 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     implementation, block_size = _engine(implementation, block_size, softcap, dropout_scale,
                                          fully_masked)
     packed = _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    if packed[0] is not None and fully_masked == "uniform":
+        raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
+                         "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
     masked = (keep is not None or causal or window is not None or packed[0] is not None
               or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(

@@ -7,6 +7,7 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
+from numpy_attention.crosscheck import CaseError
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 
@@ -110,3 +111,26 @@ def test_a_paged_kv_cache_case():
     wrong_page[[2, 3]] = wrong_page[[3, 2]]                          # page 3's gradient put in page 2
     report = na.crosscheck(**{**case, "dk": wrong_page})
     assert not report and "not run" in report.diagnosis[0]
+
+
+def test_float64_per_head_vectors_do_not_widen_a_float32_baseline():
+    """sinks given as float64 values (of float32 numbers): the baseline stays float32."""
+    rng = np.random.default_rng(4)
+    fails = 0
+    for _ in range(10):
+        case = random_case(rng)
+        case["sinks"] = case["sinks"].astype(np.float32).astype(np.float64)
+        case["alibi_slopes"] = case["alibi_slopes"].astype(np.float32).astype(np.float64)
+        fails += not na.crosscheck(**torch_candidate(case))
+    assert fails == 0
+
+
+def test_own_forward_is_refused_where_p_cannot_be_rebuilt_from_lse():
+    q = np.random.default_rng(5).standard_normal((1, 2, 3, 4)).astype(np.float32)
+    mask = np.ones((3, 3), bool)
+    mask[1] = False
+    out, cache = na.attention_forward(q, q, q, mask=mask, fully_masked="uniform")
+    grads = na.attention_backward(out, cache)
+    with pytest.raises(na.crosscheck.__globals__["CaseError"], match="takes fully_masked='zero'"):
+        na.crosscheck(q=q, k=q, v=q, dout=out, mask=mask, fully_masked=np.array("uniform"), out=out,
+                      lse=cache.lse, dq=grads.dq, own_forward=True)

@@ -204,3 +204,18 @@ def test_workers_belong_to_the_blocked_engine():
         na.attention_forward(q, k, v, workers=2, implementation="tiled")
     with pytest.raises(TypeError, match="workers must be a positive integer"):
         na.attention_forward(q, k, v, workers=1.5)
+
+
+def test_overlapping_worker_pools_restore_blas_threads():
+    """Two threads running workers=2 at once: afterwards BLAS has its thread count back."""
+    import threading
+    from threadpoolctl import threadpool_info
+    before = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 256, 32))
+    threads = [threading.Thread(target=lambda: na.attention_forward(x, x, x, workers=2)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] == before

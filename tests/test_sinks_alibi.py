@@ -124,3 +124,23 @@ def test_bad_sinks_and_slopes_are_refused(kwargs, message):
     q, k, v, _, _ = inputs()
     with pytest.raises(ValueError, match=message):
         na.attention_forward(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", ["textbook", "blocked", "tiled"])
+def test_a_sink_of_minus_infinity_is_no_sink(implementation):
+    q, k, v, dout, _ = inputs(8)
+    with_none = na.attention_forward(q, k, v, sinks=np.array([-np.inf, 0.3, -np.inf, 1.0]),
+                                     implementation=implementation)
+    assert np.isfinite(with_none[0]).all()
+    plain = na.attention_forward(q[:, :1], k[:, :1], v[:, :1], implementation=implementation)[0]
+    np.testing.assert_allclose(with_none[0][:, :1], plain, rtol=1e-14, atol=1e-15)
+    grads = na.attention_backward(dout, with_none[1])
+    assert grads.dsinks[0] == 0 and np.isfinite(grads.dq).all()
+
+
+def test_per_head_lists_keep_float32_and_check_finite_covers_them():
+    q, k, v, _, _ = inputs()
+    f32 = [x.astype(np.float32) for x in (q, k, v)]
+    assert na.attention_forward(*f32, sinks=[0.1, 0.2, 0.3, 0.4], alibi_slopes=[0.5] * 4)[0].dtype == np.float32
+    with pytest.raises(ValueError, match="alibi_slopes .* non-finite"):
+        na.attention_forward(q, k, v, alibi_slopes=[np.nan, 0, 0, 0], check_finite=True)

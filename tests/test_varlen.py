@@ -119,3 +119,19 @@ def test_packed_sequences_take_no_batch_axes():
     q, k, v, _ = packed()
     with pytest.raises(ValueError, match="packed \\[H, total, d\\] with no batch axes"):
         na.attention_forward(q[None], k[None], v[None], cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K)
+
+
+def test_review_findings_on_packed_sequences():
+    """A packed row with every key masked cannot be 'uniform' (it would spread over every
+    sequence); a paged cache's dlse may be packed like cache.lse or in the caller's layout."""
+    q, k, v, _ = packed()
+    with pytest.raises(ValueError, match="fully_masked='uniform' would spread a row"):
+        na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, fully_masked="uniform")
+    rng = np.random.default_rng(9)
+    q4, k_cache, v_cache = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((3, 1, 4, 4)), rng.standard_normal((3, 1, 4, 4))
+    out, cache = na.attention_forward(q4, k_cache, v_cache, page_table=[[0, 1], [2, 0]], cache_seqlens=[5, 2])
+    packed_dlse, dlse = rng.standard_normal(cache.lse.shape), None
+    dlse = np.moveaxis(packed_dlse.reshape(2, 2, 3), 1, 0)          # the same, as [B, H, N_q]
+    a = na.attention_backward(np.ones(out.shape), cache, packed_dlse)
+    b = na.attention_backward(np.ones(out.shape), cache, dlse)
+    np.testing.assert_array_equal(a.dq, b.dq)

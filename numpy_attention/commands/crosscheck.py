@@ -102,7 +102,7 @@ def run(args):
             if given is not None:
                 arrays[name] = given
         report = crosscheck(**arrays, own_forward=args.own_forward, k_factors=args.k, atol=args.atol)
-    except CaseError as exc:
+    except (ValueError, TypeError) as exc:             # CaseError, and any argument refused by name
         raise UsageError(f"{args.case}: {exc}") from None
     print(report.to_json() if args.json else report)
     return 0 if report else 1

@@ -44,7 +44,8 @@ OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dro
            "seqused_k", "page_table", "cache_seqlens")
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot")
 FORWARD_MODE = ("out_dot", "lse_dot")
-PAGED = ("page_table", "cache_seqlens")              # read by _packed_if_paged, not options
+PAGED = ("page_table", "cache_seqlens")
+FLOAT_OPTIONS = ("bias", "sinks", "alibi_slopes")     # float arrays: rounded to the candidate's dtype              # read by _packed_if_paged, not options
 GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
 _PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
 DESCALES = ("q_descale", "k_descale", "v_descale")

@@ -30,7 +30,7 @@ from ..engines.tiled import tile_scores
 from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
 from . import blocks
-from .case import CANDIDATES, FORWARD_MODE, GRADIENTS, CaseError, split_case
+from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, split_case
 from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention
 from .naive import naive_attention
@@ -51,9 +51,7 @@ def _case_in(inputs, options, dtype, scale_factor=1.0):
     """
     work = np.result_type(dtype, np.float32)
     cast = lambda x: None if x is None else x.astype(dtype).astype(work)
-    options = dict(options)
-    if "bias" in options:
-        options["bias"] = cast(options["bias"])
+    options = {name: cast(x) if name in FLOAT_OPTIONS else x for name, x in options.items()}
     q, k, v, dout = (cast(inputs.get(name)) for name in ("q", "k", "v", "dout"))
     given = options.pop("scale", None)
     scale = 1 / np.sqrt(work.type(q.shape[-1])) if given is None else work.type(given)
@@ -248,9 +246,7 @@ def baselines(case, gradients=True, block_rows=None):
         return [baseline(case.inputs, case.options, p.compute, gradients, block_rows)]
     rounded = lambda x: None if x is None else x.astype(p.compute).astype(np.float32)
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
-    options = dict(case.options)
-    if "bias" in options:
-        options["bias"] = options["bias"].astype(np.float32)
+    options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
     q, k, v, record = attention_options(q, k, v, **options)
     dout = dout if gradients else None
     ways = [("eager", True), ("eager", False)] + ([("flash", True)] if dout is not None else [])
@@ -388,6 +384,9 @@ def _candidate_forward(case, own_forward, want_grads):
     if not {"out", "lse"} <= set(case.candidates) or not want_grads:
         raise CaseError("own_forward=True judges gradients from the candidate's own out and lse: "
                         "the case needs out, lse and a gradient")
+    if case.options.get("fully_masked", "zero") != "zero" or case.paged is not None:
+        raise CaseError("own_forward=True rebuilds P as exp(S - lse): it takes fully_masked='zero' "
+                        "and no paged KV cache")
     lse = case.candidates["lse"].astype(np.float64) * (math.log(2) if case.lse_base == "2" else 1)
     return {"out": case.candidates["out"], "lse": lse}
 

@@ -8,7 +8,7 @@ A tangent left out of the case is 0. The rule is the same (rule.py).
 import numpy as np
 
 from ..forward_mode import attention_jvp
-from .case import CaseError
+from .case import FLOAT_OPTIONS, CaseError
 
 TANGENTS = ("q_dot", "k_dot", "v_dot")
 
@@ -20,7 +20,7 @@ def jvp_results(inputs, options, dtype, scale_factor=1.0):
     work = np.result_type(dtype, np.float32)
     cast = lambda x: None if x is None else x.astype(dtype).astype(work)
     q, k, v, q_dot, k_dot, v_dot = (cast(inputs.get(name)) for name in ("q", "k", "v") + TANGENTS)
-    options = dict(options)
+    options = {name: cast(x) if name in FLOAT_OPTIONS else x for name, x in options.items()}
     given = options.pop("scale", None)
     scale = (1 / np.sqrt(work.type(q.shape[-1])) if given is None else work.type(given)) * work.type(scale_factor)
     q_dot = None if q_dot is None else q_dot * scale

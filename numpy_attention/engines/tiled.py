@@ -98,8 +98,9 @@ def _forward_rows(o, q_i, k3, v3, score_shape, rows, tangents=None):
     acc = np.zeros(lead + v3.shape[-1:], dtype=q_i.dtype)               # running P v
     acc_dot, l_dot = np.zeros(acc.shape, acc.dtype), np.zeros(lead, l.dtype)   # sum P (S_dot v + v_dot), sum P S_dot
     if o.sinks is not None:                                             # the sink starts each row:
-        sink = _row_sinks(o, score_shape)                               # its exp(sink - m) = 1 is in l
-        m, l = np.broadcast_to(sink.real, lead).copy(), np.exp(sink - sink.real) * np.ones(lead)
+        sink = _row_sinks(o, score_shape)                               # its exp(sink - m) is in l:
+        shift = np.where(np.isneginf(sink.real), 0, sink.real)          # 1, or 0 for a sink of -inf
+        m, l = np.broadcast_to(sink.real, lead).copy(), np.exp(sink - shift) * np.ones(lead)
         if tangents is not None and tangents.sinks is not None:
             l_dot = l * heads_view(tangents.sinks, score_shape)[..., None]
     for cols in _tiles(score_shape[-1], o.block_size):
