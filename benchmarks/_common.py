@@ -6,6 +6,7 @@ ratios measured in the same run, not absolute times across runs.
 Peak memory: each configuration runs in a fresh child process that reports its own peak
 resident set size (VmHWM), so one configuration's peak cannot hide another's.
 """
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -83,18 +84,65 @@ def repo_root():
 
 
 def machine_line():
-    """One line saying on what machine and with what BLAS settings a table was measured."""
-    cpu = "unknown CPU"
+    """One line naming what made a table: CPU model, cores, Python, numpy (and its BLAS),
+    torch (if installed; read from its metadata, not imported) and any BLAS variables."""
+    cpu = platform.processor() or platform.machine() or "unknown CPU"
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
-    blas = ", ".join(f"{k}={os.environ[k]}" for k in BLAS_ENV if k in os.environ) or "no BLAS env vars"
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-            f"numpy {np.__version__}, {blas}")
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        numpy = f"numpy {np.__version__} ({blas['name']} {blas.get('version', '')})".replace(" )", ")")
+    except (KeyError, TypeError):                        # an older numpy's show_config
+        numpy = f"numpy {np.__version__}"
+    try:
+        torch = f"torch {importlib.metadata.version('torch')}"
+    except importlib.metadata.PackageNotFoundError:
+        torch = "torch not installed"
+    env = ", ".join(f"{k}={os.environ[k]}" for k in BLAS_ENV if k in os.environ) or "no BLAS env vars"
+    return (f"machine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, "
+            f"{numpy}, {torch}; {env}")
+
+
+def _cpu_seconds_busy():
+    """CPU-seconds the whole machine has spent busy since boot (/proc/stat; steal included:
+    time the hypervisor gave to other machines), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much CPU the rest of the machine used while a benchmark ran: the line it prints
+    last, so that a table measured while other jobs competed for the cores says so.
+
+        load = OtherLoad(); ...; print(load.line())
+    Other = the machine's busy CPU-seconds minus this process's and its children's.
+    """
+
+    def __init__(self):
+        self.busy, self.own, self.wall = _cpu_seconds_busy(), self._own(), time.perf_counter()
+
+    @staticmethod
+    def _own():
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def line(self):
+        wall = time.perf_counter() - self.wall
+        busy = _cpu_seconds_busy()
+        if busy is None or self.busy is None:
+            return f"other processes: not measured here (no /proc/stat); run took {wall:.0f} s"
+        other = max(0.0, (busy - self.busy) - (self._own() - self.own))
+        cores = os.cpu_count() or 1
+        return (f"other processes used {other:.0f} CPU-s of the {wall * cores:.0f} available "
+                f"({100 * other / (wall * cores):.0f}%) during this {wall:.0f} s run")
 
 
 def set_numpy_hugepages(enabled):

@@ -11,7 +11,6 @@ ratio torch / ours (> 1: ours is faster). Each check is timed alone in its own p
 the processes alternating (_common.median_times_apart, as in bench_mha.py).
 """
 import argparse
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -19,10 +18,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine_line, median_time, median_times_apart, run_child, table  # noqa: E402
-from numpy_attention import attention_backward, attention_forward, gradcheck  # noqa: E402
-from numpy_attention.demo import mha_functions  # noqa: E402
-from numpy_attention import MultiHeadAttention  # noqa: E402
+from benchmarks._common import OtherLoad, machine_line, median_time, median_times_apart, run_child, table  # noqa: E402
+from numpy_attention import MultiHeadAttention, attention_backward, attention_forward, gradcheck  # noqa: E402
+from numpy_attention.examples import mha_functions  # noqa: E402
 
 SHAPE = (1, 2, 16, 8)
 
@@ -47,7 +45,7 @@ def theirs():
 
 def projection_mha(d_model=512, heads=8, B=2, N=10):
     mha = MultiHeadAttention(d_model, heads, seed=0)
-    forward, backward, keys = mha_functions(mha)
+    forward, backward, keys = mha_functions(mha)     # the module as a function of its tensors
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((B, N, d_model)) for _ in range(3)] + [mha.params[k] for k in keys]
     return lambda: bool(gradcheck(forward, backward, inputs, mode="projection", method="complex"))
@@ -62,9 +60,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4, help="fresh processes per check, 3 timed calls each")
     args = ap.parse_args()
+    load = OtherLoad()
     have_torch = importlib.util.find_spec("torch") is not None    # torch runs in child processes only
-    print(machine_line() + (f", torch {importlib.metadata.version('torch')}" if have_torch
-                            else ", torch not installed"))
+    print(machine_line())
     runs = {"ours, full, one at a time (batched=False)": "ours(False)",
             "ours, full, vectorized (default)": "ours(None)"}
     if have_torch:
@@ -82,6 +80,7 @@ def main():
     print(f"\nprojection mode (complex step, 3 projections per tensor), MultiHeadAttention(512, 8), "
           f"inputs [2, 10, 512] and all 8 parameters: {t * 1e3:.0f} ms, "
           f"{'PASS' if projection_mha()() else 'FAIL'}")
+    print("\n" + load.line())
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ process that reports its own peak resident set size (VmHWM); times are the media
 """
 import argparse
 import json
-import platform
+import os
 import subprocess
 import sys
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import machine_line  # noqa: E402
 
 CHILD = """
 import json, statistics, time
@@ -33,13 +34,8 @@ print(json.dumps({{"seconds": statistics.median(times), "peak_mib": peak}}))
 
 
 def machine():
-    """The CPU model and core count, numpy's version: the header line."""
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    import os
-    return f"{model}, {os.cpu_count()} cores, numpy {np.__version__}, Python {platform.python_version()}"
+    """The header line (benchmarks/_common.py): CPU model, cores, Python, numpy and its BLAS, torch."""
+    return machine_line()
 
 
 def run(n, implementation, repeats):

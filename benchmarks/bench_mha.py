@@ -20,7 +20,6 @@ FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.
 """
 import argparse
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -29,7 +28,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/seed_model.py
-from benchmarks._common import (machine_line, matmul_gflops, median_time,  # noqa: E402
+from benchmarks._common import (OtherLoad, machine_line, matmul_gflops, median_time,  # noqa: E402
                                 median_times_apart, run_child, set_numpy_hugepages, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
 
@@ -133,13 +132,12 @@ def main():
                     help="numpy's madvise of huge pages for large arrays (default on, numpy's own "
                          "default; see _common.set_numpy_hugepages)")
     args = ap.parse_args()
+    load = OtherLoad()
     on = args.numpy_hugepages == "on"
     hugepages = set_numpy_hugepages(on)
     have_torch = importlib.util.find_spec("torch") is not None   # torch runs in child processes only
     threads = blas_threads()
-    print(machine_line() + f", threads {threads}"
-          + (f", torch {importlib.metadata.version('torch')}" if have_torch else ", torch not installed")
-          + f"\n{hugepages}")
+    print(machine_line() + f"\nthreads: {threads} for numpy's BLAS and for torch; {hugepages}")
     for dtype in args.dtypes:
         peak = matmul_gflops(np.dtype(dtype))
         print(f"\n{dtype}: numpy matmul peak (2048^3) {peak:.1f} GFLOP/s")
@@ -162,6 +160,7 @@ def main():
                   "torch ms", "torch/ours"]
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
+    print("\n" + load.line())
 
 
 if __name__ == "__main__":

@@ -1,24 +1,28 @@
-"""Tiled (block_size) against materialized attention: time and peak memory against N.
+"""The three attention engines against N: time and peak memory of forward + backward.
 
-    python3 benchmarks/bench_tiled.py [--lengths 1024 2048 8192 32768] [--block 256]
+    python3 benchmarks/bench_tiled.py [--lengths 1024 2048 8192 32768] [--block 128]
+                                      [--engines textbook blocked tiled] [--max-gib 2]
 
 Causal self-attention, 1 batch, 8 heads, d_k = 64, float64, forward + backward with a
-random upstream gradient. Every configuration runs in a fresh child process that
-reports its time and its own peak RSS (VmHWM), so one run's peak cannot hide another's.
-Time: the median of 3 calls after an untimed one (a process's first large allocations
-can stall on huge-page compaction: one cold call at N=2048 measured 0.8 s in one run and
-1.5 s in the next); a single call where that call alone takes over 10 s.
-The materialized path is skipped where one [8, N, N] array alone would pass --max-gib
-(default 2 GiB; at N=8192 it is 4 GiB and the path peaks near 21 GiB).
+random upstream gradient, for each engine of attention_forward(implementation=...):
+'textbook' (whole arrays), 'blocked' (the default: blocks of query rows, P stored whole)
+and 'tiled' (FlashAttention's online softmax, no [N, N] array). Every configuration
+runs in a fresh child process that reports its time and its own peak RSS (VmHWM), so
+one run's peak cannot hide another's. Time: the median of 3 calls after an untimed one
+(a process's first large allocations can stall on huge-page compaction); a single call
+where that call alone takes over 10 s. The textbook and blocked engines are skipped
+where one [8, N, N] array alone would pass --max-gib (default 2 GiB; at N=8192 it is
+4 GiB, and those engines hold several such arrays at once).
 """
 import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine_line, run_child, table  # noqa: E402
+from benchmarks._common import OtherLoad, machine_line, run_child, table  # noqa: E402
 
 HEADS, D_K = 8, 64
+ENGINES = ("textbook", "blocked", "tiled")
 
 CHILD = """
 import statistics, time, numpy as np
@@ -28,7 +32,7 @@ q, k, v, dout = (rng.standard_normal((1, {h}, {n}, {d})) for _ in range(4))
 
 def timed_step():
     t0 = time.perf_counter()
-    out, cache = attention_forward(q, k, v, causal=True, block_size={block})
+    out, cache = attention_forward(q, k, v, causal=True, implementation={engine!r}, block_size={block})
     attention_backward(dout, cache)
     return time.perf_counter() - t0
 
@@ -37,9 +41,10 @@ print('SECONDS', first if first > 10 else statistics.median(timed_step() for _ i
 """
 
 
-def run(n, block):
+def run(n, engine, block):
     """(seconds, peak MiB) of one causal forward + backward in a fresh process."""
-    mib, stdout = run_child(CHILD.format(h=HEADS, n=n, d=D_K, block=block))
+    code = CHILD.format(h=HEADS, n=n, d=D_K, engine=engine, block=block if engine == "tiled" else None)
+    mib, stdout = run_child(code)
     seconds = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("SECONDS")][0]
     return seconds, mib
 
@@ -48,23 +53,30 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 32768],
                     help="sequence lengths N (default 1024 2048 4096 8192 32768)")
-    ap.add_argument("--block", type=int, default=256, help="the tiled path's block_size (default 256)")
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+                    help="engines to run (default all: textbook blocked tiled)")
+    ap.add_argument("--block", type=int, default=128, help="the tiled engine's block_size (default 128)")
     ap.add_argument("--max-gib", type=float, default=2.0,
-                    help="skip the materialized path where one [H, N, N] array exceeds this (default 2)")
+                    help="skip textbook and blocked where one [H, N, N] array exceeds this (default 2)")
     args = ap.parse_args()
+    load = OtherLoad()
     print(machine_line())
-    print(f"\ncausal attention, B=1, H={HEADS}, d_k={D_K}, float64, forward + backward, "
-          f"tiled block_size={args.block}")
+    print(f"\ncausal attention, B=1, H={HEADS}, d_k={D_K}, float64, forward + backward; "
+          f"seconds and peak MiB per engine (tiled block_size={args.block}; -: skipped, "
+          f"one [H, N, N] array > {args.max_gib:g} GiB)")
     rows = []
     for n in args.lengths:
-        t_tiled, m_tiled = run(n, args.block)
-        if HEADS * n * n * 8 / 2 ** 30 <= args.max_gib:
-            t_mat, m_mat = run(n, None)
-            rows.append([n, f"{t_mat:.2f}", f"{m_mat:.0f}", f"{t_tiled:.2f}", f"{m_tiled:.0f}",
-                         f"{t_tiled / t_mat:.2f}"])
-        else:
-            rows.append([n, "-", "-", f"{t_tiled:.2f}", f"{m_tiled:.0f}", "-"])
-    print(table(["N", "materialized s", "peak MiB", "tiled s", "peak MiB", "tiled/materialized time"], rows))
+        row = [n]
+        for engine in args.engines:
+            if engine != "tiled" and HEADS * n * n * 8 / 2 ** 30 > args.max_gib:
+                row += ["-", "-"]
+                continue
+            seconds, mib = run(n, engine, args.block)
+            row += [f"{seconds:.2f}", f"{mib:.0f}"]
+        rows.append(row)
+    header = ["N"] + [f"{engine} {what}" for engine in args.engines for what in ("s", "MiB")]
+    print(table(header, rows))
+    print("\n" + load.line())
 
 
 if __name__ == "__main__":

@@ -8,21 +8,21 @@ machine are noise. The header names the machine.
 """
 import argparse
 import os
-import platform
 import statistics
+import sys
 import time
 
 import numpy as np
 
 import numpy_attention as na
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import machine_line  # noqa: E402
+
 
 def machine():
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    return f"{model}, {os.cpu_count()} cores, numpy {np.__version__}"
+    """The header line (benchmarks/_common.py): CPU model, cores, Python, numpy and its BLAS, torch."""
+    return machine_line()
 
 
 def step(q, k, v, dout, workers):

@@ -10,21 +10,17 @@ a few minutes; needs torch.
 """
 import argparse
 import os
-import platform
 import sys
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import machine_line  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
 def machine():
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    import torch
-    return f"{model}, {os.cpu_count()} cores, numpy {np.__version__}, torch {torch.__version__}"
+    """The header line (benchmarks/_common.py): CPU model, cores, Python, numpy and its BLAS, torch."""
+    return machine_line()
 
 
 def main():

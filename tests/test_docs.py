@@ -8,19 +8,21 @@ Blocks by their fence:
             exactly, numbers in e-notation to within a factor of 10 (they are rounding
             errors, which differ in their last digits from machine to machine).
     bash    each line is a command (after `#`: a comment), handled by `check_command`:
-            `numpy-attention ...` runs as `python -m numpy_attention ...` in the same
-            scratch directory and must exit 0, except the slow ones (see SLOW_COMMANDS);
-            benchmark scripts and pytest runs are checked, not run (see there).
+            `numpy-attention ...` runs as `python -m numpy_attention ...` in a scratch
+            directory (where the file's Python blocks that write files, each
+            self-contained, ran first) and must exit 0, except the slow ones (see
+            SLOW_COMMANDS); benchmark scripts and pytest runs are checked, not run (see there).
 README's first bash block is the install-and-test pair; it is not run here, it is
 compared with what CI runs (.ci/run).
 Some documented outputs come from commands too slow to run here in full; the
-`test_*_key_lines` tests below run a small part of them and compare it with the doc.
+`test_*_key_lines` tests run a small part of them and compare it with the doc. The
+benchmark outputs of docs/performance.md must name their machine, and every
+`module.py: name` reference must name a function that exists.
 """
 import contextlib
 import importlib.util
 import io
 import json
-import os
 import pathlib
 import re
 import shlex
@@ -182,13 +184,10 @@ def shell_blocks(path):
 @pytest.mark.parametrize("path", [p for p in DOCS if shell_blocks(p)], ids=doc_id)
 def test_shell_blocks_run(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": "__doc__"}
-    for language, code, _ in blocks(path):    # the files its commands read (my_case.npz)
-        if language == "python":
-            if "torch" in code and not HAVE_TORCH:
-                pytest.skip(f"{doc_id(path)}: its Python blocks need torch (not installed)")
+    for language, code, _ in blocks(path):    # the files the commands read (my_case.npz)
+        if language == "python" and "np.savez" in code:     # such a block is self-contained
             with contextlib.redirect_stdout(io.StringIO()):
-                exec(compile(code, doc_id(path), "exec"), namespace)
+                exec(compile(code, doc_id(path), "exec"), {"__name__": "__doc__"})
     done = [check_command(line, tmp_path) for code in shell_blocks(path) for line in commands(code)]
     assert done
 
@@ -294,10 +293,37 @@ def test_crosscheck_exit_codes(tmp_path):
 
 
 def test_benchmark_tables_name_their_machine():
-    """Every benchmark output shown in docs/performance.md starts with the machine line the
-    scripts print (benchmarks/_common.py: machine_line)."""
-    outputs = doc_text_blocks("performance.md")
-    assert outputs
+    """Every benchmark output shown in docs/performance.md (its text blocks that are not a
+    Python block's output) starts with the machine line the scripts print and ends with how
+    much CPU other processes took during the run (benchmarks/_common.py)."""
+    outputs = [code for language, code, follows in blocks(ROOT / "docs" / "performance.md")
+               if language == "text" and not follows]
+    assert len(outputs) >= 3
     for block in outputs:
-        first = block.splitlines()[0]
-        assert re.match(r"machine: .+, \d+ cores; Python [\d.]+, numpy [\d.]+.*, torch", first), first
+        lines = block.strip().splitlines()
+        assert re.match(r"machine: .+, \d+ cores; Python [\d.]+, numpy [\d.]+.*, torch", lines[0]), lines[0]
+        assert re.match(r"other processes used \d+ CPU-s of the \d+ available", lines[-1]), lines[-1]
+
+
+# ----------------------------------------------------------------------------- code references
+
+CODE_REF = re.compile(r"`(?:numpy_attention/)?((?:\w+/)*\w+\.py): (\w+)")
+
+
+def test_code_references_name_functions_that_exist():
+    """`module.py: name` in README and docs (the math-to-code table, derivations.md) names a
+    function or class defined in that module of the package."""
+    refs = [(doc_id(path), m.group(1), m.group(2)) for path in DOCS for m in CODE_REF.finditer(path.read_text())]
+    assert len(refs) >= 20
+    for doc, module, name in refs:
+        source = ROOT / "numpy_attention" / module
+        assert source.is_file(), f"{doc}: no module numpy_attention/{module}"
+        assert re.search(rf"^\s*(def|class) {name}\b", source.read_text(), flags=re.M), \
+            f"{doc}: numpy_attention/{module} defines no {name}"
+
+
+def test_readme_table_points_at_the_textbook():
+    table = README.read_text().split("## Learner")[1].split("```")[0]
+    for name in ("attention.py: textbook_forward", "attention.py: textbook_backward",
+                 "attention.py: attention_scores", "softmax.py: softmax_forward", "softmax.py: softmax_backward"):
+        assert name in table
