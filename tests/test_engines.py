@@ -2,6 +2,7 @@
 they support, and the textbook itself equals complex step."""
 import numpy as np
 import pytest
+from compare import assert_normwise_equal
 
 import numpy_attention as na
 from numpy_attention.engines import blocked
@@ -50,20 +51,6 @@ def run(q, k, v, dout, implementation, options, method="vjp", **engine):
             "dbias": grads.dbias}
 
 
-def assert_equal_to(spec, got):
-    for name, b in spec.items():
-        a = got[name]
-        if b is None:
-            assert a is None, name
-            continue
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
-        np.testing.assert_array_equal(np.isneginf(a.real), np.isneginf(b.real), err_msg=name)
-        finite = np.isfinite(b)
-        scale = max(np.max(np.abs(b[finite]), initial=0.0), 1e-300)
-        assert np.max(np.abs(a[finite] - b[finite]), initial=0.0) <= RTOL * scale, name
-
-
 @pytest.mark.parametrize("method", ["vjp", "jacobian", "flash"])
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("budget", [24, 1 << 30])               # a few rows per block; one block
@@ -72,7 +59,7 @@ def test_blocked_equals_the_textbook(monkeypatch, option, method, budget):
     for seed in range(3):
         q, k, v, dout = inputs(seed)
         spec = run(q, k, v, dout, "textbook", OPTIONS[option], method)
-        assert_equal_to(spec, run(q, k, v, dout, "blocked", OPTIONS[option], method))
+        assert_normwise_equal(spec, run(q, k, v, dout, "blocked", OPTIONS[option], method), RTOL)
 
 
 @pytest.mark.parametrize("option", TILED)
@@ -81,7 +68,7 @@ def test_tiled_equals_the_textbook(option, block_size):
     for seed in range(3):
         q, k, v, dout = inputs(seed)
         spec = run(q, k, v, dout, "textbook", OPTIONS[option])
-        assert_equal_to(spec, run(q, k, v, dout, "tiled", OPTIONS[option], block_size=block_size))
+        assert_normwise_equal(spec, run(q, k, v, dout, "tiled", OPTIONS[option], block_size=block_size), RTOL)
 
 
 @pytest.mark.parametrize("implementation", ["blocked", "tiled"])
@@ -96,7 +83,7 @@ def test_engines_equal_the_textbook_on_odd_shapes(implementation, shapes):
     q, k, v, dout = inputs(1, *shapes)
     for options in ({}, {"causal": "bottom_right"}):
         spec = run(q, k, v, dout, "textbook", options)
-        assert_equal_to(spec, run(q, k, v, dout, implementation, options))
+        assert_normwise_equal(spec, run(q, k, v, dout, implementation, options), RTOL)
 
 
 @pytest.mark.parametrize("implementation", ["blocked", "tiled"])
@@ -111,7 +98,7 @@ def test_engines_equal_the_textbook_in_float32_and_complex(implementation):
     h = 1e-20
     qc = q + 1j * h * np.random.default_rng(3).standard_normal(q.shape)
     spec_c = run(qc, k, v, dout, "textbook", {"causal": True})
-    assert_equal_to(spec_c, run(qc, k, v, dout, implementation, {"causal": True}))
+    assert_normwise_equal(spec_c, run(qc, k, v, dout, implementation, {"causal": True}), RTOL)
     assert np.abs(spec_c["out"].imag).max() > 0                 # the perturbation is carried
 
 
@@ -135,7 +122,7 @@ def test_return_stages_of_the_textbook_and_blocked_engines_agree():
     for implementation in ("textbook", "blocked"):
         out, cache = na.attention_forward(q, k, v, implementation=implementation, **OPTIONS["everything"])
         stages[implementation] = na.attention_backward(dout, cache, return_stages=True).stages
-    assert_equal_to(stages["textbook"]._asdict(), stages["blocked"]._asdict())
+    assert_normwise_equal(stages["textbook"]._asdict(), stages["blocked"]._asdict(), RTOL)
 
 
 @pytest.mark.parametrize("implementation", ["textbook", "blocked", "tiled"])

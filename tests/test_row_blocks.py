@@ -2,6 +2,7 @@
 the same numbers as one block, for every option; the blocks cover every row exactly once."""
 import numpy as np
 import pytest
+from compare import assert_normwise_equal
 
 import numpy_attention as na
 from numpy_attention.engines import blocked
@@ -40,20 +41,6 @@ def run(q, k, v, dout, method, options):
             "dS": grads.stages.dS, "D": grads.stages.D}
 
 
-def assert_same(blocked, whole):
-    for name, b in whole.items():
-        a = blocked[name]
-        if b is None:
-            assert a is None, name
-            continue
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
-        np.testing.assert_array_equal(np.isneginf(a.real), np.isneginf(b.real), err_msg=name)
-        finite = np.isfinite(b)
-        scale = max(np.max(np.abs(b[finite]), initial=0.0), 1e-300)
-        assert np.max(np.abs(a[finite] - b[finite]), initial=0.0) <= RTOL * scale, name
-
-
 def inputs(heads_kv=3, dtype=np.float64):
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 3, 9, 4)).astype(dtype)
@@ -68,7 +55,7 @@ def test_any_block_size_gives_the_numbers_of_one_block(monkeypatch, option, meth
     q, k, v, dout = inputs()
     whole = run(q, k, v, dout, method, OPTIONS[option])
     monkeypatch.setattr(blocked, "BLOCK_BYTES", SIZES[size])
-    assert_same(run(q, k, v, dout, method, OPTIONS[option]), whole)
+    assert_normwise_equal(whole, run(q, k, v, dout, method, OPTIONS[option]), RTOL)
 
 
 @pytest.mark.parametrize("size", [s for s in SIZES if s != "one block"])
@@ -84,7 +71,7 @@ def test_blocks_of_grouped_complex_and_single_head_inputs(monkeypatch, case, siz
     options = {"mask": MASK[0, 0]} if case == "single head [N, d]" else {"causal": True}
     whole = run(q, k, v, dout, "vjp", options)
     monkeypatch.setattr(blocked, "BLOCK_BYTES", SIZES[size])
-    assert_same(run(q, k, v, dout, "vjp", options), whole)
+    assert_normwise_equal(whole, run(q, k, v, dout, "vjp", options), RTOL)
 
 
 @pytest.mark.parametrize("lead, group", [((1, 1), 1), ((2, 3, 1), 1), ((2, 2, 4), 2), ((2, 2, 4), 4),
