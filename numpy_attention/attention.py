@@ -48,7 +48,7 @@ from .engines.blocked import blocked_backward, blocked_forward
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .options import (FULLY_MASKED_POLICIES, alibi_bias, alibi_distance, attention_options,
-                      head_gradient, keep_mask, with_sink)
+                      head_gradient, keep_mask, with_sink, with_sink_weight)
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
@@ -122,7 +122,7 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     D = np.sum(dout * cache.out, axis=-1)           # 5. D = rowsum(dout * out) = rowsum(P * dP)
     dS_row = _softmax_backward(method, dP, D, cache)   #  dS = P * (dP - rowsum(P * dP)), sink column too
     if dlse is not None:                            #    lse = log rowsum exp(S): dS += P * dlse
-        dS_row = dS_row + _weights_row(cache) * dlse[..., None]
+        dS_row = dS_row + with_sink_weight(cache.weights, cache.lse, cache.options) * dlse[..., None]
     dS = dS_row[..., :P.shape[-1]]
     keep = keep_mask(o, P.shape)                    # 4. masked scores are constants: dS = 0 there
     if keep is not None:
@@ -141,18 +141,9 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
                           dalibi_slopes=dslopes)
 
 
-def _weights_row(cache):
-    """The softmax's whole row, [P, P_sink] with sinks (P_sink = exp(sink - lse)), else P."""
-    if cache.options.sinks is None:
-        return cache.weights
-    sink = with_sink(np.zeros(cache.weights.shape[:-1] + (0,), cache.weights.dtype), cache.options)
-    with np.errstate(invalid="ignore"):
-        return np.concatenate([cache.weights, np.exp(sink - cache.lse[..., None])], axis=-1)
-
-
 def _softmax_backward(method, dP, D, cache):
     """Step 5 by `method` on the softmax's whole row (sinks: dP's sink column is 0)."""
-    P_row = _weights_row(cache)
+    P_row = with_sink_weight(cache.weights, cache.lse, cache.options)
     dP_row = np.concatenate([dP, np.zeros(dP.shape[:-1] + (P_row.shape[-1] - dP.shape[-1],), dP.dtype)], -1)
     if method == "vjp":                             # dS = P * (dP - rowsum(P * dP))
         return softmax_backward(dP_row, SoftmaxCache(p=P_row, top=cache.top[..., None]))

@@ -34,7 +34,8 @@ from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .attention import textbook_forward
 from .caches import AttentionGrads
 from .engines.tiled import tiled_jvp
-from .options import alibi_distance, attention_options, heads_view, keep_mask, with_sink
+from .options import (alibi_distance, attention_options, heads_view, keep_mask, with_sink,
+                      with_sink_weight)
 
 
 def _t(x):
@@ -76,15 +77,6 @@ def _softmax_tangent(P_row, S_dot_row):
     """Step 5 in forward mode: (P_dot_row, lse_dot) = (P (S_dot - <P, S_dot>), <P, S_dot>)."""
     lse_dot = np.sum(P_row * S_dot_row, axis=-1)
     return P_row * (S_dot_row - lse_dot[..., None]), lse_dot
-
-
-def _weights_row(cache):
-    """[P, P_sink] with sinks, else P (P_sink = exp(sink - lse))."""
-    o = cache.options
-    if o.sinks is None:
-        return cache.weights
-    sink = with_sink(np.zeros(cache.weights.shape[:-1] + (0,), cache.weights.dtype), o)
-    return np.concatenate([cache.weights, np.exp(sink - cache.lse[..., None])], axis=-1)
 
 
 def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
@@ -135,7 +127,8 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
                          dot["alibi_slopes_dot"], dot["sinks_dot"])
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.softcap_tanh,          # 1-4.
                             dot["bias_dot"], dot["alibi_slopes_dot"])
-    P_dot, lse_dot = _softmax_tangent(_weights_row(cache), _row_tangent(S_dot, o, dot["sinks_dot"]))   # 5.
+    P_row = with_sink_weight(cache.weights, cache.lse, o)                                # 5.
+    P_dot, lse_dot = _softmax_tangent(P_row, _row_tangent(S_dot, o, dot["sinks_dot"]))
     P_dot = P_dot[..., :S_dot.shape[-1]]
     if o.fully_masked == "nan":                       # a NaN row's tangent is NaN too
         P_dot = np.where(np.isneginf(cache.lse.real)[..., None], np.nan, P_dot)
@@ -159,7 +152,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     h_kv, n_k = with_head_axis(k).shape[-3], cache.weights.shape[-1]
     drop = 1 if o.dropout_scale is None else o.dropout_scale
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.softcap_tanh, None, None)
-    P_row = _weights_row(cache)
+    P_row = with_sink_weight(cache.weights, cache.lse, o)
     P_dot_row = _softmax_tangent(P_row, _row_tangent(S_dot, o, None))[0]
     pad = lambda x: x if o.sinks is None else np.concatenate([x, np.zeros(x.shape[:-1] + (1,), x.dtype)], -1)
     dP, dP_dot = (pad(grouped_matmul(dout, _t(x)) * drop) for x in (v, dot["v_dot"]))     # 7.

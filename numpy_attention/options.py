@@ -244,6 +244,17 @@ def with_sink(S, options, score_shape=None, index=(Ellipsis, slice(None), slice(
     return np.concatenate([S, column.astype(S.dtype)], axis=-1)
 
 
+def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(None), slice(None))):
+    """The softmax's whole row: P [..., rows, cols] with the sink's weight exp(sink - lse) as one
+    more column [..., rows, cols + 1] when the options have sinks; P itself without.
+    lse [..., rows]; score_shape, index: as for with_sink."""
+    if options.sinks is None:
+        return P
+    sink = with_sink(np.zeros(P.shape[:-1] + (0,), P.dtype), options, score_shape, index)
+    with np.errstate(invalid="ignore"):              # a -inf sink in a dead row: -inf - (-inf)
+        return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
+
+
 def _workers(workers, implementation):
     """workers as an int >= 1 (None: 1); more than one runs the blocked engine on threads."""
     workers = 1 if workers is None else require_positive_int(workers, "workers")

@@ -28,7 +28,7 @@ import numpy as np
 
 from .._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
-from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
+from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink, with_sink_weight
 from .parallel import run_tasks
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 
@@ -200,20 +200,11 @@ def _by_kv_heads(blocks, group):
 def _row_backward(method, dp, p, top, D, lse, dlse, options, score_shape, index, scores):
     """Step 5 on a block's whole softmax rows (the sink's column last, with sinks): dS by
     `method`, plus P * dlse for a gradient of lse. dp is the block's own, free to overwrite."""
-    p_row = _weights_row(p, options, score_shape, index, lse)
+    p_row = with_sink_weight(p, lse, options, score_shape, index)
     ds = _softmax_backward(method, _pad_like(dp, p_row), p_row, top, D, lse, scores)
     if dlse is not None:                                             # lse = log rowsum exp(S)
         ds += p_row * dlse[..., None]
     return ds
-
-
-def _weights_row(p, options, score_shape, index, lse):
-    """The softmax's whole row of a block: [P, P_sink] with sinks (P_sink = exp(sink - lse)), else P."""
-    if options.sinks is None:
-        return p
-    sink = with_sink(np.zeros(p.shape[:-1] + (0,), p.dtype), options, score_shape, index)
-    with np.errstate(invalid="ignore"):
-        return np.concatenate([p, np.exp(sink - lse[..., None])], axis=-1)
 
 
 def _pad_like(dp, p_row):
