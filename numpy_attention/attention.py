@@ -120,9 +120,10 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     if o.dropout_scale is not None:                 # 6. dP = dP~ * dropout_mask / (1 - p)
         dP = dP * o.dropout_scale
     D = np.sum(dout * cache.out, axis=-1)           # 5. D = rowsum(dout * out) = rowsum(P * dP)
-    dS_row = _softmax_backward(method, dP, D, cache)   #  dS = P * (dP - rowsum(P * dP)), sink column too
+    P_row = with_sink_weight(P, cache.lse, o)       #    the softmax's row (sinks: one more column)
+    dS_row = _softmax_backward(method, dP, D, P_row, cache)   # dS = P * (dP - rowsum(P * dP))
     if dlse is not None:                            #    lse = log rowsum exp(S): dS += P * dlse
-        dS_row = dS_row + with_sink_weight(cache.weights, cache.lse, cache.options) * dlse[..., None]
+        dS_row = dS_row + P_row * dlse[..., None]
     dS = dS_row[..., :P.shape[-1]]
     keep = keep_mask(o, P.shape)                    # 4. masked scores are constants: dS = 0 there
     if keep is not None:
@@ -141,9 +142,8 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
                           dalibi_slopes=dslopes)
 
 
-def _softmax_backward(method, dP, D, cache):
-    """Step 5 by `method` on the softmax's whole row (sinks: dP's sink column is 0)."""
-    P_row = with_sink_weight(cache.weights, cache.lse, cache.options)
+def _softmax_backward(method, dP, D, P_row, cache):
+    """Step 5 by `method` on the softmax's whole row P_row (sinks: dP's sink column is 0)."""
     dP_row = np.concatenate([dP, np.zeros(dP.shape[:-1] + (P_row.shape[-1] - dP.shape[-1],), dP.dtype)], -1)
     if method == "vjp":                             # dS = P * (dP - rowsum(P * dP))
         return softmax_backward(dP_row, SoftmaxCache(p=P_row, top=cache.top[..., None]))
