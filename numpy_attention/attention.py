@@ -219,8 +219,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             instead of letting them poison the rows they touch.
         implementation: 'textbook' (whole arrays, the spec), 'blocked' (the same steps on
             blocks of query rows; the default) or 'tiled' (FlashAttention's algorithm: no
-            [N_q, N_k] array, O(N) memory; mask, bias, causal, window, scale, GQA and
-            fully_masked='zero' only, ValueError for the rest). None: 'tiled' if
+            [N_q, N_k] array, O(N) memory; every option but softcap, dropout and the
+            'uniform' / 'nan' policies, ValueError for those). None: 'tiled' if
             block_size is given, else 'blocked'.
         block_size: the tiled engine's tile size (default options.TILE_SIZE = 128).
         workers: threads for the blocked engine (default 1): its independent blocks of rows

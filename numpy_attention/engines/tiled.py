@@ -12,7 +12,7 @@ keeps out and the row logsumexp lse [..., H, N_q] (O(N) memory instead of O(N^2)
 copy of the mask and bias the caller passed, if any).
 
 Forward, per query block i (online softmax over the key blocks j):
-    S_ij = scale * q_i k_j^T + bias_ij, -inf where not kept      [..., H, b, b]
+    S_ij = scale * q_i k_j^T + bias_ij (+ ALiBi), -inf where not kept   [..., H, b, b]
     m_i' = max(m_i, rowmax S_ij)                                  running row maximum
     P_ij = exp(S_ij - m_i'),  a = exp(m_i - m_i')                 a rescales what came before
     l_i  = a l_i + rowsum P_ij,   acc_i = a acc_i + P_ij v_j
@@ -29,8 +29,10 @@ skipped in both passes. Grouped-query heads meet their kv heads as in the textbo
 (`grouped_matmul`: the G query heads of a kv head stacked as rows), so dk and dv sum over
 each group inside the matmul.
 
-Supported: mask, bias, causal (both alignments), window, scale, GQA, fully_masked='zero'
-(options.py refuses the rest). The backward is the 'flash' form ('vjp' names the same
+Supported: mask, bias, causal (both alignments), window, scale, GQA, ALiBi (part of S_ij),
+sinks (each row's online softmax starts from its sink: m = sink, l = 1), packed sequences and
+the paged KV cache (through keep_mask), fully_masked='zero'; options.py refuses softcap,
+dropout and the other policies. The backward is the 'flash' form ('vjp' names the same
 computation here); method='jacobian' and return_stages need the [N_q, N_k] weights:
 ValueError.
 """
