@@ -8,7 +8,7 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
               candidates, np.longdouble for float64 ones;
     baseline  naive.py in the candidate's dtype (float16 computes in float32, then rounds);
     verdict   rule.judge: err(candidate) <= k * err(baseline) + atol, where
-              atol = ATOL_ULPS * eps(dtype) * |X|max and |X|max (term_magnitudes) is the
+              atol = ATOL_ULPS * eps(dtype) * |X|max and |X|max (magnitudes.py) is the
               largest sum of absolute terms that makes an entry of X, e.g. for dq
               scale * max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|: rounding error is relative
               to the terms, not to the result (a gradient that cancels to 0 still rounds).
@@ -24,7 +24,7 @@ import numpy as np
 
 from .._checks import (require_bool, require_mapping, require_nonnegative_real, require_positive_real,
                        to_numpy)
-from .._layout import grouped_matmul, unbroadcast, with_head_axis
+from .._layout import grouped_matmul, with_head_axis
 from ..attention import ENGINES, TiledAttentionCache, attention_backward
 from ..engines.tiled import tile_scores
 from ..options import attention_options
@@ -35,6 +35,7 @@ from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention
 from .naive import naive_attention
 from .tangents import add_tangents
+from .magnitudes import term_magnitudes, whole_stages
 from .rule import K_L2, CrosscheckReport, atol_for, judge
 
 ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
@@ -133,68 +134,6 @@ def baseline(inputs, options, dtype, gradients=True, block_rows=None):
     if "dq" in result:
         result["dq"] = scale * result["dq"]
     return result
-
-
-def term_magnitudes(stage_blocks, inputs, options):
-    """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages.
-
-    stage_blocks: (index, stages) for blocks of query rows of the scores (index as in
-    blocks.py), stages the block's S, P, P~ [..., H, b, N_k] (with gradients also dP
-    [..., H, b, N_k] and D [..., H, b]) in float64. Sums along a row (out, dq) are maxed
-    over the blocks, sums down a column (dv, dk, dbias) added up. NaN weights (the 'nan'
-    policy's fully masked rows) are terms of 0.
-    """
-    q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
-    scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
-    h_kv = with_head_axis(k).shape[-3]
-    row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
-    col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
-    dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
-    head_sums = {"dsinks": 0.0, "dalibi_slopes": 0.0}  # [..., H] sums over rows (and columns)
-    reach = q.shape[-2] + k.shape[-2]                  # ALiBi's distances are below N_q + N_k
-    for index, stages in stage_blocks:
-        p_drop, kept = np.nan_to_num(stages["P~"]), stages["S"]
-        row_max["out"] = max(row_max["out"], np.sum(p_drop, -1).max(initial=0))
-        row_max["lse"] = max(row_max["lse"], np.abs(kept[np.isfinite(kept)]).max(initial=0))
-        if "dP" not in stages:
-            continue
-        terms = np.nan_to_num(stages["P"] * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]))
-        row_max["dq"] = max(row_max["dq"], np.sum(terms, -1).max(initial=0))    # |dS|'s terms
-        col_sum = {"dv": col_sum["dv"] + np.sum(p_drop, -2),
-                   "dk": col_sum["dk"] + np.sum(terms, -2)}
-        p_sink = np.clip(1 - np.sum(np.nan_to_num(stages["P"]), -1), 0, None)      # a sink's weight
-        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1),
-                     "dalibi_slopes": head_sums["dalibi_slopes"] + reach * np.sum(terms, (-2, -1))}
-        if dbias is not None:
-            block = blocks.bias_block(dbias, index)
-            block += unbroadcast(terms, block.shape)
-    mags = {"out": row_max["out"] * v.max(initial=0),
-            "lse": row_max["lse"] + np.log(max(k.shape[-2], 1))}
-    if "dout" in inputs:
-        mags.update(dv=_kv_column_max(col_sum["dv"], h_kv) * np.abs(inputs["dout"]).max(initial=0),
-                    dq=scale * row_max["dq"] * k.max(initial=0),
-                    dk=scale * _kv_column_max(col_sum["dk"], h_kv) * q.max(initial=0))
-        if dbias is not None:
-            mags["dbias"] = dbias.max(initial=0)
-        mags.update({name: float(np.max(total, initial=0)) for name, total in head_sums.items()
-                     if name[1:] in options})
-    return mags
-
-
-def _kv_column_max(col_sum, h_kv):
-    """The largest sum down a column of a kv head's G query heads: col_sum [..., H, N_k] summed
-    to [..., H_kv, N_k], then its max (0 when no block had terms: col_sum is 0)."""
-    if np.ndim(col_sum) == 0:
-        return 0.0
-    return col_sum.reshape(col_sum.shape[:-2] + (h_kv, -1) + col_sum.shape[-1:]).sum(-2).max(initial=0)
-
-
-def _whole_stages(truth):
-    """The oracle's stages as one block of all rows (for term_magnitudes), as [..., H, N_q, N_k]."""
-    shape = with_head_axis(truth["S"]).shape
-    stages = {name: truth[name].reshape(shape[:-1] if name == "D" else shape).astype(np.float64)
-              for name in ("S", "P", "P~", "dP", "D") if name in truth}
-    return [((Ellipsis, slice(None), slice(None)), stages)]
 
 
 def _recomputed_stages(truth, inputs, options, block_rows):
@@ -348,7 +287,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                 raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
             add_tangents(case, truth, bases, wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
-        stage_blocks = (_whole_stages(truth) if whole else
+        stage_blocks = (whole_stages(truth) if whole else
                         _recomputed_stages(truth, case.inputs, case.options, block_rows))
         mags = {} if case.precision.recipe else term_magnitudes(stage_blocks, case.inputs, case.options)
         if case.paged is not None:                       # the packed problem's results, as the caller's

@@ -19,7 +19,7 @@ accurate as PyTorch's naive implementation in the same dtype"):
   entry shows above bfloat16's rounding.
 - atol, in float32 / float64: ATOL_ULPS * eps(dtype) * M, four units in the last
   place of M, the largest sum of absolute terms behind one entry of the tensor
-  (check.py, term_magnitudes; max|oracle| when judge is called alone). It keeps a
+  (magnitudes.py, term_magnitudes; max|oracle| when judge is called alone). It keeps a
   lucky baseline (an error of 0 where a gradient cancels to exactly 0, or 1 ulp on a
   tiny tensor) from failing a candidate that rounds once more. In float16, bfloat16
   and float8, where the baseline's rounding errors are large and never lucky, half

@@ -1,0 +1,73 @@
+"""The largest sum of absolute terms behind an entry of each tensor: what crosscheck's atol
+scales with (rule.py: atol = ATOL_ULPS * eps(dtype) * |X|max).
+
+Rounding error is relative to the terms, not to the result: a gradient entry that cancels
+to 0 still rounds at the size of its terms. For dq, for example, the terms of entry (i, c)
+are scale * sum_j P_ij (|dP_ij| + |D_i|) |k_jc|.
+"""
+import numpy as np
+
+from .._layout import unbroadcast, with_head_axis
+from . import blocks
+
+
+def term_magnitudes(stage_blocks, inputs, options):
+    """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages.
+
+    stage_blocks: (index, stages) for blocks of query rows of the scores (index as in
+    blocks.py), stages the block's S, P, P~ [..., H, b, N_k] (with gradients also dP
+    [..., H, b, N_k] and D [..., H, b]) in float64. Sums along a row (out, dq) are maxed
+    over the blocks, sums down a column (dv, dk, dbias) added up. NaN weights (the 'nan'
+    policy's fully masked rows) are terms of 0.
+    """
+    q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
+    scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
+    h_kv = with_head_axis(k).shape[-3]
+    row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
+    col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
+    dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
+    head_sums = {"dsinks": 0.0, "dalibi_slopes": 0.0}  # [..., H] sums over rows (and columns)
+    reach = q.shape[-2] + k.shape[-2]                  # ALiBi's distances are below N_q + N_k
+    for index, stages in stage_blocks:
+        p_drop, kept = np.nan_to_num(stages["P~"]), stages["S"]
+        row_max["out"] = max(row_max["out"], np.sum(p_drop, -1).max(initial=0))
+        row_max["lse"] = max(row_max["lse"], np.abs(kept[np.isfinite(kept)]).max(initial=0))
+        if "dP" not in stages:
+            continue
+        terms = np.nan_to_num(stages["P"] * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]))
+        row_max["dq"] = max(row_max["dq"], np.sum(terms, -1).max(initial=0))    # |dS|'s terms
+        col_sum = {"dv": col_sum["dv"] + np.sum(p_drop, -2),
+                   "dk": col_sum["dk"] + np.sum(terms, -2)}
+        p_sink = np.clip(1 - np.sum(np.nan_to_num(stages["P"]), -1), 0, None)      # a sink's weight
+        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1),
+                     "dalibi_slopes": head_sums["dalibi_slopes"] + reach * np.sum(terms, (-2, -1))}
+        if dbias is not None:
+            block = blocks.bias_block(dbias, index)
+            block += unbroadcast(terms, block.shape)
+    mags = {"out": row_max["out"] * v.max(initial=0),
+            "lse": row_max["lse"] + np.log(max(k.shape[-2], 1))}
+    if "dout" in inputs:
+        mags.update(dv=_kv_column_max(col_sum["dv"], h_kv) * np.abs(inputs["dout"]).max(initial=0),
+                    dq=scale * row_max["dq"] * k.max(initial=0),
+                    dk=scale * _kv_column_max(col_sum["dk"], h_kv) * q.max(initial=0))
+        if dbias is not None:
+            mags["dbias"] = dbias.max(initial=0)
+        mags.update({name: float(np.max(total, initial=0)) for name, total in head_sums.items()
+                     if name[1:] in options})
+    return mags
+
+
+def _kv_column_max(col_sum, h_kv):
+    """The largest sum down a column of a kv head's G query heads: col_sum [..., H, N_k] summed
+    to [..., H_kv, N_k], then its max (0 when no block had terms: col_sum is 0)."""
+    if np.ndim(col_sum) == 0:
+        return 0.0
+    return col_sum.reshape(col_sum.shape[:-2] + (h_kv, -1) + col_sum.shape[-1:]).sum(-2).max(initial=0)
+
+
+def whole_stages(truth):
+    """The oracle's stages as one block of all rows (for term_magnitudes), as [..., H, N_q, N_k]."""
+    shape = with_head_axis(truth["S"]).shape
+    stages = {name: truth[name].reshape(shape[:-1] if name == "D" else shape).astype(np.float64)
+              for name in ("S", "P", "P~", "dP", "D") if name in truth}
+    return [((Ellipsis, slice(None), slice(None)), stages)]
