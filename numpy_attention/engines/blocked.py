@@ -171,11 +171,8 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k
         dkT[kv] += grouped_sum_matmul(q3[block], ds, n_kv)           #    dk^T = scale q^T dS
 
-    def backward_group(blocks):                                      # one kv head's blocks, in order
-        for block in blocks:
-            backward_block(block)
-    run_tasks([partial(backward_group, blocks) for blocks in _by_kv_heads(
-        row_blocks(score_shape, group, p.itemsize), group)], o.workers)
+    run_tasks([partial(_in_order, backward_block, blocks) for blocks in _by_kv_heads(   # a kv head's
+        row_blocks(score_shape, group, p.itemsize), group)], o.workers)             # blocks, in order
     dq, dkT = scaled(dq, o.scale), scaled(dkT, o.scale)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)
     stages = None
@@ -186,6 +183,12 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     head_grads = {f"d{name}": head_gradient(g, getattr(o, name)) for name, g in per_head.items()}
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=contiguous(dkT, cache.k),
                           dv=contiguous(dvT, cache.v), dbias=dbias, stages=stages, **head_grads)
+
+
+def _in_order(step, blocks):
+    """step(block) for each block, in order (one task: the blocks that share dk's and dv's rows)."""
+    for block in blocks:
+        step(block)
 
 
 def _by_kv_heads(blocks, group):
