@@ -8,23 +8,27 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
-from numpy_attention.crosscheck import CaseError, crosscheck, load_case, save_case, split_case
+from numpy_attention.crosscheck import CaseError, crosscheck, judge, load_case, save_case, split_case
 from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
 
 BF16, E4M3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-def bf16_case(seed=0, causal=True, gradients=True):
-    """A bfloat16 case whose candidate is the bfloat16 recipe (an honest kernel)."""
+def bf16_case(seed=0, causal=True, gradients=True, n=(6, 9), d=8, scale=None, kernel_scale=None):
+    """A bfloat16 case whose candidate is the bfloat16 recipe (an honest kernel), N_q, N_k = n.
+    scale: the case's scale (None: 1/sqrt(d)); kernel_scale: the one the candidate used."""
     rng = np.random.default_rng(seed)
     q, k, v, dout = (rng.standard_normal(shape).astype(BF16) for shape in
-                     ((1, 2, 6, 8), (1, 2, 9, 8), (1, 2, 9, 8), (1, 2, 6, 8)))
+                     ((1, 2, n[0], d), (1, 2, n[1], d), (1, 2, n[1], d), (1, 2, n[0], d)))
     f32 = lambda x: x.astype(np.float32)
-    q3, k3, v3, record = na.attention_options(f32(q), f32(k), f32(v), causal=causal)
+    used = scale if kernel_scale is None else kernel_scale
+    q3, k3, v3, record = na.attention_options(f32(q), f32(k), f32(v), causal=causal, scale=used)
     result = recipe_attention(q3, k3, v3, record, PRECISIONS["bfloat16"],
                               dout=f32(dout) if gradients else None)
     arrays = {"q": q, "k": k, "v": v, "causal": np.array(causal), "out": result["out"].astype(BF16),
               "lse": result["lse"]}
+    if scale is not None:
+        arrays["scale"] = np.array(scale)
     if gradients:
         arrays.update(dout=dout, **{n: result[n].astype(BF16) for n in ("dq", "dk", "dv")})
     return arrays
@@ -42,6 +46,57 @@ def test_a_wrong_bfloat16_candidate_fails():
     arrays = bf16_case()
     arrays["out"] = (arrays["out"].astype(np.float32) * 1.05).astype(BF16)
     assert not crosscheck(**arrays)
+
+
+def test_a_scale_off_by_1_percent_fails_and_reads_as_plus_1_percent():
+    report = crosscheck(**bf16_case(n=(32, 32), d=32, kernel_scale=1.01 / np.sqrt(32)))
+    assert not report
+    assert all(abs(r.scale_err - 0.01) < 0.002 and r.scale_err > r.scale_bound and not r.passed
+               for r in report.rows)
+    assert "scale err" in str(report)
+
+
+def test_the_scale_check_sees_an_error_along_u_that_norm_and_entries_do_not():
+    """Baseline and candidate round by +-1 at random (norm 20 over 400 entries); the candidate
+    also moves by 0.5 u, u = 1 (norm 10): max-abs (1.5 <= 2 * 1) and normwise (about 22 <=
+    2 * 20) pass, a = 0.5 fails the bound k * max(|a(baseline)|, s(baseline)), s = 20 / 400."""
+    rng = np.random.default_rng(0)
+    oracle = rng.standard_normal(400) * 100
+    u = np.ones(400)
+    baseline = oracle + rng.choice([-1.0, 1.0], 400)
+    candidate = oracle + rng.choice([-1.0, 1.0], 400) + 0.5 * u
+    plain = judge("out", candidate, oracle, baseline, atol=0, l2_k=2.0)
+    assert plain.passed
+    verdict = judge("out", candidate, oracle, baseline, atol=0, l2_k=2.0, scale_direction=u)
+    assert not verdict.passed and verdict.scale_err == pytest.approx(np.mean(candidate - oracle))
+    assert verdict.scale_bound == pytest.approx(2 * max(abs(np.mean(baseline - oracle)), 0.05))
+    assert judge("out", candidate, oracle, baseline, atol=0, l2_k=2.0, scale_direction=u,
+                 scale_tol=0.6).passed                      # what scale_tol allows
+
+
+def test_a_scale_held_in_bfloat16_passes():
+    """JAX multiplies bfloat16 scores by the scale in bfloat16: 0.125 + 0.45 ulp rounds to 0.125,
+    0.35% off, within the scale check's eps(bfloat16) / 2 allowance."""
+    scale = 0.125 + 0.45 * 2.0 ** -10                       # bfloat16's ulp at 0.125 is 2^-10
+    assert float(np.float32(scale).astype(BF16)) == 0.125
+    report = crosscheck(**bf16_case(n=(32, 32), d=32, scale=scale, kernel_scale=0.125))
+    assert report, str(report)
+    assert all(-0.0045 < r.scale_err < -0.0025 for r in report.rows)
+
+
+def test_the_row_check_sees_one_entry_the_tensors_worst_rounding_hides():
+    """Row 0 of 100 rounds badly (baseline error 0.1), the others well (0.001): an error of
+    0.05 in row 1 is under the tensor-wide bound 3 * 0.1, not under its row's, floored at the
+    baseline's rms error sqrt((3 * 0.1^2 + 297 * 0.001^2) / 300) = 0.01005."""
+    oracle = np.tile([1.0, -1.0, 1.0], (100, 1))
+    baseline = oracle + np.where(np.arange(100)[:, None] == 0, 0.1, 0.001) * np.array([1, -1, 1])
+    candidate = baseline.copy()
+    candidate[1, 0] += 0.05
+    assert judge("dq", candidate, oracle, baseline, atol=0).passed
+    verdict = judge("dq", candidate, oracle, baseline, atol=0, rows=True)
+    assert not verdict.passed and verdict.row_ratio == pytest.approx(0.051 / 0.01005, rel=1e-3)
+    candidate[1, 0] -= 0.025                                # 0.026 <= 3 * 0.01005: passes
+    assert judge("dq", candidate, oracle, baseline, atol=0, rows=True).passed
 
 
 @pytest.mark.parametrize("storage", ["ml_dtypes", "raw uint16", "void bytes (np.savez)", "float32 values"])

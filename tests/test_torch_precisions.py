@@ -4,21 +4,16 @@ and attention written as torch ops, on every variant each computes (mask, bias, 
 alignments, scale, grouped-query heads, window, softcap, dropout), lengths up to 200.
 
 Honest results must all pass (0 false failures over 1,620 cases); results with a planted bug
-must fail. The measured catch rates are asserted as they stand: every bug is caught in >= 95%
-of its cases in every precision except two in bfloat16, whose 8-bit mantissa hides a 1%
-scale error in 28% of the cases and a dq entry off by 5% of max|dq| in 7% (rule.py says why).
+must fail in >= 95% of its cases in every precision.
 """
 import pytest
 from optional import TORCH_REASON
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
-from torch_kernels import BUGS, campaign  # noqa: E402  (needs torch)
+from torch_kernels import campaign  # noqa: E402  (needs torch)
 
 CASES_PER_VARIANT = 20                          # x 27 kernel-variant pairs = 540 cases per precision
-# bug -> the share of its cases that must fail, per precision (0.95 unless measured otherwise)
-CAUGHT = {bug: {"float16": 0.95, "bfloat16": 0.95, "float32": 0.95} for bug in BUGS}
-CAUGHT["scale"]["bfloat16"] = 0.65              # measured 0.72 (389 / 540)
-CAUGHT["dq_entry"]["bfloat16"] = 0.90           # measured 0.93 (503 / 540)
+CAUGHT = 0.95                                   # the share of a bug's cases that must fail
 
 
 @pytest.fixture(scope="module", params=["float16", "bfloat16", "float32"])
@@ -38,4 +33,4 @@ def test_planted_bugs_are_caught(results):
     precision, (_, planted) = results
     shares = {bug: sum(not report for report in reports) / len(reports) for bug, reports in planted.items()}
     assert all(len(reports) >= 15 for reports in planted.values()), {b: len(r) for b, r in planted.items()}
-    assert all(shares[bug] >= CAUGHT[bug][precision] for bug in planted), (precision, shares)
+    assert all(share >= CAUGHT for share in shares.values()), (precision, shares)

@@ -39,6 +39,7 @@ from .magnitudes import term_magnitudes, whole_stages
 from .rule import K_L2, CrosscheckReport, atol_for, judge
 
 ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
+SCALE_STEP = 2.0 ** -20     # the rule's scale check: d oracle / d log(scale) by this step
 
 
 def _case_in(inputs, options, dtype, scale_factor=1.0):
@@ -66,7 +67,8 @@ def _case_in(inputs, options, dtype, scale_factor=1.0):
     return q, k, v, dout, record, scale
 
 
-def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=True):
+def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=True,
+              scale_factor=1.0):
     """The oracle: attention.py with every input cast to `dtype`, on the record's engine.
 
     forward_of: None, or a candidate's own {"out", "lse"} (natural log): the gradients are
@@ -74,6 +76,7 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
     D = rowsum(dout * out), so that a backward is judged apart from its forward's error.
     stages: False runs the tiled engine (O(N) memory; no softcap, dropout or fully_masked
     other than 'zero') and returns no [..., H, N_q, N_k] stage.
+    scale_factor: the scale times this (the rule's scale check reruns the oracle so).
     Returns:
         dict with out [..., H, N_q, d_v], lse [..., H, N_q], and with gradients and dout
         dq, dk, dv (dbias with a bias); with stages also the scores S (-inf where masked),
@@ -81,7 +84,7 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
         stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
     """
     engine = {} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE}
-    q, k, v, dout, record, scale = _case_in(inputs, {**options, **engine}, dtype)
+    q, k, v, dout, record, scale = _case_in(inputs, {**options, **engine}, dtype, scale_factor)
     forward, _ = ENGINES[record.implementation]
     out, cache = forward(q, k, v, record)
     result = {"out": out, "lse": cache.lse}
@@ -289,21 +292,35 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             against.update({name: truth[name] for name in FORWARD_MODE})
         stage_blocks = (whole_stages(truth) if whole else
                         _recomputed_stages(truth, case.inputs, case.options, block_rows))
-        mags = {} if case.precision.recipe else term_magnitudes(stage_blocks, case.inputs, case.options)
+        low = case.precision.recipe                      # a 16- or 8-bit precision
+        mags = {} if low else term_magnitudes(stage_blocks, case.inputs, case.options)
+        directions = _scale_directions(case, truth, wide, want_grads, whole) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
-            truth, against = (_unpaged(x, case.paged) for x in (truth, against))
+            truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
             bases = [_unpaged(b, case.paged) for b in bases]
         verdicts = [judge(name, _in_base_e(case, name, cand), against[name],
                           [b[name].astype(cand.dtype) for b in bases], baseline_oracle=truth[name],
                           k=k_factors.get(name), dtype=cand.dtype,
                           atol=_atol(case, cand.dtype, truth[name], mags.get(name), atol),
-                          l2_k=K_L2 if case.precision.recipe else None)
+                          l2_k=K_L2 if low else None, rows=low,
+                          scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2)
                     for name, cand in case.candidates.items()]
         failing = [row.name for row in verdicts if not row.passed]
         diagnosis = _diagnosis(arrays, case, truth, failing, whole) if failing else []
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
     return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
+
+
+def _scale_directions(case, truth, dtype, gradients, whole):
+    """{tensor: d oracle / d log(scale)} for the rule's scale check, by a forward difference
+    of the oracle rerun at scale * (1 + SCALE_STEP) (float64: the difference is exact to
+    about 1e-10 of it, far finer than a 16-bit precision's rounding)."""
+    shifted = reference(case.inputs, case.options, dtype, gradients, stages=whole,
+                        scale_factor=1 + SCALE_STEP)
+    with np.errstate(invalid="ignore"):
+        return {name: (shifted[name] - truth[name]) / SCALE_STEP
+                for name in CANDIDATES if name in shifted and name in truth}
 
 
 def _unpaged(results, paged):

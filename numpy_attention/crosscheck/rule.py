@@ -6,7 +6,9 @@ accurate as PyTorch's naive implementation in the same dtype"):
     err(x)  = max |x - oracle|                         max-abs error, NaN-aware
     PASS   iff   err(candidate) <= k * err(baseline) + atol
     and, in a 16- or 8-bit precision, also
-                 ||candidate - oracle||_2 <= K_L2 * ||baseline - oracle||_2 + atol
+      normwise   ||candidate - oracle||_2 <= K_L2 * ||baseline - oracle||_2 + atol
+      row-wise   err(row of candidate) <= k * max(err(row of baseline), rms(baseline - oracle)) + atol
+      scale      |a(candidate)| <= k * max(|a(baseline)|, s(baseline)) + eps(T) / 2
 
 - oracle: attention computed in float64 (np.longdouble for a float64 precision) on
   the values the kernel read.
@@ -15,8 +17,20 @@ accurate as PyTorch's naive implementation in the same dtype"):
   bfloat16 and float8 (the largest error of its ways of computing).
 - k: 2 for `out` and `lse`, 3 for the gradients (FlashAttention's factors).
 - the normwise check (K_L2 = 2) catches what the max-abs one cannot see in a low
-  precision: an error spread over the whole tensor (a scale off by 1%) that no single
-  entry shows above bfloat16's rounding.
+  precision: an error spread over the whole tensor that no single entry shows above
+  bfloat16's rounding.
+- the row-wise check holds each row (the last axis: one query's out or dq, one key's dk
+  or dv) to the baseline's error in that row, floored at the baseline's root mean square
+  error over the tensor (a row where the baseline happens to round exactly): one wrong
+  entry then shows against its own row, not against the tensor's worst rounding.
+- the scale check measures the error along the direction a wrong softmax scale moves the
+  result, u = d oracle / d log(scale) (the oracle rerun at scale * (1 + 2^-20)):
+      a(e) = <e, u> / ||u||^2          the relative scale error the error e amounts to
+      s(e) = ||e * u||_2 / ||u||^2     what a(e) would be if e's signs were random
+  A scale off by 1% is a 1% shift along u for every entry at once, about one bfloat16
+  ulp, hidden in the rounding of each entry but not in a(e). eps(T) / 2 allows a kernel
+  that holds the scale in its compute dtype T, rounded once (JAX multiplies bfloat16
+  scores by the scale in bfloat16).
 - atol, in float32 / float64: ATOL_ULPS * eps(dtype) * M, four units in the last
   place of M, the largest sum of absolute terms behind one entry of the tensor
   (magnitudes.py, term_magnitudes; max|oracle| when judge is called alone). It keeps a
@@ -61,6 +75,9 @@ class TensorVerdict(NamedTuple):
     rel_l2_err: float       # ||candidate - oracle||_2 / ||oracle||_2
     l2_ratio: float         # ||candidate - oracle||_2 / ||baseline - oracle||_2
     l2_k: float             # the normwise check's factor (nan: not applied)
+    row_ratio: float        # max over rows of err(row) / max(err(baseline's row), rms baseline err)
+    scale_err: float        # a(candidate): the relative scale error its error amounts to
+    scale_bound: float      # the scale check's bound (nan: not applied)
     baseline_err: float     # err(baseline) = max |baseline - oracle|
     ratio: float            # max_abs_err / baseline_err (FlashAttention compares it with k)
     k: float
@@ -82,18 +99,19 @@ class CrosscheckReport(NamedTuple):
         return all(row.passed for row in self.rows)
 
     def __str__(self):
-        normwise = any(not math.isnan(r.l2_k) for r in self.rows)
+        low = any(not math.isnan(r.l2_k) for r in self.rows)          # a 16- or 8-bit precision
         rule = "max abs err <= k * baseline err + atol" + (
-            " and L2 err <= L2 k * baseline L2 err + atol" if normwise else "")
+            ", also by L2 norm, row by row and along a scale change" if low else "")
         head = (f"crosscheck: oracle {self.oracle_dtype}, baseline {self.baseline_dtype}; "
                 f"PASS iff {rule}  -> {'PASS' if self else 'FAIL'}")
-        l2 = f"{'L2 ratio':>9}" if normwise else ""
-        cols = (f"{'tensor':<14}{'dtype':<9}{'max abs err':>12}{'rel L2 err':>12}{l2}{'baseline':>11}"
+        more = f"{'L2 ratio':>9}{'row ratio':>10}{'scale err':>11}{'scale bound':>12}" if low else ""
+        cols = (f"{'tensor':<14}{'dtype':<9}{'max abs err':>12}{'rel L2 err':>12}{more}{'baseline':>11}"
                 f"{'ratio':>9}{'k':>4}{'bound':>11}  {'worst index':<20}{'verdict'}")
         lines = [head, cols]
         for r in self.rows:
-            l2 = f"{r.l2_ratio:>9.3g}" if normwise else ""
-            lines.append(f"{r.name:<14}{r.dtype:<9}{r.max_abs_err:>12.3e}{r.rel_l2_err:>12.3e}{l2}"
+            more = (f"{r.l2_ratio:>9.3g}{r.row_ratio:>10.3g}{r.scale_err:>+11.2e}{r.scale_bound:>12.2e}"
+                    if low else "")
+            lines.append(f"{r.name:<14}{r.dtype:<9}{r.max_abs_err:>12.3e}{r.rel_l2_err:>12.3e}{more}"
                          f"{r.baseline_err:>11.3e}{r.ratio:>9.3g}{r.k:>4g}{r.bound:>11.3e}  "
                          f"{str(r.worst_index):<20}{'PASS' if r.passed else 'FAIL'}")
         lines += [f"diagnosis: {line}" for line in self.diagnosis]
@@ -123,15 +141,15 @@ def atol_for(dtype, magnitude):
 
 
 def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l2_k=None,
-          baseline_oracle=None):
-    """One TensorVerdict: err(candidate) <= k * err(baseline) + atol (and the normwise check).
+          baseline_oracle=None, rows=False, scale_direction=None, scale_tol=0.0):
+    """One TensorVerdict: err(candidate) <= k * err(baseline) + atol (and the low-precision checks).
 
     Args:
         candidate: an array of the oracle's shape (any float or ml_dtypes dtype); for
             "lse", +inf counts as -inf where the oracle is -inf.
         oracle: the reference in a wider dtype.
         baseline: an array of the oracle's shape, or a list of them: err(baseline) is then
-            the largest of their errors (max-abs and L2 alike).
+            the largest of their errors (in every check).
         k: default K_DEFAULT[name] (3 for a name it does not know).
         atol: default atol_for(dtype, max|oracle| over its finite entries).
         dtype: the candidate's dtype as reported and for atol (default candidate.dtype;
@@ -141,22 +159,27 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
         baseline_oracle: what the baseline's error is measured against, when it is not the
             candidate's oracle (crosscheck's own_forward: the candidate's gradients against
             the backward of its own forward, the baseline's against the true gradients).
+        rows: apply the row-wise check (module docstring).
+        scale_direction: u = d oracle / d log(scale), of the oracle's shape: apply the scale
+            check, with scale_tol added to its bound. None: no scale check.
     """
     candidate, oracle = np.asarray(candidate), np.asarray(oracle)
     baselines = [np.asarray(b) for b in (baseline if isinstance(baseline, list) else [baseline])]
     dtype = candidate.dtype if dtype is None else np.dtype(dtype)
-    if any(x.shape != oracle.shape for x in [candidate] + baselines):
-        raise ValueError(f"judge({name!r}): candidate, oracle and baseline must have one shape, got "
-                         f"{candidate.shape}, {oracle.shape} and {', '.join(str(b.shape) for b in baselines)}")
+    shapes = [candidate] + baselines + ([] if scale_direction is None else [np.asarray(scale_direction)])
+    if any(x.shape != oracle.shape for x in shapes):
+        raise ValueError(f"judge({name!r}): candidate, oracle, baseline and scale_direction must have "
+                         f"one shape, got {candidate.shape}, {oracle.shape} and "
+                         f"{', '.join(str(x.shape) for x in shapes[1:])}")
     if name == "lse":                    # FlashAttention's +inf for a fully masked row (docstring)
         candidate = np.where(np.isneginf(oracle) & np.isposinf(candidate.astype(np.float64)),
                              -np.inf, candidate.astype(np.float64))
     k = K_DEFAULT.get(name, 3.0) if k is None else float(k)
     if atol is None:
         atol = atol_for(dtype, np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
+    base_oracle = oracle if baseline_oracle is None else np.asarray(baseline_oracle)
     err = abs_errors(candidate, oracle)
-    base_errs = [abs_errors(b, oracle if baseline_oracle is None else np.asarray(baseline_oracle))
-                 for b in baselines]
+    base_errs = [abs_errors(b, base_oracle) for b in baselines]
     base = max(float(np.max(b, initial=0.0)) for b in base_errs)
     worst = np.unravel_index(int(np.argmax(err)), err.shape) if err.size else ()
     max_err = float(err[worst]) if err.size else 0.0
@@ -165,17 +188,60 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
     # relative to the oracle's norm; where the oracle is all 0, to the candidate's (1: all wrong)
     norm = ref_norm if ref_norm > 0 else cand_norm
     rel = err_norm / norm if norm > 0 else (0.0 if err_norm == 0 else math.inf)
-    ratio = max_err / base if base > 0 else (0.0 if max_err == 0 else math.inf)
-    l2_ratio = err_norm / base_norm if base_norm > 0 else (0.0 if err_norm == 0 else math.inf)
     bound = k * base + atol
     normwise_ok = l2_k is None or err_norm <= l2_k * base_norm + atol
+    row_ratio, row_ok = _row_check(err, base_errs, k, atol) if rows else (math.nan, True)
+    scale_err, scale_bound = math.nan, math.nan
+    if scale_direction is not None:
+        scale_err, scale_bound = _scale_check(candidate, oracle, baselines, base_oracle,
+                                              np.asarray(scale_direction), k, scale_tol)
     return TensorVerdict(name=name, dtype=str(dtype), max_abs_err=max_err, rel_l2_err=rel,
-                         l2_ratio=l2_ratio, l2_k=math.nan if l2_k is None else float(l2_k),
-                         baseline_err=base, ratio=ratio, k=k, atol=atol,
+                         l2_ratio=_ratio(err_norm, base_norm),
+                         l2_k=math.nan if l2_k is None else float(l2_k), row_ratio=row_ratio,
+                         scale_err=scale_err, scale_bound=scale_bound,
+                         baseline_err=base, ratio=_ratio(max_err, base), k=k, atol=atol,
                          bound=bound, worst_index=tuple(int(i) for i in worst),
                          candidate=float(candidate[worst]) if err.size else 0.0,
                          oracle=float(oracle[worst]) if err.size else 0.0,
-                         passed=bool(max_err <= bound and normwise_ok))
+                         passed=bool(max_err <= bound and normwise_ok and row_ok
+                                     and not abs(scale_err) > scale_bound))
+
+
+def _ratio(err, base):
+    """err / base, with 0 / 0 = 0 and x / 0 = inf."""
+    return err / base if base > 0 else (0.0 if err == 0 else math.inf)
+
+
+def _row_check(err, base_errs, k, atol):
+    """(the largest row ratio, whether every row passes): the row-wise check of the module
+    docstring, rows along the last axis."""
+    if err.size == 0:
+        return 0.0, True
+    rows = np.max(err, axis=-1)
+    floor = max(_norm(b) / math.sqrt(b.size) for b in base_errs)          # rms(baseline - oracle)
+    base_rows = np.maximum(np.max([np.max(b, axis=-1) for b in base_errs], axis=0), floor)
+    ratios = np.divide(rows, base_rows, out=np.where(rows > 0, np.inf, 0.0), where=base_rows > 0)
+    return float(np.max(ratios)), bool(np.all(rows <= k * base_rows + atol))
+
+
+def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol):
+    """(a(candidate), its bound k * max(|a(baseline)|, s(baseline)) + scale_tol): the scale
+    check of the module docstring, over the entries where the oracle and u are finite (nan,
+    nan where u is 0: a result the scale does not move)."""
+    finite = np.isfinite(oracle) & np.isfinite(u) & np.isfinite(base_oracle)
+    u = np.where(finite, u, 0).astype(np.float64)
+    uu = float(np.sum(u * u))
+    if uu == 0:
+        return math.nan, math.nan
+
+    def along(x, ref):                  # (a(e), s(e)) of e = x - ref, non-finite entries as 0
+        with np.errstate(invalid="ignore", over="ignore"):
+            e = np.asarray(x).astype(np.float64) - np.asarray(ref).astype(np.float64)
+        e = np.where(finite & np.isfinite(e), e, 0)
+        return float(np.sum(e * u)) / uu, _norm(e * u) / uu
+
+    spread = max(max(abs(a), s) for a, s in (along(b, base_oracle) for b in baselines))
+    return along(candidate, oracle)[0], k * spread + float(scale_tol)
 
 
 def _norm(x):
