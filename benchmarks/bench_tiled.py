@@ -1,7 +1,8 @@
 """The three attention engines against N: time and peak memory of forward + backward.
 
-    python3 benchmarks/bench_tiled.py [--lengths 1024 2048 8192 32768] [--block 128]
+    python3 benchmarks/bench_tiled.py [--lengths 1024 2048 8192 32768] [--block 256]
                                       [--engines textbook blocked tiled] [--max-gib 2]
+                                      [--workers 1]
 
 Causal self-attention, 1 batch, 8 heads, d_k = 64, float64, forward + backward with a
 random upstream gradient, for each engine of attention_forward(implementation=...):
@@ -12,7 +13,8 @@ one run's peak cannot hide another's. Time: the median of 3 calls after an untim
 (a process's first large allocations can stall on huge-page compaction); a single call
 where that call alone takes over 10 s. The textbook and blocked engines are skipped
 where one [8, N, N] array alone would pass --max-gib (default 2 GiB; at N=8192 it is
-4 GiB, and those engines hold several such arrays at once).
+4 GiB, and those engines hold several such arrays at once). --workers: the engines' threads
+(default: theirs, every core from 2^24 scores on, options.PARALLEL_SCORES).
 """
 import argparse
 import os
@@ -32,7 +34,8 @@ q, k, v, dout = (rng.standard_normal((1, {h}, {n}, {d})) for _ in range(4))
 
 def timed_step():
     t0 = time.perf_counter()
-    out, cache = attention_forward(q, k, v, causal=True, implementation={engine!r}, block_size={block})
+    out, cache = attention_forward(q, k, v, causal=True, implementation={engine!r}, block_size={block},
+                                   workers={workers})
     attention_backward(dout, cache)
     return time.perf_counter() - t0
 
@@ -41,9 +44,10 @@ print('SECONDS', first if first > 10 else statistics.median(timed_step() for _ i
 """
 
 
-def run(n, engine, block):
+def run(n, engine, block, workers):
     """(seconds, peak MiB) of one causal forward + backward in a fresh process."""
-    code = CHILD.format(h=HEADS, n=n, d=D_K, engine=engine, block=block if engine == "tiled" else None)
+    code = CHILD.format(h=HEADS, n=n, d=D_K, engine=engine, block=block if engine == "tiled" else None,
+                        workers=None if engine == "textbook" else workers)
     mib, stdout = run_child(code)
     seconds = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("SECONDS")][0]
     return seconds, mib
@@ -55,14 +59,17 @@ def main():
                     help="sequence lengths N (default 1024 2048 4096 8192 32768)")
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
                     help="engines to run (default all: textbook blocked tiled)")
-    ap.add_argument("--block", type=int, default=128, help="the tiled engine's block_size (default 128)")
+    ap.add_argument("--block", type=int, default=256, help="the tiled engine's block_size (default 256)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="threads of the blocked and tiled engines (default: theirs)")
     ap.add_argument("--max-gib", type=float, default=2.0,
                     help="skip textbook and blocked where one [H, N, N] array exceeds this (default 2)")
     args = ap.parse_args()
     load = OtherLoad()
     print(machine_line())
     print(f"\ncausal attention, B=1, H={HEADS}, d_k={D_K}, float64, forward + backward; "
-          f"seconds and peak MiB per engine (tiled block_size={args.block}; -: skipped, "
+          f"seconds and peak MiB per engine (tiled block_size={args.block}; workers "
+          f"{args.workers or 'the default'}; -: skipped, "
           f"one [H, N, N] array > {args.max_gib:g} GiB)")
     rows = []
     for n in args.lengths:
@@ -71,7 +78,7 @@ def main():
             if engine != "tiled" and HEADS * n * n * 8 / 2 ** 30 > args.max_gib:
                 row += ["-", "-"]
                 continue
-            seconds, mib = run(n, engine, args.block)
+            seconds, mib = run(n, engine, args.block, args.workers)
             row += [f"{seconds:.2f}", f"{mib:.0f}"]
         rows.append(row)
     header = ["N"] + [f"{engine} {what}" for engine in args.engines for what in ("s", "MiB")]

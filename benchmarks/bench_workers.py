@@ -1,10 +1,14 @@
-"""The blocked engine on threads: attention forward + backward with workers=1 against
-workers=2, float64, causal, in one process, alternating; and whether the bits agree.
+"""The engines on threads: attention forward + backward, float64, causal, under several
+(workers, tile) configurations in one process, alternating; and whether the bits agree.
 
     python3 benchmarks/bench_workers.py [--shapes 1x8x2048x64,2x8x1024x64] [--repeats 5]
+    python3 benchmarks/bench_workers.py --engine tiled --shapes 1x8x32768x64 --repeats 1 \
+        --configs 1:128,1:256,2:256
 
-The ratio (1 worker's median time / 2 workers') is the result; absolute times on a shared
-machine are noise. The header names the machine.
+A configuration is WORKERS (blocked) or WORKERS:TILE (tiled: its block_size). The ratio is
+the first configuration's median time over each one's: the result, where absolute times on
+a shared machine are noise. "same bits" compares a configuration's out, dq, dk, dv with those
+of one worker at the same tile. The header names the machine; the last line, other load.
 """
 import argparse
 import os
@@ -17,41 +21,60 @@ import numpy as np
 import numpy_attention as na
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine_line  # noqa: E402
+from benchmarks._common import OtherLoad, machine_line  # noqa: E402
 
 
-def machine():
-    """The header line (benchmarks/_common.py): CPU model, cores, Python, numpy and its BLAS, torch."""
-    return machine_line()
+def step(q, k, v, dout, engine, workers, tile):
+    """One causal forward + backward: (out, dq, dk, dv)."""
+    out, cache = na.attention_forward(q, k, v, causal=True, implementation=engine, workers=workers,
+                                      block_size=tile)
+    grads = na.attention_backward(dout, cache)
+    return out, grads.dq, grads.dk, grads.dv
 
 
-def step(q, k, v, dout, workers):
-    out, cache = na.attention_forward(q, k, v, causal=True, workers=workers)
-    return out, na.attention_backward(dout, cache)
+def parse_configs(text, engine):
+    """'1,2' or '1:128,2:256' -> [(workers, tile or None)]."""
+    configs = []
+    for item in text.split(","):
+        workers, _, tile = item.partition(":")
+        configs.append((int(workers), int(tile) if tile else (256 if engine == "tiled" else None)))
+    return configs
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=("blocked", "tiled"), default="blocked")
     parser.add_argument("--shapes", default="1x8x2048x64,2x8x1024x64", help="B x H x N x d_k shapes")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per worker count (default 5)")
+    parser.add_argument("--configs", default=None,
+                        help="WORKERS[:TILE] list (default 1,2 for blocked, 1:128,1:256,2:256 for tiled)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per configuration (default 5)")
     args = parser.parse_args()
-    print(f"# {machine()}")
-    print(f"{'shape (B, H, N, d_k)':<22}{'1 worker ms':>12}{'2 workers ms':>14}{'ratio':>7}  same bits")
+    configs = parse_configs(args.configs or ("1,2" if args.engine == "blocked" else "1:128,1:256,2:256"),
+                            args.engine)
+    load = OtherLoad()
+    print(f"# {machine_line()}")
+    print(f"# {args.engine} engine, causal, float64, forward + backward; median of {args.repeats}")
+    print(f"{'shape (B, H, N, d_k)':<22}{'workers':>8}{'tile':>6}{'ms':>12}{'ratio':>7}  same bits")
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
         rng = np.random.default_rng(0)
         q, k, v, dout = (rng.standard_normal(shape) for _ in range(4))
-        times = {1: [], 2: []}
-        results = {w: step(q, k, v, dout, w) for w in (1, 2)}          # untimed: warm-up
+        results = {c: step(q, k, v, dout, args.engine, *c) for c in configs}     # untimed: warm-up
+        times = {c: [] for c in configs}
         for _ in range(args.repeats):
-            for workers in (1, 2):
+            for c in configs:
                 start = time.perf_counter()
-                step(q, k, v, dout, workers)
-                times[workers].append(time.perf_counter() - start)
-        same = np.array_equal(results[1][0], results[2][0]) and all(
-            np.array_equal(a, b) for a, b in zip(results[1][1][:3], results[2][1][:3]))
-        one, two = (statistics.median(times[w]) * 1e3 for w in (1, 2))
-        print(f"{str(shape):<22}{one:>12.1f}{two:>14.1f}{one / two:>7.2f}  {'yes' if same else 'NO'}")
+                step(q, k, v, dout, args.engine, *c)
+                times[c].append(time.perf_counter() - start)
+        first = statistics.median(times[configs[0]])
+        for c in configs:
+            one = results.get((1, c[1]))
+            same = "-" if one is None or c[0] == 1 else (
+                "yes" if all(np.array_equal(a, b) for a, b in zip(one, results[c])) else "NO")
+            median = statistics.median(times[c])
+            print(f"{str(shape):<22}{c[0]:>8}{str(c[1] or '-'):>6}{median * 1e3:>12.1f}"
+                  f"{first / median:>7.2f}  {same}")
+    print(load.line())
 
 
 if __name__ == "__main__":

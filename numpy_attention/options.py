@@ -13,6 +13,7 @@ Which scores are kept (step 4 of the forward) depends on four options at once:
 `alibi_bias(options, score_shape, index)` ALiBi's bias for it.
 """
 import math
+import os
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -24,7 +25,8 @@ from .positions import band_keep, distance, positions, sequence_lengths
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
-TILE_SIZE = 128             # the tiled engine's default block size (rows and columns per tile)
+TILE_SIZE = 256             # the tiled engine's default block size (rows and columns per tile)
+PARALLEL_SCORES = 1 << 24   # workers=None: every core from this many scores [..., H, N_q, N_k] up
 
 
 class AttentionOptions(NamedTuple):
@@ -47,7 +49,7 @@ class AttentionOptions(NamedTuple):
     implementation: str                 # 'textbook', 'blocked' or 'tiled'
     block_size: Optional[int]           # the tiled engine's tile size; None for the others
     paged: Optional[object] = None      # paged.PagedLayout: q, k, v were packed from a paged KV cache
-    workers: int = 1                    # threads of the blocked engine (engines/parallel.py)
+    workers: int = 1                    # threads of the blocked and tiled engines (engines/parallel.py)
 
 
 def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
@@ -129,7 +131,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
         seqused_k=_read_only(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size,
-        workers=_workers(workers, implementation))
+        workers=_workers(workers, implementation, math.prod(q.shape[:-1]) * k.shape[-2]))
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -255,11 +257,18 @@ def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(N
         return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
 
 
-def _workers(workers, implementation):
-    """workers as an int >= 1 (None: 1); more than one runs the blocked engine on threads."""
-    workers = 1 if workers is None else require_positive_int(workers, "workers")
-    if workers > 1 and implementation != "blocked":
-        raise ValueError(f"workers={workers} runs the blocked engine on threads; "
+def _workers(workers, implementation, scores):
+    """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
+    None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
+    engines when the scores have at least PARALLEL_SCORES entries, where threads gain (below
+    it a pool costs more than it saves); else 1."""
+    if workers is None:
+        if implementation == "textbook" or scores < PARALLEL_SCORES:
+            return 1
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = require_positive_int(workers, "workers")
+    if workers > 1 and implementation not in ("blocked", "tiled"):
+        raise ValueError(f"workers={workers} runs the blocked or tiled engine on threads; "
                          f"implementation={implementation!r} runs on one")
     return workers
 

@@ -1,5 +1,7 @@
 """The textbook (attention.py) is the spec: the blocked and tiled engines equal it on every option
 they support, and the textbook itself equals complex step."""
+import os
+
 import numpy as np
 import pytest
 from compare import assert_normwise_equal
@@ -138,7 +140,7 @@ def test_the_default_engine_is_blocked_and_block_size_selects_tiled():
     q, k, v, _ = inputs()
     assert na.attention_forward(q, k, v)[1].options.implementation == "blocked"
     assert na.attention_forward(q, k, v, block_size=4)[1].options.implementation == "tiled"
-    assert na.attention_forward(q, k, v, implementation="tiled")[1].options.block_size == 128
+    assert na.attention_forward(q, k, v, implementation="tiled")[1].options.block_size == 256
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -185,10 +187,44 @@ def test_workers_give_bitwise_the_same_results(monkeypatch, option):
             assert (a is None and b is None) or np.array_equal(a, b, equal_nan=True)
 
 
-def test_workers_belong_to_the_blocked_engine():
+TILED_WORKERS = {**{name: OPTIONS[name] for name in TILED},
+                 "bias per head": {"bias": RNG.standard_normal((2, 4, 5, 7))},
+                 "alibi and sinks": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+                                     "sinks": np.array([0.3, -1.0, 0.0, 2.0]), "causal": True}}
+
+
+@pytest.mark.parametrize("option", TILED_WORKERS)
+def test_tiled_workers_give_bitwise_the_same_results(option):
+    """Tiles of 2 (3 query tiles, 4 key tiles): 1, 2 and 3 threads give the same bits, forward,
+    backward (tasks: a batch index and kv head each) and the JVP."""
+    q, k, v, dout = inputs(8)
+    dots = inputs(9)[:3]
+    results = []
+    for workers in (1, 2, 3):
+        out, cache = na.attention_forward(q, k, v, workers=workers, block_size=2, **TILED_WORKERS[option])
+        grads = na.attention_backward(dout, cache)
+        jvp = na.attention_jvp(q, k, v, *dots, workers=workers, block_size=2, **TILED_WORKERS[option])
+        results.append([out, cache.lse, grads.dq, grads.dk, grads.dv, grads.dbias, grads.dalibi_slopes,
+                        grads.dsinks, *jvp])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert (a is None and b is None) or np.array_equal(a, b, equal_nan=True)
+
+
+def test_workers_default_to_every_core_from_2_to_the_24_scores():
+    cores = len(os.sched_getaffinity(0))
+    small, large = np.zeros((1, 2, 2047, 1)), np.zeros((1, 2, 4096, 1))   # 2 * 2047 * 4096 < 2^24 scores
+    assert na.attention_options(small, large, large)[3].workers == 1
+    assert na.attention_options(large, large, large)[3].workers == cores  # 2 * 4096^2 = 2^25
+    assert na.attention_options(large, large, large, block_size=64)[3].workers == cores
+    assert na.attention_options(large, large, large, implementation="textbook")[3].workers == 1
+    assert na.attention_options(large, large, large, workers=1)[3].workers == 1
+
+
+def test_workers_belong_to_the_blocked_and_tiled_engines():
     q, k, v, _ = inputs()
-    with pytest.raises(ValueError, match="workers=2 runs the blocked engine on threads"):
-        na.attention_forward(q, k, v, workers=2, implementation="tiled")
+    with pytest.raises(ValueError, match="workers=2 runs the blocked or tiled engine on threads"):
+        na.attention_forward(q, k, v, workers=2, implementation="textbook")
     with pytest.raises(TypeError, match="workers must be a positive integer"):
         na.attention_forward(q, k, v, workers=1.5)
 

@@ -36,6 +36,7 @@ dropout and the other policies. The backward is the 'flash' form ('vjp' names th
 computation here); method='jacobian' and return_stages need the [N_q, N_k] weights:
 ValueError.
 """
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -44,6 +45,7 @@ from .._checks import require_choice
 from .._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..options import alibi_bias, alibi_distance, head_gradient, heads_view, keep_mask
+from .parallel import run_tasks
 
 
 def _tiles(n, b):
@@ -84,9 +86,10 @@ def tiled_forward(q, k, v, options):
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                      # [..., H, N_q, N_k]
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype=q3.dtype)     # [..., H, N_q, d_v]
     lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                      # [..., H, N_q]
-    for rows in _tiles(score_shape[-2], o.block_size):
+    def forward_tile(rows):                                             # writes only its own rows
         out[..., rows, :], lse[..., rows] = _forward_rows(o, scaled(q3[..., rows, :], o.scale), k3, v3,
                                                           score_shape, rows)
+    run_tasks([partial(forward_tile, rows) for rows in _tiles(score_shape[-2], o.block_size)], o.workers)
     out, lse = out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
     return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse)
 
@@ -170,11 +173,12 @@ def tiled_jvp(q, k, v, options, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes
     score_shape = q3.shape[:-1] + (k3.shape[-2],)
     out, out_dot = (np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype) for _ in range(2))
     lse, lse_dot = (np.empty(q3.shape[:-1], q3.dtype) for _ in range(2))
-    for rows in _tiles(score_shape[-2], o.block_size):
+    def jvp_tile(rows):                                                 # writes only its own rows
         tangents = Tangents(q=scaled(q_dot3[..., rows, :], o.scale), k=k_dot3, v=v_dot3, bias=bias_dot,
                             alibi_slopes=alibi_slopes_dot, sinks=sinks_dot)
         out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = _forward_rows(
             o, scaled(q3[..., rows, :], o.scale), k3, v3, score_shape, rows, tangents)
+    run_tasks([partial(jvp_tile, rows) for rows in _tiles(score_shape[-2], o.block_size)], o.workers)
     shape = q.shape[:-1]
     return (out.reshape(shape + v.shape[-1:]), out_dot.reshape(shape + v.shape[-1:]), lse.reshape(shape),
             lse_dot.reshape(shape))
@@ -198,7 +202,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
                          "(block_size) never forms; use implementation='blocked' or 'textbook'")
     o = cache.options
     q3, k3, v3, dout3 = (with_head_axis(x) for x in (cache.q, cache.k, cache.v, dout))
-    h_kv = k3.shape[-3]
+    group = q3.shape[-3] // k3.shape[-3]
     score_shape = q3.shape[:-1] + (k3.shape[-2],)
     D = np.sum(dout3 * with_head_axis(cache.out), axis=-1)             # [..., H, N_q] rowsum(dout * out)
     if dlse is not None:                                                # d lse / dS = P: D - dlse
@@ -208,25 +212,34 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
     dbias = None if bias is None else np.zeros(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
     dslopes = None if o.alibi_slopes is None else np.zeros(score_shape[:-2], dout3.dtype)   # [..., H]
-    for rows in _tiles(score_shape[-2], o.block_size):
-        q_i, dout_i = scaled(q3[..., rows, :], o.scale), dout3[..., rows, :]
-        for cols in _tiles(score_shape[-1], o.block_size):
-            s, skip = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
-            if skip:
-                continue
-            s -= lse[..., rows, None]
-            p = np.exp(s, out=s)                                        # P_ij = exp(S_ij - lse_i)
-            dv[..., cols, :] += grouped_sum_matmul(p, dout_i, h_kv)      # dv_j += P_ij^T dout_i
-            ds = grouped_matmul(dout_i, np.swapaxes(v3[..., cols, :], -1, -2))   # dP_ij = dout_i v_j^T
-            ds -= D[..., rows, None]
-            ds *= p                                                     # dS_ij = P_ij (dP_ij - D_i)
-            if dbias is not None:
-                block = _bias_block(dbias, rows, cols)
-                block += unbroadcast(ds, block.shape)
-            if dslopes is not None:                                     # dalibi = -sum dS * distance
-                dslopes -= np.sum(ds * alibi_distance(o, score_shape, (Ellipsis, rows, cols)), axis=(-2, -1))
-            dq[..., rows, :] += scaled(grouped_matmul(ds, k3[..., cols, :]), o.scale)   # dq_i += scale dS k_j
-            dk[..., cols, :] += grouped_sum_matmul(ds, q_i, h_kv)       # dk_j += dS^T (scale q_i)
+
+    def backward_slice(at):                     # one (batch, kv head): its dk, dv are its own sums
+        kv = _kv_index(at, group)
+        n_kv = k3[kv + (slice(None), slice(None))].shape[-3]         # the task's kv heads
+        for rows in _tiles(score_shape[-2], o.block_size):
+            q_i, dout_i = scaled(q3[at + (rows, slice(None))], o.scale), dout3[at + (rows, slice(None))]
+            D_i, lse_i = D[at + (rows,)][..., None], lse[at + (rows,)][..., None]
+            for cols in _tiles(score_shape[-1], o.block_size):
+                tile = at + (rows, cols)
+                s, skip = tile_scores(o, q_i, k3[kv + (cols, slice(None))], score_shape, tile)
+                if skip:
+                    continue
+                s -= lse_i
+                p = np.exp(s, out=s)                                    # P_ij = exp(S_ij - lse_i)
+                dv[kv + (cols, slice(None))] += grouped_sum_matmul(p, dout_i, n_kv)      # dv_j += P_ij^T dout_i
+                ds = grouped_matmul(dout_i, np.swapaxes(v3[kv + (cols, slice(None))], -1, -2))   # dP_ij
+                ds -= D_i
+                ds *= p                                                 # dS_ij = P_ij (dP_ij - D_i)
+                if dbias is not None:
+                    block = _bias_block(dbias, at, rows, cols)
+                    block += unbroadcast(ds, block.shape)
+                if dslopes is not None:                                 # dalibi = -sum dS * distance
+                    dslopes[at] -= np.sum(ds * alibi_distance(o, score_shape, tile), axis=(-2, -1))
+                dq[at + (rows, slice(None))] += scaled(grouped_matmul(ds, k3[kv + (cols, slice(None))]),
+                                                       o.scale)        # dq_i += scale dS k_j
+                dk[kv + (cols, slice(None))] += grouped_sum_matmul(ds, q_i, n_kv)   # dk_j += dS^T (scale q_i)
+
+    run_tasks([partial(backward_slice, at) for at in _kv_slices(score_shape, group, bias)], o.workers)
     dbias = None if dbias is None else dbias.reshape(o.bias.shape)
     head_grads = {}
     if dslopes is not None:
@@ -239,7 +252,28 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
                           dv=dv.reshape(cache.v.shape), dbias=dbias, **head_grads)
 
 
-def _bias_block(x, rows, cols):
-    """The (rows, cols) block of a bias-shaped array with >= 2 axes, a view; its axes of
-    length 1 (broadcast along rows or columns) are kept whole."""
-    return x[..., rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None)]
+def _kv_slices(score_shape, group, bias):
+    """The backward's tasks: index prefixes (one slice per leading axis, then the G query heads
+    of one kv head) into the scores [..., H, N_q, N_k], one per (batch index, kv head). Each
+    task's dk, dv rows are its own, summed over its row tiles in order, so the result does
+    not depend on how many threads run the tasks. A bias broadcast over the batch or heads
+    sums its gradient over them: then one task, the whole scores (Ellipsis,)."""
+    *lead, h, _, _ = score_shape
+    if bias is not None and bias.shape[:-2] != tuple(score_shape[:-2]):
+        return [(Ellipsis,)]
+    return [tuple(slice(i, i + 1) for i in index) + (slice(h0, h0 + group),)
+            for index in np.ndindex(*lead) for h0 in range(0, h, group)]
+
+
+def _kv_index(at, group):
+    """The index prefix into k, v [..., H_kv, N_k, d] of a task's prefix into the scores."""
+    if at == (Ellipsis,):
+        return at
+    heads = at[-1]
+    return at[:-1] + (slice(heads.start // group, heads.stop // group),)
+
+
+def _bias_block(x, at, rows, cols):
+    """The (rows, cols) block of a task's prefix `at` of a bias-shaped array with >= 2 axes, a
+    view; its axes of length 1 (broadcast along rows or columns) are kept whole."""
+    return x[at + (rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None))]
