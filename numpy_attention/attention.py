@@ -174,7 +174,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                      seqused_k=None, page_table=None, cache_seqlens=None, workers=None):
+                      seqused_k=None, page_table=None, cache_seqlens=None, workers=None,
+                      scheduler=None):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -222,10 +223,17 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             [N_q, N_k] array, O(N) memory; every option but softcap, dropout and the
             'uniform' / 'nan' policies, ValueError for those). None: 'tiled' if
             block_size is given, else 'blocked'.
-        block_size: the tiled engine's tile size (default options.TILE_SIZE = 128).
-        workers: threads for the blocked engine (default 1): its independent blocks of rows
-            run on a thread pool with BLAS held to one thread (engines/parallel.py); the
-            results are bitwise the same for any number. The backward uses the forward's.
+        block_size: the tiled engine's tile size (default options.TILE_SIZE = 256).
+        workers: threads for the blocked and tiled engines: their independent slices (blocks
+            of rows; the tiled backward's batch index and kv head) run on a thread pool with
+            BLAS held to one thread (engines/parallel.py); the results are bitwise the same
+            for any number. None (default): every core this process may use when the scores
+            have at least options.PARALLEL_SCORES = 2^24 entries, else 1. The backward (and
+            attention_jvp) uses the forward's.
+        scheduler: the tiled engine's slices on a Dask cluster instead (the optional extra
+            `dask`): a dask.distributed Client, or a scheduler's address such as
+            'tcp://host:8786' (a Client is opened for the call). Results are bitwise those
+            of a local run. The backward uses the forward's.
     Returns:
         out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside;
         cache.scores recomputes S), or a TiledAttentionCache (out and lse) for 'tiled'.
@@ -244,7 +252,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, implementation=implementation,
         block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, workers=workers)
+        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, workers=workers, scheduler=scheduler)
     forward, _ = ENGINES[options.implementation]
     if paged is None:
         return forward(q, k, v, options)

@@ -50,6 +50,7 @@ class AttentionOptions(NamedTuple):
     block_size: Optional[int]           # the tiled engine's tile size; None for the others
     paged: Optional[object] = None      # paged.PagedLayout: q, k, v were packed from a paged KV cache
     workers: int = 1                    # threads of the blocked and tiled engines (engines/parallel.py)
+    scheduler: object = None            # the tiled engine's Dask cluster: a Client or an address (or None)
 
 
 def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
@@ -75,7 +76,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                      seqused_k=None, workers=None):
+                      seqused_k=None, workers=None, scheduler=None):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh arrays of the computation's dtype (a cache that keeps them
@@ -131,7 +132,8 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
         seqused_k=_read_only(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size,
-        workers=_workers(workers, implementation, math.prod(q.shape[:-1]) * k.shape[-2]))
+        workers=_workers(workers, implementation, math.prod(q.shape[:-1]) * k.shape[-2]),
+        scheduler=check_scheduler(scheduler, implementation))
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -271,6 +273,21 @@ def _workers(workers, implementation, scores):
         raise ValueError(f"workers={workers} runs the blocked or tiled engine on threads; "
                          f"implementation={implementation!r} runs on one")
     return workers
+
+
+def check_scheduler(scheduler, implementation="tiled"):
+    """scheduler checked: None, a dask.distributed Client (anything with submit, scatter and
+    gather), or a scheduler's address string; it runs the tiled engine's slices."""
+    if scheduler is None:
+        return None
+    if not isinstance(scheduler, str) and not all(hasattr(scheduler, name) for name in
+                                                  ("submit", "scatter", "gather")):
+        raise TypeError(f"scheduler must be a dask.distributed Client or a scheduler's address such "
+                        f"as 'tcp://host:8786', got {type(scheduler).__name__}")
+    if implementation != "tiled":
+        raise ValueError(f"scheduler= runs the tiled engine's slices on a Dask cluster; "
+                         f"implementation={implementation!r} runs here (use implementation='tiled')")
+    return scheduler
 
 
 def _read_only(x):

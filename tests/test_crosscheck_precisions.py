@@ -113,6 +113,7 @@ def test_bfloat16_arrays_in_every_storage_give_the_same_report(storage, tmp_path
     report = crosscheck(precision=precision, **converted)
     if storage == "float32 values":                              # results in float32: reported so
         assert [r.max_abs_err for r in report.rows] == [r.max_abs_err for r in reference.rows]
+        assert report and [r.atol for r in report.rows] == [r.atol for r in reference.rows]
     else:
         assert report == reference
     save_case(tmp_path / "case.npz", **arrays)                  # np.savez writes bfloat16 as V2

@@ -1,5 +1,5 @@
 """`numpy-attention crosscheck CASE.npz [--json] [--precision P] [--layout bnhd] [--lse-base 2]
-[--own-forward] [--k out=2,dq=3] [--atol A]`: judge another attention's results.
+[--own-forward] [--k out=2,dq=3] [--atol A] [--scheduler ADDRESS]`: judge another attention's results.
 
 Reads a case (crosscheck/case.py), computes the oracle and the baseline, prints one row per
 candidate tensor (crosscheck/rule.py) and exits 0 if every tensor passes, 1 if any fails,
@@ -7,6 +7,7 @@ candidate tensor (crosscheck/rule.py) and exits 0 if every tensor passes, 1 if a
 `--write-example CASE.npz` writes an example case instead.
 """
 import argparse
+import importlib.util
 import math
 
 from ..crosscheck import CaseError, crosscheck, load_case, write_example_case
@@ -80,8 +81,21 @@ def add_arguments(parser):
                         help="the rule's factor k per tensor (default out=2,lse=2, 3 for gradients)")
     parser.add_argument("--atol", type=_atol, help="one absolute tolerance for every tensor "
                                                    "(default: per tensor, see the rule)")
+    parser.add_argument("--scheduler", metavar="ADDRESS",
+                        help="a Dask scheduler (e.g. tcp://host:8786): a large case's oracle runs "
+                             "its slices on that cluster (needs the extra 'dask')")
     parser.add_argument("--write-example", action="store_true",
                         help="write an example case to CASE.npz and exit")
+
+
+def _cluster(address):
+    """--scheduler's address as crosscheck takes it; a missing dask is bad input (exit 2)."""
+    if address is None:
+        return None
+    if importlib.util.find_spec("distributed") is None:          # crosscheck opens a Client on it
+        raise UsageError(f"--scheduler {address}: needs dask.distributed (the extra 'dask': "
+                         f"pip install 'numpy-attention[dask]')")
+    return address
 
 
 def run(args):
@@ -101,7 +115,8 @@ def run(args):
                                 f"{name} {str(arrays[name])!r}")
             if given is not None:
                 arrays[name] = given
-        report = crosscheck(**arrays, own_forward=args.own_forward, k_factors=args.k, atol=args.atol)
+        report = crosscheck(**arrays, own_forward=args.own_forward, k_factors=args.k, atol=args.atol,
+                            scheduler=_cluster(args.scheduler))
     except (ValueError, TypeError) as exc:             # CaseError, and any argument refused by name
         raise UsageError(f"{args.case}: {exc}") from None
     print(report.to_json() if args.json else report)

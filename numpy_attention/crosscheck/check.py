@@ -26,8 +26,9 @@ from .._checks import (require_bool, require_mapping, require_nonnegative_real, 
                        to_numpy)
 from .._layout import grouped_matmul, with_head_axis
 from ..attention import ENGINES, TiledAttentionCache, attention_backward
+from ..engines.parallel import cluster
 from ..engines.tiled import tile_scores
-from ..options import attention_options
+from ..options import attention_options, check_scheduler
 from ..paged import scatter_keys, unpack_rows
 from . import blocks
 from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, split_case
@@ -68,7 +69,7 @@ def _case_in(inputs, options, dtype, scale_factor=1.0):
 
 
 def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=True,
-              scale_factor=1.0):
+              scale_factor=1.0, scheduler=None):
     """The oracle: attention.py with every input cast to `dtype`, on the record's engine.
 
     forward_of: None, or a candidate's own {"out", "lse"} (natural log): the gradients are
@@ -77,13 +78,14 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
     stages: False runs the tiled engine (O(N) memory; no softcap, dropout or fully_masked
     other than 'zero') and returns no [..., H, N_q, N_k] stage.
     scale_factor: the scale times this (the rule's scale check reruns the oracle so).
+    scheduler: a Dask Client for the tiled engine's slices (stages False), or None.
     Returns:
         dict with out [..., H, N_q, d_v], lse [..., H, N_q], and with gradients and dout
         dq, dk, dv (dbias with a bias); with stages also the scores S (-inf where masked),
         the weights P and P~ (after dropout) [..., H, N_q, N_k], and with gradients the
         stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
     """
-    engine = {} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE}
+    engine = {} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE, "scheduler": scheduler}
     q, k, v, dout, record, scale = _case_in(inputs, {**options, **engine}, dtype, scale_factor)
     forward, _ = ENGINES[record.implementation]
     out, cache = forward(q, k, v, record)
@@ -231,20 +233,23 @@ def _as_arrays(arrays):
     return converted
 
 
-def _atol(case, dtype, oracle, magnitude, given):
+def _atol(case, name, dtype, oracle, magnitude, given):
     """The tensor's atol (rule.py): the given one; 4 ulps of its largest sum of terms in a
     float32 / float64 precision (of its largest entry for a tangent, which has no term
-    magnitudes); half an ulp of its largest entry in a 16- or 8-bit one."""
+    magnitudes); half an ulp of its largest entry in a 16- or 8-bit one, the ulp of the
+    precision's output dtype at least (a bfloat16 result may come as float32 values), but
+    for lse, which the recipe keeps in float32."""
     if given is not None:
         return given
     largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
     if not case.precision.recipe:
         return atol_for(dtype, largest if magnitude is None else magnitude)
-    return eps(dtype) / 2 * largest
+    ulp = eps(dtype) if name == "lse" else max(eps(dtype), eps(case.precision.output))
+    return ulp / 2 * largest
 
 
 def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
-               atol=None, **arrays):
+               atol=None, scheduler=None, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
@@ -261,6 +266,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             apart from the forward's error.
         k_factors: {tensor name: k > 0} overriding rule.K_DEFAULT.
         atol: one absolute tolerance >= 0 for every tensor, overriding the default.
+        scheduler: a dask.distributed Client, or a scheduler's address: a large case's tiled
+            oracle runs its slices there (bitwise the same results); the baselines, the
+            term magnitudes and a case small enough to form its scores whole run here.
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
     lse is judged against float16 scores); the oracle computes in float64 (np.longdouble
     for a float64 precision). Overflow in a case shows as inf / NaN errors in the report,
@@ -270,6 +278,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     """
     k_factors = _check_k_factors(k_factors)
     atol = None if atol is None else require_nonnegative_real(atol, "atol")
+    scheduler = check_scheduler(scheduler)
     arrays = _as_arrays(arrays)
     case = split_case(arrays, precision=precision, layout=layout, lse_base=lse_base)
     wide = np.dtype(np.longdouble if case.precision.name == "float64" else np.float64)
@@ -277,12 +286,12 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     forward_of = _candidate_forward(case, require_bool(own_forward, "own_forward"), want_grads)
     block_rows = _block_rows(case)                       # None: whole arrays
     whole = block_rows is None
-    with np.errstate(all="ignore"):
-        truth = reference(case.inputs, case.options, wide, want_grads, stages=whole)
+    with np.errstate(all="ignore"), cluster(None if whole else scheduler) as client:
+        truth = reference(case.inputs, case.options, wide, want_grads, stages=whole, scheduler=client)
         against = dict(truth)                              # what each candidate tensor is judged against
         if forward_of is not None:
             against.update({name: value for name, value in reference(
-                case.inputs, case.options, wide, True, forward_of, stages=whole).items()
+                case.inputs, case.options, wide, True, forward_of, stages=whole, scheduler=client).items()
                 if name in GRADIENTS})
         bases = baselines(case, want_grads, block_rows)
         if any(name in case.candidates for name in FORWARD_MODE):
@@ -294,14 +303,14 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                         _recomputed_stages(truth, case.inputs, case.options, block_rows))
         low = case.precision.recipe                      # a 16- or 8-bit precision
         mags = {} if low else term_magnitudes(stage_blocks, case.inputs, case.options)
-        directions = _scale_directions(case, truth, wide, want_grads, whole) if low else {}
+        directions = _scale_directions(case, truth, wide, want_grads, whole, client) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
             bases = [_unpaged(b, case.paged) for b in bases]
         verdicts = [judge(name, _in_base_e(case, name, cand), against[name],
                           [b[name].astype(cand.dtype) for b in bases], baseline_oracle=truth[name],
                           k=k_factors.get(name), dtype=cand.dtype,
-                          atol=_atol(case, cand.dtype, truth[name], mags.get(name), atol),
+                          atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
                           l2_k=K_L2 if low else None, rows=low,
                           scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2)
                     for name, cand in case.candidates.items()]
@@ -312,12 +321,12 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
 
 
-def _scale_directions(case, truth, dtype, gradients, whole):
+def _scale_directions(case, truth, dtype, gradients, whole, scheduler):
     """{tensor: d oracle / d log(scale)} for the rule's scale check, by a forward difference
     of the oracle rerun at scale * (1 + SCALE_STEP) (float64: the difference is exact to
     about 1e-10 of it, far finer than a 16-bit precision's rounding)."""
     shifted = reference(case.inputs, case.options, dtype, gradients, stages=whole,
-                        scale_factor=1 + SCALE_STEP)
+                        scale_factor=1 + SCALE_STEP, scheduler=scheduler)
     with np.errstate(invalid="ignore"):
         return {name: (shifted[name] - truth[name]) / SCALE_STEP
                 for name in CANDIDATES if name in shifted and name in truth}

@@ -22,7 +22,6 @@ Two details of the backward, each measured faster here:
   index (cache.top), so the backward does not search P for it again.
 """
 import math
-from functools import partial
 
 import numpy as np
 
@@ -112,8 +111,7 @@ def blocked_forward(q, k, v, options):
         if o.dropout_scale is not None:                              # 6. dropout
             p_block = p_block * np.broadcast_to(o.dropout_scale, score_shape)[block]
         out[block] = grouped_matmul(p_block, v3[_kv_heads(block, group)])   # 7. out = P~ v
-    run_tasks([partial(forward_block, block) for block in row_blocks(score_shape, group, p.itemsize)],
-              o.workers)
+    run_tasks(forward_block, [(block,) for block in row_blocks(score_shape, group, p.itemsize)], o.workers)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=shape(p),
@@ -171,7 +169,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k
         dkT[kv] += grouped_sum_matmul(q3[block], ds, n_kv)           #    dk^T = scale q^T dS
 
-    run_tasks([partial(_in_order, backward_block, blocks) for blocks in _by_kv_heads(   # a kv head's
+    run_tasks(_in_order, [(backward_block, blocks) for blocks in _by_kv_heads(       # a kv head's
         row_blocks(score_shape, group, p.itemsize), group)], o.workers)             # blocks, in order
     dq, dkT = scaled(dq, o.scale), scaled(dkT, o.scale)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)

@@ -1,4 +1,4 @@
-"""Running an engine's independent slices on threads, with BLAS held to one thread inside.
+"""Running an engine's independent slices on threads, or on a Dask cluster.
 
 numpy's element-wise passes (the softmax and its backward: most of attention's time at long
 sequences) run on one core; its matrix products on BLAS's threads. Slices of the work that
@@ -11,12 +11,18 @@ threadpoolctl's limit is process-wide: while a pool runs, BLAS is on one thread 
 thread of the process. One pool at a time sets and restores it (a lock), so overlapping calls
 from several threads restore the caller's setting in order.
 
-Bitwise the same for any worker count: the slicing does not depend on it, each task writes
-only its own slices, and a sum over slices (dk, dv over the rows of one kv head) is one task's,
-in the serial order.
+On a cluster (dask.distributed, the optional extra `dask`) the same slices are tasks: the
+arrays every slice reads (k, v, the options) are sent to each worker once, each slice's own
+arrays with its task, and the results come back in order.
+
+Bitwise the same for any worker count, and on a cluster: the slicing does not depend on
+them, each task computes only its own slices, and a sum over slices (dk, dv over the rows
+of one kv head) is one task's, in the serial order.
 """
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from threadpoolctl import threadpool_limits
 
@@ -24,10 +30,44 @@ from threadpoolctl import threadpool_limits
 _ONE_POOL_AT_A_TIME = threading.Lock()     # the BLAS limit is saved and restored by one pool at a time
 
 
-def run_tasks(tasks, workers):
-    """[task() for task in tasks], on `workers` threads (BLAS on one thread) when workers > 1."""
-    if workers == 1 or len(tasks) < 2:
-        return [task() for task in tasks]
+def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
+    """[fn(*item, **shared) for item in items], in order.
+
+    workers > 1: on that many threads, BLAS on one thread. scheduler: a dask.distributed
+    Client or a scheduler's address (`cluster`): on its workers, each value of `shared` sent
+    to every worker once.
+    """
+    shared = shared or {}
+    if scheduler is not None:
+        with cluster(scheduler) as client:
+            names = list(shared)                 # one object each (a tuple would be scattered item by item)
+            sent = dict(zip(names, client.scatter([shared[name] for name in names], broadcast=True, hash=False)))
+            placed = client.scatter([tuple(item) for item in items], hash=False)   # each task's own data
+            return client.gather([client.submit(_apply, fn, item, **sent, pure=False) for item in placed])
+    calls = [partial(fn, *item, **shared) for item in items]
+    if workers == 1 or len(calls) < 2:
+        return [call() for call in calls]
     with _ONE_POOL_AT_A_TIME, threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(task) for task in tasks]
+        futures = [pool.submit(call) for call in calls]
         return [future.result() for future in futures]
+
+
+def _apply(fn, item, **shared):
+    """fn(*item, **shared): a task on a cluster worker, its item sent ahead by scatter."""
+    return fn(*item, **shared)
+
+
+@contextlib.contextmanager
+def cluster(scheduler):
+    """The dask.distributed Client of `scheduler`: the Client itself (or None), or one opened
+    on the address (a string such as 'tcp://host:8786') for the block's duration."""
+    if not isinstance(scheduler, str):
+        yield scheduler
+        return
+    try:
+        from distributed import Client
+    except ImportError:
+        raise ImportError("a scheduler address needs dask.distributed (the extra 'dask': "
+                          "pip install 'numpy-attention[dask]')") from None
+    with Client(scheduler, set_as_default=False) as client:
+        yield client

@@ -29,6 +29,11 @@ skipped in both passes. Grouped-query heads meet their kv heads as in the textbo
 (`grouped_matmul`: the G query heads of a kv head stacked as rows), so dk and dv sum over
 each group inside the matmul.
 
+Tasks (engines/parallel.py: threads with `workers`, a Dask cluster with `scheduler`): the
+forward's query tiles i, each reading all of k and v; the backward's slices, one per (batch
+index, kv head), each summing its own dk_j, dv_j over its query tiles in order, so the bits do
+not depend on where or on how many workers the tasks run.
+
 Supported: mask, bias, causal (both alignments), window, scale, GQA, ALiBi (part of S_ij),
 sinks (each row's online softmax starts from its sink: m = sink, l = 1), packed sequences and
 the paged KV cache (through keep_mask), fully_masked='zero'; options.py refuses softcap,
@@ -36,7 +41,6 @@ dropout and the other policies. The backward is the 'flash' form ('vjp' names th
 computation here); method='jacobian' and return_stages need the [N_q, N_k] weights:
 ValueError.
 """
-from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -86,17 +90,18 @@ def tiled_forward(q, k, v, options):
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                      # [..., H, N_q, N_k]
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype=q3.dtype)     # [..., H, N_q, d_v]
     lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                      # [..., H, N_q]
-    def forward_tile(rows):                                             # writes only its own rows
-        out[..., rows, :], lse[..., rows] = _forward_rows(o, scaled(q3[..., rows, :], o.scale), k3, v3,
-                                                          score_shape, rows)
-    run_tasks([partial(forward_tile, rows) for rows in _tiles(score_shape[-2], o.block_size)], o.workers)
+    tiles = _tiles(score_shape[-2], o.block_size)
+    items = [(scaled(q3[..., rows, :], o.scale), rows) for rows in tiles]
+    shared = _shared(o, k3=k3, v3=v3, score_shape=score_shape)
+    for rows, result in zip(tiles, run_tasks(_forward_rows, items, o.workers, shared, o.scheduler)):
+        out[..., rows, :], lse[..., rows] = result
     out, lse = out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
     return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse)
 
 
-def _forward_rows(o, q_i, k3, v3, score_shape, rows, tangents=None):
-    """(out_i, lse_i) of one query tile by the online softmax over key tiles j; with tangents
-    (Tangents of the tile), also (out_dot_i, lse_dot_i) (tiled_jvp)."""
+def _forward_rows(q_i, rows, tangents=None, *, o, k3, v3, score_shape):
+    """(out_i, lse_i) of one query tile (q_i scaled) by the online softmax over key tiles j;
+    with tangents (Tangents of the tile), also (out_dot_i, lse_dot_i) (tiled_jvp)."""
     lead = q_i.shape[:-1]                                               # [..., H, b_q]
     m = np.full(lead, -np.inf, dtype=q_i.real.dtype)                    # running row max of Re S
     l = np.zeros(lead, dtype=q_i.dtype)                                 # running row sum of P
@@ -173,15 +178,22 @@ def tiled_jvp(q, k, v, options, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes
     score_shape = q3.shape[:-1] + (k3.shape[-2],)
     out, out_dot = (np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype) for _ in range(2))
     lse, lse_dot = (np.empty(q3.shape[:-1], q3.dtype) for _ in range(2))
-    def jvp_tile(rows):                                                 # writes only its own rows
-        tangents = Tangents(q=scaled(q_dot3[..., rows, :], o.scale), k=k_dot3, v=v_dot3, bias=bias_dot,
-                            alibi_slopes=alibi_slopes_dot, sinks=sinks_dot)
-        out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = _forward_rows(
-            o, scaled(q3[..., rows, :], o.scale), k3, v3, score_shape, rows, tangents)
-    run_tasks([partial(jvp_tile, rows) for rows in _tiles(score_shape[-2], o.block_size)], o.workers)
+    tiles = _tiles(score_shape[-2], o.block_size)
+    items = [(scaled(q3[..., rows, :], o.scale), rows, scaled(q_dot3[..., rows, :], o.scale)) for rows in tiles]
+    shared = _shared(o, k3=k3, v3=v3, score_shape=score_shape, k_dot=k_dot3, v_dot=v_dot3, bias_dot=bias_dot,
+                     alibi_slopes_dot=alibi_slopes_dot, sinks_dot=sinks_dot)
+    for rows, result in zip(tiles, run_tasks(_jvp_rows, items, o.workers, shared, o.scheduler)):
+        out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = result
     shape = q.shape[:-1]
     return (out.reshape(shape + v.shape[-1:]), out_dot.reshape(shape + v.shape[-1:]), lse.reshape(shape),
             lse_dot.reshape(shape))
+
+
+def _jvp_rows(q_i, rows, q_dot_i, *, k_dot, v_dot, bias_dot, alibi_slopes_dot, sinks_dot, **forward):
+    """One task of tiled_jvp: _forward_rows of the tile, carrying its tangents."""
+    tangents = Tangents(q=q_dot_i, k=k_dot, v=v_dot, bias=bias_dot, alibi_slopes=alibi_slopes_dot,
+                        sinks=sinks_dot)
+    return _forward_rows(q_i, rows, tangents, **forward)
 
 
 def _row_sinks(o, score_shape):
@@ -212,34 +224,17 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
     dbias = None if bias is None else np.zeros(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
     dslopes = None if o.alibi_slopes is None else np.zeros(score_shape[:-2], dout3.dtype)   # [..., H]
-
-    def backward_slice(at):                     # one (batch, kv head): its dk, dv are its own sums
-        kv = _kv_index(at, group)
-        n_kv = k3[kv + (slice(None), slice(None))].shape[-3]         # the task's kv heads
-        for rows in _tiles(score_shape[-2], o.block_size):
-            q_i, dout_i = scaled(q3[at + (rows, slice(None))], o.scale), dout3[at + (rows, slice(None))]
-            D_i, lse_i = D[at + (rows,)][..., None], lse[at + (rows,)][..., None]
-            for cols in _tiles(score_shape[-1], o.block_size):
-                tile = at + (rows, cols)
-                s, skip = tile_scores(o, q_i, k3[kv + (cols, slice(None))], score_shape, tile)
-                if skip:
-                    continue
-                s -= lse_i
-                p = np.exp(s, out=s)                                    # P_ij = exp(S_ij - lse_i)
-                dv[kv + (cols, slice(None))] += grouped_sum_matmul(p, dout_i, n_kv)      # dv_j += P_ij^T dout_i
-                ds = grouped_matmul(dout_i, np.swapaxes(v3[kv + (cols, slice(None))], -1, -2))   # dP_ij
-                ds -= D_i
-                ds *= p                                                 # dS_ij = P_ij (dP_ij - D_i)
-                if dbias is not None:
-                    block = _bias_block(dbias, at, rows, cols)
-                    block += unbroadcast(ds, block.shape)
-                if dslopes is not None:                                 # dalibi = -sum dS * distance
-                    dslopes[at] -= np.sum(ds * alibi_distance(o, score_shape, tile), axis=(-2, -1))
-                dq[at + (rows, slice(None))] += scaled(grouped_matmul(ds, k3[kv + (cols, slice(None))]),
-                                                       o.scale)        # dq_i += scale dS k_j
-                dk[kv + (cols, slice(None))] += grouped_sum_matmul(ds, q_i, n_kv)   # dk_j += dS^T (scale q_i)
-
-    run_tasks([partial(backward_slice, at) for at in _kv_slices(score_shape, group, bias)], o.workers)
+    slices = _kv_slices(score_shape, group, bias)
+    items = [(at, q3[at], dout3[at], D[at], lse[at], k3[_kv_index(at, group)], v3[_kv_index(at, group)],
+              None if dbias is None else dbias[at].shape, None if dslopes is None else dslopes[at].shape)
+             for at in slices]
+    results = run_tasks(_backward_slice, items, o.workers, _shared(o, score_shape=score_shape), o.scheduler)
+    for at, (dq_s, dk_s, dv_s, dbias_s, dslopes_s) in zip(slices, results):
+        dq[at], dk[_kv_index(at, group)], dv[_kv_index(at, group)] = dq_s, dk_s, dv_s
+        if dbias is not None:
+            dbias[at] = dbias_s
+        if dslopes is not None:
+            dslopes[at] = dslopes_s
     dbias = None if dbias is None else dbias.reshape(o.bias.shape)
     head_grads = {}
     if dslopes is not None:
@@ -250,6 +245,45 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
         head_grads["dsinks"] = head_gradient(-np.sum(p_sink * D, axis=-1), o.sinks)
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
                           dv=dv.reshape(cache.v.shape), dbias=dbias, **head_grads)
+
+
+def _backward_slice(at, q, dout, D, lse, k, v, dbias_shape, dslopes_shape, *, o, score_shape):
+    """One task of the backward: the scores' slice `at` (a batch index and the G query heads of
+    one kv head; (Ellipsis,): all), its q, dout [.., G, N_q, d], D, lse [.., G, N_q] and its kv
+    head's k, v [.., 1, N_k, d]. Returns its (dq, dk, dv, dbias or None, dslopes or None), the
+    sums of its tiles: over key tiles j for dq, over query tiles i, in order, for dk and dv."""
+    dq, dk, dv = np.zeros(q.shape, dout.dtype), np.zeros(k.shape, dout.dtype), np.zeros(v.shape, dout.dtype)
+    dbias = None if dbias_shape is None else np.zeros(dbias_shape, dout.dtype)
+    dslopes = None if dslopes_shape is None else np.zeros(dslopes_shape, dout.dtype)
+    n_kv = k.shape[-3]
+    for rows in _tiles(score_shape[-2], o.block_size):
+        q_i, dout_i = scaled(q[..., rows, :], o.scale), dout[..., rows, :]
+        D_i, lse_i = D[..., rows, None], lse[..., rows, None]
+        for cols in _tiles(score_shape[-1], o.block_size):
+            tile = at + (rows, cols)
+            s, skip = tile_scores(o, q_i, k[..., cols, :], score_shape, tile)
+            if skip:
+                continue
+            s -= lse_i
+            p = np.exp(s, out=s)                                        # P_ij = exp(S_ij - lse_i)
+            dv[..., cols, :] += grouped_sum_matmul(p, dout_i, n_kv)      # dv_j += P_ij^T dout_i
+            ds = grouped_matmul(dout_i, np.swapaxes(v[..., cols, :], -1, -2))   # dP_ij = dout_i v_j^T
+            ds -= D_i
+            ds *= p                                                     # dS_ij = P_ij (dP_ij - D_i)
+            if dbias is not None:
+                block = _bias_block(dbias, rows, cols)
+                block += unbroadcast(ds, block.shape)
+            if dslopes is not None:                                     # dalibi = -sum dS * distance
+                dslopes -= np.sum(ds * alibi_distance(o, score_shape, tile), axis=(-2, -1))
+            dq[..., rows, :] += scaled(grouped_matmul(ds, k[..., cols, :]), o.scale)   # dq_i += scale dS k_j
+            dk[..., cols, :] += grouped_sum_matmul(ds, q_i, n_kv)       # dk_j += dS^T (scale q_i)
+    return dq, dk, dv, dbias, dslopes
+
+
+def _shared(o, **arrays):
+    """The keyword arguments every task of a call shares: the options (without the scheduler,
+    which stays with the caller) and `arrays`."""
+    return {"o": o._replace(scheduler=None, workers=1), **arrays}
 
 
 def _kv_slices(score_shape, group, bias):
@@ -273,7 +307,7 @@ def _kv_index(at, group):
     return at[:-1] + (slice(heads.start // group, heads.stop // group),)
 
 
-def _bias_block(x, at, rows, cols):
-    """The (rows, cols) block of a task's prefix `at` of a bias-shaped array with >= 2 axes, a
-    view; its axes of length 1 (broadcast along rows or columns) are kept whole."""
-    return x[at + (rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None))]
+def _bias_block(x, rows, cols):
+    """The (rows, cols) block of a bias-shaped array with >= 2 axes, a view; its axes of
+    length 1 (broadcast along rows or columns) are kept whole."""
+    return x[..., rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None)]

@@ -1,0 +1,112 @@
+"""The tiled engine and crosscheck on a Dask cluster: a LocalCluster of two worker processes
+gives bitwise the results of a local run, forward, backward, JVP and a large crosscheck."""
+import ml_dtypes
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import numpy_attention as na
+from numpy_attention.commands.cli import main
+from numpy_attention.crosscheck import blocks, crosscheck, save_case
+
+RNG = np.random.default_rng(3)
+# q [2, 4, 40, 8], k, v [2, 2, 56, 8|6]: grouped-query heads, 4 slices of the backward
+OPTIONS = {
+    "plain": {},
+    "causal bottom_right": {"causal": "bottom_right"},
+    "mask and window": {"mask": RNG.random((2, 1, 40, 56)) < 0.7, "window": (9, 3)},
+    "bias per head": {"bias": RNG.standard_normal((2, 4, 40, 56))},
+    "bias broadcast (one task)": {"bias": RNG.standard_normal((40, 56))},
+    "alibi and sinks": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+                        "sinks": np.array([0.3, -1.0, 0.0, 2.0])},
+}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        yield client
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((2, 4, 40, 8)), rng.standard_normal((2, 2, 56, 8)),
+            rng.standard_normal((2, 2, 56, 6)), rng.standard_normal((2, 4, 40, 6)))
+
+
+def results(scheduler, options):
+    q, k, v, dout = inputs()
+    out, cache = na.attention_forward(q, k, v, block_size=16, workers=1, scheduler=scheduler, **options)
+    grads = na.attention_backward(dout, cache)
+    jvp = na.attention_jvp(q, k, v, *inputs(1)[:3], block_size=16, workers=1, scheduler=scheduler, **options)
+    return [out, cache.lse, grads.dq, grads.dk, grads.dv, grads.dbias, grads.dalibi_slopes, grads.dsinks, *jvp]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_the_tiled_engine_on_a_cluster_gives_the_local_bits(client, option):
+    local, remote = results(None, OPTIONS[option]), results(client, OPTIONS[option])
+    for a, b in zip(local, remote):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
+def test_an_address_opens_a_client_for_the_call(client):
+    q, k, v, _ = inputs()
+    out, _ = na.attention_forward(q, k, v, causal=True, block_size=16, scheduler=client.scheduler.address)
+    assert np.array_equal(out, na.attention_forward(q, k, v, causal=True, block_size=16)[0])
+
+
+def test_a_scheduler_is_checked():
+    q, k, v, _ = inputs()
+    with pytest.raises(TypeError, match="scheduler must be a dask.distributed Client or a scheduler's address"):
+        na.attention_forward(q, k, v, block_size=16, scheduler=8786)
+    with pytest.raises(ValueError, match="scheduler= runs the tiled engine's slices on a Dask cluster"):
+        na.attention_forward(q, k, v, scheduler="tcp://127.0.0.1:8786")
+    with pytest.raises(TypeError, match="scheduler must be"):
+        crosscheck(q=q, k=k, v=v, out=q[..., :6], scheduler=object())
+
+
+def large_case(tmp_path=None):
+    """A causal float32 case with gradients, judged on the tiled oracle (the score budget set
+    below its 2 * 4 * 40 * 56 scores), the candidate our float64 attention rounded."""
+    q, k, v, dout = (x.astype(np.float32) for x in inputs())
+    out, cache = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    grads = na.attention_backward(dout.astype(np.float64), cache)
+    arrays = dict(q=q, k=k, v=v, dout=dout, causal=True, out=out.astype(np.float32),
+                  lse=cache.lse.astype(np.float32), dq=grads.dq.astype(np.float32),
+                  dk=grads.dk.astype(np.float32), dv=grads.dv.astype(np.float32))
+    if tmp_path is not None:
+        save_case(tmp_path / "case.npz", **arrays)
+    return arrays
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision):
+    """bfloat16: the candidate's results rounded to bfloat16 (held as float32 values)."""
+    monkeypatch.setattr(blocks, "SCORE_BUDGET", 1000)
+    arrays = large_case()
+    if precision == "bfloat16":
+        arrays = {name: x.astype(ml_dtypes.bfloat16).astype(np.float32) if name != "lse" and
+                  isinstance(x, np.ndarray) and x.dtype == np.float32 else x for name, x in arrays.items()}
+    local = crosscheck(precision=precision, **arrays)
+    remote = crosscheck(precision=precision, scheduler=client, **arrays)
+    assert local and remote.to_json() == local.to_json()
+
+
+def test_the_command_takes_a_scheduler(client, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(blocks, "SCORE_BUDGET", 1000)
+    large_case(tmp_path)
+    assert main(["crosscheck", str(tmp_path / "case.npz")]) == 0
+    local = capsys.readouterr().out
+    assert main(["crosscheck", str(tmp_path / "case.npz"), "--scheduler", client.scheduler.address]) == 0
+    assert capsys.readouterr().out == local
+
+
+def test_the_command_without_dask_exits_2_with_one_line(monkeypatch, tmp_path, capsys):
+    import importlib.util
+    large_case(tmp_path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "distributed" else real(name))
+    assert main(["crosscheck", str(tmp_path / "case.npz"), "--scheduler", "tcp://127.0.0.1:8786"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs dask.distributed" in err
