@@ -92,3 +92,22 @@ def check_window(window):
                          f"(-1 = unbounded), got {window!r}")
     # a side wider than any sequence is unbounded; clamped, positions + right cannot overflow int64
     return tuple(min(int(w), WINDOW_MAX) for w in window)
+
+
+def kv_slices(score_shape, group, whole=False):
+    """Index prefixes into scores [..., H, N_q, N_k], one per (batch index, kv head): a slice per
+    leading axis, then the G = group query heads of one kv head. whole: [(Ellipsis,)], one
+    prefix for all (a sum over the batch or the heads must not be split)."""
+    *lead, h, _, _ = score_shape
+    if whole:
+        return [(Ellipsis,)]
+    return [tuple(slice(i, i + 1) for i in index) + (slice(h0, h0 + group),)
+            for index in np.ndindex(*lead) for h0 in range(0, h, group)]
+
+
+def kv_index(at, group):
+    """The index prefix into k, v [..., H_kv, N_k, d] of a prefix `at` into the scores (kv_slices)."""
+    if at == (Ellipsis,):
+        return at
+    heads = at[-1]
+    return at[:-1] + (slice(heads.start // group, heads.stop // group),)

@@ -1,5 +1,6 @@
 """The tiled engine and crosscheck on a Dask cluster: a LocalCluster of two worker processes
-gives bitwise the results of a local run, forward, backward, JVP and a large crosscheck."""
+gives bitwise the results of a local run, forward, backward, JVP and a large crosscheck (its
+oracle and its baselines in slices)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -7,7 +8,9 @@ from distributed import Client, LocalCluster
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
-from numpy_attention.crosscheck import blocks, crosscheck, save_case
+from numpy_attention.crosscheck import blocks, crosscheck, save_case, split_case
+from numpy_attention.crosscheck.check import _baselines
+from numpy_attention.crosscheck.slices import case_slices, put_together
 
 RNG = np.random.default_rng(3)
 # q [2, 4, 40, 8], k, v [2, 2, 56, 8|6]: grouped-query heads, 4 slices of the backward
@@ -19,6 +22,16 @@ OPTIONS = {
     "bias broadcast (one task)": {"bias": RNG.standard_normal((40, 56))},
     "alibi and sinks": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
                         "sinks": np.array([0.3, -1.0, 0.0, 2.0])},
+}
+# crosscheck's baselines in slices (crosscheck/slices.py): options -> whether the case is cut
+SLICED = {
+    "plain": ({}, True),
+    "mask, causal": ({"mask": RNG.random((2, 1, 40, 56)) < 0.7, "causal": True}, True),
+    "window": ({"window": (9, 3)}, True),
+    "bias per head": ({"bias": RNG.standard_normal((2, 4, 40, 56))}, True),
+    "bias broadcast": ({"bias": RNG.standard_normal((40, 56))}, False),
+    "alibi per batch and head": ({"alibi_slopes": RNG.uniform(0, 1, (2, 4))}, True),
+    "sinks broadcast over the batch": ({"sinks": np.array([0.3, -1.0, 0.0, 2.0])}, False),
 }
 
 
@@ -66,25 +79,30 @@ def test_a_scheduler_is_checked():
         crosscheck(q=q, k=k, v=v, out=q[..., :6], scheduler=object())
 
 
-def large_case(tmp_path=None):
-    """A causal float32 case with gradients, judged on the tiled oracle (the score budget set
-    below its 2 * 4 * 40 * 56 scores), the candidate our float64 attention rounded."""
+def large_case(tmp_path=None, options=None):
+    """A float32 case with gradients (causal, or `options`), judged on the tiled oracle (the
+    score budget set below its 2 * 4 * 40 * 56 scores), the candidate our float64 attention
+    rounded."""
+    options = {"causal": True} if options is None else options
     q, k, v, dout = (x.astype(np.float32) for x in inputs())
-    out, cache = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    out, cache = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), **options)
     grads = na.attention_backward(dout.astype(np.float64), cache)
-    arrays = dict(q=q, k=k, v=v, dout=dout, causal=True, out=out.astype(np.float32),
+    arrays = dict(q=q, k=k, v=v, dout=dout, **options, out=out.astype(np.float32),
                   lse=cache.lse.astype(np.float32), dq=grads.dq.astype(np.float32),
                   dk=grads.dk.astype(np.float32), dv=grads.dv.astype(np.float32))
+    arrays.update({f"d{name}": getattr(grads, f"d{name}").astype(np.float32)
+                   for name in ("bias", "sinks", "alibi_slopes") if name in options})
     if tmp_path is not None:
         save_case(tmp_path / "case.npz", **arrays)
     return arrays
 
 
+@pytest.mark.parametrize("option", ["mask, causal", "bias per head", "sinks broadcast over the batch"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision):
+def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision, option):
     """bfloat16: the candidate's results rounded to bfloat16 (held as float32 values)."""
     monkeypatch.setattr(blocks, "SCORE_BUDGET", 1000)
-    arrays = large_case()
+    arrays = large_case(options=SLICED[option][0])
     if precision == "bfloat16":
         arrays = {name: x.astype(ml_dtypes.bfloat16).astype(np.float32) if name != "lse" and
                   isinstance(x, np.ndarray) and x.dtype == np.float32 else x for name, x in arrays.items()}
@@ -110,3 +128,25 @@ def test_the_command_without_dask_exits_2_with_one_line(monkeypatch, tmp_path, c
     assert main(["crosscheck", str(tmp_path / "case.npz"), "--scheduler", "tcp://127.0.0.1:8786"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs dask.distributed" in err
+
+
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("option", SLICED)
+def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precision):
+    """crosscheck/slices.py: each (batch index, kv head) slice's baselines, put together, are
+    bitwise the whole case's (or the case stays whole when a gradient sums over slices)."""
+    options, cut = SLICED[option]
+    storage = np.float32 if precision == "float32" else ml_dtypes.bfloat16
+    q, k, v, dout = (x.astype(storage) for x in inputs())
+    case = split_case(dict(q=q, k=k, v=v, dout=dout, out=q[..., :6], precision=precision, **options))
+    slices = case_slices(case)
+    assert len(slices) == (4 if cut else 1)
+    whole = _baselines(case, True, 32)
+    pieces = [_baselines(piece, True, 32) for _, piece in slices]
+    for way, expected in enumerate(whole):
+        got = put_together(case, [at for at, _ in slices], [piece[way] for piece in pieces])
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert np.array_equal(got[name], expected[name], equal_nan=True), name

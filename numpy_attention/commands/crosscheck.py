@@ -82,8 +82,8 @@ def add_arguments(parser):
     parser.add_argument("--atol", type=_atol, help="one absolute tolerance for every tensor "
                                                    "(default: per tensor, see the rule)")
     parser.add_argument("--scheduler", metavar="ADDRESS",
-                        help="a Dask scheduler (e.g. tcp://host:8786): a large case's oracle runs "
-                             "its slices on that cluster (needs the extra 'dask')")
+                        help="a Dask scheduler (e.g. tcp://host:8786): a large case's oracle and "
+                             "baselines run their slices on that cluster (needs the extra 'dask')")
     parser.add_argument("--write-example", action="store_true",
                         help="write an example case to CASE.npz and exit")
 

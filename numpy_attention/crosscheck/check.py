@@ -26,7 +26,7 @@ from .._checks import (require_bool, require_mapping, require_nonnegative_real, 
                        to_numpy)
 from .._layout import grouped_matmul, with_head_axis
 from ..attention import ENGINES, TiledAttentionCache, attention_backward
-from ..engines.parallel import cluster
+from ..engines.parallel import cluster, run_tasks
 from ..engines.tiled import tile_scores
 from ..options import attention_options, check_scheduler
 from ..paged import scatter_keys, unpack_rows
@@ -38,6 +38,7 @@ from .naive import naive_attention
 from .tangents import add_tangents
 from .magnitudes import term_magnitudes, whole_stages
 from .rule import K_L2, CrosscheckReport, atol_for, judge
+from .slices import case_slices, put_together
 
 ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
 SCALE_STEP = 2.0 ** -20     # the rule's scale check: d oracle / d log(scale) by this step
@@ -177,14 +178,27 @@ def _check_k_factors(k_factors):
     return dict(k_factors)
 
 
-def baselines(case, gradients=True, block_rows=None):
+def baselines(case, gradients=True, block_rows=None, scheduler=None):
     """The baselines of the case's precision (precision.py): a list of result dicts.
 
     float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
     recipe, with its two backwards (the eager one and the tiled flash one; the rule
     takes the larger error of the two, since a kernel may be built either way).
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
+    scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
+    with the same results.
     """
+    if scheduler is None:
+        return _baselines(case, gradients, block_rows)
+    slices = case_slices(case)
+    results = run_tasks(_baselines, [(piece,) for _, piece in slices], shared={
+        "gradients": gradients, "block_rows": block_rows}, scheduler=scheduler)
+    ats = [at for at, _ in slices]
+    return [put_together(case, ats, [result[way] for result in results]) for way in range(len(results[0]))]
+
+
+def _baselines(case, gradients, block_rows):
+    """baselines(case, gradients, block_rows) here, on the whole case."""
     p = case.precision
     if not p.recipe:
         return [baseline(case.inputs, case.options, p.compute, gradients, block_rows)]
@@ -267,8 +281,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         k_factors: {tensor name: k > 0} overriding rule.K_DEFAULT.
         atol: one absolute tolerance >= 0 for every tensor, overriding the default.
         scheduler: a dask.distributed Client, or a scheduler's address: a large case's tiled
-            oracle runs its slices there (bitwise the same results); the baselines, the
-            term magnitudes and a case small enough to form its scores whole run here.
+            oracle and its baselines run their slices there (bitwise the same report); the
+            term magnitudes (float32, float64) and a case small enough to form its scores
+            whole run here.
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
     lse is judged against float16 scores); the oracle computes in float64 (np.longdouble
     for a float64 precision). Overflow in a case shows as inf / NaN errors in the report,
@@ -293,7 +308,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             against.update({name: value for name, value in reference(
                 case.inputs, case.options, wide, True, forward_of, stages=whole, scheduler=client).items()
                 if name in GRADIENTS})
-        bases = baselines(case, want_grads, block_rows)
+        bases = baselines(case, want_grads, block_rows, client)
         if any(name in case.candidates for name in FORWARD_MODE):
             if not whole:
                 raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")

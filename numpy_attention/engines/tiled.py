@@ -46,7 +46,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
-from .._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
+from .._layout import (grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, unbroadcast,
+                       with_head_axis)
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..options import alibi_bias, alibi_distance, head_gradient, heads_view, keep_mask
 from .parallel import run_tasks
@@ -224,13 +225,13 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
     dbias = None if bias is None else np.zeros(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
     dslopes = None if o.alibi_slopes is None else np.zeros(score_shape[:-2], dout3.dtype)   # [..., H]
-    slices = _kv_slices(score_shape, group, bias)
-    items = [(at, q3[at], dout3[at], D[at], lse[at], k3[_kv_index(at, group)], v3[_kv_index(at, group)],
+    slices = kv_slices(score_shape, group, whole=bias is not None and bias.shape[:-2] != score_shape[:-2])
+    items = [(at, q3[at], dout3[at], D[at], lse[at], k3[kv_index(at, group)], v3[kv_index(at, group)],
               None if dbias is None else dbias[at].shape, None if dslopes is None else dslopes[at].shape)
              for at in slices]
     results = run_tasks(_backward_slice, items, o.workers, _shared(o, score_shape=score_shape), o.scheduler)
     for at, (dq_s, dk_s, dv_s, dbias_s, dslopes_s) in zip(slices, results):
-        dq[at], dk[_kv_index(at, group)], dv[_kv_index(at, group)] = dq_s, dk_s, dv_s
+        dq[at], dk[kv_index(at, group)], dv[kv_index(at, group)] = dq_s, dk_s, dv_s
         if dbias is not None:
             dbias[at] = dbias_s
         if dslopes is not None:
@@ -284,27 +285,6 @@ def _shared(o, **arrays):
     """The keyword arguments every task of a call shares: the options (without the scheduler,
     which stays with the caller) and `arrays`."""
     return {"o": o._replace(scheduler=None, workers=1), **arrays}
-
-
-def _kv_slices(score_shape, group, bias):
-    """The backward's tasks: index prefixes (one slice per leading axis, then the G query heads
-    of one kv head) into the scores [..., H, N_q, N_k], one per (batch index, kv head). Each
-    task's dk, dv rows are its own, summed over its row tiles in order, so the result does
-    not depend on how many threads run the tasks. A bias broadcast over the batch or heads
-    sums its gradient over them: then one task, the whole scores (Ellipsis,)."""
-    *lead, h, _, _ = score_shape
-    if bias is not None and bias.shape[:-2] != tuple(score_shape[:-2]):
-        return [(Ellipsis,)]
-    return [tuple(slice(i, i + 1) for i in index) + (slice(h0, h0 + group),)
-            for index in np.ndindex(*lead) for h0 in range(0, h, group)]
-
-
-def _kv_index(at, group):
-    """The index prefix into k, v [..., H_kv, N_k, d] of a task's prefix into the scores."""
-    if at == (Ellipsis,):
-        return at
-    heads = at[-1]
-    return at[:-1] + (slice(heads.start // group, heads.stop // group),)
 
 
 def _bias_block(x, rows, cols):

@@ -1,0 +1,85 @@
+"""A large case cut into slices for a Dask cluster, one per (batch index, kv head).
+
+The baselines (naive.py, precision.py) compute every (batch index, kv head) on its own: its G
+query heads meet only its k and v, and dk, dv sum over those heads' rows alone. So a slice is
+a case of its own, with q, dout [1, .., G, N_q, d] and k, v [1, .., 1, N_k, d] of one batch
+index and kv head and its options cut to match (an axis an option broadcasts along stays
+whole): its results are the whole case's there, bitwise, and put back together they are the
+whole case's. A bias, sinks or ALiBi slopes broadcast along the batch or the heads have a
+gradient summed over them: such a case stays whole, one slice.
+
+    slices = case_slices(case)                       # [(at, case of the slice)]
+    whole = put_together(case, [at for at, _ in slices], [results of each slice])
+"""
+import numpy as np
+
+from .._layout import kv_index, kv_slices, with_head_axis
+
+SUMMED = ("bias", "sinks", "alibi_slopes")          # options whose gradients sum where they broadcast
+BY_SCORE = ("mask", "bias", "dropout_mask")         # broadcastable to the scores [..., H, N_q, N_k]
+BY_HEAD = ("sinks", "alibi_slopes")                 # broadcastable to [..., H]
+
+
+def case_slices(case):
+    """[(at, the case of slice at)]: at an index prefix into the scores [..., H, N_q, N_k] (one
+    slice per leading axis and the G query heads of one kv head), or [((Ellipsis,), case)]."""
+    q = case.inputs["q"]
+    if q.ndim < 3:                                   # one head, no leading axes: nothing to cut
+        return [((Ellipsis,), case)]
+    k = with_head_axis(case.inputs["k"])
+    score_shape = q.shape[:-1] + k.shape[-2:-1]
+    group = q.shape[-3] // k.shape[-3]
+    heads = len(score_shape) - 2                     # the leading axes and H
+    summed = any(_broadcasts(case.options[name], len(score_shape) if name in BY_SCORE else heads, score_shape)
+                 for name in SUMMED if case.options.get(name) is not None)
+    cut = []
+    for at in kv_slices(score_shape, group, whole=summed):
+        kv = kv_index(at, group)
+        inputs = {name: x[kv if name in ("k", "v") else at] for name, x in case.inputs.items()}
+        options = {name: _cut(x, at, len(score_shape) if name in BY_SCORE else heads)
+                   if name in BY_SCORE + BY_HEAD and x is not None else x
+                   for name, x in case.options.items()}
+        cut.append((at, case._replace(inputs=inputs, options=options, candidates={})))
+    return cut
+
+
+def put_together(case, ats, results):
+    """The whole case's result dict from each slice's (results[i] the dict of slice ats[i])."""
+    q, k, v = (case.inputs[name] for name in ("q", "k", "v"))
+    if ats == [(Ellipsis,)]:
+        return results[0]
+    group = q.shape[-3] // k.shape[-3]
+    heads = q.ndim - 2
+    shapes = {"out": q.shape[:-1] + v.shape[-1:], "lse": q.shape[:-1], "dq": q.shape, "dk": k.shape,
+              "dv": v.shape}
+    shapes.update({f"d{name}": np.shape(case.options[name]) for name in SUMMED
+                   if case.options.get(name) is not None})
+    whole = {}
+    for name, first in results[0].items():
+        whole[name] = np.empty(shapes[name], first.dtype)
+        for at, result in zip(ats, results):
+            if name in ("dk", "dv"):
+                whole[name][kv_index(at, group)] = result[name]
+            elif name in ("out", "lse", "dq"):
+                whole[name][at] = result[name]
+            else:                                    # dbias [.. scores], dsinks, dalibi_slopes [.., H]
+                _cut(whole[name], at, q.ndim if name == "dbias" else heads)[...] = result[name]
+    return whole
+
+
+def _broadcasts(x, ndim, score_shape):
+    """Whether x, padded to ndim axes (the scores' or [..., H]), has size 1 along a leading or
+    head axis that the scores have more of."""
+    shape = (1,) * (ndim - np.ndim(x)) + np.shape(x)
+    heads = len(score_shape) - 2
+    return any(n == 1 and s > 1 for n, s in zip(shape[:heads], score_shape[:heads]))
+
+
+def _cut(x, at, ndim):
+    """x (broadcastable to an array of ndim axes) at the index prefix `at`, along the axes x
+    has in full; a view."""
+    if at == (Ellipsis,):
+        return x
+    x = np.asarray(x)
+    x = x.reshape((1,) * (ndim - x.ndim) + x.shape)
+    return x[tuple(a if n != 1 else slice(None) for a, n in zip(at, x.shape))]
