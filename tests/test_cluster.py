@@ -97,7 +97,8 @@ def large_case(tmp_path=None, options=None):
     return arrays
 
 
-@pytest.mark.parametrize("option", ["mask, causal", "bias per head", "sinks broadcast over the batch"])
+@pytest.mark.parametrize("option", ["mask, causal", "bias per head", "alibi per batch and head",
+                                    "sinks broadcast over the batch"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision, option):
     """bfloat16: the candidate's results rounded to bfloat16 (held as float32 values)."""

@@ -36,7 +36,7 @@ from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention
 from .naive import naive_attention
 from .tangents import add_tangents
-from .magnitudes import term_magnitudes, whole_stages
+from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
 from .rule import K_L2, CrosscheckReport, atol_for, judge
 from .slices import case_slices, put_together
 
@@ -281,9 +281,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         k_factors: {tensor name: k > 0} overriding rule.K_DEFAULT.
         atol: one absolute tolerance >= 0 for every tensor, overriding the default.
         scheduler: a dask.distributed Client, or a scheduler's address: a large case's tiled
-            oracle and its baselines run their slices there (bitwise the same report); the
-            term magnitudes (float32, float64) and a case small enough to form its scores
-            whole run here.
+            oracle, baselines and term magnitudes run their slices there (bitwise the same
+            report); a case small enough to form its scores whole runs here.
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
     lse is judged against float16 scores); the oracle computes in float64 (np.longdouble
     for a float64 precision). Overflow in a case shows as inf / NaN errors in the report,
@@ -314,10 +313,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                 raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
             add_tangents(case, truth, bases, wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
-        stage_blocks = (whole_stages(truth) if whole else
-                        _recomputed_stages(truth, case.inputs, case.options, block_rows))
         low = case.precision.recipe                      # a 16- or 8-bit precision
-        mags = {} if low else term_magnitudes(stage_blocks, case.inputs, case.options)
+        mags = {} if low else _magnitudes(case, truth, whole, block_rows, client)
         directions = _scale_directions(case, truth, wide, want_grads, whole, client) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
@@ -334,6 +331,26 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
     return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
+
+
+def _magnitudes(case, truth, whole, block_rows, scheduler):
+    """The case's term magnitudes (magnitudes.py): from the oracle's stages when whole, else
+    recomputed block by block, on a cluster in (batch index, kv head) slices (slices.py)."""
+    if whole:
+        return term_magnitudes(whole_stages(truth), case.inputs, case.options)
+    if scheduler is None:
+        return term_magnitudes(_recomputed_stages(truth, case.inputs, case.options, block_rows),
+                               case.inputs, case.options)
+    items = [(piece, {name: truth[name][at] for name in ("out", "lse", "dq") if name in truth})
+             for at, piece in case_slices(case)]
+    sums = run_tasks(_slice_sums, items, shared={"block_rows": block_rows}, scheduler=scheduler)
+    return magnitudes_of(max_sums(sums), case.inputs, case.options)
+
+
+def _slice_sums(piece, truth, block_rows):
+    """One slice's term_sums (a task of _magnitudes), truth its part of the oracle's out, lse."""
+    return term_sums(_recomputed_stages(truth, piece.inputs, piece.options, block_rows),
+                     piece.inputs, piece.options)
 
 
 def _scale_directions(case, truth, dtype, gradients, whole, scheduler):

@@ -20,8 +20,15 @@ def term_magnitudes(stage_blocks, inputs, options):
     over the blocks, sums down a column (dv, dk, dbias) added up. NaN weights (the 'nan'
     policy's fully masked rows) are terms of 0.
     """
-    q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
-    scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
+    return magnitudes_of(term_sums(stage_blocks, inputs, options), inputs, options)
+
+
+def term_sums(stage_blocks, inputs, options):
+    """The largest sums of the terms' weights (P, |dS|'s terms) along each tensor's rows or
+    columns, before they are scaled by the inputs' largest entries (magnitudes_of). The case
+    cut in (batch index, kv head) slices (slices.py) gives the whole case's: the largest of
+    its slices' (max_sums)."""
+    q, k = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k"))
     h_kv = with_head_axis(k).shape[-3]
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
@@ -44,16 +51,29 @@ def term_magnitudes(stage_blocks, inputs, options):
         if dbias is not None:
             block = blocks.bias_block(dbias, index)
             block += unbroadcast(terms, block.shape)
-    mags = {"out": row_max["out"] * v.max(initial=0),
-            "lse": row_max["lse"] + np.log(max(k.shape[-2], 1))}
+    sums = {**row_max, "dv": _kv_column_max(col_sum["dv"], h_kv), "dk": _kv_column_max(col_sum["dk"], h_kv)}
+    if dbias is not None:
+        sums["dbias"] = float(dbias.max(initial=0))
+    sums.update({name: float(np.max(total, initial=0)) for name, total in head_sums.items()
+                 if name[1:] in options})
+    return sums
+
+
+def max_sums(slices_sums):
+    """The whole case's term_sums from its slices' (a list of dicts): the largest of each."""
+    return {name: max(sums[name] for sums in slices_sums) for name in slices_sums[0]}
+
+
+def magnitudes_of(sums, inputs, options):
+    """{tensor: the largest sum of |terms|}: term_sums times the inputs' largest entries."""
+    q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
+    scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
+    mags = {"out": sums["out"] * v.max(initial=0), "lse": sums["lse"] + np.log(max(k.shape[-2], 1))}
     if "dout" in inputs:
-        mags.update(dv=_kv_column_max(col_sum["dv"], h_kv) * np.abs(inputs["dout"]).max(initial=0),
-                    dq=scale * row_max["dq"] * k.max(initial=0),
-                    dk=scale * _kv_column_max(col_sum["dk"], h_kv) * q.max(initial=0))
-        if dbias is not None:
-            mags["dbias"] = dbias.max(initial=0)
-        mags.update({name: float(np.max(total, initial=0)) for name, total in head_sums.items()
-                     if name[1:] in options})
+        mags.update(dv=sums["dv"] * np.abs(inputs["dout"]).max(initial=0),
+                    dq=scale * sums["dq"] * k.max(initial=0),
+                    dk=scale * sums["dk"] * q.max(initial=0))
+        mags.update({name: sums[name] for name in ("dbias", "dsinks", "dalibi_slopes") if name in sums})
     return mags
 
 
