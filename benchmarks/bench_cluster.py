@@ -13,7 +13,8 @@ the overhead of shipping the slices on this machine, where both use the same cor
 The cost model: the tiled engine's work grows as H * N^2 * d (causal: half of the N^2
 scores), so the largest measured time t scales to a case (H', N', d') as
 t * (H'/H) * (N'/N)^2 * (d'/d) on the same cores, divided among the machines a cluster adds.
-Printed for (1, 32, 131072, 128), extrapolated, not measured.
+Printed for (1, 32, 131072, 128), extrapolated, not measured. --crosscheck also times
+crosscheck on a causal bfloat16 case here and on the cluster, and compares the reports.
 """
 import argparse
 import os
@@ -38,6 +39,20 @@ def step(q, k, v, dout, scheduler):
     return time.perf_counter() - start, (out, cache.lse, grads.dq, grads.dk, grads.dv)
 
 
+def crosscheck_case(heads, n, d):
+    """A causal bfloat16 case with gradients [1, heads, n, d], the candidate our float64
+    attention rounded to bfloat16 (float32 lse)."""
+    import ml_dtypes
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, heads, n, d)).astype(bf16) for _ in range(4))
+    wide = [x.astype(np.float64) for x in (q, k, v, dout)]
+    out, cache = na.attention_forward(*wide[:3], causal=True, implementation="tiled")
+    g = na.attention_backward(wide[3], cache)
+    return dict(q=q, k=k, v=v, dout=dout, causal=True, out=out.astype(bf16), lse=cache.lse.astype(np.float32),
+                dq=g.dq.astype(bf16), dk=g.dk.astype(bf16), dv=g.dv.astype(bf16))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -45,6 +60,9 @@ def main():
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the LocalCluster")
     parser.add_argument("--scheduler", default=None, help="a running scheduler's address instead")
+    parser.add_argument("--crosscheck", type=int, nargs="*", default=[8192], metavar="N",
+                        help="also time crosscheck of a causal bfloat16 case [1, 4, N, 64] with "
+                             "gradients here and on the cluster (default 8192; none: skip)")
     args = parser.parse_args()
     from distributed import Client, LocalCluster
     load = OtherLoad()
@@ -68,6 +86,22 @@ def main():
             rows.append([n, f"{here:.2f}", f"{there:.2f}", f"{there / here:.2f}", "yes" if same else "NO"])
             largest = (n, here, there)
         print(table(["N", "here s", "cluster s", "cluster / here", "same bits"], rows))
+        if args.crosscheck:
+            print("\ncrosscheck of a causal bfloat16 case [1, 4, N, 64] with gradients (oracle, "
+                  "baselines, scale check); the same report?")
+            rows = []
+            for n in args.crosscheck:
+                arrays = crosscheck_case(4, n, 64)
+                start = time.perf_counter()
+                local = na.crosscheck(**arrays)
+                here = time.perf_counter() - start
+                start = time.perf_counter()
+                remote = na.crosscheck(**arrays, scheduler=client)
+                there = time.perf_counter() - start
+                same = "yes" if remote.to_json() == local.to_json() else "NO"
+                rows.append([n, f"{here:.2f}", f"{there:.2f}", f"{there / here:.2f}", same,
+                             "PASS" if local else "FAIL"])
+            print(table(["N", "here s", "cluster s", "cluster / here", "same report", "verdict"], rows))
     if args.scheduler is None:
         cluster.close()
     n, here, there = largest
