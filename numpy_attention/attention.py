@@ -233,7 +233,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         scheduler: the tiled engine's slices on a Dask cluster instead (the optional extra
             `dask`): a dask.distributed Client, or a scheduler's address such as
             'tcp://host:8786' (a Client is opened for the call). Results are bitwise those
-            of a local run. The backward uses the forward's.
+            of a local run. The backward uses the forward's (a Client must still be open).
     Returns:
         out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside;
         cache.scores recomputes S), or a TiledAttentionCache (out and lse) for 'tiled'.

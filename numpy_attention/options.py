@@ -284,6 +284,8 @@ def check_scheduler(scheduler, implementation="tiled"):
                                                   ("submit", "scatter", "gather")):
         raise TypeError(f"scheduler must be a dask.distributed Client or a scheduler's address such "
                         f"as 'tcp://host:8786', got {type(scheduler).__name__}")
+    if isinstance(scheduler, str) and not scheduler.strip():
+        raise ValueError("scheduler must be a scheduler's address such as 'tcp://host:8786', got ''")
     if implementation != "tiled":
         raise ValueError(f"scheduler= runs the tiled engine's slices on a Dask cluster; "
                          f"implementation={implementation!r} runs here (use implementation='tiled')")

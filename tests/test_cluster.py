@@ -23,15 +23,16 @@ OPTIONS = {
     "alibi and sinks": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
                         "sinks": np.array([0.3, -1.0, 0.0, 2.0])},
 }
-# crosscheck's baselines in slices (crosscheck/slices.py): options -> whether the case is cut
+# crosscheck's baselines in slices (crosscheck/slices.py): options -> (batch size, slices)
 SLICED = {
-    "plain": ({}, True),
-    "mask, causal": ({"mask": RNG.random((2, 1, 40, 56)) < 0.7, "causal": True}, True),
-    "window": ({"window": (9, 3)}, True),
-    "bias per head": ({"bias": RNG.standard_normal((2, 4, 40, 56))}, True),
-    "bias broadcast": ({"bias": RNG.standard_normal((40, 56))}, False),
-    "alibi per batch and head": ({"alibi_slopes": RNG.uniform(0, 1, (2, 4))}, True),
-    "sinks broadcast over the batch": ({"sinks": np.array([0.3, -1.0, 0.0, 2.0])}, False),
+    "plain": ({}, 2, 4),
+    "mask, causal": ({"mask": RNG.random((2, 1, 40, 56)) < 0.7, "causal": True}, 2, 4),
+    "window": ({"window": (9, 3)}, 2, 4),
+    "bias per head": ({"bias": RNG.standard_normal((2, 4, 40, 56))}, 2, 4),
+    "bias broadcast": ({"bias": RNG.standard_normal((40, 56))}, 2, 1),
+    "alibi per batch and head": ({"alibi_slopes": RNG.uniform(0, 1, (2, 4))}, 2, 4),
+    "sinks broadcast over the batch": ({"sinks": np.array([0.3, -1.0, 0.0, 2.0])}, 2, 1),
+    "sinks, one batch index": ({"sinks": np.array([0.3, -1.0, 0.0, 2.0])}, 1, 2),
 }
 
 
@@ -73,18 +74,20 @@ def test_a_scheduler_is_checked():
     q, k, v, _ = inputs()
     with pytest.raises(TypeError, match="scheduler must be a dask.distributed Client or a scheduler's address"):
         na.attention_forward(q, k, v, block_size=16, scheduler=8786)
+    with pytest.raises(ValueError, match="scheduler must be a scheduler's address"):
+        na.attention_forward(q, k, v, block_size=16, scheduler=" ")
     with pytest.raises(ValueError, match="scheduler= runs the tiled engine's slices on a Dask cluster"):
         na.attention_forward(q, k, v, scheduler="tcp://127.0.0.1:8786")
     with pytest.raises(TypeError, match="scheduler must be"):
         crosscheck(q=q, k=k, v=v, out=q[..., :6], scheduler=object())
 
 
-def large_case(tmp_path=None, options=None):
+def large_case(tmp_path=None, options=None, batch=2):
     """A float32 case with gradients (causal, or `options`), judged on the tiled oracle (the
-    score budget set below its 2 * 4 * 40 * 56 scores), the candidate our float64 attention
-    rounded."""
+    score budget set below its batch * 4 * 40 * 56 scores), the candidate our float64
+    attention rounded."""
     options = {"causal": True} if options is None else options
-    q, k, v, dout = (x.astype(np.float32) for x in inputs())
+    q, k, v, dout = (x[:batch].astype(np.float32) for x in inputs())
     out, cache = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), **options)
     grads = na.attention_backward(dout.astype(np.float64), cache)
     arrays = dict(q=q, k=k, v=v, dout=dout, **options, out=out.astype(np.float32),
@@ -98,12 +101,13 @@ def large_case(tmp_path=None, options=None):
 
 
 @pytest.mark.parametrize("option", ["mask, causal", "bias per head", "alibi per batch and head",
-                                    "sinks broadcast over the batch"])
+                                    "sinks broadcast over the batch", "sinks, one batch index"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision, option):
     """bfloat16: the candidate's results rounded to bfloat16 (held as float32 values)."""
     monkeypatch.setattr(blocks, "SCORE_BUDGET", 1000)
-    arrays = large_case(options=SLICED[option][0])
+    options, batch, _ = SLICED[option]
+    arrays = large_case(options=options, batch=batch)
     if precision == "bfloat16":
         arrays = {name: x.astype(ml_dtypes.bfloat16).astype(np.float32) if name != "lse" and
                   isinstance(x, np.ndarray) and x.dtype == np.float32 else x for name, x in arrays.items()}
@@ -138,12 +142,12 @@ def test_the_command_without_dask_exits_2_with_one_line(monkeypatch, tmp_path, c
 def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precision):
     """crosscheck/slices.py: each (batch index, kv head) slice's baselines, put together, are
     bitwise the whole case's (or the case stays whole when a gradient sums over slices)."""
-    options, cut = SLICED[option]
+    options, batch, count = SLICED[option]
     storage = np.float32 if precision == "float32" else ml_dtypes.bfloat16
-    q, k, v, dout = (x.astype(storage) for x in inputs())
+    q, k, v, dout = (x[:batch].astype(storage) for x in inputs())
     case = split_case(dict(q=q, k=k, v=v, dout=dout, out=q[..., :6], precision=precision, **options))
     slices = case_slices(case)
-    assert len(slices) == (4 if cut else 1)
+    assert len(slices) == count
     whole = _baselines(case, True, 32)
     pieces = [_baselines(piece, True, 32) for _, piece in slices]
     for way, expected in enumerate(whole):

@@ -300,6 +300,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     forward_of = _candidate_forward(case, require_bool(own_forward, "own_forward"), want_grads)
     block_rows = _block_rows(case)                       # None: whole arrays
     whole = block_rows is None
+    tangents = any(name in case.candidates for name in FORWARD_MODE)
+    if tangents and not whole:
+        raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
     with np.errstate(all="ignore"), cluster(None if whole else scheduler) as client:
         truth = reference(case.inputs, case.options, wide, want_grads, stages=whole, scheduler=client)
         against = dict(truth)                              # what each candidate tensor is judged against
@@ -308,9 +311,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                 case.inputs, case.options, wide, True, forward_of, stages=whole, scheduler=client).items()
                 if name in GRADIENTS})
         bases = baselines(case, want_grads, block_rows, client)
-        if any(name in case.candidates for name in FORWARD_MODE):
-            if not whole:
-                raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
+        if tangents:
             add_tangents(case, truth, bases, wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
         low = case.precision.recipe                      # a 16- or 8-bit precision

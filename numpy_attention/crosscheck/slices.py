@@ -35,10 +35,8 @@ def case_slices(case):
     cut = []
     for at in kv_slices(score_shape, group, whole=summed):
         kv = kv_index(at, group)
-        inputs = {name: x[kv if name in ("k", "v") else at] for name, x in case.inputs.items()}
-        options = {name: _cut(x, at, len(score_shape) if name in BY_SCORE else heads)
-                   if name in BY_SCORE + BY_HEAD and x is not None else x
-                   for name, x in case.options.items()}
+        inputs = {name: x[kv if name in ("k", "v", "k_dot", "v_dot") else at] for name, x in case.inputs.items()}
+        options = {name: _cut_option(name, x, at, len(score_shape)) for name, x in case.options.items()}
         cut.append((at, case._replace(inputs=inputs, options=options, candidates={})))
     return cut
 
@@ -65,6 +63,18 @@ def put_together(case, ats, results):
             else:                                    # dbias [.. scores], dsinks, dalibi_slopes [.., H]
                 _cut(whole[name], at, q.ndim if name == "dbias" else heads)[...] = result[name]
     return whole
+
+
+def _cut_option(name, x, at, ndim):
+    """The case's option `name` for the slice at (scores of ndim axes): mask, bias, dropout
+    cut along the scores' axes, ALiBi slopes along [..., H], sinks [H] to the slice's heads."""
+    if x is None or at == (Ellipsis,):
+        return x
+    if name == "sinks":
+        return np.asarray(x)[at[-1]]
+    if name in BY_SCORE or name in BY_HEAD:
+        return _cut(x, at, ndim if name in BY_SCORE else ndim - 2)
+    return x
 
 
 def _broadcasts(x, ndim, score_shape):
