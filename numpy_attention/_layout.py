@@ -111,3 +111,22 @@ def kv_index(at, group):
         return at
     heads = at[-1]
     return at[:-1] + (slice(heads.start // group, heads.stop // group),)
+
+
+def spans_slices(x, ndim, score_shape):
+    """Whether x, padded to ndim axes (the scores' [..., H, N_q, N_k], or [..., H]), has size 1
+    along a leading or head axis the scores have more of: its gradient then sums across the
+    kv_slices, which must keep such a computation whole."""
+    shape = (1,) * (ndim - np.ndim(x)) + np.shape(x)
+    heads = len(score_shape) - 2
+    return any(n == 1 and s > 1 for n, s in zip(shape[:heads], score_shape[:heads]))
+
+
+def cut(x, at, ndim):
+    """x (broadcastable to an array of ndim axes) at the kv_slices prefix `at`, along the axes
+    x has in full (those of size 1 stay whole); a view."""
+    if at == (Ellipsis,):
+        return x
+    x = np.asarray(x)
+    x = x.reshape((1,) * (ndim - x.ndim) + x.shape)
+    return x[tuple(a if n != 1 else slice(None) for a, n in zip(at, x.shape))]

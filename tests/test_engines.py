@@ -221,6 +221,19 @@ def test_workers_default_to_every_core_from_2_to_the_24_scores():
     assert na.attention_options(large, large, large, workers=1)[3].workers == 1
 
 
+def test_a_bias_without_batch_axis_splits_a_batch_of_one_by_kv_head():
+    """bias [H, N_q, N_k] on one batch index spans no two slices: the tiled backward runs one
+    task per kv head (spans_slices), with the bits of one worker and the textbook's values."""
+    from numpy_attention._layout import spans_slices
+    q, k, v, dout = (x[:1] for x in inputs(10))
+    bias = RNG.standard_normal((4, 5, 7))
+    assert not spans_slices(bias, 4, (1, 4, 5, 7)) and spans_slices(bias, 4, (2, 4, 5, 7))
+    runs = [run(q, k, v, dout, "tiled", {"bias": bias}, block_size=2, workers=w) for w in (1, 2)]
+    for name in runs[0]:
+        assert np.array_equal(runs[0][name], runs[1][name]), name
+    assert_normwise_equal(run(q, k, v, dout, "textbook", {"bias": bias}), runs[0], RTOL)
+
+
 def test_workers_belong_to_the_blocked_and_tiled_engines():
     q, k, v, _ = inputs()
     with pytest.raises(ValueError, match="workers=2 runs the blocked or tiled engine on threads"):

@@ -13,7 +13,7 @@ gradient summed over them: such a case stays whole, one slice.
 """
 import numpy as np
 
-from .._layout import kv_index, kv_slices, with_head_axis
+from .._layout import cut, kv_index, kv_slices, spans_slices, with_head_axis
 
 SUMMED = ("bias", "sinks", "alibi_slopes")          # options whose gradients sum where they broadcast
 BY_SCORE = ("mask", "bias", "dropout_mask")         # broadcastable to the scores [..., H, N_q, N_k]
@@ -30,7 +30,7 @@ def case_slices(case):
     score_shape = q.shape[:-1] + k.shape[-2:-1]
     group = q.shape[-3] // k.shape[-3]
     heads = len(score_shape) - 2                     # the leading axes and H
-    summed = any(_broadcasts(case.options[name], len(score_shape) if name in BY_SCORE else heads, score_shape)
+    summed = any(spans_slices(case.options[name], len(score_shape) if name in BY_SCORE else heads, score_shape)
                  for name in SUMMED if case.options.get(name) is not None)
     cut = []
     for at in kv_slices(score_shape, group, whole=summed):
@@ -61,7 +61,7 @@ def put_together(case, ats, results):
             elif name in ("out", "lse", "dq"):
                 whole[name][at] = result[name]
             else:                                    # dbias [.. scores], dsinks, dalibi_slopes [.., H]
-                _cut(whole[name], at, q.ndim if name == "dbias" else heads)[...] = result[name]
+                cut(whole[name], at, q.ndim if name == "dbias" else heads)[...] = result[name]
     return whole
 
 
@@ -73,23 +73,5 @@ def _cut_option(name, x, at, ndim):
     if name == "sinks":
         return np.asarray(x)[at[-1]]
     if name in BY_SCORE or name in BY_HEAD:
-        return _cut(x, at, ndim if name in BY_SCORE else ndim - 2)
+        return cut(x, at, ndim if name in BY_SCORE else ndim - 2)
     return x
-
-
-def _broadcasts(x, ndim, score_shape):
-    """Whether x, padded to ndim axes (the scores' or [..., H]), has size 1 along a leading or
-    head axis that the scores have more of."""
-    shape = (1,) * (ndim - np.ndim(x)) + np.shape(x)
-    heads = len(score_shape) - 2
-    return any(n == 1 and s > 1 for n, s in zip(shape[:heads], score_shape[:heads]))
-
-
-def _cut(x, at, ndim):
-    """x (broadcastable to an array of ndim axes) at the index prefix `at`, along the axes x
-    has in full; a view."""
-    if at == (Ellipsis,):
-        return x
-    x = np.asarray(x)
-    x = x.reshape((1,) * (ndim - x.ndim) + x.shape)
-    return x[tuple(a if n != 1 else slice(None) for a, n in zip(at, x.shape))]

@@ -46,8 +46,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
-from .._layout import (grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, unbroadcast,
-                       with_head_axis)
+from .._layout import (cut, grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices,
+                       unbroadcast, with_head_axis)
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..options import alibi_bias, alibi_distance, head_gradient, heads_view, keep_mask
 from .parallel import run_tasks
@@ -221,19 +221,20 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     if dlse is not None:                                                # d lse / dS = P: D - dlse
         D = D - dlse.reshape(D.shape)
     lse = np.where(np.isneginf(cache.lse.real), np.inf, cache.lse).reshape(score_shape[:-1])  # dead row: P = 0
-    dq, dk, dv = (np.zeros(x.shape, dout3.dtype) for x in (q3, k3, v3))
+    dq, dk, dv = (np.empty(x.shape, dout3.dtype) for x in (q3, k3, v3))   # every slice writes its own
     bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
-    dbias = None if bias is None else np.zeros(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
-    dslopes = None if o.alibi_slopes is None else np.zeros(score_shape[:-2], dout3.dtype)   # [..., H]
-    slices = kv_slices(score_shape, group, whole=bias is not None and bias.shape[:-2] != score_shape[:-2])
+    dbias = None if bias is None else np.empty(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
+    dslopes = None if o.alibi_slopes is None else np.empty(score_shape[:-2], dout3.dtype)   # [..., H]
+    ndim = len(score_shape)
+    slices = kv_slices(score_shape, group, whole=bias is not None and spans_slices(bias, ndim, score_shape))
     items = [(at, q3[at], dout3[at], D[at], lse[at], k3[kv_index(at, group)], v3[kv_index(at, group)],
-              None if dbias is None else dbias[at].shape, None if dslopes is None else dslopes[at].shape)
-             for at in slices]
+              None if dbias is None else cut(dbias, at, ndim).shape,
+              None if dslopes is None else dslopes[at].shape) for at in slices]
     results = run_tasks(_backward_slice, items, o.workers, _shared(o, score_shape=score_shape), o.scheduler)
     for at, (dq_s, dk_s, dv_s, dbias_s, dslopes_s) in zip(slices, results):
         dq[at], dk[kv_index(at, group)], dv[kv_index(at, group)] = dq_s, dk_s, dv_s
         if dbias is not None:
-            dbias[at] = dbias_s
+            cut(dbias, at, ndim)[...] = dbias_s
         if dslopes is not None:
             dslopes[at] = dslopes_s
     dbias = None if dbias is None else dbias.reshape(o.bias.shape)
