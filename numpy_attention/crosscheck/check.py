@@ -188,17 +188,20 @@ def baselines(case, gradients=True, block_rows=None, scheduler=None):
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
     """
-    if scheduler is None:
-        return _baselines(case, gradients, block_rows)
-    slices = case_slices(case)
+    slices = _slices(case, scheduler)
     results = run_tasks(_baselines, [(piece,) for _, piece in slices], shared={
         "gradients": gradients, "block_rows": block_rows}, scheduler=scheduler)
     ats = [at for at, _ in slices]
     return [put_together(case, ats, [result[way] for result in results]) for way in range(len(results[0]))]
 
 
+def _slices(case, scheduler):
+    """The case in (batch index, kv head) slices for a cluster (slices.py); here, whole."""
+    return case_slices(case) if scheduler is not None else [((Ellipsis,), case)]
+
+
 def _baselines(case, gradients, block_rows):
-    """baselines(case, gradients, block_rows) here, on the whole case."""
+    """The baselines of `case` (a whole case, or one slice of it: a task of baselines)."""
     p = case.precision
     if not p.recipe:
         return [baseline(case.inputs, case.options, p.compute, gradients, block_rows)]
@@ -339,11 +342,8 @@ def _magnitudes(case, truth, whole, block_rows, scheduler):
     recomputed block by block, on a cluster in (batch index, kv head) slices (slices.py)."""
     if whole:
         return term_magnitudes(whole_stages(truth), case.inputs, case.options)
-    if scheduler is None:
-        return term_magnitudes(_recomputed_stages(truth, case.inputs, case.options, block_rows),
-                               case.inputs, case.options)
     items = [(piece, {name: truth[name][at] for name in ("out", "lse", "dq") if name in truth})
-             for at, piece in case_slices(case)]
+             for at, piece in _slices(case, scheduler)]
     sums = run_tasks(_slice_sums, items, shared={"block_rows": block_rows}, scheduler=scheduler)
     return magnitudes_of(max_sums(sums), case.inputs, case.options)
 
