@@ -130,3 +130,13 @@ def cut(x, at, ndim):
     x = np.asarray(x)
     x = x.reshape((1,) * (ndim - x.ndim) + x.shape)
     return x[tuple(a if n != 1 else slice(None) for a, n in zip(at, x.shape))]
+
+
+def bias_block(dbias, index):
+    """The block of a bias-shaped array (dbias summed block by block) that the scores' block
+    S[index] sums into: a view. Its axes are the scores' last ones; an axis of length 1 (the
+    bias broadcast along it) is taken whole, the others as index takes them."""
+    parts = index[1:]                                   # slices of the scores' last axes
+    parts = parts[max(len(parts) - dbias.ndim, 0):]
+    lengths = dbias.shape[dbias.ndim - len(parts):]
+    return dbias[(Ellipsis,) + tuple(slice(None) if n == 1 else part for part, n in zip(parts, lengths))]

@@ -52,13 +52,3 @@ def block_of(x, score_shape, index):
     """x's block of the scores, np.broadcast_to(x, score_shape)[index]: a read-only view
     (None stays None). x broadcastable to score_shape [..., H, N_q, N_k]."""
     return None if x is None else np.broadcast_to(x, score_shape)[index]
-
-
-def bias_block(dbias, index):
-    """The block of a bias-shaped array (dbias summed block by block) that the scores' block
-    S[index] sums into: a view. Its axes are the scores' last ones; an axis of length 1 (the
-    bias broadcast along it) is taken whole, the others as index takes them."""
-    parts = index[1:]                                   # slices of the scores' last axes
-    parts = parts[max(len(parts) - dbias.ndim, 0):]
-    lengths = dbias.shape[dbias.ndim - len(parts):]
-    return dbias[(Ellipsis,) + tuple(slice(None) if n == 1 else part for part, n in zip(parts, lengths))]

@@ -7,8 +7,7 @@ are scale * sum_j P_ij (|dP_ij| + |D_i|) |k_jc|.
 """
 import numpy as np
 
-from .._layout import unbroadcast, with_head_axis
-from . import blocks
+from .._layout import bias_block, unbroadcast, with_head_axis
 
 
 def term_magnitudes(stage_blocks, inputs, options):
@@ -49,7 +48,7 @@ def term_sums(stage_blocks, inputs, options):
         head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1),
                      "dalibi_slopes": head_sums["dalibi_slopes"] + reach * np.sum(terms, (-2, -1))}
         if dbias is not None:
-            block = blocks.bias_block(dbias, index)
+            block = bias_block(dbias, index)
             block += unbroadcast(terms, block.shape)
     sums = {**row_max, "dv": _kv_column_max(col_sum["dv"], h_kv), "dk": _kv_column_max(col_sum["dk"], h_kv)}
     if dbias is not None:

@@ -29,9 +29,9 @@ same to rounding).
 """
 import numpy as np
 
-from .._layout import unbroadcast, with_head_axis
+from .._layout import bias_block, unbroadcast, with_head_axis
 from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
-from .blocks import bias_block, block_of, row_slices
+from .blocks import block_of, row_slices
 
 
 def recursive_matmul(a, b, start=None):

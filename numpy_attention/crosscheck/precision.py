@@ -35,9 +35,9 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .._layout import grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
+from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
 from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
-from .blocks import bias_block, block_of, row_slices
+from .blocks import block_of, row_slices
 
 
 TILE_ROWS, TILE_COLS = 32, 512

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
-from .._layout import (cut, grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices,
+from .._layout import (bias_block, cut, grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices,
                        unbroadcast, with_head_axis)
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..options import alibi_bias, alibi_distance, head_gradient, heads_view, keep_mask
@@ -273,7 +273,7 @@ def _backward_slice(at, q, dout, D, lse, k, v, dbias_shape, dslopes_shape, *, o,
             ds -= D_i
             ds *= p                                                     # dS_ij = P_ij (dP_ij - D_i)
             if dbias is not None:
-                block = _bias_block(dbias, rows, cols)
+                block = bias_block(dbias, (Ellipsis, rows, cols))
                 block += unbroadcast(ds, block.shape)
             if dslopes is not None:                                     # dalibi = -sum dS * distance
                 dslopes -= np.sum(ds * alibi_distance(o, score_shape, tile), axis=(-2, -1))
@@ -286,9 +286,3 @@ def _shared(o, **arrays):
     """The keyword arguments every task of a call shares: the options (without the scheduler,
     which stays with the caller) and `arrays`."""
     return {"o": o._replace(scheduler=None, workers=1), **arrays}
-
-
-def _bias_block(x, rows, cols):
-    """The (rows, cols) block of a bias-shaped array with >= 2 axes, a view; its axes of
-    length 1 (broadcast along rows or columns) are kept whole."""
-    return x[..., rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None)]
