@@ -176,6 +176,22 @@ def test_a_nan_gradient_fails(method, mode):
     assert not report and report.rows[0].max_abs_err == np.inf
 
 
+def test_compare_fails_an_inf_and_skips_nan_in_the_scale():
+    """The report's comparison: NaN on both sides agrees, NaN on one side is an infinite error,
+    inf on both sides is no agreement (inf - inf), and the scale counts NaN as 0."""
+    compare = importlib.import_module("numpy_attention.gradcheck.report").compare
+    index = lambda k: (k,)
+    both_nan = compare("x", "jacobian", [1.0, np.nan], [1.0, np.nan], index, 1e-6, 0.0)
+    assert both_nan.passed and both_nan.max_abs_err == 0 and both_nan.worst_index == (0,)
+    one_nan = compare("x", "jacobian", [1.0, np.nan], [1.0, 2.0], index, 1e-6, 0.0)
+    assert not one_nan.passed and one_nan.max_abs_err == np.inf and one_nan.worst_index == (1,)
+    with np.errstate(invalid="ignore"):
+        both_inf = compare("x", "jacobian", [1.0, np.inf], [1.0 + 1e-9, np.inf], index, 1e-6, 1.0)
+    assert not both_inf.passed
+    scaled = compare("x", "jacobian", [4.0, np.nan, 1.0], [4.0, np.nan, 1.0 + 3e-6], index, 1e-6, 0.0)
+    assert scaled.passed and scaled.tol == pytest.approx(4e-6)     # rtol * max |entry| without the NaN
+
+
 def test_an_exact_row_shows_its_largest_entry():
     """Complex step on a linear map has no error at all; the row then shows where the
     Jacobian is largest (not index 0, which may be a zero of the Jacobian)."""

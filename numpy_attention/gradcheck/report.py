@@ -72,17 +72,19 @@ class GradcheckReport(NamedTuple):
 
 
 def largest(a):
-    """max |a|, NaN counted as 0."""
-    return float(np.max(np.abs(np.nan_to_num(a)), initial=0.0))
+    """max |a|, NaN counted as 0 (np.fmax skips it) and inf as the dtype's largest float."""
+    return min(float(np.fmax.reduce(np.abs(a), axis=None, initial=0.0)), float(np.finfo(float).max))
 
 
 def compare(name, check, analytic, numeric, index_of, rtol, atol):
     """One report row: the normwise verdict max |analytic - numeric| <= atol + rtol * scale, and
     the worst entry (or, when there is no error at all, the largest numeric entry)."""
     analytic, numeric = np.asarray(analytic, dtype=float), np.asarray(numeric, dtype=float)
-    nan_mismatch = np.isnan(analytic) != np.isnan(numeric)
-    err = np.where(np.isnan(analytic) & np.isnan(numeric), 0.0, np.abs(analytic - numeric))
-    err = np.where(nan_mismatch, np.inf, err)
+    err = np.abs(analytic - numeric)
+    if np.isnan(err).any():                  # NaN on both sides agrees (0), on one side is inf
+        nan_mismatch = np.isnan(analytic) != np.isnan(numeric)
+        err = np.where(np.isnan(analytic) & np.isnan(numeric), 0.0, err)
+        err = np.where(nan_mismatch, np.inf, err)
     scale = max(largest(analytic), largest(numeric))
     exact = not np.max(err) > 0                                   # (err is never empty)
     worst = int(np.argmax(np.abs(np.nan_to_num(numeric)) if exact else err))
