@@ -9,6 +9,11 @@ under torch.autograd.gradcheck). Also projection mode of MultiHeadAttention at
 d_model=512, which stays cheap at any size. Prints the median time, the verdict and the
 ratio torch / ours (> 1: ours is faster). Each check is timed alone in its own process,
 the processes alternating (_common.median_times_apart, as in bench_mha.py).
+
+The "floor" row times only the forwards that central differences need (two per entry of q,
+k and v), stacked as the vectorized check evaluates them, without the backward, the
+differences or the report: no full-mode check built on this forward can be faster, so
+torch / floor is the most it can gain over torch.
 """
 import argparse
 import importlib.util
@@ -21,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import OtherLoad, machine_line, median_time, median_times_apart, run_child, table  # noqa: E402
 from numpy_attention import MultiHeadAttention, attention_backward, attention_forward, gradcheck  # noqa: E402
 from numpy_attention.examples import mha_functions  # noqa: E402
+from numpy_attention.gradcheck.batching import stack  # noqa: E402
 
 SHAPE = (1, 2, 16, 8)
 
@@ -33,6 +39,21 @@ def qkv(seed=0):
 def ours(batched):
     forward = lambda q, k, v: attention_forward(q, k, v, causal=True)
     return lambda: bool(gradcheck(forward, attention_backward, qkv(), batched=batched))
+
+
+def forwards_alone():
+    """The floor of full mode: only the 2 x 768 perturbed forwards that central differences
+    need, stacked per input and sign as the vectorized check runs them (one call per chunk)."""
+    forward = lambda q, k, v: attention_forward(q, k, v, causal=True)
+    inputs, h = qkv(), 1e-6                     # gradcheck's default step for float64
+
+    def step():
+        for i, x in enumerate(inputs):
+            directions = np.eye(x.size).reshape((x.size,) + x.shape)      # [768 / 3, *x]
+            for sign in (1, -1):
+                forward(*stack(inputs, i, x + sign * h * directions))
+        return True
+    return step
 
 
 def theirs():
@@ -64,13 +85,14 @@ def main():
     have_torch = importlib.util.find_spec("torch") is not None    # torch runs in child processes only
     print(machine_line())
     runs = {"ours, full, one at a time (batched=False)": "ours(False)",
-            "ours, full, vectorized (default)": "ours(None)"}
+            "ours, full, vectorized (default)": "ours(None)",
+            "floor: the 2 x 768 perturbed forwards alone": "forwards_alone()"}
     if have_torch:
         runs["torch.autograd.gradcheck on SDPA"] = "theirs()"
-    codes = [f"from benchmarks.bench_gradcheck import ours, theirs\nstep = {call}\n"
+    codes = [f"from benchmarks.bench_gradcheck import forwards_alone, ours, theirs\nstep = {call}\n"
              for call in runs.values()]
     times = median_times_apart(codes, args.rounds)
-    verdicts = [verdict(code) for code in codes]
+    verdicts = ["-" if name.startswith("floor") else verdict(code) for name, code in zip(runs, codes)]
     ref = times[-1] if have_torch else None
     print(f"\nfull Jacobian of causal attention, q, k, v {SHAPE}, float64, central differences")
     rows = [[name, f"{t * 1e3:.1f}", ok, f"{ref / t:.1f}x" if ref else "-"]

@@ -9,6 +9,11 @@ A configuration is WORKERS (blocked) or WORKERS:TILE (tiled: its block_size). Th
 the first configuration's median time over each one's: the result, where absolute times on
 a shared machine are noise. "same bits" compares a configuration's out, dq, dk, dv with those
 of one worker at the same tile. The header names the machine; the last line, other load.
+
+"bound": the most W workers can gain over one worker at the same tile if the whole step,
+run on one core (one worker, BLAS held to one thread: timed too, alternating), were divided
+perfectly by W. With one worker BLAS already runs the matrix products on every core, so
+bound = W * t(1 worker) / t(one core) < W.
 """
 import argparse
 import os
@@ -17,6 +22,7 @@ import sys
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 import numpy_attention as na
 
@@ -30,6 +36,21 @@ def step(q, k, v, dout, engine, workers, tile):
                                       block_size=tile)
     grads = na.attention_backward(dout, cache)
     return out, grads.dq, grads.dk, grads.dv
+
+
+def timed(fn):
+    """Seconds of one call of fn()."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def one_core(fn):
+    """fn with BLAS held to one thread: the whole step on one core."""
+    def run():
+        with threadpool_limits(limits=1, user_api="blas"):
+            return fn()
+    return run
 
 
 def parse_configs(text, engine):
@@ -54,26 +75,34 @@ def main():
     load = OtherLoad()
     print(f"# {machine_line()}")
     print(f"# {args.engine} engine, causal, float64, forward + backward; median of {args.repeats}")
-    print(f"{'shape (B, H, N, d_k)':<22}{'workers':>8}{'tile':>6}{'ms':>12}{'ratio':>7}  same bits")
+    print(f"{'shape (B, H, N, d_k)':<22}{'workers':>8}{'tile':>6}{'ms':>12}{'ratio':>7}"
+          f"{'bound':>7}  same bits")
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
         rng = np.random.default_rng(0)
         q, k, v, dout = (rng.standard_normal(shape) for _ in range(4))
         results = {c: step(q, k, v, dout, args.engine, *c) for c in configs}     # untimed: warm-up
         times = {c: [] for c in configs}
+        serial = {tile: [] for workers, tile in configs if workers > 1}   # one worker, one core
         for _ in range(args.repeats):
             for c in configs:
-                start = time.perf_counter()
-                step(q, k, v, dout, args.engine, *c)
-                times[c].append(time.perf_counter() - start)
+                times[c].append(timed(lambda: step(q, k, v, dout, args.engine, *c)))
+            for tile, ts in serial.items():
+                ts.append(timed(one_core(lambda: step(q, k, v, dout, args.engine, 1, tile))))
         first = statistics.median(times[configs[0]])
         for c in configs:
             one = results.get((1, c[1]))
             same = "-" if one is None or c[0] == 1 else (
                 "yes" if all(np.array_equal(a, b) for a, b in zip(one, results[c])) else "NO")
             median = statistics.median(times[c])
+            bound = "-"                                  # W t1 / t_one_core, at c's tile
+            if c[0] > 1 and (1, c[1]) in times:
+                bound = f"{c[0] * statistics.median(times[(1, c[1])]) / statistics.median(serial[c[1]]):.2f}"
             print(f"{str(shape):<22}{c[0]:>8}{str(c[1] or '-'):>6}{median * 1e3:>12.1f}"
-                  f"{first / median:>7.2f}  {same}")
+                  f"{first / median:>7.2f}{bound:>7}  {same}")
+        for tile, ts in serial.items():
+            print(f"{'':<22}1 worker{'' if tile is None else f' at tile {tile}'}, BLAS on one thread: "
+                  f"{statistics.median(ts) * 1e3:.1f} ms")
     print(load.line())
 
 
