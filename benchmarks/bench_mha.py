@@ -40,6 +40,21 @@ def flops(B, N, D):
     return 3 * (8 * B * N * D * D + 4 * B * N * N * D)
 
 
+def fresh_memory_ms_per_mib(mib=8, arrays=8, repeats=5):
+    """ms per MiB to fill arrays that are new to the process (their pages first touched, so the
+    kernel maps and zeroes them) minus the same fill into arrays it already has."""
+    n = mib * 2 ** 20 // 8
+    kept = [np.empty(n) for _ in range(arrays)]
+
+    def fresh():
+        return [np.ones(n) for _ in range(arrays)]     # all alive at once: freed together after
+
+    def reused():
+        for x in kept:
+            x.fill(1.0)
+    return (median_time(fresh, repeats) - median_time(reused, repeats)) * 1e3 / (mib * arrays)
+
+
 def make_inputs(B, N, D, dtype, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((B, N, D)).astype(dtype) for _ in range(4)]   # query, key, value, dout
@@ -139,6 +154,7 @@ def main():
     have_torch = importlib.util.find_spec("torch") is not None   # torch runs in child processes only
     threads = blas_threads()
     print(machine_line() + f"\nthreads: {threads} for numpy's BLAS and for torch; {hugepages}")
+    print(f"fresh memory: {fresh_memory_ms_per_mib():.2f} ms per MiB to first touch (on top of writing it)")
     for dtype in args.dtypes:
         peak = matmul_gflops(np.dtype(dtype))
         print(f"\n{dtype}: numpy matmul peak (2048^3) {peak:.1f} GFLOP/s")
