@@ -36,7 +36,8 @@ def median_times_apart(codes, rounds=4, calls=3):
     """Median wall time of each contender's step(), each one timed alone in its own process.
 
     `codes` are Python snippets that each define step(). Per round, every contender runs in
-    a fresh interpreter: two untimed calls (allocator, BLAS threads), then `calls` timed
+    a fresh interpreter (allocator settled: SETTLE_ALLOCATOR): two untimed calls (BLAS
+    threads, caches), then `calls` timed
     ones; the rounds alternate the contenders, spreading a shared machine's noise over all
     alike. Alone, because two libraries in one process slow each other: after a call each
     one's idle threads keep spinning on the cores (OpenMP's for up to 200 ms, OpenBLAS's
@@ -50,9 +51,21 @@ def median_times_apart(codes, rounds=4, calls=3):
     return [statistics.median(ts) for ts in times]
 
 
+# Run first in every timed child: numpy allocates and frees one 16 MiB array. glibc serves an
+# array above its mmap threshold (128 KiB at start) with fresh pages from the kernel, zeroed on
+# first touch, and raises the threshold to the size of any such array freed (up to 32 MiB). A
+# long-running process has long since freed a large array, so arrays up to that size then come
+# from memory it already has; a fresh one pays first-touch faults on every step until some
+# step frees one. Which one happens first depends on each library's allocations (here, at the
+# blog's shape, a step of ours took 4.7 ms or 3.2 ms, torch's float64 step 4.6 ms or 3.2 ms),
+# so every contender starts from the long-running state.
+SETTLE_ALLOCATOR = "import numpy\nnumpy.ones(2 << 20)\n"
+
+
 def child_times(code, calls):
     """The wall times of `calls` calls of the step() that `code` defines, in a fresh
-    interpreter, after two untimed calls."""
+    interpreter (its allocator settled first: SETTLE_ALLOCATOR), after two untimed calls."""
+    code = SETTLE_ALLOCATOR + code
     timing = (f"\nimport time\nstep()\nstep()\nfor _ in range({calls}):\n"
               f"    t0 = time.perf_counter()\n    step()\n    print('TIME', time.perf_counter() - t0)\n")
     out = run_child(code + timing)[1]

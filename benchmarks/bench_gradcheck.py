@@ -83,7 +83,7 @@ def main():
     args = ap.parse_args()
     load = OtherLoad()
     have_torch = importlib.util.find_spec("torch") is not None    # torch runs in child processes only
-    print(machine_line())
+    print(machine_line() + "\neach timed process first frees a 16 MiB array (_common.SETTLE_ALLOCATOR)")
     runs = {"ours, full, one at a time (batched=False)": "ours(False)",
             "ours, full, vectorized (default)": "ours(None)",
             "floor: the 2 x 768 perturbed forwards alone": "forwards_alone()"}

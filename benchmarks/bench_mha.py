@@ -154,7 +154,8 @@ def main():
     have_torch = importlib.util.find_spec("torch") is not None   # torch runs in child processes only
     threads = blas_threads()
     print(machine_line() + f"\nthreads: {threads} for numpy's BLAS and for torch; {hugepages}")
-    print(f"fresh memory: {fresh_memory_ms_per_mib():.2f} ms per MiB to first touch (on top of writing it)")
+    print(f"fresh memory: {fresh_memory_ms_per_mib():.2f} ms per MiB to first touch (on top of writing it); "
+          f"each timed process first frees a 16 MiB array (_common.SETTLE_ALLOCATOR)")
     for dtype in args.dtypes:
         peak = matmul_gflops(np.dtype(dtype))
         print(f"\n{dtype}: numpy matmul peak (2048^3) {peak:.1f} GFLOP/s")
