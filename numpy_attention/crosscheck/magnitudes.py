@@ -3,7 +3,9 @@ scales with (rule.py: atol = ATOL_ULPS * eps(dtype) * |X|max).
 
 Rounding error is relative to the terms, not to the result: a gradient entry that cancels
 to 0 still rounds at the size of its terms. For dq, for example, the terms of entry (i, c)
-are scale * sum_j P_ij (|dP_ij| + |D_i|) |k_jc|.
+are scale * sum_j P_ij (|dP_ij| + |D_i|) |k_jc|. A per-head vector's gradient (dsinks,
+dalibi_slopes) sums over every row of its head, and over the batch where the vector is
+broadcast along it (sinks [H]); so do its terms.
 """
 import numpy as np
 
@@ -53,8 +55,10 @@ def term_sums(stage_blocks, inputs, options):
     sums = {**row_max, "dv": _kv_column_max(col_sum["dv"], h_kv), "dk": _kv_column_max(col_sum["dk"], h_kv)}
     if dbias is not None:
         sums["dbias"] = float(dbias.max(initial=0))
-    sums.update({name: float(np.max(total, initial=0)) for name, total in head_sums.items()
-                 if name[1:] in options})
+    for name, total in head_sums.items():          # [..., H]: summed where the option broadcasts
+        if name[1:] in options:                     # (sinks [H] over the batch), like its gradient
+            total = unbroadcast(total, np.shape(options[name[1:]])) if np.ndim(total) else total
+            sums[name] = float(np.max(total, initial=0))
     return sums
 
 
