@@ -1,5 +1,6 @@
 """The numpy-attention command: demo, gradcheck, and its answers to bad arguments."""
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -148,3 +149,27 @@ def test_an_oserror_from_a_command_is_one_line_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(command, "load_case", unreadable)
     err = usage_error(["crosscheck", "case.npz"], capsys)
     assert "crosscheck" in err and "case.npz: Permission denied" in err
+
+
+def test_a_closed_output_pipe_ends_quietly_with_141(monkeypatch, capsys):
+    """`numpy-attention gradcheck | head -1`: when the reader closes the pipe, the command stops
+    with the shell's 128 + SIGPIPE and no message (not exit 2 and "Broken pipe")."""
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):                       # main points it at the null device
+            return self.fd
+
+    closed = ClosedPipe()
+    closed.fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        monkeypatch.setattr(sys, "stdout", closed)
+        assert main(["gradcheck"]) == 141
+    finally:
+        monkeypatch.undo()
+        os.close(closed.fd)
+    assert capsys.readouterr().err == ""

@@ -7,13 +7,15 @@
 
 Exit codes: 0 success, 1 a check failed, 2 bad arguments or input: one line on stderr,
 `numpy-attention <command>: <message>` (no command given: the usage and the command list);
-130 interrupted (Ctrl-C), one line.
+130 interrupted (Ctrl-C), one line; 141 when the reader of its output closes the pipe
+(`| head`), quietly.
 Each command lives in its own module, which provides HELP (its line of the command list),
 DESCRIPTION and optionally EPILOG (its --help, as written), add_arguments(parser) and
 run(args) -> exit code; a command raises UsageError(message) for bad input.
 """
 import argparse
 import importlib
+import os
 import sys
 
 from .. import __version__
@@ -23,7 +25,7 @@ COMMANDS = ("demo", "gradcheck", "crosscheck", "vanishing")        # modules of 
 DESCRIPTION = ("Transformer attention in NumPy with every backward written by hand and checked "
                "against finite differences; a float64 oracle for other implementations.")
 EPILOG = (f"exit codes: 0 success, 1 a check failed, 2 bad arguments or input (one line on stderr), "
-          f"130 interrupted. "
+          f"130 interrupted, 141 output pipe closed by its reader (no message). "
           f"'{PROG} <command> --help' for a command's options.")
 
 
@@ -78,6 +80,9 @@ def _run(args):
     prefix = f"{PROG} {args.command}"
     try:
         return int(args.run(args))
+    except BrokenPipeError:                            # the reader stopped reading (| head): quiet,
+        _discard_stdout()                              # the shell's 128 + SIGPIPE
+        return 141
     except UsageError as exc:
         raise UsageError(f"{prefix}: {exc}") from None
     except OSError as exc:
@@ -86,6 +91,14 @@ def _run(args):
     except MemoryError as exc:
         raise UsageError(f"{prefix}: not enough memory for these sizes: "
                          f"{str(exc) or 'MemoryError'}") from None
+
+
+def _discard_stdout():
+    """Point stdout at the null device, so that flushing it at exit cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):      # a stdout with no file descriptor
+        pass
 
 
 def main(argv=None):
