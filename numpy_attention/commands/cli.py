@@ -95,10 +95,13 @@ def _run(args):
 
 def _discard_stdout():
     """Point stdout at the null device, so that flushing it at exit cannot fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(null, sys.stdout.fileno())
     except (AttributeError, OSError, ValueError):      # a stdout with no file descriptor
         pass
+    finally:
+        os.close(null)
 
 
 def main(argv=None):

@@ -72,7 +72,8 @@ class GradcheckReport(NamedTuple):
 
 
 def largest(a):
-    """max |a|, NaN counted as 0 (np.fmax skips it) and inf as the dtype's largest float."""
+    """max |a| of a float64 array, NaN counted as 0 (np.fmax skips it) and inf as the largest
+    float64 (as np.nan_to_num would count them)."""
     return min(float(np.fmax.reduce(np.abs(a), axis=None, initial=0.0)), float(np.finfo(float).max))
 
 
