@@ -100,14 +100,20 @@ def large_case(tmp_path=None, options=None, batch=2):
     return arrays
 
 
+@pytest.mark.parametrize("gradients", [True, False])
 @pytest.mark.parametrize("option", ["mask, causal", "bias per head", "alibi per batch and head",
                                     "sinks broadcast over the batch", "sinks, one batch index"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision, option):
-    """bfloat16: the candidate's results rounded to bfloat16 (held as float32 values)."""
+def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision,
+                                                                         option, gradients):
+    """bfloat16: the candidate's results rounded to bfloat16 (held as float32 values). Without
+    gradients a case is cut in slices even where an option broadcasts (sinks over the batch)."""
     monkeypatch.setattr(blocks, "SCORE_BUDGET", 1000)
     options, batch, _ = SLICED[option]
     arrays = large_case(options=options, batch=batch)
+    if not gradients:
+        arrays = {name: x for name, x in arrays.items()
+                  if name not in ("dout", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")}
     if precision == "bfloat16":
         arrays = {name: x.astype(ml_dtypes.bfloat16).astype(np.float32) if name != "lse" and
                   isinstance(x, np.ndarray) and x.dtype == np.float32 else x for name, x in arrays.items()}
@@ -148,10 +154,27 @@ def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precisi
     case = split_case(dict(q=q, k=k, v=v, dout=dout, out=q[..., :6], precision=precision, **options))
     slices = case_slices(case)
     assert len(slices) == count
-    whole = _baselines(case, True, 32)
-    pieces = [_baselines(piece, True, 32) for _, piece in slices]
+    assert_slices_put_together_are_whole(case, slices, gradients=True)
+
+
+def assert_slices_put_together_are_whole(case, slices, gradients):
+    """Each way's baselines of the slices, put together, bitwise those of the whole case."""
+    whole = _baselines(case, gradients, 32)
+    pieces = [_baselines(piece, gradients, 32) for _, piece in slices]
     for way, expected in enumerate(whole):
         got = put_together(case, [at for at, _ in slices], [piece[way] for piece in pieces])
         assert got.keys() == expected.keys()
         for name in expected:
             assert np.array_equal(got[name], expected[name], equal_nan=True), name
+
+
+@pytest.mark.parametrize("option", ["bias broadcast", "sinks broadcast over the batch"])
+def test_a_case_without_gradients_is_cut_even_where_an_option_broadcasts(option):
+    """No gradient sums over the slices without dout: the case is cut in (batch, kv head)
+    slices, whose forward baselines put together are bitwise the whole case's."""
+    options, batch, _ = SLICED[option]
+    q, k, v, _ = (x[:batch].astype(np.float32) for x in inputs())
+    case = split_case(dict(q=q, k=k, v=v, out=q[..., :6], **options))
+    slices = case_slices(case)
+    assert len(slices) == batch * k.shape[-3]
+    assert_slices_put_together_are_whole(case, slices, gradients=False)

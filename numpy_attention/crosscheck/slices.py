@@ -6,7 +6,8 @@ a case of its own, with q, dout [1, .., G, N_q, d] and k, v [1, .., 1, N_k, d] o
 index and kv head and its options cut to match (an axis an option broadcasts along stays
 whole): its results are the whole case's there, bitwise, and put back together they are the
 whole case's. A bias, sinks or ALiBi slopes broadcast along the batch or the heads have a
-gradient summed over them: such a case stays whole, one slice.
+gradient summed over them: a case with gradients and such an option stays whole, one slice
+(without gradients it is cut like any other).
 
     slices = case_slices(case)                       # [(at, case of the slice)]
     whole = put_together(case, [at for at, _ in slices], [results of each slice])
@@ -30,8 +31,9 @@ def case_slices(case):
     score_shape = q.shape[:-1] + k.shape[-2:-1]
     group = q.shape[-3] // k.shape[-3]
     heads = len(score_shape) - 2                     # the leading axes and H
-    summed = any(spans_slices(case.options[name], len(score_shape) if name in BY_SCORE else heads, score_shape)
-                 for name in SUMMED if case.options.get(name) is not None)
+    summed = "dout" in case.inputs and any(                      # a gradient sums over slices
+        spans_slices(case.options[name], len(score_shape) if name in BY_SCORE else heads, score_shape)
+        for name in SUMMED if case.options.get(name) is not None)
     cut = []
     for at in kv_slices(score_shape, group, whole=summed):
         kv = kv_index(at, group)
