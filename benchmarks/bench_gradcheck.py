@@ -27,6 +27,7 @@ from benchmarks._common import OtherLoad, machine_line, median_time, median_time
 from numpy_attention import MultiHeadAttention, attention_backward, attention_forward, gradcheck  # noqa: E402
 from numpy_attention.examples import mha_functions  # noqa: E402
 from numpy_attention.gradcheck.batching import stack  # noqa: E402
+from numpy_attention.gradcheck.differences import DEFAULTS  # noqa: E402
 
 SHAPE = (1, 2, 16, 8)
 
@@ -36,22 +37,25 @@ def qkv(seed=0):
     return [rng.standard_normal(SHAPE) for _ in range(3)]
 
 
+def causal(q, k, v):
+    """The checked function: causal attention -> (out, cache)."""
+    return attention_forward(q, k, v, causal=True)
+
+
 def ours(batched):
-    forward = lambda q, k, v: attention_forward(q, k, v, causal=True)
-    return lambda: bool(gradcheck(forward, attention_backward, qkv(), batched=batched))
+    return lambda: bool(gradcheck(causal, attention_backward, qkv(), batched=batched))
 
 
 def forwards_alone():
     """The floor of full mode: only the 2 x 768 perturbed forwards that central differences
     need, stacked per input and sign as the vectorized check runs them (one call per chunk)."""
-    forward = lambda q, k, v: attention_forward(q, k, v, causal=True)
-    inputs, h = qkv(), 1e-6                     # gradcheck's default step for float64
+    inputs, h = qkv(), DEFAULTS[("float64", "central")][0]      # gradcheck's default step
 
     def step():
         for i, x in enumerate(inputs):
             directions = np.eye(x.size).reshape((x.size,) + x.shape)      # [768 / 3, *x]
             for sign in (1, -1):
-                forward(*stack(inputs, i, x + sign * h * directions))
+                causal(*stack(inputs, i, x + sign * h * directions))
         return True
     return step
 
