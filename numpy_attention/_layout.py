@@ -30,16 +30,26 @@ def unfold(x, h):
     return x.reshape(*x.shape[:-3], h, x.shape[-3] * x.shape[-2] // h, x.shape[-1])
 
 
-def grouped_matmul(x, y):
+def grouped_matmul(x, y, out=None):
     """x [..., H, N, a] @ y [..., H_kv, a, b] -> [..., H, N, b]: query head h meets kv head h // G.
 
     Grouped-query attention: the G = H / H_kv query heads of a kv head are stacked as the
     rows of one matrix (`fold`), so each kv head is one matrix product and no k or v is
     ever repeated. With H == H_kv (or [N, a] arrays) it is x @ y.
+
+    out: an array of the result's shape to write it into (then returned); the product is
+    written straight into it where out folds without a copy, else copied in.
     """
     if x.ndim < 3:
-        return x @ y
-    return unfold(fold(x, y.shape[-3]) @ y, x.shape[-3])
+        return np.matmul(x, y, out=out)
+    if out is None:
+        return unfold(fold(x, y.shape[-3]) @ y, x.shape[-3])
+    folded = fold(out, y.shape[-3])
+    if np.may_share_memory(folded, out):                 # a view: the product lands in out
+        np.matmul(fold(x, y.shape[-3]), y, out=folded)
+    else:
+        out[...] = unfold(fold(x, y.shape[-3]) @ y, x.shape[-3])
+    return out
 
 
 def grouped_sum_matmul(x, y, h_kv):

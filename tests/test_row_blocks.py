@@ -99,3 +99,19 @@ def test_the_default_blocks_split_a_long_sequence_by_heads_and_rows():
     # 512 rows fit, two heads of 256: two heads a block, unless that would split a group of 4
     for group, heads in ((1, 2), (2, 2), (4, 1)):
         assert {b[-2].stop - b[-2].start for b in blocked.row_blocks((1, 8, 256, 2048), group, 8)} == {heads}
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(0, 5), slice(None, None, 2)])
+def test_grouped_matmul_writes_into_out_or_copies_into_it(rows):
+    """The blocked forward computes each block's scores straight into the weights P
+    (grouped_matmul's out=): the same bits as a fresh product, whether out folds into a view
+    (all rows, or one kv head) or needs the copy (a strided slice of rows under grouped-query)."""
+    from numpy_attention._layout import grouped_matmul
+    x, y = RNG.standard_normal((2, 4, 9, 3)), RNG.standard_normal((2, 2, 3, 7))   # H = 4, H_kv = 2
+    expected = grouped_matmul(x[..., rows, :], y)
+    whole = np.full((2, 4, 9, 7), np.nan)
+    out = whole[..., rows, :]
+    assert grouped_matmul(x[..., rows, :], y, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(whole[..., rows, :], expected)                 # written in place
+    assert np.isnan(np.delete(whole, np.arange(9)[rows], axis=-2)).all()        # and nowhere else

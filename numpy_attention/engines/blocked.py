@@ -63,11 +63,12 @@ def _kv_heads(block, group):
     return block[:-2] + (slice(heads.start // group, -(-heads.stop // group)),)
 
 
-def _block_scores(q3, k3, options, score_shape, block, group):
-    """Steps 1-4 on a block: (S, tanh(S_1 / softcap) or None), S a fresh [..., heads, rows, N_k]."""
+def _block_scores(q3, k3, options, score_shape, block, group, out=None):
+    """Steps 1-4 on a block: (S, tanh(S_1 / softcap) or None), S [..., heads, rows, N_k] fresh,
+    or written into `out`."""
     o = options
     index = block + (slice(None),)                                   # the block's scores
-    s = grouped_matmul(scaled(q3[block], o.scale), np.swapaxes(k3[_kv_heads(block, group)], -1, -2))
+    s = grouped_matmul(scaled(q3[block], o.scale), np.swapaxes(k3[_kv_heads(block, group)], -1, -2), out=out)
     softcap_tanh = None
     if o.softcap is not None:
         softcap_tanh = np.tanh(s / o.softcap)
@@ -94,11 +95,12 @@ def blocked_forward(q, k, v, options):
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
     def forward_block(block):                                        # writes only its own rows
-        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group)   # 1-4.
+        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group,    # 1-4. S in P's place
+                                      out=p[block] if o.sinks is None else None)
         if tanh_block is not None:
             softcap_tanh[block] = tanh_block
-        if o.sinks is None:                                          # 5. P = softmax(S)
-            p_block, lse[block], top[block] = softmax_and_logsumexp(s, out=p[block], overwrite_z=True)
+        if o.sinks is None:                                          # 5. P = softmax(S), in place
+            p_block, lse[block], top[block] = softmax_and_logsumexp(s, out=s, overwrite_z=True)
         else:                                                        #    the sink: one more logit
             p_row, lse[block], top[block] = softmax_and_logsumexp(
                 with_sink(s, o, score_shape, block + (slice(None),)), overwrite_z=True)
