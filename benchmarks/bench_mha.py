@@ -6,17 +6,19 @@
 For each (B, N, d_model, heads) and dtype: the median time of one forward + backward
 (inputs query, key, value distinct; random upstream gradient) in steady state, ours and
 torch's each timed alone in its own process, the processes alternating
-(_common.median_times_apart), its GFLOP/s, the % of
-numpy's own matmul GFLOP/s measured in the same run (the ceiling), the time ratio
-torch / ours (> 1: ours is faster), and the peak RSS of a child process that runs one
-forward + backward. torch runs the seed's class with the same weights and thread count.
+(_common.median_times_apart), its % of numpy's own matmul GFLOP/s measured in the same run,
+the time ratio torch / ours (> 1: ours is faster), and the peak RSS of a child process that
+runs one forward + backward. torch runs the seed's class with the same weights and thread
+count.
 
-"matmuls alone" times the step's 18 matrix products by themselves, as numpy runs them
-(the same shapes, every head in one batched call, outputs allocated once): no softmax,
-no copies, no allocation. About the least any numpy implementation of the step can take
-on this machine, and its % of peak about the most one can reach; "torch/matmuls", torch's
-time over it, is about the largest torch/ours any numpy implementation can show here.
-
+The floor: "matmuls" times the step's 18 matrix products by themselves, as numpy runs them
+(the same shapes, every head in one batched call, outputs allocated once); "softmax" the
+fewest element-wise passes the softmax and its backward need over the scores [B, H, N, N],
+by themselves (forward: max, subtract, exp, sum, divide; backward: rowsum(dP * P),
+subtract, multiply; in place, on the blocked engine's blocks of rows and its threads). No
+copies, no allocation, nothing else: about the least any numpy implementation of the step
+can take on this machine, since numpy runs one ufunc at a time. "floor % peak" is the most
+such an implementation can reach, and "torch/floor" the largest torch/ours it can show here.
 FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.
 """
@@ -32,6 +34,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/
 from benchmarks._common import (OtherLoad, machine_line, matmul_gflops, median_time,  # noqa: E402
                                 median_times_apart, run_child, set_numpy_hugepages, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
+from numpy_attention.engines.blocked import row_blocks  # noqa: E402
+from numpy_attention.engines.parallel import run_tasks  # noqa: E402
+from numpy_attention.options import PARALLEL_SCORES  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
 
@@ -84,6 +89,26 @@ def matmuls_alone(B, N, D, H, dtype):
         np.matmul(dP, k, out=o)                 # dq = dS k
         np.matmul(T(q), dP, out=oT)             # dk^T = q^T dS
     return step
+
+
+def softmax_alone(B, N, D, H, dtype):
+    """The fewest element-wise passes of the step's softmax and its backward, by themselves
+    (see the module docstring): a callable. Blocks and threads as the blocked engine's."""
+    rng = np.random.default_rng(0)
+    shape = (B, H, N, N)
+    s, dp = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    p, ds = np.empty(shape, dtype), np.empty(shape, dtype)
+    blocks = [(block + (slice(None),),) for block in row_blocks(shape, 1, p.itemsize)]
+    workers = len(os.sched_getaffinity(0)) if p.size >= PARALLEL_SCORES else 1   # as workers=None
+
+    def passes(index):
+        s_, p_, dp_, ds_ = s[index], p[index], dp[index], ds[index]
+        np.subtract(s_, s_.max(axis=-1, keepdims=True), out=p_)          # P = exp(S - max) / sum
+        np.exp(p_, out=p_)
+        p_ /= p_.sum(axis=-1, keepdims=True)
+        np.subtract(dp_, np.einsum("...i,...i->...", dp_, p_)[..., None], out=ds_)   # dS = P (dP - rowsum(P dP))
+        ds_ *= p_
+    return lambda: run_tasks(passes, blocks, workers)
 
 
 def ours_step(B, N, D, H, dtype):
@@ -165,18 +190,20 @@ def main():
             contenders = ["ours", "torch"] if have_torch else ["ours"]
             codes = [step_code(which, B, N, D, H, dtype, threads, on) for which in contenders]
             t_ours, t_torch = (median_times_apart(codes, args.rounds) + [None])[:2]
-            t_floor = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
-            gf = flops(B, N, D) / t_ours / 1e9
-            row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", f"{gf:.1f}", f"{100 * gf / peak:.0f}%",
-                   f"{t_floor * 1e3:.2f}", f"{100 * flops(B, N, D) / t_floor / 1e9 / peak:.0f}%"]
+            t_matmuls = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
+            t_softmax = median_time(softmax_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
+            t_floor = t_matmuls + t_softmax
+            percent = lambda t: f"{100 * flops(B, N, D) / t / 1e9 / peak:.0f}%"     # of the matmul peak
+            row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", percent(t_ours), f"{t_matmuls * 1e3:.2f}",
+                   f"{t_softmax * 1e3:.2f}", percent(t_floor)]
             row += ([f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x", f"{t_torch / t_floor:.2f}x"]
                     if have_torch else ["-", "-", "-"])
             if not args.no_memory:
                 row.append(f"{memory('ours', B, N, D, H, dtype, threads, on):.0f}")
                 row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if have_torch else "-")
             rows.append(row)
-        header = ["(B,N,D,H)", "ours ms", "GFLOP/s", "% peak", "matmuls alone ms", "their % peak",
-                  "torch ms", "torch/ours", "torch/matmuls"]
+        header = ["(B,N,D,H)", "ours ms", "% peak", "matmuls ms", "softmax ms", "floor % peak",
+                  "torch ms", "torch/ours", "torch/floor"]
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
     print("\n" + load.line())
