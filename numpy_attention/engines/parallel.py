@@ -9,7 +9,10 @@ would compete with the pool's for the same cores.
 
 threadpoolctl's limit is process-wide: while a pool runs, BLAS is on one thread for every
 thread of the process. One pool at a time sets and restores it (a lock), so overlapping calls
-from several threads restore the caller's setting in order.
+from several threads restore the caller's setting in order. The limit does not stop OpenBLAS's
+own idle threads: after a product on several threads they spin (by default for about 0.1 s)
+before they sleep, and a pool that starts meanwhile shares the cores with them. Only
+OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that (docs/variants.md, Threads).
 
 On a cluster (dask.distributed, the optional extra `dask`) the same slices are tasks: the
 arrays every slice reads (k, v, the options) are sent to each worker once, each slice's own
