@@ -79,8 +79,9 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       seqused_k=None, workers=None, scheduler=None):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
-    q, k, v come back as fresh arrays of the computation's dtype (a cache that keeps them
-    then never shares memory with the caller's arrays); mask, bias and the dropout scale
+    q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
+    them then never shares memory with the caller's arrays, and each head's [N, d] matrix has
+    unit stride for BLAS, whatever the caller's layout: a transposed view, a broadcast stack); mask, bias and the dropout scale
     are read-only copies. implementation None is 'tiled' when block_size is given, else
     'blocked'. Raises ValueError / TypeError naming the argument and the shapes.
     """
@@ -302,7 +303,7 @@ def _read_only(x):
 
 
 def _check_qkv(q, k, v):
-    """q, k, v checked against each other; fresh arrays of one dtype."""
+    """q, k, v checked against each other; fresh row-major arrays of one dtype."""
     q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
     shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -327,7 +328,7 @@ def _check_qkv(q, k, v):
                          f"(grouped-query attention), got q {q.shape}, k {k.shape}; the layout is "
                          f"[..., H, N, d] (torch's and FlashAttention's [B, N, H, d] need a transpose)")
     dtype = result_dtype(q, k, v)
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype)          # astype copies
+    return tuple(x.astype(dtype, order="C") for x in (q, k, v))         # copies, row-major
 
 
 def _require_finite(name, x, allow_neginf=False):

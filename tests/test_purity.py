@@ -177,6 +177,20 @@ def test_cache_shares_no_memory_with_arguments_or_results(args, results):
             assert not np.shares_memory(held, a) or not a.flags.writeable, (held.shape, a.shape)
 
 
+@pytest.mark.parametrize("implementation", ["textbook", "blocked", "tiled"])
+def test_cache_keeps_row_major_copies_of_strided_and_broadcast_inputs(implementation):
+    """q, k, v come into the cache as fresh row-major [..., N, d] copies, whatever the caller's
+    layout: a transposed view (FlashAttention's [B, N, H, d] memory) or a broadcast stack (as
+    gradcheck evaluates perturbations). Each head's matrix then has unit stride for BLAS."""
+    q = np.swapaxes(rng.standard_normal((2, 5, 3, 4)), 1, 2)                 # [B, H, N, d] view
+    k = np.broadcast_to(rng.standard_normal((1, 3, 6, 4)), (2, 3, 6, 4))      # stride 0 over B
+    _, cache = na.attention_forward(q, k, k, implementation=implementation)
+    for held, given in ((cache.q, q), (cache.k, k), (cache.v, k)):
+        assert held.flags.c_contiguous and held.shape == given.shape
+        assert not np.shares_memory(held, given)
+        np.testing.assert_array_equal(held, given)
+
+
 def test_linear_backward_ignores_later_changes_to_x_and_W():
     x, W, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)
     dy = rng.standard_normal((2, 3, 5))
