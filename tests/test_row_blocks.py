@@ -115,3 +115,28 @@ def test_grouped_matmul_writes_into_out_or_copies_into_it(rows):
     np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(whole[..., rows, :], expected)                 # written in place
     assert np.isnan(np.delete(whole, np.arange(9)[rows], axis=-2)).all()        # and nowhere else
+
+
+def test_kept_columns_span_every_kept_score_of_a_block():
+    """A block's scores are computed only on the columns that hold its kept scores; outside
+    them every score of the block is masked (weights 0, gradients 0). The options whose
+    cached stages or policies cover removed scores keep every column."""
+    from numpy_attention.engines.blocked import _kept_columns
+    from numpy_attention.options import attention_options
+    q, k = np.zeros((1, 2, 8, 4)), np.zeros((1, 2, 10, 4))
+
+    def cols(rows, **options):
+        o = attention_options(q, k, k, **options)[-1]
+        return _kept_columns(o, (1, 2, 8, 10), (slice(0, 1), slice(0, 2), rows))
+    assert cols(slice(0, 3), causal=True) == slice(0, 3)                    # top_left: j <= i
+    assert cols(slice(2, 5), causal="bottom_right") == slice(0, 7)          # j <= i + 2
+    assert cols(slice(4, 6), causal=True, window=(1, 0)) == slice(3, 6)     # i - 1 <= j <= i
+    assert cols(slice(0, 8)) == slice(0, 10)                                # nothing masked
+    mask = np.ones((8, 10), bool)
+    mask[:, 7:], mask[2] = False, False
+    assert cols(slice(2, 3), mask=mask) == slice(0, 0)                      # a fully masked row
+    assert cols(slice(0, 8), mask=mask) == slice(0, 7)
+    assert cols(slice(0, 8), mask=mask[:, 6:7]) == slice(0, 10)             # broadcast over columns
+    assert cols(slice(2, 3), mask=mask[:, 6:7]) == slice(0, 0)
+    for whole_rows in ({"sinks": np.zeros(2)}, {"softcap": 5.0}, {"fully_masked": "uniform"}):
+        assert cols(slice(0, 3), causal=True, **whole_rows) == slice(0, 10)

@@ -7,7 +7,14 @@ attn_weights need them), but every other step runs on one block of rows at a tim
 about BLOCK_BYTES of scores, so that each element-wise pass of the softmax and its
 backward works on a block in the processor's cache instead of streaming [N_q, N_k]
 arrays through memory. Softmax is row-wise: the blocks change nothing but the order of
-dk's and dv's sums. The scores S are never stored (cache.scores recomputes them).
+dk's and dv's sums. The scores S are never stored (cache.scores recomputes them). Each
+block's scores are computed straight into its rows of P, and the softmax runs there in place.
+
+Key columns that masking removes from every row of a block (causal masking, the window,
+packed sequences, the mask, a -inf bias: `_kept_columns`) are skipped: their weights are
+set to 0 and nothing else is computed there, forward or backward, which saves about half
+of a long causal attention's work. The sums then run over fewer (exactly zero) terms, so
+results agree with the textbook to rounding, not bit for bit.
 
 A block is an index tuple (one slice per leading axis, heads, rows) into [..., H, N_q]:
 the whole problem when it fits, else one leading index at a time, then groups of heads,
@@ -63,12 +70,29 @@ def _kv_heads(block, group):
     return block[:-2] + (slice(heads.start // group, -(-heads.stop // group)),)
 
 
-def _block_scores(q3, k3, options, score_shape, block, group, out=None):
-    """Steps 1-4 on a block: (S, tanh(S_1 / softcap) or None), S [..., heads, rows, N_k] fresh,
-    or written into `out`."""
+def _kept_columns(options, score_shape, block):
+    """The columns [c0, c1) that hold every kept score of the block's rows, a slice: outside it
+    causal masking, the window, packed sequences, the mask or a -inf bias remove the whole
+    column from all of the block's rows, so its weights are 0 and so are its gradients. All
+    N_k columns where a removed score still counts: sinks and softcap (their cached stages
+    cover every score) and the 'uniform' and 'nan' policies (a fully masked row's weights are
+    not 0)."""
+    o, n_k = options, score_shape[-1]
+    keep = None if o.sinks is not None or o.softcap is not None or o.fully_masked != "zero" else \
+        keep_mask(o, score_shape, block + (slice(None),))
+    if keep is None:
+        return slice(0, n_k)
+    kept = np.flatnonzero(np.broadcast_to(keep, keep.shape[:-1] + (n_k,)).any(axis=tuple(range(keep.ndim - 1))))
+    return slice(int(kept[0]), int(kept[-1]) + 1) if kept.size else slice(0, 0)
+
+
+def _block_scores(q3, k3, options, score_shape, block, group, cols=slice(None), out=None):
+    """Steps 1-4 on a block's columns `cols`: (S, tanh(S_1 / softcap) or None), S
+    [..., heads, rows, cols] fresh, or written into `out`."""
     o = options
-    index = block + (slice(None),)                                   # the block's scores
-    s = grouped_matmul(scaled(q3[block], o.scale), np.swapaxes(k3[_kv_heads(block, group)], -1, -2), out=out)
+    index = block + (cols,)                                          # the block's scores
+    k_cols = k3[_kv_heads(block, group)][..., cols, :]
+    s = grouped_matmul(scaled(q3[block], o.scale), np.swapaxes(k_cols, -1, -2), out=out)
     softcap_tanh = None
     if o.softcap is not None:
         softcap_tanh = np.tanh(s / o.softcap)
@@ -95,24 +119,30 @@ def blocked_forward(q, k, v, options):
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
     def forward_block(block):                                        # writes only its own rows
-        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group,    # 1-4. S in P's place
-                                      out=p[block] if o.sinks is None else None)
+        cols = _kept_columns(o, score_shape, block)                  # outside: masked in every row,
+        p_block, index = p[block], block + (cols,)
+        p_block[..., :cols.start] = 0                                # weight 0
+        p_block[..., cols.stop:] = 0
+        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group, cols,   # 1-4. S in P's place
+                                      out=p_block[..., cols] if o.sinks is None else None)
         if tanh_block is not None:
             softcap_tanh[block] = tanh_block
         if o.sinks is None:                                          # 5. P = softmax(S), in place
-            p_block, lse[block], top[block] = softmax_and_logsumexp(s, out=s, overwrite_z=True)
+            _, lse[block], top_cols = softmax_and_logsumexp(s, out=s, overwrite_z=True)
+            dead = np.isneginf(lse[block].real)[..., None]
+            top[block] = np.where(dead, 0, top_cols + cols.start)    # a fully masked row: 0, as one block
         else:                                                        #    the sink: one more logit
-            p_row, lse[block], top[block] = softmax_and_logsumexp(
-                with_sink(s, o, score_shape, block + (slice(None),)), overwrite_z=True)
-            p_block = p[block]
+            p_row, lse[block], top[block] = softmax_and_logsumexp(with_sink(s, o, score_shape, index),
+                                                                  overwrite_z=True)
             p_block[...] = p_row[..., :-1]
         if o.fully_masked != "zero":
             dead = np.isneginf(lse[block].real)[..., None]
             np.copyto(p_block, 1.0 / score_shape[-1] if o.fully_masked == "uniform" else np.nan,
                       where=dead)
+        p_drop = p_block[..., cols]
         if o.dropout_scale is not None:                              # 6. dropout
-            p_block = p_block * np.broadcast_to(o.dropout_scale, score_shape)[block]
-        out[block] = grouped_matmul(p_block, v3[_kv_heads(block, group)])   # 7. out = P~ v
+            p_drop = p_drop * np.broadcast_to(o.dropout_scale, score_shape)[index]
+        out[block] = grouped_matmul(p_drop, v3[_kv_heads(block, group)][..., cols, :])   # 7. out = P~ v
     run_tasks(forward_block, [(block,) for block in row_blocks(score_shape, group, p.itemsize)], o.workers)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
@@ -142,20 +172,23 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
     dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
     def backward_block(block):                                       # dk, dv: its kv heads' sums
-        kv, index = _kv_heads(block, group), block + (slice(None),)  # the block's k, v and scores
-        n_kv = kv[-1].stop - kv[-1].start
+        kv = _kv_heads(block, group)                                 # the block's k and v
+        cols = slice(0, score_shape[-1]) if dP is not None else _kept_columns(o, score_shape, block)
+        index, n_kv = block + (cols,), kv[-1].stop - kv[-1].start    # its scores; outside: dS = 0
+        k_cols, v_cols, p_cols = k3[kv][..., cols, :], v3[kv][..., cols, :], p[block][..., cols]
         # 7. out = P~ v:  dv^T = dout^T P~ (summed over the group),  dP~ = dout v^T
-        p_drop = p[block] if dropout_scale is None else p[block] * dropout_scale[block]
-        dvT[kv] += grouped_sum_matmul(dout3[block], p_drop, n_kv)
-        dp = grouped_matmul(dout3[block], np.swapaxes(v3[kv], -1, -2))
+        p_drop = p_cols if dropout_scale is None else p_cols * dropout_scale[index]
+        dvT[kv][..., cols] += grouped_sum_matmul(dout3[block], p_drop, n_kv)
+        dp = grouped_matmul(dout3[block], np.swapaxes(v_cols, -1, -2))
         if dropout_scale is not None:                                # 6. dP = dP~ * mask / (1 - p)
-            dp *= dropout_scale[block]
+            dp *= dropout_scale[index]
         if dP is not None:
             dP[block] = dp
         # 5. dS = P * (dP - rowsum(P * dP)) on the softmax's whole row (with sinks, one more column)
-        scores = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group)[0], o, score_shape, index)
-        ds = _row_backward(method, dp, p[block], top[block], D[block], lse[block],
-                           None if dlse is None else dlse3[block], o, score_shape, index, scores)
+        scores = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group, cols)[0], o,
+                                   score_shape, index)
+        ds = _row_backward(method, dp, p_cols, _top_in(top[block], cols, score_shape[-1]), D[block],
+                           lse[block], None if dlse is None else dlse3[block], o, score_shape, index, scores)
         if o.sinks is not None:                                      #    the sink's column: dsinks
             per_head["sinks"][block[:-1]] += ds[..., -1].sum(axis=-1)
             ds = np.ascontiguousarray(ds[..., :-1])
@@ -163,13 +196,14 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         if keep is not None:
             np.copyto(ds, 0, where=~keep)
         if dS is not None:                                           # 3. dbias (after the loop)
-            dS[block] = ds
+            dS_block = dS[block]
+            dS_block[..., :cols.start], dS_block[..., cols], dS_block[..., cols.stop:] = 0, ds, 0
         if o.alibi_slopes is not None:                               #    dalibi = -sum dS * distance
             per_head["alibi_slopes"][block[:-1]] -= np.sum(ds * alibi_distance(o, score_shape, index), axis=(-2, -1))
         if softcap_tanh is not None:                                 # 2. dS *= 1 - tanh^2
             ds *= 1 - softcap_tanh[block] ** 2
-        dq[block] = grouped_matmul(ds, k3[kv])                       # 1. dq = scale dS k
-        dkT[kv] += grouped_sum_matmul(q3[block], ds, n_kv)           #    dk^T = scale q^T dS
+        dq[block] = grouped_matmul(ds, k_cols)                       # 1. dq = scale dS k
+        dkT[kv][..., cols] += grouped_sum_matmul(q3[block], ds, n_kv)   #    dk^T = scale q^T dS
 
     run_tasks(_in_order, [(backward_block, blocks) for blocks in _by_kv_heads(       # a kv head's
         row_blocks(score_shape, group, p.itemsize), group)], o.workers)             # blocks, in order
@@ -183,6 +217,14 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     head_grads = {f"d{name}": head_gradient(g, getattr(o, name)) for name, g in per_head.items()}
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=contiguous(dkT, cache.k),
                           dv=contiguous(dvT, cache.v), dbias=dbias, stages=stages, **head_grads)
+
+
+def _top_in(top, cols, n_k):
+    """Each row's top index (the forward's, of the whole row) within the columns `cols`; a fully
+    masked row's 0 becomes the first column (its weights and gradients are 0 anyway)."""
+    if cols.start == 0 and cols.stop == n_k:
+        return top
+    return np.clip(top - cols.start, 0, max(cols.stop - cols.start - 1, 0))
 
 
 def _in_order(step, blocks):
