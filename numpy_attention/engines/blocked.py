@@ -7,7 +7,7 @@ attn_weights need them), but every other step runs on one block of rows at a tim
 about BLOCK_BYTES of scores, so that each element-wise pass of the softmax and its
 backward works on a block in the processor's cache instead of streaming [N_q, N_k]
 arrays through memory. Softmax is row-wise: the blocks change nothing but the order of
-dk's and dv's sums. The scores S are never stored (cache.scores recomputes them). Each
+dk's and dv's sums (and the columns skipped, below). The scores S are never stored (cache.scores recomputes them). Each
 block's scores are computed straight into its rows of P, and the softmax runs there in place.
 
 Key columns that masking removes from every row of a block (causal masking, the window,
