@@ -19,6 +19,7 @@ subtract, multiply; in place, on the blocked engine's blocks of rows and its thr
 copies, no allocation, nothing else: about the least any numpy implementation of the step
 can take on this machine, since numpy runs one ufunc at a time. "floor % peak" is the most
 such an implementation can reach, and "torch/floor" the largest torch/ours it can show here.
+
 --openblas-thread-timeout T adds a third contender in the same alternation: ours in processes
 started with OPENBLAS_THREAD_TIMEOUT=T. OpenBLAS reads it at load: after a product on several
 threads its idle threads spin for 2^T clock cycles (default 2^28, about 0.1 s) before they
