@@ -81,8 +81,8 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
 
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
     them then never shares memory with the caller's arrays, and each head's [N, d] matrix has
-    unit stride for BLAS, whatever the caller's layout: a transposed view, a broadcast stack); mask, bias and the dropout scale
-    are read-only copies. implementation None is 'tiled' when block_size is given, else
+    unit stride for BLAS whatever the caller's layout: a transposed view, a broadcast stack);
+    mask, bias and the dropout scale are read-only copies. implementation None is 'tiled' when block_size is given, else
     'blocked'. Raises ValueError / TypeError naming the argument and the shapes.
     """
     q, k, v = _check_qkv(q, k, v)

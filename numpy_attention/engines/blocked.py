@@ -7,8 +7,9 @@ attn_weights need them), but every other step runs on one block of rows at a tim
 about BLOCK_BYTES of scores, so that each element-wise pass of the softmax and its
 backward works on a block in the processor's cache instead of streaming [N_q, N_k]
 arrays through memory. Softmax is row-wise: the blocks change nothing but the order of
-dk's and dv's sums (and the columns skipped, below). The scores S are never stored (cache.scores recomputes them). Each
-block's scores are computed straight into its rows of P, and the softmax runs there in place.
+dk's and dv's sums (and the columns skipped, below). The scores S are never stored
+(cache.scores recomputes them): each block's scores are computed straight into its rows of
+P, and the softmax runs there in place.
 
 Key columns that masking removes from every row of a block (causal masking, the window,
 packed sequences, the mask, a -inf bias: `_kept_columns`) are skipped: their weights are
@@ -78,11 +79,13 @@ def _kept_columns(options, score_shape, block):
     cover every score) and the 'uniform' and 'nan' policies (a fully masked row's weights are
     not 0)."""
     o, n_k = options, score_shape[-1]
-    keep = None if o.sinks is not None or o.softcap is not None or o.fully_masked != "zero" else \
-        keep_mask(o, score_shape, block + (slice(None),))
+    if o.sinks is not None or o.softcap is not None or o.fully_masked != "zero":
+        return slice(0, n_k)
+    keep = keep_mask(o, score_shape, block + (slice(None),))        # broadcastable to the block
     if keep is None:
         return slice(0, n_k)
-    kept = np.flatnonzero(np.broadcast_to(keep, keep.shape[:-1] + (n_k,)).any(axis=tuple(range(keep.ndim - 1))))
+    keep = np.broadcast_to(keep, keep.shape[:-1] + (n_k,))
+    kept = np.flatnonzero(keep.any(axis=tuple(range(keep.ndim - 1))))   # columns kept in any row
     return slice(int(kept[0]), int(kept[-1]) + 1) if kept.size else slice(0, 0)
 
 
@@ -119,9 +122,9 @@ def blocked_forward(q, k, v, options):
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
     def forward_block(block):                                        # writes only its own rows
-        cols = _kept_columns(o, score_shape, block)                  # outside: masked in every row,
-        p_block, index = p[block], block + (cols,)
-        p_block[..., :cols.start] = 0                                # weight 0
+        cols = _kept_columns(o, score_shape, block)                  # the columns computed; the
+        p_block, index = p[block], block + (cols,)                   # rest, masked in every row,
+        p_block[..., :cols.start] = 0                                # weigh 0
         p_block[..., cols.stop:] = 0
         s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group, cols,   # 1-4. S in P's place
                                       out=p_block[..., cols] if o.sinks is None else None)
