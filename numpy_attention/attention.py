@@ -228,7 +228,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             of rows; the tiled backward's batch index and kv head) run on a thread pool with
             BLAS held to one thread (engines/parallel.py); the results are bitwise the same
             for any number. None (default): every core this process may use when the scores
-            have at least options.PARALLEL_SCORES = 2^24 entries, else 1. The backward (and
+            have at least options.PARALLEL_SCORES = 2^24 entries (with packed sequences,
+            counting each sequence's own scores only), else 1. The backward (and
             attention_jvp) uses the forward's.
         scheduler: the tiled engine's slices on a Dask cluster instead (the optional extra
             `dask`): a dask.distributed Client, or a scheduler's address such as

@@ -133,8 +133,17 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
         seqused_k=_read_only(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size,
-        workers=_workers(workers, implementation, math.prod(q.shape[:-1]) * k.shape[-2]),
+        workers=_workers(workers, implementation, _score_count(q, k, packed)),
         scheduler=check_scheduler(scheduler, implementation))
+
+
+def _score_count(q, k, packed):
+    """The scores the engines compute: [..., H, N_q, N_k]; with packed sequences only each
+    sequence's own block, H * sum_b n_q[b] * n_k[b] (the blocked and tiled engines skip the
+    scores between two sequences)."""
+    if packed[0] is None:
+        return math.prod(q.shape[:-1]) * k.shape[-2]
+    return math.prod(q.shape[:-2]) * int(np.dot(np.diff(packed[0]), np.diff(packed[1])))
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -263,8 +272,8 @@ def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(N
 def _workers(workers, implementation, scores):
     """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
     None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
-    engines when the scores have at least PARALLEL_SCORES entries, where threads gain (below
-    it a pool costs more than it saves); else 1."""
+    engines when they compute at least PARALLEL_SCORES scores (_score_count), where threads
+    gain (below it a pool costs more than it saves); else 1."""
     if workers is None:
         if implementation == "textbook" or scores < PARALLEL_SCORES:
             return 1

@@ -219,6 +219,11 @@ def test_workers_default_to_every_core_from_2_to_the_24_scores():
     assert na.attention_options(large, large, large, block_size=64)[3].workers == cores
     assert na.attention_options(large, large, large, implementation="textbook")[3].workers == 1
     assert na.attention_options(large, large, large, workers=1)[3].workers == 1
+    packed = np.zeros((2, 8192, 1))                        # 2 * 8192^2 = 2^27 scores in the array,
+    cu = np.arange(0, 8193, 1024)                          # but 2 * 8 * 1024^2 = 2^24 in its 8 sequences
+    assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == cores
+    cu = np.arange(0, 8193, 512)                           # 2 * 16 * 512^2 = 2^23
+    assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == 1
 
 
 def test_a_bias_without_batch_axis_splits_a_batch_of_one_by_kv_head():
