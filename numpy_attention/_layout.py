@@ -116,11 +116,13 @@ def kv_slices(score_shape, group, whole=False):
 
 
 def kv_index(at, group):
-    """The index prefix into k, v [..., H_kv, N_k, d] of a prefix `at` into the scores (kv_slices)."""
+    """The index prefix into k, v [..., H_kv, N_k, d] of a prefix `at` into the scores [..., H]
+    (kv_slices, or a block's leading slices and heads): the kv heads of its query heads (a
+    single head of a group: its group's kv head)."""
     if at == (Ellipsis,):
         return at
     heads = at[-1]
-    return at[:-1] + (slice(heads.start // group, heads.stop // group),)
+    return at[:-1] + (slice(heads.start // group, -(-heads.stop // group)),)
 
 
 def spans_slices(x, ndim, score_shape):

@@ -82,8 +82,9 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
     them then never shares memory with the caller's arrays, and each head's [N, d] matrix has
     unit stride for BLAS whatever the caller's layout: a transposed view, a broadcast stack);
-    mask, bias and the dropout scale are read-only copies. implementation None is 'tiled' when block_size is given, else
-    'blocked'. Raises ValueError / TypeError naming the argument and the shapes.
+    mask, bias and the dropout scale are read-only copies. implementation None is 'tiled' when
+    block_size is given, else 'blocked'. Raises ValueError / TypeError naming the argument and
+    the shapes.
     """
     q, k, v = _check_qkv(q, k, v)
     causal, align = resolve_alignment(causal, align)
@@ -138,9 +139,9 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
 
 
 def _score_count(q, k, packed):
-    """The scores the engines compute: [..., H, N_q, N_k]; with packed sequences only each
-    sequence's own block, H * sum_b n_q[b] * n_k[b] (the blocked and tiled engines skip the
-    scores between two sequences)."""
+    """The scores the engines work on: [..., H, N_q, N_k]; with packed sequences each sequence's
+    own block, H * sum_b n_q[b] * n_k[b] (the tiled engine skips the tiles between two
+    sequences, the blocked engine the columns outside a block's sequences)."""
     if packed[0] is None:
         return math.prod(q.shape[:-1]) * k.shape[-2]
     return math.prod(q.shape[:-2]) * int(np.dot(np.diff(packed[0]), np.diff(packed[1])))

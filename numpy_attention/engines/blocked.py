@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from .._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
+from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, unbroadcast, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
 from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink, with_sink_weight
 from .parallel import run_tasks
@@ -65,12 +65,6 @@ def row_blocks(score_shape, group, itemsize):
             for index in np.ndindex(*lead) for h0 in range(0, h, heads) for r0 in range(0, n_q, rows)]
 
 
-def _kv_heads(block, group):
-    """The block's index into k and v: its leading indices and the kv heads of its query heads."""
-    heads = block[-2]
-    return block[:-2] + (slice(heads.start // group, -(-heads.stop // group)),)
-
-
 def _kept_columns(options, score_shape, block):
     """The columns [c0, c1) that hold every kept score of the block's rows, a slice: outside it
     causal masking, the window, packed sequences, the mask or a -inf bias remove the whole
@@ -94,7 +88,7 @@ def _block_scores(q3, k3, options, score_shape, block, group, cols=slice(None), 
     [..., heads, rows, cols] fresh, or written into `out`."""
     o = options
     index = block + (cols,)                                          # the block's scores
-    k_cols = k3[_kv_heads(block, group)][..., cols, :]
+    k_cols = k3[kv_index(block[:-1], group)][..., cols, :]
     s = grouped_matmul(scaled(q3[block], o.scale), np.swapaxes(k_cols, -1, -2), out=out)
     softcap_tanh = None
     if o.softcap is not None:
@@ -132,20 +126,19 @@ def blocked_forward(q, k, v, options):
             softcap_tanh[block] = tanh_block
         if o.sinks is None:                                          # 5. P = softmax(S), in place
             _, lse[block], top_cols = softmax_and_logsumexp(s, out=s, overwrite_z=True)
-            dead = np.isneginf(lse[block].real)[..., None]
-            top[block] = np.where(dead, 0, top_cols + cols.start)    # a fully masked row: 0, as one block
         else:                                                        #    the sink: one more logit
-            p_row, lse[block], top[block] = softmax_and_logsumexp(with_sink(s, o, score_shape, index),
-                                                                  overwrite_z=True)
+            p_row, lse[block], top_cols = softmax_and_logsumexp(with_sink(s, o, score_shape, index),
+                                                                overwrite_z=True)
             p_block[...] = p_row[..., :-1]
+        dead = np.isneginf(lse[block].real)[..., None]               # fully masked rows
+        top[block] = np.where(dead, 0, top_cols + cols.start)        # in the whole row; dead: 0, as one block
         if o.fully_masked != "zero":
-            dead = np.isneginf(lse[block].real)[..., None]
             np.copyto(p_block, 1.0 / score_shape[-1] if o.fully_masked == "uniform" else np.nan,
                       where=dead)
         p_drop = p_block[..., cols]
         if o.dropout_scale is not None:                              # 6. dropout
             p_drop = p_drop * np.broadcast_to(o.dropout_scale, score_shape)[index]
-        out[block] = grouped_matmul(p_drop, v3[_kv_heads(block, group)][..., cols, :])   # 7. out = P~ v
+        out[block] = grouped_matmul(p_drop, v3[kv_index(block[:-1], group)][..., cols, :])   # 7. out = P~ v
     run_tasks(forward_block, [(block,) for block in row_blocks(score_shape, group, p.itemsize)], o.workers)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
@@ -175,7 +168,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
     dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
     def backward_block(block):                                       # dk, dv: its kv heads' sums
-        kv = _kv_heads(block, group)                                 # the block's k and v
+        kv = kv_index(block[:-1], group)                             # the block's k and v
         cols = slice(0, score_shape[-1]) if dP is not None else _kept_columns(o, score_shape, block)
         index, n_kv = block + (cols,), kv[-1].stop - kv[-1].start    # its scores; outside: dS = 0
         k_cols, v_cols, p_cols = k3[kv][..., cols, :], v3[kv][..., cols, :], p[block][..., cols]
@@ -240,7 +233,7 @@ def _by_kv_heads(blocks, group):
     """The blocks grouped by the kv heads they accumulate dk, dv into, each group in order."""
     groups = {}
     for block in blocks:
-        key = tuple((s.start, s.stop) for s in _kv_heads(block, group))
+        key = tuple((s.start, s.stop) for s in kv_index(block[:-1], group))
         groups.setdefault(key, []).append(block)
     return list(groups.values())
 
