@@ -10,10 +10,12 @@ d_model=512, which stays cheap at any size. Prints the median time, the verdict 
 ratio torch / ours (> 1: ours is faster). Each check is timed alone in its own process,
 the processes alternating (_common.median_times_apart, as in bench_mha.py).
 
-The "floor" row times only the forwards that central differences need (two per entry of q,
-k and v), stacked as the vectorized check evaluates them, without the backward, the
-differences or the report: no full-mode check built on this forward can be faster, so
-torch / floor is the most it can gain over torch.
+The "floor" row times only the evaluations no full-mode check can skip: the forwards that
+central differences need (two per entry of q, k and v), stacked as the vectorized check
+evaluates them, and the analytic side's one backward of the 256 unit upstream gradients
+stacked, with the forward that makes its cache (on the inputs repeated 256 times: the
+backward needs a cache of the stacked shape). Without the probes, the differences or the
+report: torch / floor is the most a check built on these functions can gain over torch.
 """
 import argparse
 import importlib.util
@@ -26,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import OtherLoad, machine_line, median_time, median_times_apart, run_child, table  # noqa: E402
 from numpy_attention import MultiHeadAttention, attention_backward, attention_forward, gradcheck  # noqa: E402
 from numpy_attention.examples import mha_functions  # noqa: E402
-from numpy_attention.gradcheck.batching import stack  # noqa: E402
+from numpy_attention.gradcheck.batching import vectorized_gradients, vectorized_outputs  # noqa: E402
 from numpy_attention.gradcheck.differences import DEFAULTS  # noqa: E402
 
 SHAPE = (1, 2, 16, 8)
@@ -46,16 +48,22 @@ def ours(batched):
     return lambda: bool(gradcheck(causal, attention_backward, qkv(), batched=batched))
 
 
-def forwards_alone():
-    """The floor of full mode: only the 2 x 768 perturbed forwards that central differences
-    need, stacked per input and sign as the vectorized check runs them (one call per chunk)."""
+def floor():
+    """The floor of full mode: the 2 x 768 perturbed forwards that central differences need,
+    stacked per input and sign as the vectorized check runs them (one call per chunk), and
+    one stacked forward and backward of the 256 unit upstream gradients (the analytic side)."""
     inputs, h = qkv(), DEFAULTS[("float64", "central")][0]      # gradcheck's default step
+    out = causal(*inputs)[0]
+    upstream = np.eye(out.size).reshape((out.size,) + out.shape)       # [256, *out]
+    forwards = vectorized_outputs(causal, inputs)
+    analytic = vectorized_gradients(causal, attention_backward, inputs, [0, 1, 2], ["q", "k", "v"])
 
     def step():
         for i, x in enumerate(inputs):
             directions = np.eye(x.size).reshape((x.size,) + x.shape)      # [768 / 3, *x]
             for sign in (1, -1):
-                causal(*stack(inputs, i, x + sign * h * directions))
+                forwards({i: x + sign * h * directions})
+        analytic(upstream)
         return True
     return step
 
@@ -90,10 +98,10 @@ def main():
     print(machine_line() + "\neach timed process first frees a 16 MiB array (_common.SETTLE_ALLOCATOR)")
     runs = {"ours, full, one at a time (batched=False)": "ours(False)",
             "ours, full, vectorized (default)": "ours(None)",
-            "floor: the 2 x 768 perturbed forwards alone": "forwards_alone()"}
+            "floor: 2 x 768 forwards, 1 analytic pass": "floor()"}
     if have_torch:
         runs["torch.autograd.gradcheck on SDPA"] = "theirs()"
-    codes = [f"from benchmarks.bench_gradcheck import forwards_alone, ours, theirs\nstep = {call}\n"
+    codes = [f"from benchmarks.bench_gradcheck import floor, ours, theirs\nstep = {call}\n"
              for call in runs.values()]
     times = median_times_apart(codes, args.rounds)
     verdicts = ["-" if name.startswith("floor") else verdict(code) for name, code in zip(runs, codes)]

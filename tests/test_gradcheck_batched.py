@@ -234,3 +234,52 @@ def test_a_real_error_of_the_function_itself_propagates_as_it_is():
     for batched in (None, True, False):
         with pytest.raises(AttributeError, match="nonexistent_field"):
             na.gradcheck(na.softmax_forward, broken_backward, [z], batched=batched)
+
+
+def test_one_probe_serves_every_input_of_a_forward_that_broadcasts():
+    """The forward's probe stacks every checked input at once: checking q, k and v costs the
+    forwards of checking q alone plus two per extra input (central differences), no more probes."""
+    forward, backward, inputs, names = attention_case(np.random.default_rng(12), causal=True)
+    calls = []
+
+    def counting_forward(*args):
+        calls.append(np.shape(args[0]))
+        return forward(*args)
+    per_wrt = {}
+    for wrt in ([0], [0, 1, 2]):
+        calls.clear()
+        report = na.gradcheck(counting_forward, backward, inputs, wrt=wrt)
+        assert report and report.batching == "vectorized"
+        per_wrt[len(wrt)] = len(calls)
+    assert per_wrt[3] - per_wrt[1] == 2 * 2
+
+
+def first_weight_forward(x, W):
+    """x [..., N, 4] @ W [4, 2], a stack of W read at its first entry only: right while W is
+    repeated along the stack (stacks of x), wrong when W's entries differ (stacks of W)."""
+    return x @ W.reshape((-1,) + W.shape[-2:])[0], (x, W)
+
+
+def first_weight_backward(dout, cache):
+    x, W = cache
+    W = W.reshape((-1,) + W.shape[-2:])[0]
+    return [dout @ W.T, np.swapaxes(x, -1, -2) @ dout]
+
+
+def test_an_input_the_forward_cannot_stack_leaves_the_others_vectorized():
+    """The joint probe fails, each input is probed alone: x stays vectorized, W is looped and named."""
+    rng = np.random.default_rng(13)
+    x, W = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+    calls = []
+
+    def forward(x, W):
+        calls.append((np.ndim(x), np.ndim(W)))
+        return first_weight_forward(x, W)
+    report = na.gradcheck(forward, first_weight_backward, [x, W], names=["x", "W"])
+    assert report and report.batching == ("looped: different numbers on inputs stacked along a new "
+                                          "leading axis than one at a time (the forward over W)")
+    assert calls.count((3, 3)) >= 2                          # x's two stacked forwards (central)
+    rows_equal(report, na.gradcheck(first_weight_forward, first_weight_backward, [x, W], names=["x", "W"],
+                                    batched=False))
+    with pytest.raises(ValueError, match=r"batched=True, but .* different numbers .*\(the forward over W\)"):
+        na.gradcheck(forward, first_weight_backward, [x, W], names=["x", "W"], batched=True)

@@ -2,12 +2,13 @@
 
 Full mode evaluates two kinds of stacks (C entries stacked along a new leading axis):
 
-    outputs_of(xs [C, *x_i]) -> [C, out.size]                 forward, input i perturbed
+    outputs_of({i: xs_i [C, *x_i]}) -> [C, out.size]           forward, the inputs i perturbed
     gradients_of(us [C, *out]) -> [[C, x_i.size] for i in wrt] backward of C upstream gradients
 
 each either "looped" (one entry at a time: works for any function) or "vectorized" (one
 call on inputs stacked along a new leading axis, every other array input repeated: needs a
-forward and a backward that broadcast over that axis). `choose` picks the vectorized one
+forward and a backward that broadcast over that axis). A numeric Jacobian perturbs one input
+at a time (`over`); a probe may perturb several at once. `choose` picks the vectorized one
 when a two-entry probe gives the looped numbers to sqrt(eps_mach); `evaluate_chunk` falls
 back to looped when a real chunk trips a vectorized function the probe did not (a stack of 2
 may align with an axis of size 2 by chance). Each Evaluator carries why it is looped, and
@@ -20,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from .calls import gradients, replaced
+from .calls import gradients
 
 CHUNK_ENTRIES = 2 ** 20                 # entries per stacked tensor in one evaluation (default)
 
@@ -38,21 +39,34 @@ class Evaluator(NamedTuple):
     looped_because: Optional[str]       # None: vectorized
 
 
-def stack(inputs, i, xs):
-    """The inputs with a leading axis of len(xs): input i is the stack xs (i None: no input
-    is), every other array input is repeated (a read-only view, no copy); non-arrays pass."""
-    return [xs if j == i else np.broadcast_to(x, (len(xs),) + x.shape) if isinstance(x, np.ndarray) else x
+def stack(inputs, stacks, n):
+    """The inputs with a leading axis of n: input i is stacks[i] [n, *x_i] for each i in the
+    mapping `stacks`, every other array input is repeated (a read-only view, no copy);
+    non-arrays pass."""
+    return [stacks[j] if j in stacks else np.broadcast_to(x, (n,) + x.shape) if isinstance(x, np.ndarray) else x
             for j, x in enumerate(inputs)]
 
 
-def looped_outputs(forward, inputs, i):
-    """xs [C, *x_i] -> [C, out.size], one forward per entry."""
-    return lambda xs: np.stack([np.ravel(forward(*replaced(inputs, i, x))[0]) for x in xs])
+def looped_outputs(forward, inputs):
+    """{i: xs_i [C, *x_i]} -> [C, out.size], one forward per entry (input i its entry of xs_i)."""
+    def outputs_of(stacks):
+        n = len(next(iter(stacks.values())))
+        return np.stack([np.ravel(forward(*[stacks[j][c] if j in stacks else x for j, x in enumerate(inputs)])[0])
+                         for c in range(n)])
+    return outputs_of
 
 
-def vectorized_outputs(forward, inputs, i):
-    """xs [C, *x_i] -> [C, out.size], one forward on the stacked inputs."""
-    return lambda xs: np.asarray(forward(*stack(inputs, i, xs))[0]).reshape(len(xs), -1)
+def vectorized_outputs(forward, inputs):
+    """{i: xs_i [C, *x_i]} -> [C, out.size], one forward on the stacked inputs."""
+    def outputs_of(stacks):
+        n = len(next(iter(stacks.values())))
+        return np.asarray(forward(*stack(inputs, stacks, n))[0]).reshape(n, -1)
+    return outputs_of
+
+
+def over(outputs_of, i):
+    """xs [C, *x_i] -> outputs_of({i: xs}): the outputs of a stack of input i alone."""
+    return lambda xs: outputs_of({i: xs})
 
 
 def looped_gradients(backward, cache, inputs, wrt, names):
@@ -67,7 +81,7 @@ def vectorized_gradients(forward, backward, inputs, wrt, names):
     """us [C, *out] -> [[C, x_i.size] for i in wrt], one forward and one backward on the stack
     (every input repeated len(us) times, so the cache matches the stacked upstream gradients)."""
     def gradients_of(us):
-        stacked = stack(inputs, None, us)
+        stacked = stack(inputs, {}, len(us))
         _, cache = forward(*stacked)
         return [grad.reshape(len(us), -1) for grad in gradients(backward, us, cache, stacked, wrt, names)]
     return gradients_of

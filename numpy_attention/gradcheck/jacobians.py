@@ -18,8 +18,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .batching import (chunks, choose, evaluate_chunk, looped_gradients, looped_outputs, summary,
-                       vectorized_gradients, vectorized_outputs)
+from .batching import (Evaluator, chunks, choose, evaluate_chunk, looped_gradients, looped_outputs, over,
+                       summary, vectorized_gradients, vectorized_outputs)
 from .calls import forward_output, gradient, replaced
 from .differences import directional_derivative
 
@@ -40,13 +40,37 @@ def _unit_vectors(indices, n, dtype):
     return units
 
 
-def numeric_jacobian(forward, inputs, i, name, out_size, method, h, batched, chunk_size, rng):
-    """(J [out.size, x.size] by finite differences, column by column; its Evaluator)."""
+def _probe(x, rng):
+    """[2, *x]: two random entries near x, which `choose` evaluates both ways."""
+    return x + rng.standard_normal((2,) + x.shape).astype(x.dtype) * 1e-3
+
+
+def forward_evaluators(forward, inputs, wrt, names, batched, rng):
+    """{i: the Evaluator of the forward over input i, perturbed alone} (batching.choose).
+
+    Several checked inputs are probed first all at once, each stacked with its own two random
+    entries. A forward that gives the one-at-a-time numbers there also does so with one input
+    stacked and the others repeated (a stack whose entries are equal), so that one probe
+    stands for all. If it does not (it raises, or its numbers differ), each input is probed
+    alone: one that does not broadcast leaves the others vectorized, and is named.
+    """
+    looped, vectorized = looped_outputs(forward, inputs), vectorized_outputs(forward, inputs)
+    what = {i: f"forward over {names[i]}" for i in wrt}
+    if len(wrt) > 1 and batched is not False:
+        dtype = np.result_type(*(np.asarray(inputs[i]).real.dtype for i in wrt))
+        joint = choose(vectorized, looped, {i: _probe(np.asarray(inputs[i]), rng) for i in wrt}, None,
+                       dtype, "forward")
+        if joint.looped_because is None:
+            return {i: Evaluator(over(vectorized, i), what[i], None) for i in wrt}
+    return {i: choose(over(vectorized, i), over(looped, i), _probe(np.asarray(inputs[i]), rng), batched,
+                      np.asarray(inputs[i]).real.dtype, what[i]) for i in wrt}
+
+
+def numeric_jacobian(forward, inputs, i, evaluator, out_size, method, h, batched, chunk_size):
+    """(J [out.size, x.size] by finite differences, column by column; its Evaluator, which starts
+    as `evaluator` (forward_evaluators) and turns looped if a chunk trips it)."""
     x = np.asarray(inputs[i])
-    looped = looped_outputs(forward, inputs, i)
-    probe = x + rng.standard_normal((2,) + x.shape).astype(x.dtype) * 1e-3
-    evaluator = choose(vectorized_outputs(forward, inputs, i), looped, probe, batched, x.real.dtype,
-                       f"forward over {name}")
+    looped = over(looped_outputs(forward, inputs), i)
     jacobian = np.empty((out_size, x.size))
     for columns in chunks(x.size, inputs, out_size, chunk_size):
         directions = _unit_vectors(columns, x.size, x.real.dtype).reshape((-1,) + x.shape)  # [C, *x]
@@ -87,9 +111,9 @@ def full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, ch
     """
     out, cache = forward_output(forward, inputs)
     numeric, evaluators = {}, []
-    for i in wrt:
-        numeric[i], evaluator = numeric_jacobian(forward, inputs, i, names[i], out.size, method, h,
-                                                  batched, chunk_size, rng)
+    for i, evaluator in forward_evaluators(forward, inputs, wrt, names, batched, rng).items():
+        numeric[i], evaluator = numeric_jacobian(forward, inputs, i, evaluator, out.size, method, h,
+                                                  batched, chunk_size)
         evaluators.append(evaluator)
     analytic, evaluator = _analytic_jacobians(forward, backward, inputs, wrt, names, out, cache,
                                               batched, chunk_size, rng)

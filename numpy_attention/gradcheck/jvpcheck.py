@@ -19,7 +19,7 @@ import numpy as np
 from .calls import forward_output
 from .check import prepare, report_of
 from .differences import directional_derivative
-from .jacobians import Derivatives, jacobian_index, numeric_jacobian
+from .jacobians import Derivatives, forward_evaluators, jacobian_index, numeric_jacobian
 
 
 def _tangent_only(inputs, i, tangent):
@@ -65,10 +65,11 @@ def jvpcheck(forward, jvp, inputs, *, method="complex", mode="full", eps=None, a
                                                 False, None)
     out, _ = forward_output(forward, inputs)
     derivatives = {}
+    looped = forward_evaluators(forward, inputs, wrt, names, False, rng)     # one entry at a time
     for i in wrt:
         if settings.mode == "full":
-            numeric = numeric_jacobian(forward, inputs, i, names[i], out.size, settings.method,
-                                        settings.h, False, None, rng)[0]
+            numeric = numeric_jacobian(forward, inputs, i, looped[i], out.size, settings.method,
+                                        settings.h, False, None)[0]
             derivatives[i] = Derivatives(_jvp_jacobian(jvp, inputs, i, out.size), numeric,
                                          jacobian_index(out.shape, np.shape(inputs[i])),
                                          float(np.max(np.abs(out), initial=0)))
