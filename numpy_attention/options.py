@@ -134,7 +134,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
         seqused_k=_read_only(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size,
-        workers=_workers(workers, implementation, _score_count(q, k, packed)),
+        workers=resolve_workers(workers, implementation, _score_count(q, k, packed)),
         scheduler=check_scheduler(scheduler, implementation))
 
 
@@ -270,7 +270,7 @@ def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(N
         return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
 
 
-def _workers(workers, implementation, scores):
+def resolve_workers(workers, implementation, scores):
     """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
     None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
     engines when they compute at least PARALLEL_SCORES scores (_score_count), where threads

@@ -260,3 +260,39 @@ def test_overlapping_worker_pools_restore_blas_threads():
     for thread in threads:
         thread.join()
     assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] == before
+
+
+def test_a_single_task_on_several_workers_holds_blas_to_one_thread():
+    """workers > 1 holds BLAS to one thread for a lone task as well (no product on BLAS's threads
+    next to a pool); workers = 1 leaves BLAS as it is."""
+    from threadpoolctl import threadpool_info
+    from numpy_attention.engines.parallel import run_tasks
+    blas = lambda: [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+    before = blas()
+    assert run_tasks(blas, [()], workers=2) == [[1] * len(before)]
+    assert run_tasks(blas, [()], workers=1) == [before]
+    assert blas() == before
+
+
+def test_multihead_attention_on_threads_has_the_bits_of_one_thread():
+    """MultiHeadAttention runs its projections as tasks on the attention's threads: the output,
+    the weights and every gradient are bitwise those of workers=1."""
+    rng = np.random.default_rng(14)
+    query, key, value, dout = (rng.standard_normal((2, 96, 256)) for _ in range(4))
+    params = na.MultiHeadAttention(256, 4, seed=1).params
+    runs = []
+    for workers in (1, 2):
+        out, weights, cache = na.multihead_forward(query, key, value, params, 4, workers=workers, causal=True)
+        assert cache.attention.options.workers == workers
+        runs.append([out, weights, *na.multihead_backward(dout, cache).values()])
+    for a, b in zip(*runs, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_multihead_attention_checks_workers_before_projecting():
+    params = na.MultiHeadAttention(8, 2, seed=0).params
+    x = np.zeros((1, 3, 8))
+    with pytest.raises(ValueError, match="workers=2 runs the blocked or tiled engine on threads"):
+        na.multihead_forward(x, x, x, params, 2, workers=2, implementation="textbook")
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        na.multihead_forward(x, x, x, params, 2, workers=0)

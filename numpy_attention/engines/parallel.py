@@ -13,6 +13,8 @@ from several threads restore the caller's setting in order. The limit does not s
 own idle threads: after a product on several threads they spin (by default for about 0.1 s)
 before they sleep, and a pool that starts meanwhile shares the cores with them. Only
 OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that (docs/variants.md, Threads).
+What can be done here is to keep products off BLAS's threads next to a pool: MultiHeadAttention
+runs its projections as tasks too when its attention runs on several threads.
 
 On a cluster (dask.distributed, the optional extra `dask`) the same slices are tasks: the
 arrays every slice reads (k, v, the options) are sent to each worker once, each slice's own
@@ -36,9 +38,10 @@ _ONE_POOL_AT_A_TIME = threading.Lock()     # the BLAS limit is saved and restore
 def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
     """[fn(*item, **shared) for item in items], in order.
 
-    workers > 1: on that many threads, BLAS on one thread. scheduler: a dask.distributed
-    Client or a scheduler's address (`cluster`): on its workers, each value of `shared` sent
-    to every worker once.
+    workers > 1: on that many threads, BLAS on one thread (a single item too: on the calling
+    thread, so that no product on BLAS's threads leaves them spinning before the next pool).
+    scheduler: a dask.distributed Client or a scheduler's address (`cluster`): on its
+    workers, each value of `shared` sent to every worker once.
     """
     shared = shared or {}
     if scheduler is not None:
@@ -48,11 +51,14 @@ def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
             placed = client.scatter([tuple(item) for item in items], hash=False)   # each task's own data
             return client.gather([client.submit(_apply, fn, item, **sent, pure=False) for item in placed])
     calls = [partial(fn, *item, **shared) for item in items]
-    if workers == 1 or len(calls) < 2:
+    if workers == 1:
         return [call() for call in calls]
-    with _ONE_POOL_AT_A_TIME, threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [future.result() for future in futures]
+    with _ONE_POOL_AT_A_TIME, threadpool_limits(limits=1, user_api="blas"):
+        if len(calls) < 2:
+            return [call() for call in calls]
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(call) for call in calls]
+            return [future.result() for future in futures]
 
 
 def _apply(fn, item, **shared):
