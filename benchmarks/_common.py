@@ -82,6 +82,28 @@ def matmul_gflops(dtype, n=2048, repeats=5):
     return 2 * n ** 3 / median_time(lambda: a @ b, repeats) / 1e9
 
 
+def softmax_passes(shape, dtype, workers):
+    """The fewest element-wise passes of attention's softmax and its backward over scores of
+    `shape` [B, H, N_q, N_k], by themselves: a callable. Forward max, subtract, exp, sum,
+    divide; backward rowsum(dP * P), subtract, multiply; in place, on the blocked engine's
+    blocks of rows, on `workers` threads (engines.parallel.run_tasks)."""
+    from numpy_attention.engines.blocked import row_blocks
+    from numpy_attention.engines.parallel import run_tasks
+    rng = np.random.default_rng(0)
+    s, dp = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    p, ds = np.empty(shape, dtype), np.empty(shape, dtype)
+    blocks = [(block + (slice(None),),) for block in row_blocks(shape, 1, p.itemsize)]
+
+    def passes(index):
+        s_, p_, dp_, ds_ = s[index], p[index], dp[index], ds[index]
+        np.subtract(s_, s_.max(axis=-1, keepdims=True), out=p_)          # P = exp(S - max) / sum
+        np.exp(p_, out=p_)
+        p_ /= p_.sum(axis=-1, keepdims=True)
+        np.subtract(dp_, np.einsum("...i,...i->...", dp_, p_)[..., None], out=ds_)   # dS = P (dP - rowsum(P dP))
+        ds_ *= p_
+    return lambda: run_tasks(passes, blocks, workers)
+
+
 def run_child(code, env=None):
     """Run `code` (a Python snippet) in a fresh interpreter, `env` (a dict) added to its
     environment; return (peak RSS in MiB, stdout)."""

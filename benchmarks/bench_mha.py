@@ -31,6 +31,7 @@ FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 """
 import argparse
 import importlib.util
+import math
 import os
 import sys
 
@@ -39,11 +40,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/seed_model.py
 from benchmarks._common import (OtherLoad, machine_line, matmul_gflops, median_time,  # noqa: E402
-                                median_times_apart, run_child, set_numpy_hugepages, table)
+                                median_times_apart, run_child, set_numpy_hugepages, softmax_passes, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
-from numpy_attention.engines.blocked import row_blocks  # noqa: E402
-from numpy_attention.engines.parallel import run_tasks  # noqa: E402
-from numpy_attention.options import PARALLEL_SCORES  # noqa: E402
+from numpy_attention.options import resolve_workers  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
 
@@ -100,22 +99,10 @@ def matmuls_alone(B, N, D, H, dtype):
 
 def softmax_alone(B, N, D, H, dtype):
     """The fewest element-wise passes of the step's softmax and its backward, by themselves
-    (see the module docstring): a callable. Blocks and threads as the blocked engine's."""
-    rng = np.random.default_rng(0)
+    (see the module docstring; _common.softmax_passes): a callable, on the threads workers=None
+    gives the attention."""
     shape = (B, H, N, N)
-    s, dp = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
-    p, ds = np.empty(shape, dtype), np.empty(shape, dtype)
-    blocks = [(block + (slice(None),),) for block in row_blocks(shape, 1, p.itemsize)]
-    workers = len(os.sched_getaffinity(0)) if p.size >= PARALLEL_SCORES else 1   # as workers=None
-
-    def passes(index):
-        s_, p_, dp_, ds_ = s[index], p[index], dp[index], ds[index]
-        np.subtract(s_, s_.max(axis=-1, keepdims=True), out=p_)          # P = exp(S - max) / sum
-        np.exp(p_, out=p_)
-        p_ /= p_.sum(axis=-1, keepdims=True)
-        np.subtract(dp_, np.einsum("...i,...i->...", dp_, p_)[..., None], out=ds_)   # dS = P (dP - rowsum(P dP))
-        ds_ *= p_
-    return lambda: run_tasks(passes, blocks, workers)
+    return softmax_passes(shape, dtype, resolve_workers(None, "blocked", math.prod(shape)))
 
 
 def ours_step(B, N, D, H, dtype):

@@ -14,6 +14,12 @@ of one worker at the same tile. The header names the machine; the last line, oth
 run on one core (one worker, BLAS held to one thread: timed too, alternating), were divided
 perfectly by W. With one worker BLAS already runs the matrix products on every core, so
 bound = W * t(1 worker) / t(one core) < W.
+
+"machine": the same bound with W replaced by what W threads gain on this machine on work that
+divides perfectly (`thread_gain`): the fewest element-wise passes of the softmax and its
+backward, by themselves, on the blocked engine's blocks of rows (at most GAIN_N rows and
+columns), one thread against W. Cores that share memory bandwidth and caches (or the cores
+of a virtual machine that share a host) gain less than W even there.
 """
 import argparse
 import os
@@ -27,7 +33,9 @@ from threadpoolctl import threadpool_limits
 import numpy_attention as na
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import OtherLoad, machine_line  # noqa: E402
+from benchmarks._common import OtherLoad, machine_line, softmax_passes  # noqa: E402
+
+GAIN_N = 2048           # thread_gain's largest score rows: 4 arrays of [B, H, N, N] float64
 
 
 def step(q, k, v, dout, engine, workers, tile):
@@ -53,6 +61,19 @@ def one_core(fn):
     return run
 
 
+def thread_gain(shape, workers, repeats):
+    """t(1 thread) / t(`workers` threads) of the softmax's element-wise passes alone
+    (_common.softmax_passes) on scores [B, H, n, n], n = min(N, GAIN_N), the blocked engine's
+    blocks; median of `repeats`, alternating."""
+    n = min(shape[2], GAIN_N)
+    runs = {w: softmax_passes((shape[0], shape[1], n, n), np.float64, w) for w in (1, workers)}
+    times = {w: [] for w in runs}
+    for _ in range(repeats):
+        for w, run in runs.items():
+            times[w].append(timed(run))
+    return statistics.median(times[1]) / statistics.median(times[workers])
+
+
 def parse_configs(text, engine):
     """'1,2' or '1:128,2:256' -> [(workers, tile or None)]."""
     configs = []
@@ -76,7 +97,7 @@ def main():
     print(f"# {machine_line()}")
     print(f"# {args.engine} engine, causal, float64, forward + backward; median of {args.repeats}")
     print(f"{'shape (B, H, N, d_k)':<22}{'workers':>8}{'tile':>6}{'ms':>12}{'ratio':>7}"
-          f"{'bound':>7}  same bits")
+          f"{'bound':>7}{'machine':>9}  same bits")
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
         rng = np.random.default_rng(0)
@@ -84,6 +105,7 @@ def main():
         results = {c: step(q, k, v, dout, args.engine, *c) for c in configs}     # untimed: warm-up
         times = {c: [] for c in configs}
         serial = {tile: [] for workers, tile in configs if workers > 1}   # one worker, one core
+        gains = {w: thread_gain(shape, w, args.repeats) for w, _ in configs if w > 1}
         for _ in range(args.repeats):
             for c in configs:
                 times[c].append(timed(lambda: step(q, k, v, dout, args.engine, *c)))
@@ -95,14 +117,17 @@ def main():
             same = "-" if one is None or c[0] == 1 else (
                 "yes" if all(np.array_equal(a, b) for a, b in zip(one, results[c])) else "NO")
             median = statistics.median(times[c])
-            bound = "-"                                  # W t1 / t_one_core, at c's tile
+            bound = machine = "-"                        # W t1 / t_one_core, at c's tile
             if c[0] > 1 and (1, c[1]) in times:
-                bound = f"{c[0] * statistics.median(times[(1, c[1])]) / statistics.median(serial[c[1]]):.2f}"
+                share = statistics.median(times[(1, c[1])]) / statistics.median(serial[c[1]])
+                bound, machine = f"{c[0] * share:.2f}", f"{gains[c[0]] * share:.2f}"
             print(f"{str(shape):<22}{c[0]:>8}{str(c[1] or '-'):>6}{median * 1e3:>12.1f}"
-                  f"{first / median:>7.2f}{bound:>7}  {same}")
+                  f"{first / median:>7.2f}{bound:>7}{machine:>9}  {same}")
         for tile, ts in serial.items():
             print(f"{'':<22}1 worker{'' if tile is None else f' at tile {tile}'}, BLAS on one thread: "
                   f"{statistics.median(ts) * 1e3:.1f} ms")
+        for w, gain in gains.items():
+            print(f"{'':<22}softmax passes alone, {w} threads against 1: {gain:.2f}x")
     print(load.line())
 
 
