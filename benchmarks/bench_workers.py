@@ -9,6 +9,9 @@ A configuration is WORKERS (blocked) or WORKERS:TILE (tiled: its block_size). Th
 the first configuration's median time over each one's: the result, where absolute times on
 a shared machine are noise. "same bits" compares a configuration's out, dq, dk, dv with those
 of one worker at the same tile. The header names the machine; the last line, other load.
+Each timed call starts BLAS_SLEEP seconds after the one before: one worker's products run on
+BLAS's threads, which then spin for about 0.1 s (docs/variants.md, Threads), and a pool
+started meanwhile would be timed against them rather than as it runs called back to back.
 
 "bound": the most W workers can gain over one worker at the same tile if the whole step,
 run on one core (one worker, BLAS held to one thread: timed too, alternating), were divided
@@ -36,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import OtherLoad, machine_line, softmax_passes  # noqa: E402
 
 GAIN_N = 2048           # thread_gain's largest score rows: 4 arrays of [B, H, N, N] float64
+BLAS_SLEEP = 0.3        # s: OpenBLAS's idle threads spin about 0.1 s after a product before they sleep
 
 
 def step(q, k, v, dout, engine, workers, tile):
@@ -47,7 +51,8 @@ def step(q, k, v, dout, engine, workers, tile):
 
 
 def timed(fn):
-    """Seconds of one call of fn()."""
+    """Seconds of one call of fn(), after a pause of BLAS_SLEEP seconds."""
+    time.sleep(BLAS_SLEEP)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
