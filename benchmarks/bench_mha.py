@@ -23,8 +23,9 @@ such an implementation can reach, and "torch/floor" the largest torch/ours it ca
 --openblas-thread-timeout T adds a third contender in the same alternation: ours in processes
 started with OPENBLAS_THREAD_TIMEOUT=T. OpenBLAS reads it at load: after a product on several
 threads its idle threads spin for 2^T clock cycles (default 2^28, about 0.1 s) before they
-sleep, and meanwhile they take cores from the threads of the attention's engine (the
-minimum, 4, has them sleep at once; the next multi-threaded product wakes them).
+sleep (the minimum, 4, has them sleep at once; the next multi-threaded product wakes them).
+Where the attention runs on threads, the module runs its products there too, with BLAS on
+one thread, so that none spins next to the pool; the variable then shows what is left.
 
 FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import OtherLoad, machine_line, softmax_passes  # noqa: E402
 
 GAIN_N = 2048           # thread_gain's largest score rows: 4 arrays of [B, H, N, N] float64
+GAIN_REPEATS = 7        # thread_gain's timed calls per thread count, whatever --repeats says
 BLAS_SLEEP = 0.3        # s: OpenBLAS's idle threads spin about 0.1 s after a product before they sleep
 
 
@@ -66,14 +67,14 @@ def one_core(fn):
     return run
 
 
-def thread_gain(shape, workers, repeats):
+def thread_gain(shape, workers):
     """t(1 thread) / t(`workers` threads) of the softmax's element-wise passes alone
     (_common.softmax_passes) on scores [B, H, n, n], n = min(N, GAIN_N), the blocked engine's
-    blocks; median of `repeats`, alternating."""
+    blocks; median of GAIN_REPEATS, alternating."""
     n = min(shape[2], GAIN_N)
     runs = {w: softmax_passes((shape[0], shape[1], n, n), np.float64, w) for w in (1, workers)}
     times = {w: [] for w in runs}
-    for _ in range(repeats):
+    for _ in range(GAIN_REPEATS):
         for w, run in runs.items():
             times[w].append(timed(run))
     return statistics.median(times[1]) / statistics.median(times[workers])
@@ -110,7 +111,7 @@ def main():
         results = {c: step(q, k, v, dout, args.engine, *c) for c in configs}     # untimed: warm-up
         times = {c: [] for c in configs}
         serial = {tile: [] for workers, tile in configs if workers > 1}   # one worker, one core
-        gains = {w: thread_gain(shape, w, args.repeats) for w, _ in configs if w > 1}
+        gains = {w: thread_gain(shape, w) for w, _ in configs if w > 1}
         for _ in range(args.repeats):
             for c in configs:
                 times[c].append(timed(lambda: step(q, k, v, dout, args.engine, *c)))

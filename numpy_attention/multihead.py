@@ -97,8 +97,10 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         if x.shape[2] != params[weight].shape[1]:
             raise ValueError(f"{name}'s width {x.shape[2]} is not the input width of params[{weight!r}] "
                              f"of shape {params[weight].shape} = [d_model, {width}]; got {shapes}")
-    workers = resolve_workers(attention_options.get("workers"), attention_options.get("implementation") or
-                              "blocked", query.shape[0] * num_heads * query.shape[1] * key.shape[1])
+    # the attention's threads, resolved as attention_forward will (its scores [B, H, N_q, N_k])
+    scores = query.shape[0] * num_heads * query.shape[1] * key.shape[1]
+    workers = resolve_workers(attention_options.get("workers"), attention_options.get("implementation")
+                              or "blocked", scores)
     # 1. linear projections (math layout W = weight^T), on the attention's threads
     (Q, cq), (K, ck), (V, cv) = run_tasks(linear_forward, [
         (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]

@@ -13,8 +13,9 @@ from several threads restore the caller's setting in order. The limit does not s
 own idle threads: after a product on several threads they spin (by default for about 0.1 s)
 before they sleep, and a pool that starts meanwhile shares the cores with them. Only
 OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that (docs/variants.md, Threads).
-What can be done here is to keep products off BLAS's threads next to a pool: MultiHeadAttention
-runs its projections as tasks too when its attention runs on several threads.
+What the library can do is keep its own products off BLAS's threads next to a pool: a lone
+task on several workers runs with BLAS on one thread too, and MultiHeadAttention runs its
+projections as tasks when its attention runs on several threads.
 
 On a cluster (dask.distributed, the optional extra `dask`) the same slices are tasks: the
 arrays every slice reads (k, v, the options) are sent to each worker once, each slice's own

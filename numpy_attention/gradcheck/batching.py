@@ -43,16 +43,16 @@ def stack(inputs, stacks, n):
     """The inputs with a leading axis of n: input i is stacks[i] [n, *x_i] for each i in the
     mapping `stacks`, every other array input is repeated (a read-only view, no copy);
     non-arrays pass."""
-    return [stacks[j] if j in stacks else np.broadcast_to(x, (n,) + x.shape) if isinstance(x, np.ndarray) else x
-            for j, x in enumerate(inputs)]
+    return [stacks[j] if j in stacks else
+            np.broadcast_to(x, (n,) + x.shape) if isinstance(x, np.ndarray) else x for j, x in enumerate(inputs)]
 
 
 def looped_outputs(forward, inputs):
     """{i: xs_i [C, *x_i]} -> [C, out.size], one forward per entry (input i its entry of xs_i)."""
     def outputs_of(stacks):
         n = len(next(iter(stacks.values())))
-        return np.stack([np.ravel(forward(*[stacks[j][c] if j in stacks else x for j, x in enumerate(inputs)])[0])
-                         for c in range(n)])
+        entry = lambda c: [stacks[j][c] if j in stacks else x for j, x in enumerate(inputs)]   # entry c's inputs
+        return np.stack([np.ravel(forward(*entry(c))[0]) for c in range(n)])
     return outputs_of
 
 
