@@ -16,6 +16,9 @@ import time
 
 import numpy as np
 
+from numpy_attention.engines.blocked import row_blocks
+from numpy_attention.engines.parallel import run_tasks
+
 BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT",
             "OMP_NUM_THREADS")
 
@@ -87,8 +90,6 @@ def softmax_passes(shape, dtype, workers):
     `shape` [B, H, N_q, N_k], by themselves: a callable. Forward max, subtract, exp, sum,
     divide; backward rowsum(dP * P), subtract, multiply; in place, on the blocked engine's
     blocks of rows, on `workers` threads (engines.parallel.run_tasks)."""
-    from numpy_attention.engines.blocked import row_blocks
-    from numpy_attention.engines.parallel import run_tasks
     rng = np.random.default_rng(0)
     s, dp = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
     p, ds = np.empty(shape, dtype), np.empty(shape, dtype)
