@@ -346,3 +346,25 @@ def test_own_forward_needs_out_lse_and_a_gradient():
 def test_the_command_takes_own_forward(tmp_path):
     np.savez(tmp_path / "case.npz", **_flash_kernel_with_a_forward_bug())
     assert main(["crosscheck", str(tmp_path / "case.npz"), "--own-forward", "--json"]) == 1   # out still fails
+
+
+def test_float8_with_sinks_and_alibi():
+    """The float8 recipe's baseline (forward only) with a sink logit and ALiBi per head: the
+    recipe itself passes; a kernel that drops the sink, or ALiBi, fails on out and lse."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.uniform(-2, 2, s).astype(E4M3) for s in ((1, 4, 6, 16), (1, 2, 9, 16), (1, 2, 9, 16)))
+    heads = {"sinks": rng.standard_normal(4).astype(np.float32),
+             "alibi_slopes": rng.uniform(0.05, 1.0, 4).astype(np.float32)}
+    bf = lambda x: x.astype(np.float32).astype(BF16).astype(np.float32)
+
+    def candidate(**options):
+        q3, k3, v3, record = na.attention_options(bf(q), bf(k), bf(v), causal=True, **options)
+        result = recipe_attention(q3, k3, v3, record, PRECISIONS["float8_e4m3fn"])
+        return {"out": result["out"].astype(BF16), "lse": result["lse"]}
+    arrays = dict(q=q, k=k, v=v, causal=True, **heads)
+    report = crosscheck(precision="float8_e4m3fn", **arrays, **candidate(**heads))
+    assert report, str(report)
+    for dropped in heads:
+        kept = {name: x for name, x in heads.items() if name != dropped}
+        failed = crosscheck(precision="float8_e4m3fn", **arrays, **candidate(**kept))
+        assert [r.name for r in failed.rows if not r.passed] == ["out", "lse"], dropped
