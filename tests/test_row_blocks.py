@@ -127,7 +127,9 @@ def test_kept_columns_span_every_kept_score_of_a_block():
 
     def cols(rows, **options):
         o = attention_options(q, k, k, **options)[-1]
-        return _kept_columns(o, (1, 2, 8, 10), (slice(0, 1), slice(0, 2), rows))
+        columns, keep = _kept_columns(o, (1, 2, 8, 10), (slice(0, 1), slice(0, 2), rows))
+        assert keep is None or keep.shape[-1] == columns.stop - columns.start   # the mask on them
+        return columns
     assert cols(slice(0, 3), causal=True) == slice(0, 3)                    # top_left: j <= i
     assert cols(slice(2, 5), causal="bottom_right") == slice(0, 7)          # j <= i + 2
     assert cols(slice(4, 6), causal=True, window=(1, 0)) == slice(3, 6)     # i - 1 <= j <= i

@@ -65,27 +65,32 @@ def row_blocks(score_shape, group, itemsize):
             for index in np.ndindex(*lead) for h0 in range(0, h, heads) for r0 in range(0, n_q, rows)]
 
 
-def _kept_columns(options, score_shape, block):
-    """The columns [c0, c1) that hold every kept score of the block's rows, a slice: outside it
-    causal masking, the window, packed sequences, the mask or a -inf bias remove the whole
-    column from all of the block's rows, so its weights are 0 and so are its gradients. All
-    N_k columns where a removed score still counts: sinks and softcap (their cached stages
-    cover every score) and the 'uniform' and 'nan' policies (a fully masked row's weights are
-    not 0)."""
+def _kept_columns(options, score_shape, block, skip=True):
+    """(cols, keep): the block's columns computed and its keep mask on them.
+
+    cols [c0, c1), a slice, holds every kept score of the block's rows: outside it causal
+    masking, the window, packed sequences, the mask or a -inf bias remove the whole column
+    from all of the block's rows, so its weights are 0 and so are its gradients. All N_k
+    columns with skip=False, and where a removed score still counts: sinks and softcap (their
+    cached stages cover every score) and the 'uniform' and 'nan' policies (a fully masked
+    row's weights are not 0). keep: broadcastable to the block's scores on cols, None where
+    every score is kept.
+    """
     o, n_k = options, score_shape[-1]
-    if o.sinks is not None or o.softcap is not None or o.fully_masked != "zero":
-        return slice(0, n_k)
     keep = keep_mask(o, score_shape, block + (slice(None),))        # broadcastable to the block
     if keep is None:
-        return slice(0, n_k)
+        return slice(0, n_k), None
     keep = np.broadcast_to(keep, keep.shape[:-1] + (n_k,))
+    if not skip or o.sinks is not None or o.softcap is not None or o.fully_masked != "zero":
+        return slice(0, n_k), keep
     kept = np.flatnonzero(keep.any(axis=tuple(range(keep.ndim - 1))))   # columns kept in any row
-    return slice(int(kept[0]), int(kept[-1]) + 1) if kept.size else slice(0, 0)
+    cols = slice(int(kept[0]), int(kept[-1]) + 1) if kept.size else slice(0, 0)
+    return cols, keep[..., cols]
 
 
-def _block_scores(q3, k3, options, score_shape, block, group, cols=slice(None), out=None):
-    """Steps 1-4 on a block's columns `cols`: (S, tanh(S_1 / softcap) or None), S
-    [..., heads, rows, cols] fresh, or written into `out`."""
+def _block_scores(q3, k3, options, score_shape, block, group, cols, keep, out=None):
+    """Steps 1-4 on a block's columns `cols` (keep: their keep mask, _kept_columns): (S,
+    tanh(S_1 / softcap) or None), S [..., heads, rows, cols] fresh, or written into `out`."""
     o = options
     index = block + (cols,)                                          # the block's scores
     k_cols = k3[kv_index(block[:-1], group)][..., cols, :]
@@ -98,7 +103,6 @@ def _block_scores(q3, k3, options, score_shape, block, group, cols=slice(None), 
         s += np.broadcast_to(o.bias, score_shape)[index]
     if o.alibi_slopes is not None:
         s += alibi_bias(o, score_shape, index)
-    keep = keep_mask(o, score_shape, index)
     if keep is not None:
         np.copyto(s, -np.inf, where=~keep)
     return s, softcap_tanh
@@ -116,12 +120,12 @@ def blocked_forward(q, k, v, options):
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
     def forward_block(block):                                        # writes only its own rows
-        cols = _kept_columns(o, score_shape, block)                  # the columns computed; the
+        cols, keep = _kept_columns(o, score_shape, block)            # the columns computed; the
         p_block, index = p[block], block + (cols,)                   # rest, masked in every row,
         p_block[..., :cols.start] = 0                                # weigh 0
         p_block[..., cols.stop:] = 0
-        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group, cols,   # 1-4. S in P's place
-                                      out=p_block[..., cols] if o.sinks is None else None)
+        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group, cols, keep,   # 1-4. S in
+                                      out=p_block[..., cols] if o.sinks is None else None)   # P's place
         if tanh_block is not None:
             softcap_tanh[block] = tanh_block
         if o.sinks is None:                                          # 5. P = softmax(S), in place
@@ -169,7 +173,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
     def backward_block(block):                                       # dk, dv: its kv heads' sums
         kv = kv_index(block[:-1], group)                             # the block's k and v
-        cols = slice(0, score_shape[-1]) if dP is not None else _kept_columns(o, score_shape, block)
+        cols, keep = _kept_columns(o, score_shape, block, skip=dP is None)   # whole stages: every column
         index, n_kv = block + (cols,), kv[-1].stop - kv[-1].start    # its scores; outside: dS = 0
         k_cols, v_cols, p_cols = k3[kv][..., cols, :], v3[kv][..., cols, :], p[block][..., cols]
         # 7. out = P~ v:  dv^T = dout^T P~ (summed over the group),  dP~ = dout v^T
@@ -181,15 +185,14 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         if dP is not None:
             dP[block] = dp
         # 5. dS = P * (dP - rowsum(P * dP)) on the softmax's whole row (with sinks, one more column)
-        scores = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group, cols)[0], o,
+        scores = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group, cols, keep)[0], o,
                                    score_shape, index)
         ds = _row_backward(method, dp, p_cols, _top_in(top[block], cols, score_shape[-1]), D[block],
                            lse[block], None if dlse is None else dlse3[block], o, score_shape, index, scores)
         if o.sinks is not None:                                      #    the sink's column: dsinks
             per_head["sinks"][block[:-1]] += ds[..., -1].sum(axis=-1)
             ds = np.ascontiguousarray(ds[..., :-1])
-        keep = keep_mask(o, score_shape, index)                      # 4. dS = 0 where masked
-        if keep is not None:
+        if keep is not None:                                         # 4. dS = 0 where masked
             np.copyto(ds, 0, where=~keep)
         if dS is not None:                                           # 3. dbias (after the loop)
             dS_block = dS[block]
