@@ -38,6 +38,16 @@ def test_linear_and_softmax_jvp_equal_complex_step():
     assert na.jvpcheck(lambda z: (na.softmax_forward(z)[0], None), lambda zs, ts: na.softmax_jvp(zs[0], ts[0])[1], [z])
 
 
+def test_jvpcheck_projections_of_an_input_do_not_depend_on_the_others_checked():
+    """The seed alone draws each input's directions, in order: checking x alone or x, W and b
+    gives x the same projections (nothing else, such as full mode's probes, draws from it)."""
+    rng = np.random.default_rng(2)
+    x, W, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)
+    forward, jvp = lambda x, W, b: (na.linear_forward(x, W, b)[0], None), lambda xs, ts: na.linear_jvp(*xs, *ts)[1]
+    alone, together = (na.jvpcheck(forward, jvp, [x, W, b], mode="projection", wrt=wrt) for wrt in ([0], [0, 1, 2]))
+    assert alone.rows[0] == together.rows[0]
+
+
 @pytest.mark.parametrize("option", OPTIONS)
 def test_attention_jvp_of_out_and_lse_equals_complex_step(option):
     per_input = [n for n in TANGENTS if n in OPTIONS[option]]

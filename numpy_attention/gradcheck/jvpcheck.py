@@ -65,7 +65,7 @@ def jvpcheck(forward, jvp, inputs, *, method="complex", mode="full", eps=None, a
                                                 False, None)
     out, _ = forward_output(forward, inputs)
     derivatives = {}
-    looped = forward_evaluators(forward, inputs, wrt, names, False, rng)     # one entry at a time
+    looped = forward_evaluators(forward, inputs, wrt, names, False, rng) if settings.mode == "full" else {}
     for i in wrt:
         if settings.mode == "full":
             numeric = numeric_jacobian(forward, inputs, i, looped[i], out.size, settings.method,
