@@ -14,7 +14,7 @@ one run's peak cannot hide another's. Time: the median of 3 calls after an untim
 where that call alone takes over 10 s. The textbook and blocked engines are skipped
 where one [8, N, N] array alone would pass --max-gib (default 2 GiB; at N=8192 it is
 4 GiB, and those engines hold several such arrays at once). --workers: the engines' threads
-(default: theirs, every core from 2^24 scores on, options.PARALLEL_SCORES).
+(default: theirs, every core from 2^19 scores on, options.PARALLEL_SCORES).
 """
 import argparse
 import os

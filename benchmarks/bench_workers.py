@@ -5,20 +5,14 @@
     python3 benchmarks/bench_workers.py --engine tiled --shapes 1x8x32768x64 --repeats 1 \
         --configs 1:128,1:256,2:256
 
-A configuration is WORKERS (blocked) or WORKERS:TILE (tiled: its block_size). The ratio is
-the first configuration's median time over each one's: the result, where absolute times on
-a shared machine are noise. "same bits" compares a configuration's out, dq, dk, dv with those
-of one worker at the same tile. The header names the machine; the last line, other load.
-Each timed call starts BLAS_SLEEP seconds after the one before: one worker's products run on
-BLAS's threads, which then spin for about 0.1 s (docs/variants.md, Threads), and a pool
-started meanwhile would be timed against them rather than as it runs called back to back.
+A configuration is WORKERS (blocked) or WORKERS:TILE (tiled: its block_size). WORKERS threads
+are all the engine uses: BLAS is on one thread for one worker too (engines/parallel.py). The
+ratio is the first configuration's median time over each one's: the result, where absolute
+times on a shared machine are noise. "same bits" compares a configuration's out, dq, dk, dv
+with those of one worker at the same tile. The header names the machine; the last line,
+other load.
 
-"bound": the most W workers can gain over one worker at the same tile if the whole step,
-run on one core (one worker, BLAS held to one thread: timed too, alternating), were divided
-perfectly by W. With one worker BLAS already runs the matrix products on every core, so
-bound = W * t(1 worker) / t(one core) < W.
-
-"machine": the same bound with W replaced by what W threads gain on this machine on work that
+"machine": the most W workers can gain over one on this machine, measured on work that
 divides perfectly (`thread_gain`): the fewest element-wise passes of the softmax and its
 backward, by themselves, on the blocked engine's blocks of rows (at most GAIN_N rows and
 columns), one thread against W. Cores that share memory bandwidth and caches (or the cores
@@ -31,7 +25,6 @@ import sys
 import time
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 import numpy_attention as na
 
@@ -40,7 +33,6 @@ from benchmarks._common import OtherLoad, machine_line, softmax_passes  # noqa: 
 
 GAIN_N = 2048           # thread_gain's largest score rows: 4 arrays of [B, H, N, N] float64
 GAIN_REPEATS = 7        # thread_gain's timed calls per thread count, whatever --repeats says
-BLAS_SLEEP = 0.3        # s: OpenBLAS's idle threads spin about 0.1 s after a product before they sleep
 
 
 def step(q, k, v, dout, engine, workers, tile):
@@ -52,19 +44,10 @@ def step(q, k, v, dout, engine, workers, tile):
 
 
 def timed(fn):
-    """Seconds of one call of fn(), after a pause of BLAS_SLEEP seconds."""
-    time.sleep(BLAS_SLEEP)
+    """Seconds of one call of fn()."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def one_core(fn):
-    """fn with BLAS held to one thread: the whole step on one core."""
-    def run():
-        with threadpool_limits(limits=1, user_api="blas"):
-            return fn()
-    return run
 
 
 def thread_gain(shape, workers):
@@ -103,37 +86,26 @@ def main():
     print(f"# {machine_line()}")
     print(f"# {args.engine} engine, causal, float64, forward + backward; median of {args.repeats}")
     print(f"{'shape (B, H, N, d_k)':<22}{'workers':>8}{'tile':>6}{'ms':>12}{'ratio':>7}"
-          f"{'bound':>7}{'machine':>9}  same bits")
+          f"{'machine':>9}  same bits")
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
         rng = np.random.default_rng(0)
         q, k, v, dout = (rng.standard_normal(shape) for _ in range(4))
         results = {c: step(q, k, v, dout, args.engine, *c) for c in configs}     # untimed: warm-up
         times = {c: [] for c in configs}
-        serial = {tile: [] for workers, tile in configs if workers > 1}   # one worker, one core
         gains = {w: thread_gain(shape, w) for w, _ in configs if w > 1}
         for _ in range(args.repeats):
             for c in configs:
                 times[c].append(timed(lambda: step(q, k, v, dout, args.engine, *c)))
-            for tile, ts in serial.items():
-                ts.append(timed(one_core(lambda: step(q, k, v, dout, args.engine, 1, tile))))
         first = statistics.median(times[configs[0]])
         for c in configs:
             one = results.get((1, c[1]))
             same = "-" if one is None or c[0] == 1 else (
                 "yes" if all(np.array_equal(a, b) for a, b in zip(one, results[c])) else "NO")
             median = statistics.median(times[c])
-            bound = machine = "-"                        # W t1 / t_one_core, at c's tile
-            if c[0] > 1 and (1, c[1]) in times:
-                share = statistics.median(times[(1, c[1])]) / statistics.median(serial[c[1]])
-                bound, machine = f"{c[0] * share:.2f}", f"{gains[c[0]] * share:.2f}"
+            machine = f"{gains[c[0]]:.2f}" if c[0] > 1 else "-"
             print(f"{str(shape):<22}{c[0]:>8}{str(c[1] or '-'):>6}{median * 1e3:>12.1f}"
-                  f"{first / median:>7.2f}{bound:>7}{machine:>9}  {same}")
-        for tile, ts in serial.items():
-            print(f"{'':<22}1 worker{'' if tile is None else f' at tile {tile}'}, BLAS on one thread: "
-                  f"{statistics.median(ts) * 1e3:.1f} ms")
-        for w, gain in gains.items():
-            print(f"{'':<22}softmax passes alone, {w} threads against 1: {gain:.2f}x")
+                  f"{first / median:>7.2f}{machine:>9}  {same}")
     print(load.line())
 
 

@@ -226,11 +226,11 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         block_size: the tiled engine's tile size (default options.TILE_SIZE = 256).
         workers: threads for the blocked and tiled engines: their independent slices (blocks
             of rows; the tiled backward's batch index and kv head) run on a thread pool with
-            BLAS held to one thread (engines/parallel.py); the results are bitwise the same
-            for any number. None (default): every core this process may use when the scores
-            have at least options.PARALLEL_SCORES = 2^24 entries (with packed sequences,
-            counting each sequence's own scores only), else 1. The backward (and
-            attention_jvp) uses the forward's.
+            BLAS held to one thread (engines/parallel.py; for one worker too: `workers` threads
+            in all); the results are bitwise the same for any number. None (default): every
+            core this process may use when the scores have at least options.PARALLEL_SCORES =
+            2^19 entries (with packed sequences, counting each sequence's own scores only),
+            else 1. The backward (and attention_jvp) uses the forward's.
         scheduler: the tiled engine's slices on a Dask cluster instead (the optional extra
             `dask`): a dask.distributed Client, or a scheduler's address such as
             'tcp://host:8786' (a Client is opened for the call). Results are bitwise those

@@ -16,12 +16,10 @@ Forward                                             Backward (reverse order, one
     4. merge_heads            [B, N_q, D]
     5. out = concat W_o + b_o [B, N_q, D]
 
-Threads: when the attention runs on several (its `workers`, by default every core for large
-scores), the projections are tasks on the same number of threads, BLAS on one thread each
-(engines/parallel.py): the three input projections side by side, and the output projection
-alone. A product on BLAS's own threads would leave them spinning on the cores for about
-0.1 s, right when the attention's threads need them. The results are bitwise those of one
-thread.
+Threads: the projections run on the attention's threads (its `workers`, by default every core
+for large scores), each product in blocks of rows with BLAS on one thread
+(engines/projections.py), so the threads share them evenly; the blocks depend on the shapes
+alone, and the results are bitwise the same for any number of workers.
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
 `state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
@@ -39,9 +37,8 @@ import numpy as np
 from ._checks import (as_float_array, require_cache, require_choice, require_mapping,
                       require_positive_int, require_same_shape)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
-from .engines.parallel import run_tasks
+from .engines.projections import projections_backward, projections_forward
 from .heads import merge_heads, split_heads
-from .linear import linear_backward, linear_forward
 from .options import resolve_workers
 from .params import TORCH_WEIGHTS, check_params, param_shapes, torch_to_seed_keys
 
@@ -102,7 +99,7 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     workers = resolve_workers(attention_options.get("workers"), attention_options.get("implementation")
                               or "blocked", scores)
     # 1. linear projections (math layout W = weight^T), on the attention's threads
-    (Q, cq), (K, ck), (V, cv) = run_tasks(linear_forward, [
+    (Q, cq), (K, ck), (V, cv) = projections_forward([
         (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]
         (key, params["W_k.weight"].T, params["W_k.bias"]),       # kdim -> [B, N_k, D]
         (value, params["W_v.weight"].T, params["W_v.bias"])], workers)   # vdim -> [B, N_k, D]
@@ -113,8 +110,8 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     # 4. merge heads: [B, H, N_q, d_k] -> [B, N_q, D]
     concat = merge_heads(attn)
     # 5. output projection
-    [(out, co)] = run_tasks(linear_forward, [(concat, params["W_o.weight"].T, params["W_o.bias"])],
-                            workers)                                             # [B, N_q, D]
+    [(out, co)] = projections_forward([(concat, params["W_o.weight"].T, params["W_o.bias"])],
+                                      workers)                                   # [B, N_q, D]
     cache = MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads)
     weights = ca.weights.view()                       # read-only: the backward needs P unchanged,
     weights.flags.writeable = False                   # and a copy would cost another [B, H, N_q, N_k]
@@ -133,12 +130,12 @@ def multihead_backward(dout, cache):
     dout = as_float_array(dout, "dout")
     require_same_shape(dout, cache.o.out_shape, "dout")
     H, workers = cache.num_heads, cache.attention.options.workers       # the forward's threads
-    [(dconcat, dWo, dbo)] = run_tasks(linear_backward, [(dout, cache.o)], workers)   # 5. output projection
+    [(dconcat, dWo, dbo)] = projections_backward([(dout, cache.o)], workers)   # 5. output projection
     dattn = split_heads(dconcat, H)                                      # 4. merge_heads' backward
     g = attention_backward(dattn, cache.attention)                       # 3. attention
     dQ, dK, dV = merge_heads(g.dq), merge_heads(g.dk), merge_heads(g.dv)  # 2. split_heads' backward
-    (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = run_tasks(   # 1. input projections
-        linear_backward, [(dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)
+    (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(   # 1. input projections
+        [(dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)
     grads = {"query": dquery, "key": dkey, "value": dvalue,
              "W_q.weight": dWq.T, "W_q.bias": dbq, "W_k.weight": dWk.T, "W_k.bias": dbk,
              "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}

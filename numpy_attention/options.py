@@ -26,7 +26,7 @@ from .positions import band_keep, distance, positions, sequence_lengths
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
 TILE_SIZE = 256             # the tiled engine's default block size (rows and columns per tile)
-PARALLEL_SCORES = 1 << 24   # workers=None: every core from this many scores [..., H, N_q, N_k] up
+PARALLEL_SCORES = 1 << 19   # workers=None: every core from this many scores [..., H, N_q, N_k] up
 
 
 class AttentionOptions(NamedTuple):
@@ -274,7 +274,7 @@ def resolve_workers(workers, implementation, scores):
     """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
     None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
     engines when they compute at least PARALLEL_SCORES scores (_score_count), where threads
-    gain (below it a pool costs more than it saves); else 1."""
+    gain (below it the work is about one block or one tile, and a pool saves nothing); else 1."""
     if workers is None:
         if implementation == "textbook" or scores < PARALLEL_SCORES:
             return 1

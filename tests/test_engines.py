@@ -211,18 +211,20 @@ def test_tiled_workers_give_bitwise_the_same_results(option):
             assert (a is None and b is None) or np.array_equal(a, b, equal_nan=True)
 
 
-def test_workers_default_to_every_core_from_2_to_the_24_scores():
+def test_workers_default_to_every_core_from_2_to_the_19_scores():
     cores = len(os.sched_getaffinity(0))
-    small, large = np.zeros((1, 2, 2047, 1)), np.zeros((1, 2, 4096, 1))   # 2 * 2047 * 4096 < 2^24 scores
+    small, large = np.zeros((1, 2, 255, 1)), np.zeros((1, 2, 1024, 1))   # 2 * 255 * 1024 < 2^19 scores
     assert na.attention_options(small, large, large)[3].workers == 1
-    assert na.attention_options(large, large, large)[3].workers == cores  # 2 * 4096^2 = 2^25
+    assert na.attention_options(large, large, large)[3].workers == cores  # 2 * 1024^2 = 2^21
     assert na.attention_options(large, large, large, block_size=64)[3].workers == cores
     assert na.attention_options(large, large, large, implementation="textbook")[3].workers == 1
     assert na.attention_options(large, large, large, workers=1)[3].workers == 1
-    packed = np.zeros((2, 8192, 1))                        # 2 * 8192^2 = 2^27 scores in the array,
-    cu = np.arange(0, 8193, 1024)                          # but 2 * 8 * 1024^2 = 2^24 in its 8 sequences
+    packed = np.zeros((2, 2048, 1))                        # 2 * 2048^2 = 2^23 scores in the array,
+    cu = np.arange(0, 2049, 256)                           # but 2 * 8 * 256^2 = 2^20 in its 8 sequences
     assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == cores
-    cu = np.arange(0, 8193, 512)                           # 2 * 16 * 512^2 = 2^23
+    cu = np.arange(0, 2049, 128)                           # 2 * 16 * 128^2 = 2^19
+    assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == cores
+    cu = np.arange(0, 2049, 64)                            # 2 * 32 * 64^2 = 2^18
     assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == 1
 
 
@@ -248,10 +250,9 @@ def test_workers_belong_to_the_blocked_and_tiled_engines():
 
 
 def test_overlapping_worker_pools_restore_blas_threads():
-    """Two threads running workers=2 at once: afterwards BLAS has its thread count back."""
+    """Three threads running workers=2 at once: afterwards BLAS has its thread count back."""
     import threading
-    from threadpoolctl import threadpool_info
-    before = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+    before = blas_threads()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 4, 256, 32))
     threads = [threading.Thread(target=lambda: na.attention_forward(x, x, x, workers=2)) for _ in range(3)]
@@ -259,34 +260,162 @@ def test_overlapping_worker_pools_restore_blas_threads():
         thread.start()
     for thread in threads:
         thread.join()
-    assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] == before
+    assert blas_threads() == before
 
 
-def test_a_single_task_on_several_workers_holds_blas_to_one_thread():
-    """workers > 1 holds BLAS to one thread for a lone task as well (no product on BLAS's threads
-    next to a pool); workers = 1 leaves BLAS as it is."""
+def blas_threads():
+    """The thread counts of numpy's BLAS (another library's, loaded later, is not limited)."""
     from threadpoolctl import threadpool_info
+    numpy_dir = os.path.dirname(os.path.dirname(np.__file__))
+    return [pool["num_threads"] for pool in threadpool_info()
+            if pool["user_api"] == "blas" and pool["filepath"].startswith(os.path.join(numpy_dir, "numpy"))]
+
+
+def test_tasks_hold_blas_to_one_thread_for_any_number_of_workers():
+    """run_tasks holds BLAS to one thread for one worker too (a product on BLAS's threads can
+    round differently from the same product on one), and gives BLAS its threads back."""
     from numpy_attention.engines.parallel import run_tasks
-    blas = lambda: [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
-    before = blas()
-    assert run_tasks(blas, [()], workers=2) == [[1] * len(before)]
-    assert run_tasks(blas, [()], workers=1) == [before]
-    assert blas() == before
+    before = blas_threads()
+    assert before and max(before) > 1                      # this machine: several cores
+    assert run_tasks(blas_threads, [()] * 3, workers=2) == [[1] * len(before)] * 3
+    assert run_tasks(blas_threads, [()], workers=2) == [[1] * len(before)]
+    assert run_tasks(blas_threads, [()], workers=1) == [[1] * len(before)]
+    assert blas_threads() == before
 
 
-def test_multihead_attention_on_threads_has_the_bits_of_one_thread():
-    """MultiHeadAttention runs its projections as tasks on the attention's threads: the output,
-    the weights and every gradient are bitwise those of workers=1."""
-    rng = np.random.default_rng(14)
-    query, key, value, dout = (rng.standard_normal((2, 96, 256)) for _ in range(4))
-    params = na.MultiHeadAttention(256, 4, seed=1).params
+def test_an_ending_call_leaves_blas_on_one_thread_while_another_runs():
+    """Overlapping calls from two threads: the one that ends first does not give BLAS its
+    threads back while the other still computes; the last one does."""
+    import threading
+    from numpy_attention.engines.parallel import run_tasks
+    before, inside, release, seen = blas_threads(), threading.Event(), threading.Event(), []
+    def hold():
+        inside.set()
+        release.wait(10)
+        return blas_threads()
+    thread = threading.Thread(target=lambda: seen.extend(run_tasks(hold, [()])))
+    thread.start()
+    assert inside.wait(10)
+    assert run_tasks(blas_threads, [()]) == [[1] * len(before)]
+    assert blas_threads() == [1] * len(before)             # the other call is still open
+    release.set()
+    thread.join()
+    assert seen == [[1] * len(before)] and blas_threads() == before
+
+
+@pytest.mark.parametrize("engine", ["blocked", "tiled"])
+def test_workers_give_the_same_bits_where_blas_threads_would_not(monkeypatch, engine):
+    """N_k = 500 keys: OpenBLAS sums a product over k = 500 in other blocks on two threads than
+    on one, so one worker with BLAS on its threads would not give the bits of two workers."""
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", 1 << 20)   # several blocks of rows
+    rng = np.random.default_rng(15)
+    q, dout = rng.standard_normal((1, 2, 384, 64)), rng.standard_normal((1, 2, 384, 64))
+    k, v = rng.standard_normal((1, 2, 500, 64)), rng.standard_normal((1, 2, 500, 64))
+    tiles = {"block_size": 500} if engine == "tiled" else {}
     runs = []
-    for workers in (1, 2):
+    for workers in (1, 2, 3):
+        out, cache = na.attention_forward(q, k, v, workers=workers, implementation=engine, **tiles)
+        runs.append([out, *na.attention_backward(dout, cache)[:3]])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("d_model", [256, 600])
+def test_multihead_attention_on_threads_has_the_bits_of_one_thread(d_model):
+    """MultiHeadAttention runs its projections as tasks on the attention's threads: the output,
+    the weights and every gradient are bitwise those of workers=1 (d_model = 600: products over
+    k = 600, which BLAS's threads would sum in other blocks)."""
+    rng = np.random.default_rng(14)
+    query, key, value, dout = (rng.standard_normal((2, 96, d_model)) for _ in range(4))
+    params = na.MultiHeadAttention(d_model, 4, seed=1).params
+    runs = []
+    for workers in (1, 2, 3):
         out, weights, cache = na.multihead_forward(query, key, value, params, 4, workers=workers, causal=True)
         assert cache.attention.options.workers == workers
         runs.append([out, weights, *na.multihead_backward(dout, cache).values()])
-    for a, b in zip(*runs, strict=True):
-        assert np.array_equal(a, b)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert np.array_equal(a, b)
+
+
+PROJECTION_CASES = {            # (x's shape, W's shape, x's dtype, W's dtype, b's dtype or None)
+    "split in 7 blocks": ((4, 1000, 64), (64, 64), np.float64, np.float64, np.float64),
+    "odd rows, split in 3": ((1, 3277, 48), (48, 40), np.float64, np.float64, np.float64),
+    "dW in 2 blocks": ((2, 600, 256), (256, 32), np.float64, np.float64, np.float64),
+    "too small to split": ((2, 9, 6), (6, 5), np.float64, np.float64, np.float64),
+    "no bias": ((2, 1000, 64), (64, 64), np.float64, np.float64, None),
+    "float32": ((2, 1000, 64), (64, 64), np.float32, np.float32, np.float32),
+    "complex x, real W": ((2, 1000, 64), (64, 64), np.complex128, np.float64, np.float64),
+    "a bias that widens y": ((2, 1000, 64), (64, 64), np.float32, np.float32, np.float64),
+}
+
+
+@pytest.mark.parametrize("case", PROJECTION_CASES)
+def test_projections_on_threads_equal_linear(case):
+    """engines/projections.py computes y's, dx's and dW's rows in blocks: y, the cache and every
+    gradient are the bits of linear_forward / linear_backward on one BLAS thread (with numpy's
+    OpenBLAS, as the module says), for two linears at once, one with a transposed W (the module's weight.T) and a strided
+    x, on 1, 2 and 3 threads; the arguments are left alone."""
+    from numpy_attention.engines.parallel import blas_on_one_thread
+    from numpy_attention.engines.projections import projections_backward, projections_forward
+    x_shape, W_shape, x_dtype, W_dtype, b_dtype = PROJECTION_CASES[case]
+    rng = np.random.default_rng(21)
+    draw = lambda shape, dtype: (rng.standard_normal(shape) + (1j * rng.standard_normal(shape)
+                                 if np.dtype(dtype).kind == "c" else 0)).astype(dtype)
+    bias = lambda: None if b_dtype is None else draw(W_shape[1], b_dtype)
+    items = [(draw(x_shape, x_dtype), draw(W_shape, W_dtype), bias()),
+             (draw(x_shape[:-1] + (2 * W_shape[0],), x_dtype)[..., ::2], draw(W_shape[::-1], W_dtype).T, bias())]
+    before = [[np.copy(a) for a in item if a is not None] for item in items]
+    with blas_on_one_thread():
+        expected = [na.linear_forward(*item) for item in items]
+        douts = [draw(y.shape, y.dtype) for y, _ in expected]
+        want = [na.linear_backward(dy, cache) for dy, (_, cache) in zip(douts, expected)]
+    for workers in (1, 2, 3):
+        results = projections_forward(items, workers)
+        for (y, cache), (y_ref, cache_ref) in zip(results, expected, strict=True):
+            assert y.dtype == y_ref.dtype and np.array_equal(y, y_ref)
+            assert cache.has_bias == cache_ref.has_bias and cache.out_shape == cache_ref.out_shape
+            assert np.array_equal(cache.x, cache_ref.x) and np.array_equal(cache.W, cache_ref.W)
+        got = projections_backward([(dy, cache) for dy, (_, cache) in zip(douts, results)], workers)
+        for grads, grads_ref in zip(got, want, strict=True):
+            for g, g_ref in zip(grads, grads_ref, strict=True):
+                assert (g is None) == (g_ref is None)
+                if g is not None:
+                    assert g.dtype == g_ref.dtype and g.shape == g_ref.shape and np.array_equal(g, g_ref)
+    for item, saved in zip(items, before):
+        assert all(np.array_equal(a, b) for a, b in zip([a for a in item if a is not None], saved))
+
+
+def test_projections_are_cut_by_size_not_by_workers(monkeypatch):
+    """Each product runs as blocks of rows (y's; dx's and dW's in the backward), up to BLOCKS of
+    at least MIN_ROWS rows and MIN_BLOCK multiply-adds each, the same blocks for any number of
+    workers: threads share the module's projections evenly, with the same bits."""
+    from numpy_attention.engines import projections
+    tasks = []
+    def recording(fn, items, workers):
+        tasks.append([(item[0].__name__, item[-1] if isinstance(item[-1], slice) else None)
+                      for item in items if item[0] is not np.copyto])
+        return run_tasks(fn, items, workers)
+    run_tasks = projections.run_tasks
+    monkeypatch.setattr(projections, "run_tasks", recording)
+    rng = np.random.default_rng(3)
+    items = [(rng.standard_normal((2, 1000, 256)), rng.standard_normal((256, 64)), rng.standard_normal(64))
+             for _ in range(3)]
+    for workers in (1, 2, 3):
+        results = projections.projections_forward(items, workers)
+        projections.projections_backward([(rng.standard_normal((2, 1000, 64)), cache) for _, cache in results],
+                                         workers)
+    assert tasks[0] == tasks[2] == tasks[4] and tasks[1] == tasks[3] == tasks[5]
+    rows = [r for name, r in tasks[0] if name == "_forward_rows"]
+    assert len(rows) == 3 * 8 and rows[:8] == [slice(250 * i, 250 * (i + 1)) for i in range(8)]   # BLOCKS
+    backward = [(name, r) for name, r in tasks[1]]
+    assert [name for name, _ in backward].count("_dx_rows") == 3 * 8
+    assert [r for name, r in backward if name == "_dW_rows"][:2] == [slice(0, 128), slice(128, 256)]  # MIN_ROWS
+    assert [name for name, _ in backward].count("_dW_rows") == 3 * 2
+    assert [name for name, _ in backward].count("sum") == 3
+    assert projections._blocks(3 * projections.MIN_ROWS, 1) == [slice(0, 3 * projections.MIN_ROWS)]   # MIN_BLOCK
+    assert len(projections._blocks(3 * projections.MIN_ROWS, projections.MIN_BLOCK)) == 3
 
 
 def test_multihead_attention_checks_workers_before_projecting():

@@ -3,44 +3,42 @@
 numpy's element-wise passes (the softmax and its backward: most of attention's time at long
 sequences) run on one core; its matrix products on BLAS's threads. Slices of the work that
 share nothing, (batch, kv head, block of rows), can run on a thread pool: numpy releases the
-GIL inside its loops, so the element-wise passes of two slices run on two cores. BLAS is
-held to one thread meanwhile (threadpoolctl, for the pool's lifetime), or its own threads
-would compete with the pool's for the same cores.
+GIL inside its loops, so the element-wise passes of two slices run on two cores.
 
-threadpoolctl's limit is process-wide: while a pool runs, BLAS is on one thread for every
-thread of the process. One pool at a time sets and restores it (a lock), so overlapping calls
-from several threads restore the caller's setting in order. The limit does not stop OpenBLAS's
-own idle threads: after a product on several threads they spin (by default for about 0.1 s)
-before they sleep, and a pool that starts meanwhile shares the cores with them. Only
-OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that (docs/variants.md, Threads).
-What the library can do is keep its own products off BLAS's threads next to a pool: a lone
-task on several workers runs with BLAS on one thread too, and MultiHeadAttention runs its
-projections as tasks when its attention runs on several threads.
+BLAS is held to one thread while an engine runs, for any number of workers (one included):
+`workers` threads are all the threads there are. On several threads BLAS's own would compete
+with the pool's for the same cores; and one product computed by BLAS's threads can round
+differently from the same product on one thread (OpenBLAS splits the sum over k into other
+blocks when k is between about 400 and 800), so only products on one thread in every case give
+the same bits for every worker count. The limit is process-wide (threadpoolctl): the first of
+the overlapping calls in a process sets it and the last one restores BLAS's own setting, so
+calls from several threads can overlap and each computes on one BLAS thread throughout. It
+does not stop OpenBLAS's idle threads: after a product on several threads (outside the
+library) they spin for about 0.1 s before they sleep, and a pool that starts meanwhile shares
+the cores with them. Only OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that
+(docs/variants.md, Threads).
 
 On a cluster (dask.distributed, the optional extra `dask`) the same slices are tasks: the
 arrays every slice reads (k, v, the options) are sent to each worker once, each slice's own
 arrays with its task, and the results come back in order.
 
 Bitwise the same for any worker count, and on a cluster: the slicing does not depend on
-them, each task computes only its own slices, and a sum over slices (dk, dv over the rows
-of one kv head) is one task's, in the serial order.
+them, each task computes only its own slices with BLAS on one thread, and a sum over slices
+(dk, dv over the rows of one kv head) is one task's, in the serial order.
 """
 import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from threadpoolctl import threadpool_limits
-
-
-_ONE_POOL_AT_A_TIME = threading.Lock()     # the BLAS limit is saved and restored by one pool at a time
+import threadpoolctl
+from threadpoolctl import ThreadpoolController
 
 
 def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
-    """[fn(*item, **shared) for item in items], in order.
+    """[fn(*item, **shared) for item in items], in order, with BLAS on one thread.
 
-    workers > 1: on that many threads, BLAS on one thread (a single item too: on the calling
-    thread, so that no product on BLAS's threads leaves them spinning before the next pool).
+    workers > 1: on that many threads; 1: on the calling thread.
     scheduler: a dask.distributed Client or a scheduler's address (`cluster`): on its
     workers, each value of `shared` sent to every worker once.
     """
@@ -52,19 +50,74 @@ def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
             placed = client.scatter([tuple(item) for item in items], hash=False)   # each task's own data
             return client.gather([client.submit(_apply, fn, item, **sent, pure=False) for item in placed])
     calls = [partial(fn, *item, **shared) for item in items]
-    if workers == 1:
-        return [call() for call in calls]
-    with _ONE_POOL_AT_A_TIME, threadpool_limits(limits=1, user_api="blas"):
-        if len(calls) < 2:
+    with blas_on_one_thread():
+        if workers == 1 or len(calls) < 2:
             return [call() for call in calls]
         with ThreadPoolExecutor(workers) as pool:
             futures = [pool.submit(call) for call in calls]
             return [future.result() for future in futures]
 
 
+class _OneThreadBlas:
+    """BLAS on one thread from the first entry to the last exit of overlapping `with` blocks.
+
+    The process-wide setting is threadpoolctl's; this counts the blocks open in the process,
+    so that one ending while another runs does not give BLAS its threads back. threadpoolctl
+    finds the loaded BLAS libraries once, at the first entry (a search costs about 0.15 ms;
+    setting a limit on them about 10 us): numpy's, loaded with numpy, and any loaded before;
+    one loaded later (scipy.linalg's own OpenBLAS, say) is left alone. threadpoolctl lets one
+    thread at a time set OpenBLAS's threads (its pthreads build, threadpoolctl >= 3.6) and
+    ignores the others: the first entry and the last exit, from whichever threads, take that
+    control for their change and give it back.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open = 0
+        self._controller = self._limiter = None
+
+    def __enter__(self):
+        with self._lock:
+            if self._open == 0:
+                self._controller = self._controller or ThreadpoolController()
+                with _blas_control():
+                    self._limiter = self._controller.limit(limits=1, user_api="blas")
+            self._open += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                with _blas_control():
+                    self._limiter.restore_original_limits()
+
+
+@contextlib.contextmanager
+def _blas_control():
+    """This thread may set OpenBLAS's threads inside (threadpoolctl's controlling thread)."""
+    clear = getattr(getattr(threadpoolctl, "OpenBLASController", None), "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear(force=True)
+
+
+_ONE_THREAD_BLAS = _OneThreadBlas()          # one per process: the BLAS setting is the process's
+
+
+def blas_on_one_thread():
+    """A context manager: BLAS on one thread inside (threadpoolctl; see _OneThreadBlas)."""
+    return _ONE_THREAD_BLAS
+
+
 def _apply(fn, item, **shared):
-    """fn(*item, **shared): a task on a cluster worker, its item sent ahead by scatter."""
-    return fn(*item, **shared)
+    """fn(*item, **shared) with BLAS on one thread: a task on a cluster worker, its item sent
+    ahead by scatter."""
+    with blas_on_one_thread():
+        return fn(*item, **shared)
 
 
 @contextlib.contextmanager
