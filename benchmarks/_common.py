@@ -36,11 +36,10 @@ def median_time(fn, repeats=5, budget=20.0):
     return statistics.median(times)
 
 
-def median_times_apart(codes, rounds=4, calls=3, envs=None):
+def median_times_apart(codes, rounds=4, calls=3):
     """Median wall time of each contender's step(), each one timed alone in its own process.
 
-    `codes` are Python snippets that each define step(); `envs`, if given, one dict per code
-    of environment variables its processes get on top of ours. Per round, every contender runs in
+    `codes` are Python snippets that each define step(). Per round, every contender runs in
     a fresh interpreter (allocator settled: SETTLE_ALLOCATOR): two untimed calls (BLAS
     threads, caches), then `calls` timed
     ones; the rounds alternate the contenders, spreading a shared machine's noise over all
@@ -49,10 +48,10 @@ def median_times_apart(codes, rounds=4, calls=3, envs=None):
     too), so whoever runs next is measured against them. Timed in one process, torch's
     step at the seed's shape varied 2.5x from run to run (and favoured us); alone, +-20%.
     """
-    times, envs = [[] for _ in codes], envs or [None] * len(codes)
+    times = [[] for _ in codes]
     for _ in range(rounds):
-        for code, env, ts in zip(codes, envs, times):
-            ts += child_times(code, calls, env)
+        for code, ts in zip(codes, times):
+            ts += child_times(code, calls)
     return [statistics.median(ts) for ts in times]
 
 
@@ -67,14 +66,13 @@ def median_times_apart(codes, rounds=4, calls=3, envs=None):
 SETTLE_ALLOCATOR = "import numpy\nnumpy.ones(2 << 20)\n"
 
 
-def child_times(code, calls, env=None):
+def child_times(code, calls):
     """The wall times of `calls` calls of the step() that `code` defines, in a fresh
-    interpreter (its allocator settled first: SETTLE_ALLOCATOR; `env` added to its
-    environment), after two untimed calls."""
+    interpreter (its allocator settled first: SETTLE_ALLOCATOR), after two untimed calls."""
     code = SETTLE_ALLOCATOR + code
     timing = (f"\nimport time\nstep()\nstep()\nfor _ in range({calls}):\n"
               f"    t0 = time.perf_counter()\n    step()\n    print('TIME', time.perf_counter() - t0)\n")
-    out = run_child(code + timing, env)[1]
+    out = run_child(code + timing)[1]
     return [float(line.split()[1]) for line in out.splitlines() if line.startswith("TIME")]
 
 
@@ -105,13 +103,12 @@ def softmax_passes(shape, dtype, workers):
     return lambda: run_tasks(passes, blocks, workers)
 
 
-def run_child(code, env=None):
-    """Run `code` (a Python snippet) in a fresh interpreter, `env` (a dict) added to its
-    environment; return (peak RSS in MiB, stdout)."""
+def run_child(code):
+    """Run `code` (a Python snippet) in a fresh interpreter; return (peak RSS in MiB, stdout)."""
     probe = ("\nfor line in open('/proc/self/status'):\n"
              "    if line.startswith('VmHWM'):\n"
              "        print('VMHWM', int(line.split()[1]))\n")
-    env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([repo_root()] + sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root()] + sys.path))
     res = subprocess.run([sys.executable, "-c", code + probe], capture_output=True, text=True, env=env)
     if res.returncode:
         raise RuntimeError(f"child failed:\n{res.stderr[-2000:]}")

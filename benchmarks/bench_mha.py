@@ -1,7 +1,7 @@
 """Forward + backward of MultiHeadAttention: ours against PyTorch CPU autograd, one run.
 
     python3 benchmarks/bench_mha.py [--rounds 4] [--no-memory] [--dtypes float64 float32]
-                                    [--numpy-hugepages on|off] [--openblas-thread-timeout 4]
+                                    [--numpy-hugepages on|off]
 
 For each (B, N, d_model, heads) and dtype: the median time of one forward + backward
 (inputs query, key, value distinct; random upstream gradient) in steady state, ours and
@@ -19,13 +19,6 @@ subtract, multiply; in place, on the blocked engine's blocks of rows and its thr
 copies, no allocation, nothing else: about the least any numpy implementation of the step
 can take on this machine, since numpy runs one ufunc at a time. "floor % peak" is the most
 such an implementation can reach, and "torch/floor" the largest torch/ours it can show here.
-
---openblas-thread-timeout T adds a third contender in the same alternation: ours in processes
-started with OPENBLAS_THREAD_TIMEOUT=T. OpenBLAS reads it at load: after a product on several
-threads its idle threads spin for 2^T clock cycles (default 2^28, about 0.1 s) before they
-sleep (the minimum, 4, has them sleep at once; the next multi-threaded product wakes them).
-Where the attention runs on threads, the module runs its products there too, with BLAS on
-one thread, so that none spins next to the pool; the variable then shows what is left.
 
 FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.
@@ -164,15 +157,10 @@ def main():
     ap.add_argument("--shapes", type=int, nargs="+",
                     help="indices of the (B, N, D, H) to run, default all: "
                          + ", ".join(f"{i} = {s}" for i, s in enumerate(SHAPES)))
-    ap.add_argument("--openblas-thread-timeout", type=int, metavar="T",
-                    help="also time ours with OPENBLAS_THREAD_TIMEOUT=T (4-30; see above)")
     ap.add_argument("--numpy-hugepages", choices=("on", "off"), default="on",
                     help="numpy's madvise of huge pages for large arrays (default on, numpy's own "
                          "default; see _common.set_numpy_hugepages)")
     args = ap.parse_args()
-    timeout = args.openblas_thread_timeout
-    if timeout is not None and not 4 <= timeout <= 30:
-        ap.error(f"--openblas-thread-timeout must be 4-30 (OpenBLAS's range), got {timeout}")
     load = OtherLoad()
     on = args.numpy_hugepages == "on"
     hugepages = set_numpy_hugepages(on)
@@ -189,11 +177,7 @@ def main():
             B, N, D, H = SHAPES[idx]
             contenders = ["ours", "torch"] if have_torch else ["ours"]
             codes = [step_code(which, B, N, D, H, dtype, threads, on) for which in contenders]
-            envs = [None] * len(codes)
-            if timeout:
-                codes.append(step_code("ours", B, N, D, H, dtype, threads, on))
-                envs.append({"OPENBLAS_THREAD_TIMEOUT": str(timeout)})
-            times = median_times_apart(codes, args.rounds, envs=envs)
+            times = median_times_apart(codes, args.rounds)
             t_ours, t_torch = times[0], times[1] if have_torch else None
             t_matmuls = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             t_softmax = median_time(softmax_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
@@ -203,15 +187,12 @@ def main():
                    f"{t_softmax * 1e3:.2f}", percent(t_floor)]
             row += ([f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x", f"{t_torch / t_floor:.2f}x"]
                     if have_torch else ["-", "-", "-"])
-            if timeout:
-                row += [f"{times[-1] * 1e3:.2f}", f"{t_torch / times[-1]:.2f}x" if have_torch else "-"]
             if not args.no_memory:
                 row.append(f"{memory('ours', B, N, D, H, dtype, threads, on):.0f}")
                 row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if have_torch else "-")
             rows.append(row)
         header = ["(B,N,D,H)", "ours ms", "% peak", "matmuls ms", "softmax ms", "floor % peak",
                   "torch ms", "torch/ours", "torch/floor"]
-        header += [f"ours ms, timeout {timeout}", "torch/that"] if timeout else []
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
     print("\n" + load.line())
