@@ -342,7 +342,7 @@ def test_multihead_attention_on_threads_has_the_bits_of_one_thread(d_model):
 PROJECTION_CASES = {            # (x's shape, W's shape, x's dtype, W's dtype, b's dtype or None)
     "split in 7 blocks": ((4, 1000, 64), (64, 64), np.float64, np.float64, np.float64),
     "odd rows, split in 3": ((1, 3277, 48), (48, 40), np.float64, np.float64, np.float64),
-    "dW in 2 blocks": ((2, 600, 256), (256, 32), np.float64, np.float64, np.float64),
+    "dW in 2 blocks": ((2, 600, 1024), (1024, 32), np.float64, np.float64, np.float64),
     "too small to split": ((2, 9, 6), (6, 5), np.float64, np.float64, np.float64),
     "no bias": ((2, 1000, 64), (64, 64), np.float64, np.float64, None),
     "float32": ((2, 1000, 64), (64, 64), np.float32, np.float32, np.float32),
@@ -400,7 +400,7 @@ def test_projections_are_cut_by_size_not_by_workers(monkeypatch):
     run_tasks = projections.run_tasks
     monkeypatch.setattr(projections, "run_tasks", recording)
     rng = np.random.default_rng(3)
-    items = [(rng.standard_normal((2, 1000, 256)), rng.standard_normal((256, 64)), rng.standard_normal(64))
+    items = [(rng.standard_normal((2, 1000, 1024)), rng.standard_normal((1024, 64)), rng.standard_normal(64))
              for _ in range(3)]
     for workers in (1, 2, 3):
         results = projections.projections_forward(items, workers)
@@ -408,14 +408,15 @@ def test_projections_are_cut_by_size_not_by_workers(monkeypatch):
                                          workers)
     assert tasks[0] == tasks[2] == tasks[4] and tasks[1] == tasks[3] == tasks[5]
     rows = [r for name, r in tasks[0] if name == "_forward_rows"]
-    assert len(rows) == 3 * 8 and rows[:8] == [slice(250 * i, 250 * (i + 1)) for i in range(8)]   # BLOCKS
+    assert len(rows) == 3 * 3 and rows[:3] == [slice(0, 666), slice(666, 1333), slice(1333, 2000)]  # MIN_ROWS
     backward = [(name, r) for name, r in tasks[1]]
-    assert [name for name, _ in backward].count("_dx_rows") == 3 * 8
-    assert [r for name, r in backward if name == "_dW_rows"][:2] == [slice(0, 128), slice(128, 256)]  # MIN_ROWS
+    assert [name for name, _ in backward].count("_dx_rows") == 3 * 3
+    assert [r for name, r in backward if name == "_dW_rows"][:2] == [slice(0, 512), slice(512, 1024)]
     assert [name for name, _ in backward].count("_dW_rows") == 3 * 2
     assert [name for name, _ in backward].count("sum") == 3
     assert projections._blocks(3 * projections.MIN_ROWS, 1) == [slice(0, 3 * projections.MIN_ROWS)]   # MIN_BLOCK
     assert len(projections._blocks(3 * projections.MIN_ROWS, projections.MIN_BLOCK)) == 3
+    assert len(projections._blocks(100 * projections.MIN_ROWS, projections.MIN_BLOCK)) == projections.BLOCKS
 
 
 def test_multihead_attention_checks_workers_before_projecting():

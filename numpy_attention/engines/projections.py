@@ -11,8 +11,8 @@ A product is cut into up to BLOCKS blocks of rows by its size alone (blocks of a
 MIN_ROWS rows and MIN_BLOCK multiply-adds), and the blocks of all the linears given run on
 `workers` threads with BLAS on one thread (parallel.run_tasks): the same products for every
 worker count, so bitwise the same results, and the threads share them evenly (on two threads
-the module's three input projections are twelve rounds of eighths of a product; whole ones
-would take two rounds, one thread idle in the second). A block computes its part of the product as the whole one
+the module's three input projections at 2048 rows are six rounds of quarters of a product;
+whole ones would take two rounds, one thread idle in the second). A block computes its part of the product as the whole one
 does, so the results equal linear_forward's and linear_backward's (bitwise, with numpy's
 OpenBLAS, tested: it rounds a product below about 10^6 multiply-adds with another kernel,
 hence MIN_BLOCK).
@@ -27,7 +27,7 @@ from ..linear import LinearCache
 from .parallel import run_tasks
 
 BLOCKS = 8                  # blocks per product at most: enough to share out over a few threads
-MIN_ROWS = 128              # rows per block at least: each block packs all of the other operand again
+MIN_ROWS = 512              # rows per block at least: each block packs all of the other operand again
 MIN_BLOCK = 1 << 21         # multiply-adds per block at least
 
 
@@ -61,8 +61,9 @@ def projections_backward(items, workers):
         dx = np.empty(x2.shape, np.result_type(dy, W))                  # [n, d_in]
         dW = np.empty(W.shape, np.result_type(x, dy))                   # [d_in, d_out]
         db = np.empty(W.shape[1], dy.dtype) if cache.has_bias else None   # [d_out]
-        tasks += [(_dx_rows, dy2, W, dx, rows) for rows in _blocks(n, W.size)]
+        # dW first: often one block, as large as all of dx's; one thread takes it, the others dx's
         tasks += [(_dW_rows, x2, dy2, dW, rows) for rows in _blocks(W.shape[0], dy2.size)]
+        tasks += [(_dx_rows, dy2, W, dx, rows) for rows in _blocks(n, W.size)]
         if db is not None:
             tasks.append((np.sum, dy2, 0, None, db))                   # db = sum over rows of dy
         results.append((dx.reshape(x.shape), dW, db))
@@ -90,7 +91,8 @@ def _dW_rows(x2, dy2, dW, rows):
 
 def _blocks(n, per_row):
     """range(n), the rows of a product of `per_row` multiply-adds a row, in up to BLOCKS slices
-    as even as can be, each of at least MIN_ROWS rows and MIN_BLOCK multiply-adds."""
+    as even as can be, each of at least MIN_ROWS rows and MIN_BLOCK multiply-adds (one slice
+    for a smaller product)."""
     parts = max(1, min(BLOCKS, n // MIN_ROWS, n * per_row // MIN_BLOCK))
     edges = [n * i // parts for i in range(parts + 1)]
     return [slice(start, stop) for start, stop in zip(edges, edges[1:])]
