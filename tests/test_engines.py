@@ -303,6 +303,28 @@ def test_an_ending_call_leaves_blas_on_one_thread_while_another_runs():
     assert seen == [[1] * len(before)] and blas_threads() == before
 
 
+def test_a_child_forked_during_a_call_gets_blas_threads_back():
+    """A process forked while another thread is inside a call: the child has no call open, so
+    its BLAS has its threads, and a call there holds and gives them back as usual."""
+    import threading
+    from numpy_attention.engines.parallel import run_tasks
+    before, inside, release = blas_threads(), threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: run_tasks(lambda: (inside.set(), release.wait(10)), [()]))
+    thread.start()
+    try:
+        assert inside.wait(10) and blas_threads() == [1] * len(before)
+        pid = os.fork()
+        if pid == 0:                                       # the child: report by exit code only
+            ok = (blas_threads() == before and run_tasks(blas_threads, [()]) == [[1] * len(before)]
+                  and blas_threads() == before)
+            os._exit(0 if ok else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        release.set()
+        thread.join()
+    assert blas_threads() == before
+
+
 @pytest.mark.parametrize("engine", ["blocked", "tiled"])
 def test_workers_give_the_same_bits_where_blas_threads_would_not(monkeypatch, engine):
     """N_k = 500 keys: OpenBLAS sums a product over k = 500 in other blocks on two threads than

@@ -27,6 +27,7 @@ them, each task computes only its own slices with BLAS on one thread, and a sum 
 (dk, dv over the rows of one kv head) is one task's, in the serial order.
 """
 import contextlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -76,6 +77,15 @@ class _OneThreadBlas:
         self._open = 0
         self._controller = self._limiter = None
 
+    def after_fork(self):
+        """In a child forked while a block was open in another thread of its parent: no block
+        is open in the child, so BLAS gets its threads back and the count starts at 0."""
+        self._lock = threading.Lock()
+        if self._open:
+            self._open = 0
+            with _blas_control():
+                self._limiter.restore_original_limits()
+
     def __enter__(self):
         with self._lock:
             if self._open == 0:
@@ -106,6 +116,7 @@ def _blas_control():
 
 
 _ONE_THREAD_BLAS = _OneThreadBlas()          # one per process: the BLAS setting is the process's
+os.register_at_fork(after_in_child=_ONE_THREAD_BLAS.after_fork)
 
 
 def blas_on_one_thread():
