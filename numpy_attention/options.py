@@ -274,7 +274,7 @@ def resolve_workers(workers, implementation, scores):
     """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
     None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
     engines when they compute at least PARALLEL_SCORES scores (_score_count), where threads
-    gain (below it the work is about one block or one tile, and a pool saves nothing); else 1."""
+    gained here (below it there is little work to share); else 1."""
     if workers is None:
         if implementation == "textbook" or scores < PARALLEL_SCORES:
             return 1

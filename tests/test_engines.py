@@ -325,6 +325,25 @@ def test_a_child_forked_during_a_call_gets_blas_threads_back():
     assert blas_threads() == before
 
 
+def test_a_child_forked_inside_a_call_counts_only_that_call():
+    """A task that forks: the child leaves the call it was forked in with BLAS's threads back,
+    and its next call holds them again."""
+    from numpy_attention.engines.parallel import run_tasks
+    before = blas_threads()
+    def fork():
+        pid = os.fork()
+        if pid:
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        ok = blas_threads() == [1] * len(before)           # the child, still inside the call
+        return ("child", ok)
+    result = run_tasks(fork, [()])[0]
+    if isinstance(result, tuple):                          # the child, out of the call
+        ok = (result[1] and blas_threads() == before
+              and run_tasks(blas_threads, [()]) == [[1] * len(before)] and blas_threads() == before)
+        os._exit(0 if ok else 1)
+    assert result == 0 and blas_threads() == before
+
+
 @pytest.mark.parametrize("engine", ["blocked", "tiled"])
 def test_workers_give_the_same_bits_where_blas_threads_would_not(monkeypatch, engine):
     """N_k = 500 keys: OpenBLAS sums a product over k = 500 in other blocks on two threads than

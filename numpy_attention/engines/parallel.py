@@ -9,11 +9,13 @@ BLAS is held to one thread while an engine runs, for any number of workers (one 
 `workers` threads are all the threads there are. On several threads BLAS's own would compete
 with the pool's for the same cores; and one product computed by BLAS's threads can round
 differently from the same product on one thread (OpenBLAS splits the sum over k into other
-blocks when k is between about 400 and 800), so only products on one thread in every case give
-the same bits for every worker count. The limit is process-wide (threadpoolctl): the first of
+blocks, for k from about 400 up), so only products on one thread in every case give the same
+bits for every worker count. The limit is process-wide (threadpoolctl): the first of
 the overlapping calls in a process sets it and the last one restores BLAS's own setting, so
-calls from several threads can overlap and each computes on one BLAS thread throughout. It
-does not stop OpenBLAS's idle threads: after a product on several threads (outside the
+calls from several threads can overlap and each computes on one BLAS thread throughout. (An
+OpenBLAS built on OpenMP, as some conda packages are, takes the limit per thread instead:
+there the pool's threads keep BLAS's threads, and the bits can depend on the worker count;
+numpy's own wheels use OpenBLAS's pthreads build.) It does not stop OpenBLAS's idle threads: after a product on several threads (outside the
 library) they spin for about 0.1 s before they sleep, and a pool that starts meanwhile shares
 the cores with them. Only OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that
 (docs/variants.md, Threads).
@@ -62,42 +64,49 @@ def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
 class _OneThreadBlas:
     """BLAS on one thread from the first entry to the last exit of overlapping `with` blocks.
 
-    The process-wide setting is threadpoolctl's; this counts the blocks open in the process,
-    so that one ending while another runs does not give BLAS its threads back. threadpoolctl
-    finds the loaded BLAS libraries once, at the first entry (a search costs about 0.15 ms;
-    setting a limit on them about 10 us): numpy's, loaded with numpy, and any loaded before;
-    one loaded later (scipy.linalg's own OpenBLAS, say) is left alone. threadpoolctl lets one
-    thread at a time set OpenBLAS's threads (its pthreads build, threadpoolctl >= 3.6) and
-    ignores the others: the first entry and the last exit, from whichever threads, take that
-    control for their change and give it back.
+    The process-wide setting is threadpoolctl's; this counts the blocks open in the process
+    (by thread), so that one ending while another runs does not give BLAS its threads back.
+    That holds among the library's own calls: code of yours that sets BLAS's threads while a
+    call runs changes them under it. threadpoolctl finds the loaded BLAS libraries once, at
+    the first entry (a search costs about 0.15 ms; setting a limit on them about 10 us):
+    numpy's, loaded with numpy, and any loaded before; one loaded later (scipy.linalg's own
+    OpenBLAS, say) is left alone. threadpoolctl lets one thread at a time set OpenBLAS's
+    threads (its pthreads build, threadpoolctl >= 3.6) and ignores the others: the first
+    entry and the last exit, from whichever threads, take that control for their change and
+    give it back.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._open = 0
+        self._open = {}                         # thread ident -> blocks it has open
         self._controller = self._limiter = None
 
     def after_fork(self):
-        """In a child forked while a block was open in another thread of its parent: no block
-        is open in the child, so BLAS gets its threads back and the count starts at 0."""
+        """In a forked child only the forking thread lives on: only its open blocks count, and
+        with none BLAS gets its threads back."""
         self._lock = threading.Lock()
-        if self._open:
-            self._open = 0
+        mine = self._open.get(threading.get_ident(), 0)
+        if sum(self._open.values()) and not mine:
             with _blas_control():
                 self._limiter.restore_original_limits()
+        self._open = {threading.get_ident(): mine} if mine else {}
 
     def __enter__(self):
         with self._lock:
-            if self._open == 0:
+            if not self._open:
                 self._controller = self._controller or ThreadpoolController()
                 with _blas_control():
                     self._limiter = self._controller.limit(limits=1, user_api="blas")
-            self._open += 1
+            me = threading.get_ident()
+            self._open[me] = self._open.get(me, 0) + 1
 
     def __exit__(self, *exc):
         with self._lock:
-            self._open -= 1
-            if self._open == 0:
+            me = threading.get_ident()
+            self._open[me] -= 1
+            if not self._open[me]:
+                del self._open[me]
+            if not self._open:
                 with _blas_control():
                     self._limiter.restore_original_limits()
 
