@@ -101,6 +101,18 @@ def test_the_default_blocks_split_a_long_sequence_by_heads_and_rows():
         assert {b[-2].stop - b[-2].start for b in blocked.row_blocks((1, 8, 256, 2048), group, 8)} == {heads}
 
 
+def test_a_problem_under_shares_blocks_is_cut_into_shares_blocks_of_at_least_the_minimum():
+    """Scores under SHARES blocks of BLOCK_BYTES come in SHARES blocks (for the threads to share),
+    but none smaller than MIN_BLOCK_BYTES; the blocks depend on the shape alone."""
+    assert (blocked.SHARES, blocked.MIN_BLOCK_BYTES, blocked.BLOCK_BYTES) == (4, 2 << 20, 8 << 20)
+    assert blocked.row_blocks((4, 8, 256, 256), 1, 4) == [(slice(b, b + 1), slice(0, 8), slice(0, 256))
+                                                          for b in range(4)]        # 8 MiB: 4 of 2 MiB
+    assert len(blocked.row_blocks((4, 8, 256, 256), 1, 8)) == 4                    # 16 MiB: 4 of 4 MiB
+    assert len(blocked.row_blocks((2, 8, 256, 256), 1, 4)) == 2                    # 4 MiB: 2 of 2 MiB
+    assert len(blocked.row_blocks((2, 8, 128, 256), 1, 4)) == 1                    # 2 MiB: whole
+    assert len(blocked.row_blocks((1, 8, 1024, 1024), 1, 8)) == 8                  # 64 MiB: 8 MiB blocks
+
+
 @pytest.mark.parametrize("rows", [slice(None), slice(0, 5), slice(None, None, 2)])
 def test_grouped_matmul_writes_into_out_or_copies_into_it(rows):
     """The blocked forward computes each block's scores straight into the weights P

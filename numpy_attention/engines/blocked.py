@@ -4,12 +4,12 @@ Shape legend as in attention.py; G = H / H_kv query heads per kv head.
 
 The weights P [..., H, N_q, N_k] are stored whole (the backward and MultiHeadAttention's
 attn_weights need them), but every other step runs on one block of rows at a time,
-about BLOCK_BYTES of scores, so that each element-wise pass of the softmax and its
-backward works on a block in the processor's cache instead of streaming [N_q, N_k]
-arrays through memory. Softmax is row-wise: the blocks change nothing but the order of
-dk's and dv's sums (and the columns skipped, below). The scores S are never stored
-(cache.scores recomputes them): each block's scores are computed straight into its rows of
-P, and the softmax runs there in place.
+about BLOCK_BYTES of scores (less for smaller scores: row_blocks), so that each
+element-wise pass of the softmax and its backward works on a block in the processor's cache
+instead of streaming [N_q, N_k] arrays through memory. Softmax is row-wise: the blocks change
+nothing but the order of dk's and dv's sums (and the columns skipped, below). The scores S
+are never stored (cache.scores recomputes them): each block's scores are computed straight
+into its rows of P, and the softmax runs there in place.
 
 Key columns that masking removes from every row of a block (causal masking, the window,
 packed sequences, the mask, a -inf bias: `_kept_columns`) are skipped: their weights are
@@ -40,17 +40,22 @@ from .parallel import run_tasks
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 
 BLOCK_BYTES = 8 << 20       # scores per block: the best of 1-32 MiB measured here (a few MiB, about L2)
+SHARES = 4                  # smaller blocks for smaller scores, so that they come in this many for the
+MIN_BLOCK_BYTES = 2 << 20   # threads to share, down to this size (the blocks depend on the shape alone)
 
 
 def row_blocks(score_shape, group, itemsize):
-    """The blocks of rows of the scores [..., H, N_q, N_k], each about BLOCK_BYTES.
+    """The blocks of rows of the scores [..., H, N_q, N_k], each about BLOCK_BYTES, or a
+    SHARES-th of the scores where that is less (but not below MIN_BLOCK_BYTES): scores of
+    8 MiB come in 4 blocks that threads can share, where BLOCK_BYTES would leave one.
 
     Returns index tuples (one slice per leading axis, heads, rows): every axis kept, so a
     block of any array broadcastable to the scores is x[block]. Head slices hold whole
     groups of `group` query heads, or a single head.
     """
     *lead, h, n_q, n_k = score_shape
-    fit = max(1, BLOCK_BYTES // max(1, n_k * itemsize))             # rows of scores per block
+    budget = min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, math.prod(score_shape) * itemsize // SHARES))
+    fit = max(1, budget // max(1, n_k * itemsize))                  # rows of scores per block
     if math.prod(lead) * h * n_q <= fit:
         return [(slice(None),) * len(lead) + (slice(0, h), slice(0, n_q))]
     if h * n_q <= fit:                                               # all heads of one index
