@@ -10,15 +10,15 @@ BLAS is held to one thread while an engine runs, for any number of workers (one 
 with the pool's for the same cores; and one product computed by BLAS's threads can round
 differently from the same product on one thread (OpenBLAS splits the sum over k into other
 blocks, for k from about 400 up), so only products on one thread in every case give the same
-bits for every worker count. The limit is process-wide (threadpoolctl): the first of
-the overlapping calls in a process sets it and the last one restores BLAS's own setting, so
-calls from several threads can overlap and each computes on one BLAS thread throughout. (An
+bits for every worker count. The limit is process-wide (threadpoolctl): the first of the
+overlapping calls in a process sets it and the last one restores BLAS's own setting, so calls
+from several threads can overlap and each computes on one BLAS thread throughout. (An
 OpenBLAS built on OpenMP, as some conda packages are, takes the limit per thread instead:
 there the pool's threads keep BLAS's threads, and the bits can depend on the worker count;
-numpy's own wheels use OpenBLAS's pthreads build.) It does not stop OpenBLAS's idle threads: after a product on several threads (outside the
-library) they spin for about 0.1 s before they sleep, and a pool that starts meanwhile shares
-the cores with them. Only OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that
-(docs/variants.md, Threads).
+numpy's own wheels use OpenBLAS's pthreads build.) It does not stop OpenBLAS's idle threads:
+after a product on several threads (outside the library) they spin for about 0.1 s before
+they sleep, and a pool that starts meanwhile shares the cores with them. Only
+OPENBLAS_THREAD_TIMEOUT, read when OpenBLAS loads, shortens that (docs/variants.md, Threads).
 
 On a cluster (dask.distributed, the optional extra `dask`) the same slices are tasks: the
 arrays every slice reads (k, v, the options) are sent to each worker once, each slice's own

@@ -12,10 +12,10 @@ MIN_ROWS rows and MIN_BLOCK multiply-adds), and the blocks of all the linears gi
 `workers` threads with BLAS on one thread (parallel.run_tasks): the same products for every
 worker count, so bitwise the same results, and the threads share them evenly (on two threads
 the module's three input projections at 2048 rows are six rounds of quarters of a product;
-whole ones would take two rounds, one thread idle in the second). A block computes its part of the product as the whole one
-does, so the results equal linear_forward's and linear_backward's (bitwise, with numpy's
-OpenBLAS, tested: it rounds a product below about 10^6 multiply-adds with another kernel,
-hence MIN_BLOCK).
+whole ones would take two rounds, one thread idle in the second). A block computes its part
+of the product as the whole one does, so the results equal those of linear_forward and
+linear_backward on one BLAS thread (bitwise with numpy's OpenBLAS, tested: it rounds a
+product below about 10^6 multiply-adds with another kernel, hence MIN_BLOCK).
 
 Called by multihead_forward / multihead_backward, after their checks.
 """
