@@ -39,7 +39,7 @@ from ._checks import (as_float_array, require_cache, require_choice, require_map
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .engines.projections import projections_backward, projections_forward
 from .heads import merge_heads, split_heads
-from .options import resolve_workers
+from .options import resolve_workers, score_count
 from .params import TORCH_WEIGHTS, check_params, param_shapes, torch_to_seed_keys
 
 
@@ -94,10 +94,10 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         if x.shape[2] != params[weight].shape[1]:
             raise ValueError(f"{name}'s width {x.shape[2]} is not the input width of params[{weight!r}] "
                              f"of shape {params[weight].shape} = [d_model, {width}]; got {shapes}")
-    # the attention's threads, resolved as attention_forward will (its scores [B, H, N_q, N_k])
-    scores = query.shape[0] * num_heads * query.shape[1] * key.shape[1]
+    # the attention's threads, resolved as attention_forward will (q [B, H, N_q, d_k], N_k keys)
+    B, N_q, N_k = query.shape[0], query.shape[1], key.shape[1]
     workers = resolve_workers(attention_options.get("workers"), attention_options.get("implementation")
-                              or "blocked", scores)
+                              or "blocked", score_count((B, num_heads, N_q, D // num_heads), N_k))
     # 1. linear projections (math layout W = weight^T), on the attention's threads
     (Q, cq), (K, ck), (V, cv) = projections_forward([
         (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]

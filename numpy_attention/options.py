@@ -134,17 +134,18 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
         seqused_k=_read_only(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size,
-        workers=resolve_workers(workers, implementation, _score_count(q, k, packed)),
+        workers=resolve_workers(workers, implementation, score_count(q.shape, k.shape[-2], packed)),
         scheduler=check_scheduler(scheduler, implementation))
 
 
-def _score_count(q, k, packed):
-    """The scores the engines work on: [..., H, N_q, N_k]; with packed sequences each sequence's
-    own block, H * sum_b n_q[b] * n_k[b] (the tiled engine skips the tiles between two
-    sequences, the blocked engine the columns outside a block's sequences)."""
+def score_count(q_shape, n_k, packed=(None, None)):
+    """The scores the engines work on for q [..., H, N_q, d_k] and N_k keys: [..., H, N_q, N_k];
+    with packed sequences (cu_seqlens_q, cu_seqlens_k) each sequence's own block,
+    H * sum_b n_q[b] * n_k[b] (the tiled engine skips the tiles between two sequences, the
+    blocked engine the columns outside a block's sequences)."""
     if packed[0] is None:
-        return math.prod(q.shape[:-1]) * k.shape[-2]
-    return math.prod(q.shape[:-2]) * int(np.dot(np.diff(packed[0]), np.diff(packed[1])))
+        return math.prod(q_shape[:-1]) * n_k
+    return math.prod(q_shape[:-2]) * int(np.dot(np.diff(packed[0]), np.diff(packed[1])))
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -273,7 +274,7 @@ def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(N
 def resolve_workers(workers, implementation, scores):
     """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
     None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
-    engines when they compute at least PARALLEL_SCORES scores (_score_count), where threads
+    engines when they compute at least PARALLEL_SCORES scores (score_count), where threads
     gained here (below it there is little work to share); else 1."""
     if workers is None:
         if implementation == "textbook" or scores < PARALLEL_SCORES:
