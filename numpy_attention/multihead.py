@@ -19,7 +19,8 @@ Forward                                             Backward (reverse order, one
 Threads: the projections run on the attention's threads (its `workers`, by default every core
 for large scores), each product in blocks of rows with BLAS on one thread
 (engines/projections.py), so the threads share them evenly; the blocks depend on the shapes
-alone, and the results are bitwise the same for any number of workers.
+alone, and the results are bitwise the same for any number of workers. The three splits and
+merges of heads (Q, K, V; dQ, dK, dV) run there too, one task each.
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
 `state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
@@ -37,6 +38,7 @@ import numpy as np
 from ._checks import (as_float_array, require_cache, require_choice, require_mapping,
                       require_positive_int, require_same_shape)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
+from .engines.parallel import run_tasks
 from .engines.projections import projections_backward, projections_forward
 from .heads import merge_heads, split_heads
 from .options import resolve_workers, score_count
@@ -103,8 +105,8 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]
         (key, params["W_k.weight"].T, params["W_k.bias"]),       # kdim -> [B, N_k, D]
         (value, params["W_v.weight"].T, params["W_v.bias"])], workers)   # vdim -> [B, N_k, D]
-    # 2. split heads: [B, N, D] -> [B, H, N, d_k]
-    Qh, Kh, Vh = (split_heads(x, num_heads) for x in (Q, K, V))
+    # 2. split heads: [B, N, D] -> [B, H, N, d_k], on the threads too
+    Qh, Kh, Vh = run_tasks(split_heads, [(x, num_heads) for x in (Q, K, V)], workers)
     # 3. attention per head
     attn, ca = attention_forward(Qh, Kh, Vh, mask=mask, **attention_options)   # [B, H, N_q, d_k]
     # 4. merge heads: [B, H, N_q, d_k] -> [B, N_q, D]
@@ -133,7 +135,7 @@ def multihead_backward(dout, cache):
     [(dconcat, dWo, dbo)] = projections_backward([(dout, cache.o)], workers)   # 5. output projection
     dattn = split_heads(dconcat, H)                                      # 4. merge_heads' backward
     g = attention_backward(dattn, cache.attention)                       # 3. attention
-    dQ, dK, dV = merge_heads(g.dq), merge_heads(g.dk), merge_heads(g.dv)  # 2. split_heads' backward
+    dQ, dK, dV = run_tasks(merge_heads, [(g.dq,), (g.dk,), (g.dv,)], workers)   # 2. split_heads' backward
     (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(   # 1. input projections
         [(dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)
     grads = {"query": dquery, "key": dkey, "value": dvalue,

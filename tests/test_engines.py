@@ -1,6 +1,7 @@
 """The textbook (attention.py) is the spec: the blocked and tiled engines equal it on every option
 they support, and the textbook itself equals complex step."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -342,6 +343,66 @@ def test_a_child_forked_inside_a_call_counts_only_that_call():
               and run_tasks(blas_threads, [()]) == [[1] * len(before)] and blas_threads() == before)
         os._exit(0 if ok else 1)
     assert result == 0 and blas_threads() == before
+
+
+def test_calls_reuse_the_threads_of_one_pool_per_worker_count():
+    """Threads are started once per number of workers and kept, not started for every call."""
+    import threading
+    from numpy_attention.engines.parallel import run_tasks
+    def ident():
+        time.sleep(0.01)                                   # the other task starts meanwhile
+        return threading.get_ident()
+    seen = {workers: {i for _ in range(5) for i in run_tasks(ident, [()] * 4, workers)}
+            for workers in (2, 3)}
+    assert len(seen[2]) == 2 and len(seen[3]) == 3 and not seen[2] & seen[3]
+    assert threading.get_ident() not in seen[2] | seen[3]
+
+
+def test_a_task_that_runs_tasks_runs_them_in_its_own_thread_in_order():
+    """Tasks of a task do not wait for the pool it runs in (with every thread of the pool in a
+    task, they would wait forever); they run in order in the task's own thread."""
+    import threading
+    from numpy_attention.engines.parallel import run_tasks
+    def outer(i):
+        return run_tasks(lambda j: (i, j, threading.get_ident()), [(j,) for j in range(3)], 2)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(run_tasks(outer, [(i,) for i in range(4)], 2)), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and len(done) == 1
+    for i, inner in enumerate(done[0]):
+        assert [(a, b) for a, b, _ in inner] == [(i, j) for j in range(3)]
+        assert len({ident for _, _, ident in inner}) == 1       # the outer task's thread
+
+
+def test_a_failing_task_raises_after_every_task_of_the_call_is_done():
+    from numpy_attention.engines.parallel import run_tasks
+    finished = []
+    def task(i):
+        if i == 0:
+            raise ArithmeticError("task 0")
+        time.sleep(0.05)
+        finished.append(i)
+    with pytest.raises(ArithmeticError, match="task 0"):
+        run_tasks(task, [(i,) for i in range(4)], 2)
+    assert sorted(finished) == [1, 2, 3]
+
+
+def test_a_forked_child_starts_its_own_pool():
+    """The parent's pool threads do not exist in a forked child: its calls start new ones
+    (a pool carried over would queue the tasks for threads that never run them)."""
+    import signal
+    from numpy_attention.engines.parallel import run_tasks
+    def slow_abs(x):
+        time.sleep(0.02)                                   # the other task starts meanwhile
+        return abs(x)
+    assert run_tasks(slow_abs, [(-1,), (-2,)], 2) == [1, 2]   # the parent's pool, both threads
+    pid = os.fork()
+    if pid == 0:                                           # the child: report by exit code only
+        signal.alarm(20)                                   # a hang ends the child, and fails
+        ok = run_tasks(abs, [(-i,) for i in range(6)], 2) == list(range(6))
+        os._exit(0 if ok else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 @pytest.mark.parametrize("engine", ["blocked", "tiled"])

@@ -25,7 +25,9 @@ head), so its queries meet their kv heads by `grouped_matmul` as in the textbook
 Two details of the backward, each measured faster here:
 - dk and dv are accumulated over the blocks as their transposes, dk^T += scale q^T dS and
   dv^T += dout^T P~: a wide [d, N_k] product, which BLAS runs about 1.3x faster than the
-  tall [N_k, d] one with a transposed operand; they are returned contiguous.
+  tall [N_k, d] one with a transposed operand. One task takes a kv head's blocks, in order,
+  then scales and transposes its sums into dk's and dv's rows; each block scales its own dq
+  and sums its own D = rowsum(dout * out): every pass on the threads, none left whole after.
 - softmax_backward shifts each row of dP at the row's largest P; the forward keeps that
   index (cache.top), so the backward does not search P for it again.
 """
@@ -124,6 +126,7 @@ def blocked_forward(q, k, v, options):
     lse = np.empty(score_shape[:-1], q.dtype)                        # [..., H, N_q]
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
+    saved_out = np.empty_like(out)                                   # the cache's copy
     def forward_block(block):                                        # writes only its own rows
         cols, keep = _kept_columns(o, score_shape, block)            # the columns computed; the
         p_block, index = p[block], block + (cols,)                   # rest, masked in every row,
@@ -148,10 +151,11 @@ def blocked_forward(q, k, v, options):
         if o.dropout_scale is not None:                              # 6. dropout
             p_drop = p_drop * np.broadcast_to(o.dropout_scale, score_shape)[index]
         out[block] = grouped_matmul(p_drop, v3[kv_index(block[:-1], group)][..., cols, :])   # 7. out = P~ v
+        saved_out[block] = out[block]
     run_tasks(forward_block, [(block,) for block in row_blocks(score_shape, group, p.itemsize)], o.workers)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
-    return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=shape(p),
+    return out, AttentionCache(options=o, q=q, k=k, v=v, out=shape(saved_out), weights=shape(p),
                                lse=lse.reshape(q.shape[:-1]), top=top.reshape(q.shape[:-1]),
                                softcap_tanh=shape(softcap_tanh))
 
@@ -165,31 +169,32 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     group = q3.shape[-3] // k3.shape[-3]
     dropout_scale = None if o.dropout_scale is None else np.broadcast_to(o.dropout_scale, score_shape)
     softcap_tanh = None if cache.softcap_tanh is None else with_head_axis(cache.softcap_tanh)
-    D = np.sum(dout3 * with_head_axis(cache.out), axis=-1)           # [..., H, N_q] rowsum(dout * out)
+    out3 = with_head_axis(cache.out)
     lse, top = cache.lse.reshape(score_shape[:-1]), cache.top.reshape(score_shape[:-1] + (1,))
     dlse3 = None if dlse is None else dlse.reshape(score_shape[:-1])
     dtype = np.result_type(dout, p)
-    dq = np.empty(q3.shape, dtype)
-    dkT = np.zeros(k3.shape[:-2] + k3.shape[:-3:-1], dtype)          # [..., H_kv, d_k, N_k]
-    dvT = np.zeros(v3.shape[:-2] + v3.shape[:-3:-1], dtype)          # [..., H_kv, d_v, N_k]
+    dq, dk, dv = np.empty(q3.shape, dtype), np.empty(k3.shape, dtype), np.empty(v3.shape, dtype)
+    D = np.empty(score_shape[:-1], dtype)                            # [..., H, N_q] rowsum(dout * out)
     per_head = {name: np.zeros(score_shape[:-2], dtype) for name, x in
                 (("sinks", o.sinks), ("alibi_slopes", o.alibi_slopes)) if x is not None}   # [..., H]
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
     dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
-    def backward_block(block):                                       # dk, dv: its kv heads' sums
+    def backward_block(block, dkT, dvT):                             # dk^T, dv^T: its kv heads' sums
         kv = kv_index(block[:-1], group)                             # the block's k and v
         cols, keep = _kept_columns(o, score_shape, block, skip=dP is None)   # whole stages: every column
         index, n_kv = block + (cols,), kv[-1].stop - kv[-1].start    # its scores; outside: dS = 0
         k_cols, v_cols, p_cols = k3[kv][..., cols, :], v3[kv][..., cols, :], p[block][..., cols]
         # 7. out = P~ v:  dv^T = dout^T P~ (summed over the group),  dP~ = dout v^T
         p_drop = p_cols if dropout_scale is None else p_cols * dropout_scale[index]
-        dvT[kv][..., cols] += grouped_sum_matmul(dout3[block], p_drop, n_kv)
+        dvT[..., cols] += grouped_sum_matmul(dout3[block], p_drop, n_kv)
         dp = grouped_matmul(dout3[block], np.swapaxes(v_cols, -1, -2))
         if dropout_scale is not None:                                # 6. dP = dP~ * mask / (1 - p)
             dp *= dropout_scale[index]
         if dP is not None:
             dP[block] = dp
-        # 5. dS = P * (dP - rowsum(P * dP)) on the softmax's whole row (with sinks, one more column)
+        # 5. dS = P * (dP - D), D = rowsum(P * dP) = rowsum(dout * out), on the softmax's whole
+        #    row (with sinks, one more column)
+        D[block] = np.sum(dout3[block] * out3[block], axis=-1)
         scores = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group, cols, keep)[0], o,
                                    score_shape, index)
         ds = _row_backward(method, dp, p_cols, _top_in(top[block], cols, score_shape[-1]), D[block],
@@ -206,21 +211,28 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
             per_head["alibi_slopes"][block[:-1]] -= np.sum(ds * alibi_distance(o, score_shape, index), axis=(-2, -1))
         if softcap_tanh is not None:                                 # 2. dS *= 1 - tanh^2
             ds *= 1 - softcap_tanh[block] ** 2
-        dq[block] = grouped_matmul(ds, k_cols)                       # 1. dq = scale dS k
-        dkT[kv][..., cols] += grouped_sum_matmul(q3[block], ds, n_kv)   #    dk^T = scale q^T dS
+        dq[block] = scaled(grouped_matmul(ds, k_cols), o.scale)      # 1. dq = scale dS k
+        dkT[..., cols] += grouped_sum_matmul(q3[block], ds, n_kv)    #    dk^T = scale q^T dS
 
-    run_tasks(_in_order, [(backward_block, blocks) for blocks in _by_kv_heads(       # a kv head's
-        row_blocks(score_shape, group, p.itemsize), group)], o.workers)             # blocks, in order
-    dq, dkT = scaled(dq, o.scale), scaled(dkT, o.scale)
+    def backward_kv(blocks):                                         # one kv head's blocks, in order
+        kv = kv_index(blocks[0][:-1], group)
+        dkT = np.zeros(dk[kv].shape[:-2] + dk.shape[:-3:-1], dtype)  # [..., n_kv, d_k, N_k]
+        dvT = np.zeros(dv[kv].shape[:-2] + dv.shape[:-3:-1], dtype)  # [..., n_kv, d_v, N_k]
+        for block in blocks:
+            backward_block(block, dkT, dvT)
+        dk[kv] = np.swapaxes(scaled(dkT, o.scale), -1, -2)
+        dv[kv] = np.swapaxes(dvT, -1, -2)
+
+    run_tasks(backward_kv, [(blocks,) for blocks in _by_kv_heads(
+        row_blocks(score_shape, group, p.itemsize), group)], o.workers)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)
     stages = None
     if return_stages:
         stages = AttentionStages(dP=dP.reshape(cache.weights.shape), dS=dS.reshape(cache.weights.shape),
                                  D=D.reshape(cache.lse.shape))
-    contiguous = lambda xT, like: np.ascontiguousarray(np.swapaxes(xT, -1, -2)).reshape(like.shape)
     head_grads = {f"d{name}": head_gradient(g, getattr(o, name)) for name, g in per_head.items()}
-    return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=contiguous(dkT, cache.k),
-                          dv=contiguous(dvT, cache.v), dbias=dbias, stages=stages, **head_grads)
+    return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
+                          dv=dv.reshape(cache.v.shape), dbias=dbias, stages=stages, **head_grads)
 
 
 def _top_in(top, cols, n_k):
@@ -229,12 +241,6 @@ def _top_in(top, cols, n_k):
     if cols.start == 0 and cols.stop == n_k:
         return top
     return np.clip(top - cols.start, 0, max(cols.stop - cols.start - 1, 0))
-
-
-def _in_order(step, blocks):
-    """step(block) for each block, in order (one task: the blocks that share dk's and dv's rows)."""
-    for block in blocks:
-        step(block)
 
 
 def _by_kv_heads(blocks, group):
