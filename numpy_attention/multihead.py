@@ -16,10 +16,11 @@ Forward                                             Backward (reverse order, one
     4. merge_heads            [B, N_q, D]
     5. out = concat W_o + b_o [B, N_q, D]
 
-Threads: the projections run on the attention's threads (its `workers`, by default every core
-for large scores), each product in blocks of rows with BLAS on one thread
-(engines/projections.py), so the threads share them evenly; the blocks depend on the shapes
-alone, and the results are bitwise the same for any number of workers. The three splits and
+Threads: the projections run on the attention's threads (`workers`, by default every core for
+many scores or large projections: options.resolve_workers), each product in blocks of rows
+with BLAS on one thread (engines/projections.py), so the threads share them evenly; the
+blocks depend on the shapes alone, and the results are bitwise the same for any number of
+workers. The three splits and
 merges of heads (Q, K, V; dQ, dK, dV) run there too, one task each.
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
@@ -63,7 +64,10 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
             "W_k.weight" [D, kdim], "W_v.weight" [D, vdim], "W_o.weight" [D, D], each
             bias [D]. D is query's width; kdim and vdim are read from W_k and W_v.
         mask: keep-mask broadcastable to [B, H, N_q, N_k] (True/nonzero = attend).
-        attention_options: passed to attention_forward (causal, bias, fully_masked, ...).
+        attention_options: passed to attention_forward (causal, bias, fully_masked, ...);
+            `workers` runs the projections too, and None gives every core for at least
+            options.PARALLEL_SCORES scores or PARALLEL_PROJECTIONS multiply-adds in the four
+            projections (B (2 N_q D + N_k (kdim + vdim)) D), else 1.
     Returns:
         out [B, N_q, D], attn_weights [B, H, N_q, N_k], MultiHeadCache. attn_weights is a
         read-only view of the cache's P (like a tensor torch saved for backward, it must not
@@ -96,10 +100,13 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         if x.shape[2] != params[weight].shape[1]:
             raise ValueError(f"{name}'s width {x.shape[2]} is not the input width of params[{weight!r}] "
                              f"of shape {params[weight].shape} = [d_model, {width}]; got {shapes}")
-    # the attention's threads, resolved as attention_forward will (q [B, H, N_q, d_k], N_k keys)
+    # the threads: every core for many scores (as attention_forward resolves them) or large
+    # projections; the attention runs on the same
     B, N_q, N_k = query.shape[0], query.shape[1], key.shape[1]
+    projections = B * (2 * N_q * D + N_k * (key.shape[2] + value.shape[2])) * D      # multiply-adds
     workers = resolve_workers(attention_options.get("workers"), attention_options.get("implementation")
-                              or "blocked", score_count((B, num_heads, N_q, D // num_heads), N_k))
+                              or "blocked", score_count((B, num_heads, N_q, D // num_heads), N_k), projections)
+    attention_options = {**attention_options, "workers": workers}
     # 1. linear projections (math layout W = weight^T), on the attention's threads
     (Q, cq), (K, ck), (V, cv) = projections_forward([
         (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]

@@ -27,6 +27,8 @@ FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
 TILE_SIZE = 256             # the tiled engine's default block size (rows and columns per tile)
 PARALLEL_SCORES = 1 << 19   # workers=None: every core from this many scores [..., H, N_q, N_k] up
+PARALLEL_PROJECTIONS = 1 << 28   # or, in MultiHeadAttention, from this many multiply-adds in the
+                                 # forward's four projections up (B N D^2 per projection)
 
 
 class AttentionOptions(NamedTuple):
@@ -271,13 +273,15 @@ def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(N
         return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
 
 
-def resolve_workers(workers, implementation, scores):
+def resolve_workers(workers, implementation, scores, projections=0):
     """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
     None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
-    engines when they compute at least PARALLEL_SCORES scores (score_count), where threads
-    gained here (below it there is little work to share); else 1."""
+    engines when they compute at least PARALLEL_SCORES scores (score_count), or when
+    MultiHeadAttention's projections take at least PARALLEL_PROJECTIONS multiply-adds
+    (`projections`), where threads gained here (below both there is little work to share);
+    else 1."""
     if workers is None:
-        if implementation == "textbook" or scores < PARALLEL_SCORES:
+        if implementation == "textbook" or (scores < PARALLEL_SCORES and projections < PARALLEL_PROJECTIONS):
             return 1
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = require_positive_int(workers, "workers")

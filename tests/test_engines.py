@@ -229,6 +229,23 @@ def test_workers_default_to_every_core_from_2_to_the_19_scores():
     assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == 1
 
 
+def test_multihead_workers_default_to_every_core_for_many_scores_or_large_projections():
+    """MultiHeadAttention: few scores but 2^28 multiply-adds in the four projections take every
+    core too (its three input projections share them); the attention runs on the same."""
+    cores, params = len(os.sched_getaffinity(0)), na.MultiHeadAttention(512, 8, seed=0).params
+    def workers(B, N_q, N_k, **options):
+        query, key = np.zeros((B, N_q, 512)), np.zeros((B, N_k, 512))
+        return na.multihead_forward(query, key, key, params, 8, **options)[2].attention.options.workers
+    assert workers(4, 64, 64) == cores                     # 4 (2 * 64 + 64 * 2) 512^2 = 2^28; 2^17 scores
+    assert workers(4, 64, 63) == 1                         # just below
+    assert workers(1, 1, 256) == 1                         # 2^19 + 2^27 multiply-adds, 2^11 scores
+    assert workers(1, 1, 512) == cores                     # 2^19 + 2^28
+    assert workers(1, 256, 256) == cores                   # 2^19 scores, 2^28 multiply-adds
+    assert workers(4, 64, 64, implementation="textbook") == 1
+    assert workers(4, 64, 64, workers=1) == 1
+    assert workers(2, 10, 10) == 1                         # the blog's shape
+
+
 def test_a_bias_without_batch_axis_splits_a_batch_of_one_by_kv_head():
     """bias [H, N_q, N_k] on one batch index spans no two slices: the tiled backward runs one
     task per kv head (spans_slices), with the bits of one worker and the textbook's values."""
