@@ -4,8 +4,8 @@
                                     [--numpy-hugepages on|off]
 
 For each (B, N, d_model, heads) and dtype: the median time of one forward + backward
-(inputs query, key, value distinct; random upstream gradient) in steady state, ours and
-torch's each timed alone in its own process, the processes alternating
+(inputs query, key, value distinct; random upstream gradient) in steady state, ours, plain
+numpy's (below) and torch's each timed alone in its own process, the processes alternating
 (_common.median_times_apart), its % of numpy's own matmul GFLOP/s measured in the same run,
 the time ratio torch / ours (> 1: ours is faster), and the peak RSS of a child process that
 runs one forward + backward. torch runs the seed's class with the same weights and thread
@@ -19,6 +19,13 @@ subtract, multiply; in place, on the blocked engine's blocks of rows and its thr
 copies, no allocation, nothing else: about the least any numpy implementation of the step
 can take on this machine, since numpy runs one ufunc at a time. "floor % peak" is the most
 such an implementation can reach, and "torch/floor" the largest torch/ours it can show here.
+
+"plain" is the same step written plainly in numpy (plain_step): the textbook formulas on
+whole arrays in about the fewest numpy calls, products on BLAS's threads, no checks, no
+copies kept for the backward. Timed like ours, it is what numpy itself takes for the step,
+its per-call costs included, which the floor leaves out. At the smallest shape they are most
+of the step, and plain numpy is then close to the least a numpy step takes: "torch/plain"
+is about the largest torch/ours one can show there.
 
 FLOPs counted (matmuls only): forward 8 B N D^2 (four projections) + 4 B N^2 D
 (q k^T and P v); backward twice that.
@@ -109,6 +116,37 @@ def ours_step(B, N, D, H, dtype):
     return mha, step
 
 
+def plain_step(B, N, D, H, dtype):
+    """The same step written plainly in numpy, in about the fewest calls: whole arrays, products
+    on BLAS's threads, no checks, no copies kept for the backward, no threads of its own."""
+    mha, _ = ours_step(B, 1, D, H, dtype)
+    W = {n: mha.params[f"W_{n}.weight"].T for n in "qkvo"}                      # math layout
+    b = {n: mha.params[f"W_{n}.bias"] for n in "qkvo"}
+    query, key, value, dout = (a.reshape(B * N, D) for a in make_inputs(B, N, D, dtype))
+    x, dy = {"q": query, "k": key, "v": value}, dout
+    d, scale = D // H, np.dtype(dtype).type(1 / math.sqrt(D // H))
+    split = lambda a: a.reshape(B, N, H, d).transpose(0, 2, 1, 3)            # [B, H, N, d], a view
+    merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B * N, D)               # [B N, D]
+    T = lambda a: np.swapaxes(a, -1, -2)
+
+    def step():
+        q, k, v = (split(x[n] @ W[n] + b[n]) for n in "qkv")
+        S = (q @ T(k)) * scale
+        P = np.exp(S - S.max(axis=-1, keepdims=True))
+        P /= P.sum(axis=-1, keepdims=True)
+        concat = merge(P @ v)
+        out = concat @ W["o"] + b["o"]
+        grads = {"W_o": concat.T @ dy, "b_o": dy.sum(axis=0)}
+        do = split(dy @ W["o"].T)
+        dP = do @ T(v)
+        dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
+        for n, g in (("q", (dS @ k) * scale), ("k", (T(dS) @ q) * scale), ("v", T(P) @ do)):
+            g = merge(g)
+            grads[n], grads["W_" + n], grads["b_" + n] = g @ W[n].T, x[n].T @ g, g.sum(axis=0)
+        return out, P, grads
+    return step
+
+
 def torch_step(B, N, D, H, dtype, threads):
     import torch
     torch.set_num_threads(threads)
@@ -129,11 +167,12 @@ def torch_step(B, N, D, H, dtype, threads):
 
 
 def step_code(which, B, N, D, H, dtype, threads, hugepages):
-    """A snippet that defines step(): one forward + backward of `which` ('ours' or 'torch')."""
+    """A snippet that defines step(): one forward + backward of `which` ('ours', 'plain' or
+    'torch')."""
     return (f"import numpy as np\nfrom benchmarks._common import set_numpy_hugepages\n"
             f"set_numpy_hugepages({hugepages})\nfrom benchmarks.bench_mha import {which}_step\n"
             f"step = {which}_step({B}, {N}, {D}, {H}, np.{dtype}"
-            + (f", {threads})\n" if which == "torch" else ")[1]\n"))
+            + {"torch": f", {threads})\n", "plain": ")\n", "ours": ")[1]\n"}[which])
 
 
 def memory(*step_args):
@@ -175,24 +214,24 @@ def main():
         rows = []
         for idx in args.shapes or range(len(SHAPES)):
             B, N, D, H = SHAPES[idx]
-            contenders = ["ours", "torch"] if have_torch else ["ours"]
+            contenders = ["ours", "plain", "torch"] if have_torch else ["ours", "plain"]
             codes = [step_code(which, B, N, D, H, dtype, threads, on) for which in contenders]
             times = median_times_apart(codes, args.rounds)
-            t_ours, t_torch = times[0], times[1] if have_torch else None
+            t_ours, t_plain, t_torch = times[0], times[1], times[2] if have_torch else None
             t_matmuls = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             t_softmax = median_time(softmax_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             t_floor = t_matmuls + t_softmax
             percent = lambda t: f"{100 * flops(B, N, D) / t / 1e9 / peak:.0f}%"     # of the matmul peak
-            row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", percent(t_ours), f"{t_matmuls * 1e3:.2f}",
-                   f"{t_softmax * 1e3:.2f}", percent(t_floor)]
-            row += ([f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x", f"{t_torch / t_floor:.2f}x"]
-                    if have_torch else ["-", "-", "-"])
+            row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", percent(t_ours), f"{t_plain * 1e3:.2f}",
+                   f"{t_matmuls * 1e3:.2f}", f"{t_softmax * 1e3:.2f}", percent(t_floor)]
+            row += ([f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x", f"{t_torch / t_plain:.2f}x",
+                     f"{t_torch / t_floor:.2f}x"] if have_torch else ["-"] * 4)
             if not args.no_memory:
                 row.append(f"{memory('ours', B, N, D, H, dtype, threads, on):.0f}")
                 row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if have_torch else "-")
             rows.append(row)
-        header = ["(B,N,D,H)", "ours ms", "% peak", "matmuls ms", "softmax ms", "floor % peak",
-                  "torch ms", "torch/ours", "torch/floor"]
+        header = ["(B,N,D,H)", "ours ms", "% peak", "plain ms", "matmuls ms", "softmax ms", "floor % peak",
+                  "torch ms", "torch/ours", "torch/plain", "torch/floor"]
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
     print("\n" + load.line())
