@@ -113,6 +113,35 @@ def test_a_problem_under_shares_blocks_is_cut_into_shares_blocks_of_at_least_the
     assert len(blocked.row_blocks((1, 8, 1024, 1024), 1, 8)) == 8                  # 64 MiB: 8 MiB blocks
 
 
+def test_diagonal_scores_come_in_blocks_of_a_quarter_of_the_rows_at_most():
+    """Causal masking, a window or packed sequences: blocks of at most N_q / SHARES rows (so each
+    skips more columns), not below MIN_BLOCK_BYTES; other scores as before."""
+    rows = lambda blocks: {b[-1].stop - b[-1].start for b in blocks}
+    whole_heads = blocked.row_blocks((1, 8, 1024, 1024), 1, 8)
+    quarters = blocked.row_blocks((1, 8, 1024, 1024), 1, 8, diagonal=True)
+    assert rows(whole_heads) == {1024} and rows(quarters) == {256} and len(quarters) == 32
+    assert rows(blocked.row_blocks((1, 8, 1024, 1024), 1, 4, diagonal=True)) == {512}   # 2 MiB at least
+    assert rows(blocked.row_blocks((1, 8, 4096, 4096), 1, 8, diagonal=True)) == {256}   # 8 MiB at most
+    assert len(blocked.row_blocks((1, 8, 512, 512), 1, 8, diagonal=True)) == 8          # 2 MiB: a head
+    assert blocked.row_blocks((2, 8, 10, 10), 1, 8, diagonal=True) == [(slice(None), slice(0, 8), slice(0, 10))]
+
+
+@pytest.mark.parametrize("options, diagonal", [
+    ({"causal": True}, True), ({"window": (4, 0)}, True), ({"mask": MASK}, False), ({}, False),
+    ({"causal": True, "sinks": np.zeros(3)}, False), ({"causal": True, "softcap": 2.0}, False),
+    ({"causal": True, "fully_masked": "uniform"}, False)])
+def test_which_options_move_the_kept_columns_with_the_rows(options, diagonal):
+    q, k, v, _ = inputs()
+    assert blocked._diagonal(na.attention_options(q, k, v, **options)[3]) is diagonal
+
+
+def test_packed_sequences_move_the_kept_columns_with_the_rows():
+    q, k, v = (np.zeros((2, n, 4)) for n in (9, 13, 13))
+    cu_q, cu_k = np.array([0, 4, 9]), np.array([0, 6, 13])
+    options = na.attention_options(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)[3]
+    assert blocked._diagonal(options) is True
+
+
 @pytest.mark.parametrize("rows", [slice(None), slice(0, 5), slice(None, None, 2)])
 def test_grouped_matmul_writes_into_out_or_copies_into_it(rows):
     """The blocked forward computes each block's scores straight into the weights P
