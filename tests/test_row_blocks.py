@@ -126,6 +126,20 @@ def test_diagonal_scores_come_in_blocks_of_a_quarter_of_the_rows_at_most():
     assert blocked.row_blocks((2, 8, 10, 10), 1, 8, diagonal=True) == [(slice(None), slice(0, 8), slice(0, 10))]
 
 
+def test_skipped_columns_weigh_exactly_zero_whatever_memory_held_before(monkeypatch):
+    """Columns a block skips are never written: they are P's own zeros, not what the memory
+    held (here NaN, freed just before)."""
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", 4 * 64 * 8)              # blocks of 4 rows
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 3, 64, 8)) for _ in range(3))
+    for _ in range(3):
+        junk = np.full((2, 3, 64, 64), np.nan)
+        del junk
+        weights = na.attention_forward(q, k, v, causal=True)[1].weights
+        below = np.tril(np.ones((64, 64), bool))
+        assert np.all(weights[..., ~below] == 0) and np.all(weights[..., below] > 0)
+
+
 @pytest.mark.parametrize("options, diagonal", [
     ({"causal": True}, True), ({"window": (4, 0)}, True), ({"mask": MASK}, False), ({}, False),
     ({"causal": True, "sinks": np.zeros(3)}, False), ({"causal": True, "softcap": 2.0}, False),

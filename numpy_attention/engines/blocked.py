@@ -135,7 +135,7 @@ def blocked_forward(q, k, v, options):
     q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                    # [..., H, N_q, N_k]
     group = q3.shape[-3] // k3.shape[-3]
-    p = np.empty(score_shape, q.dtype)
+    p = (np.zeros if o.masked else np.empty)(score_shape, q.dtype)   # skipped columns weigh 0
     softcap_tanh = None if o.softcap is None else np.empty(score_shape, q.dtype)
     lse = np.empty(score_shape[:-1], q.dtype)                        # [..., H, N_q]
     top = np.empty(score_shape[:-1] + (1,), np.intp)
@@ -143,9 +143,7 @@ def blocked_forward(q, k, v, options):
     saved_out = np.empty_like(out)                                   # the cache's copy
     def forward_block(block):                                        # writes only its own rows
         cols, keep = _kept_columns(o, score_shape, block)            # the columns computed; the
-        p_block, index = p[block], block + (cols,)                   # rest, masked in every row,
-        p_block[..., :cols.start] = 0                                # weigh 0
-        p_block[..., cols.stop:] = 0
+        p_block, index = p[block], block + (cols,)                   # rest keep P's zeros
         s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group, cols, keep,   # 1-4. S in
                                       out=p_block[..., cols] if o.sinks is None else None)   # P's place
         if tanh_block is not None:
