@@ -20,8 +20,8 @@ Threads: the projections run on the attention's threads (`workers`, by default e
 many scores or large projections: options.resolve_workers), each product in blocks of rows
 with BLAS on one thread (engines/projections.py), so the threads share them evenly; the
 blocks depend on the shapes alone, and the results are bitwise the same for any number of
-workers. The three splits and
-merges of heads (Q, K, V; dQ, dK, dV) run there too, one task each.
+workers. The three splits and merges of heads (Q, K, V; dQ, dK, dV) run there too, one task
+each.
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
 `state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
@@ -104,8 +104,9 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     # projections; the attention runs on the same
     B, N_q, N_k = query.shape[0], query.shape[1], key.shape[1]
     projections = B * (2 * N_q * D + N_k * (key.shape[2] + value.shape[2])) * D      # multiply-adds
-    workers = resolve_workers(attention_options.get("workers"), attention_options.get("implementation")
-                              or "blocked", score_count((B, num_heads, N_q, D // num_heads), N_k), projections)
+    scores = score_count((B, num_heads, N_q, D // num_heads), N_k)
+    workers = resolve_workers(attention_options.get("workers"),
+                              attention_options.get("implementation") or "blocked", scores, projections)
     attention_options = {**attention_options, "workers": workers}
     # 1. linear projections (math layout W = weight^T), on the attention's threads
     (Q, cq), (K, ck), (V, cv) = projections_forward([
