@@ -366,13 +366,13 @@ def test_calls_reuse_the_threads_of_one_pool_per_worker_count():
     """Threads are started once per number of workers and kept, not started for every call."""
     import threading
     from numpy_attention.engines.parallel import run_tasks
-    def ident():
-        time.sleep(0.01)                                   # the other task starts meanwhile
-        return threading.get_ident()
-    seen = {workers: {i for _ in range(5) for i in run_tasks(ident, [()] * 4, workers)}
+    def thread():                                          # kept alive in `seen`: no id reused
+        time.sleep(0.01)                                   # the other tasks start meanwhile
+        return threading.current_thread()
+    seen = {workers: {t for _ in range(5) for t in run_tasks(thread, [()] * 4, workers)}
             for workers in (2, 3)}
     assert len(seen[2]) == 2 and len(seen[3]) == 3 and not seen[2] & seen[3]
-    assert threading.get_ident() not in seen[2] | seen[3]
+    assert threading.current_thread() not in seen[2] | seen[3]
 
 
 def test_a_task_that_runs_tasks_runs_them_in_its_own_thread_in_order():
@@ -383,7 +383,8 @@ def test_a_task_that_runs_tasks_runs_them_in_its_own_thread_in_order():
     def outer(i):
         return run_tasks(lambda j: (i, j, threading.get_ident()), [(j,) for j in range(3)], 2)
     done = []
-    thread = threading.Thread(target=lambda: done.append(run_tasks(outer, [(i,) for i in range(4)], 2)), daemon=True)
+    thread = threading.Thread(target=lambda: done.append(run_tasks(outer, [(i,) for i in range(4)], 2)),
+                              daemon=True)
     thread.start()
     thread.join(30)
     assert not thread.is_alive() and len(done) == 1
