@@ -375,6 +375,25 @@ def test_calls_reuse_the_threads_of_one_pool_per_worker_count():
     assert threading.current_thread() not in seen[2] | seen[3]
 
 
+def test_calls_from_several_threads_sharing_a_pool_give_the_bits_of_one_worker(monkeypatch):
+    """Four threads at once, each running forward + backward on two workers: their tasks
+    interleave in one pool, and each call returns, complete, the bits of one worker alone
+    (500 keys: products that BLAS's own threads would round otherwise)."""
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setattr(blocked, "BLOCK_BYTES", 1 << 17)   # many blocks of rows
+    rng = np.random.default_rng(21)
+    cases = [[rng.standard_normal((1, 4, n, 16)) for n in (96, 500, 500, 96)] for _ in range(8)]
+    def step(case, workers):
+        q, k, v, dout = case
+        out, cache = na.attention_forward(q, k, v, causal="bottom_right", workers=workers)
+        return [out, *na.attention_backward(dout, cache)[:3]]
+    alone = [step(case, 1) for case in cases]
+    def same_bits(i):                                      # compared as soon as the call returns
+        return all(np.array_equal(a, b) for a, b in zip(alone[i], step(cases[i], 2), strict=True))
+    with ThreadPoolExecutor(4) as users:
+        assert all(users.map(same_bits, range(len(cases))))
+
+
 def test_a_task_that_runs_tasks_runs_them_in_its_own_thread_in_order():
     """Tasks of a task do not wait for the pool it runs in (with every thread of the pool in a
     task, they would wait forever); they run in order in the task's own thread."""
