@@ -1,6 +1,7 @@
 """The textbook (attention.py) is the spec: the blocked and tiled engines equal it on every option
 they support, and the textbook itself equals complex step."""
 import os
+import threading
 import time
 
 import numpy as np
@@ -269,7 +270,6 @@ def test_workers_belong_to_the_blocked_and_tiled_engines():
 
 def test_overlapping_worker_pools_restore_blas_threads():
     """Three threads running workers=2 at once: afterwards BLAS has its thread count back."""
-    import threading
     before = blas_threads()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 4, 256, 32))
@@ -304,7 +304,6 @@ def test_tasks_hold_blas_to_one_thread_for_any_number_of_workers():
 def test_an_ending_call_leaves_blas_on_one_thread_while_another_runs():
     """Overlapping calls from two threads: the one that ends first does not give BLAS its
     threads back while the other still computes; the last one does."""
-    import threading
     from numpy_attention.engines.parallel import run_tasks
     before, inside, release, seen = blas_threads(), threading.Event(), threading.Event(), []
     def hold():
@@ -324,7 +323,6 @@ def test_an_ending_call_leaves_blas_on_one_thread_while_another_runs():
 def test_a_child_forked_during_a_call_gets_blas_threads_back():
     """A process forked while another thread is inside a call: the child has no call open, so
     its BLAS has its threads, and a call there holds and gives them back as usual."""
-    import threading
     from numpy_attention.engines.parallel import run_tasks
     before, inside, release = blas_threads(), threading.Event(), threading.Event()
     thread = threading.Thread(target=lambda: run_tasks(lambda: (inside.set(), release.wait(10)), [()]))
@@ -364,7 +362,6 @@ def test_a_child_forked_inside_a_call_counts_only_that_call():
 
 def test_calls_reuse_the_threads_of_one_pool_per_worker_count():
     """Threads are started once per number of workers and kept, not started for every call."""
-    import threading
     from numpy_attention.engines.parallel import run_tasks
     def thread():                                          # kept alive in `seen`: no id reused
         time.sleep(0.01)                                   # the other tasks start meanwhile
@@ -397,7 +394,6 @@ def test_calls_from_several_threads_sharing_a_pool_give_the_bits_of_one_worker(m
 def test_a_task_that_runs_tasks_runs_them_in_its_own_thread_in_order():
     """Tasks of a task do not wait for the pool it runs in (with every thread of the pool in a
     task, they would wait forever); they run in order in the task's own thread."""
-    import threading
     from numpy_attention.engines.parallel import run_tasks
     def outer(i):
         return run_tasks(lambda j: (i, j, threading.get_ident()), [(j,) for j in range(3)], 2)
@@ -494,8 +490,8 @@ PROJECTION_CASES = {            # (x's shape, W's shape, x's dtype, W's dtype, b
 def test_projections_on_threads_equal_linear(case):
     """engines/projections.py computes y's, dx's and dW's rows in blocks: y, the cache and every
     gradient are the bits of linear_forward / linear_backward on one BLAS thread (with numpy's
-    OpenBLAS, as the module says), for two linears at once, one with a transposed W (the module's weight.T) and a strided
-    x, on 1, 2 and 3 threads; the arguments are left alone."""
+    OpenBLAS, as the module says), for two linears at once, one with a transposed W (the
+    module's weight.T) and a strided x, on 1, 2 and 3 threads; the arguments are left alone."""
     from numpy_attention.engines.parallel import blas_on_one_thread
     from numpy_attention.engines.projections import projections_backward, projections_forward
     x_shape, W_shape, x_dtype, W_dtype, b_dtype = PROJECTION_CASES[case]

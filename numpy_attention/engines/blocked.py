@@ -84,29 +84,34 @@ def _kept_columns(options, score_shape, block, skip=True):
     cols [c0, c1), a slice, holds every kept score of the block's rows: outside it causal
     masking, the window, packed sequences, the mask or a -inf bias remove the whole column
     from all of the block's rows, so its weights are 0 and so are its gradients. All N_k
-    columns with skip=False, and where a removed score still counts: sinks and softcap (their
-    cached stages cover every score) and the 'uniform' and 'nan' policies (a fully masked
-    row's weights are not 0). keep: broadcastable to the block's scores on cols, None where
-    every score is kept.
+    columns with skip=False, and where a removed score still counts (_every_score_counts).
+    keep: broadcastable to the block's scores on cols, None where every score is kept.
     """
     o, n_k = options, score_shape[-1]
     keep = keep_mask(o, score_shape, block + (slice(None),))        # broadcastable to the block
     if keep is None:
         return slice(0, n_k), None
     keep = np.broadcast_to(keep, keep.shape[:-1] + (n_k,))
-    if not skip or o.sinks is not None or o.softcap is not None or o.fully_masked != "zero":
+    if not skip or _every_score_counts(o):
         return slice(0, n_k), keep
     kept = np.flatnonzero(keep.any(axis=tuple(range(keep.ndim - 1))))   # columns kept in any row
     cols = slice(int(kept[0]), int(kept[-1]) + 1) if kept.size else slice(0, 0)
     return cols, keep[..., cols]
 
 
+def _every_score_counts(options):
+    """Whether a removed score still counts, so no column is skipped: sinks and softcap (their
+    cached stages cover every score), the 'uniform' and 'nan' policies (a fully masked row's
+    weights are not 0)."""
+    o = options
+    return o.sinks is not None or o.softcap is not None or o.fully_masked != "zero"
+
+
 def _diagonal(options):
     """Whether the columns a block skips (_kept_columns) move with its rows: causal masking, a
     window or packed sequences, where columns are skipped at all."""
     o = options
-    return ((o.causal or o.window is not None or o.cu_seqlens_q is not None)
-            and o.sinks is None and o.softcap is None and o.fully_masked == "zero")
+    return bool(o.causal or o.window is not None or o.cu_seqlens_q is not None) and not _every_score_counts(o)
 
 
 def _block_scores(q3, k3, options, score_shape, block, group, cols, keep, out=None):

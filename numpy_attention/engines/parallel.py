@@ -65,10 +65,9 @@ class _Pools:
     """A thread pool per number of workers, started at its first use and kept, like BLAS's own
     threads (starting and joining threads for every call took 0.35-0.8 ms here, and a module
     step makes up to eight calls). The pools hold no data between calls, so results do not
-    depend on them.
-    Calls from several threads share a pool; a task that itself runs tasks runs them in its
-    own thread, in order (waiting for the pool from inside it could wait forever). A forked
-    child has none of the parent's threads, so it starts its own pools.
+    depend on them. Calls from several threads share a pool; a task that itself runs tasks
+    runs them in its own thread, in order (waiting for the pool from inside it could wait
+    forever). A forked child has none of the parent's threads, so it starts its own pools.
     """
 
     def __init__(self):
