@@ -34,6 +34,25 @@ def as_float_array(x, name):
                     f"got dtype {arr.dtype} with shape {arr.shape}")
 
 
+def frozen(a):
+    """Whether nothing can write into the ndarray `a`: it is read-only, and so is every array
+    its memory comes from, down to the array that owns it (MultiHeadAttention's parameters,
+    say). A read-only view of a writeable array is not frozen: its owner can still write. An
+    owner made read-only is trusted to stay so (numpy lets its holder set it writeable again).
+    """
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return False
+        a = a.base
+    return a is None
+
+
+def kept(a):
+    """The array a cache keeps of `a`: `a` itself if frozen, else a copy in a's memory order
+    (a transposed view copies as a plain memcpy, not a transpose)."""
+    return a if frozen(a) else a.copy(order="K")
+
+
 def result_dtype(*arrays):
     """The dtype a computation over `arrays` runs in (None entries ignored)."""
     return np.result_type(*[a for a in arrays if a is not None])

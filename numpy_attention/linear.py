@@ -12,12 +12,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import as_float_array, require_cache, require_ndim, require_same_shape
+from ._checks import as_float_array, kept, require_cache, require_ndim, require_same_shape
 
 
 class LinearCache(NamedTuple):
-    x: np.ndarray            # [..., d_in]   a copy of the input, as the forward saw it
-    W: np.ndarray            # [d_in, d_out] a copy
+    x: np.ndarray            # [..., d_in]   the input as the forward saw it (_checks.kept)
+    W: np.ndarray            # [d_in, d_out] the same
     has_bias: bool           # whether a bias took part (db is None otherwise)
     out_shape: tuple         # [..., d_out]  the forward output's shape
 
@@ -50,11 +50,9 @@ def linear_forward(x, W, b=None):
         if b.shape != (W.shape[1],):
             raise ValueError(f"b must have shape (d_out,) = ({W.shape[1]},), got {b.shape}")
         y = np.add(y, b, out=y if np.result_type(y, b) == y.dtype else None)   # in place: y is ours
-    # copies: changing the caller's x or W after the forward cannot change the backward.
-    # order="K" keeps each one's memory layout: W is often a transposed view (weight.T), and a
-    # copy in that order is a plain memcpy, not a transpose
-    return y, LinearCache(x=x.copy(order="K"), W=W.copy(order="K"), has_bias=b is not None,
-                          out_shape=y.shape)
+    # copies (unless nothing can write into them: kept): changing the caller's x or W after
+    # the forward cannot change the backward
+    return y, LinearCache(x=kept(x), W=kept(W), has_bias=b is not None, out_shape=y.shape)
 
 
 def linear_backward(dy, cache):

@@ -62,7 +62,9 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         query [B, N_q, D], key [B, N_k, kdim], value [B, N_k, vdim].
         params: dict of state_dict arrays, weights as [out, in]: "W_q.weight" [D, D],
             "W_k.weight" [D, kdim], "W_v.weight" [D, vdim], "W_o.weight" [D, D], each
-            bias [D]. D is query's width; kdim and vdim are read from W_k and W_v.
+            bias [D]. D is query's width; kdim and vdim are read from W_k and W_v. The
+            cache copies the weights, unless they are frozen (_checks.frozen: read-only down
+            to the array that owns the memory, like MultiHeadAttention's own).
         mask: keep-mask broadcastable to [B, H, N_q, N_k] (True/nonzero = attend).
         attention_options: passed to attention_forward (causal, bias, fully_masked, ...);
             `workers` runs the projections too, and None gives every core for at least
@@ -170,6 +172,11 @@ class MultiHeadAttention:
     cache for `backward`; the computation itself is the pure pair
     multihead_forward / multihead_backward.
 
+    `params` holds read-only arrays the module owns, so a cache keeps them without a copy (a
+    2 MiB copy per float64 weight at d_model = 512) and nothing can change them under it. To
+    change the weights, load_state_dict, or put new arrays in `params` (a cache made before
+    keeps the old ones).
+
     fully_masked: the policy for query rows whose keys are all masked
     ('zero' by default; 'uniform' reproduces the seed's -1e9 fill exactly).
 
@@ -206,7 +213,7 @@ class MultiHeadAttention:
         self.params = {}
         for key, shape in shapes.items():                     # weight, then bias, per projection
             bound = 1.0 / np.sqrt(shapes[key.replace(".bias", ".weight")][1])   # nn.Linear: 1/sqrt(in)
-            self.params[key] = rng.uniform(-bound, bound, shape).astype(self.dtype)
+            self.params[key] = _read_only(rng.uniform(-bound, bound, shape).astype(self.dtype))
         self._cache = None
 
     def __call__(self, query, key, value, mask=None, **attention_options):
@@ -259,4 +266,10 @@ class MultiHeadAttention:
             if arr.dtype.kind == "c" and self.dtype.kind != "c":
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "
                                 f"the module's dtype is {self.dtype}")
-        self.params = {name: arr.astype(self.dtype) for name, arr in params.items()}  # copies
+        self.params = {name: _read_only(arr.astype(self.dtype)) for name, arr in params.items()}  # copies
+
+
+def _read_only(a):
+    """`a`, which the module owns, made read-only: a cache keeps it without a copy (_checks.kept)."""
+    a.flags.writeable = False
+    return a

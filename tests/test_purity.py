@@ -3,9 +3,11 @@ and every result is bitwise the same on every call.
 
 - Read-only inputs: every public function is called with arrays whose `writeable` flag is
   off (a write would raise) and gives bitwise the result it gives on writeable copies.
-- Caches are immutable from outside: a forward copies the caller's arrays into its cache,
-  and no array of a cache shares memory with an argument or a returned array. Changing the
-  caller's arrays (or the returned ones) after the forward leaves the backward unchanged.
+- Caches are immutable from outside: a forward copies the caller's arrays into its cache
+  (all but frozen ones: read-only down to the array that owns the memory, like the module's
+  weights), and no array of a cache shares memory with a writeable argument or returned
+  array. Changing the caller's arrays (or the returned ones) after the forward leaves the
+  backward unchanged.
 - Determinism: repeated and interleaved calls give bitwise identical results.
 """
 import numpy as np
@@ -231,14 +233,57 @@ def test_mha_backward_ignores_later_changes_to_inputs_outputs_and_weights():
     mask, dout = rng.random((3, 5)) > 0.3, rng.standard_normal((2, 3, 8))
     out, weights = m(query, key, key, mask=mask)
     expected = m.backward(dout)
-    for a in (query, key, out, *m.params.values()):              # in place, even the module's own
+    for a in (query, key, out):
         a[...] = 2.0
-    with pytest.raises(ValueError, match="read-only"):           # attn_weights is a view of P
-        weights[...] = 2.0
+    for a in (weights, *m.params.values()):           # attn_weights is a view of P; the weights are
+        with pytest.raises(ValueError, match="read-only"):      # the module's own, kept uncopied
+            a[...] = 2.0
     mask[...] = False
     assert_bitwise_equal(m.backward(dout), expected)
     m.load_state_dict(na.MultiHeadAttention(8, 2, seed=5).state_dict())   # new weights, same cache
     assert_bitwise_equal(m.backward(dout), expected)
+    m.params = {name: np.full_like(a, 3.0) for name, a in m.params.items()}   # replaced: same cache
+    assert_bitwise_equal(m.backward(dout), expected)
+
+
+def test_the_module_keeps_its_weights_uncopied_and_a_callers_weights_copied():
+    """The module's weights are frozen (read-only, owned by it): the caches hold them, no copy.
+    A caller's writeable weights, or read-only views of them, are copied: writing into them
+    after the forward leaves the backward unchanged."""
+    m = na.MultiHeadAttention(8, 2, seed=4)
+    query, dout = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 3, 8))
+    m(query, query, query)
+    for name, child in (("W_q", m._cache.q), ("W_k", m._cache.k), ("W_v", m._cache.v), ("W_o", m._cache.o)):
+        assert np.shares_memory(child.W, m.params[f"{name}.weight"])
+    for read_only_views in (False, True):
+        sd = m.state_dict()                            # writeable copies
+        params = {name: a.view() for name, a in sd.items()} if read_only_views else sd
+        for a in params.values():
+            a.flags.writeable = not read_only_views
+        _, _, cache = na.multihead_forward(query, query, query, params, 2)
+        expected = na.multihead_backward(dout, cache)
+        for a in sd.values():
+            a[...] = 2.0                               # in place, into the caller's arrays
+        assert_bitwise_equal(na.multihead_backward(dout, cache), expected)
+
+
+@pytest.mark.parametrize("make, is_frozen", [
+    (lambda: readonly(rng.standard_normal((3, 4))), True),                 # read-only, owns its memory
+    (lambda: readonly(rng.standard_normal((3, 4))).T, True),               # a view of a frozen array
+    (lambda: readonly(rng.standard_normal((3, 4)))[1:], True),
+    (lambda: rng.standard_normal((3, 4)), False),                          # writeable
+    (lambda: np.broadcast_to(rng.standard_normal(4), (3, 4)), False),      # read-only view, writeable owner
+    (lambda: np.frombuffer(bytes(96)).reshape(3, 4), False),               # memory no ndarray owns
+])
+def test_kept_copies_all_but_frozen_arrays(make, is_frozen):
+    from numpy_attention._checks import frozen, kept
+    a = make()
+    assert frozen(a) is is_frozen
+    held = kept(a)
+    assert (held is a) is is_frozen
+    np.testing.assert_array_equal(held, a)
+    if not is_frozen:
+        assert not np.shares_memory(held, a) and held.strides == np.empty_like(a, order="K").strides
 
 
 def test_state_dict_and_load_state_dict_copy():

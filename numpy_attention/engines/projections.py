@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from .._checks import frozen
 from ..linear import LinearCache
 from .parallel import run_tasks
 
@@ -39,9 +40,12 @@ def projections_forward(items, workers):
         x2 = x.reshape(n, x.shape[-1])                                  # [n, d_in]
         y = np.empty((n, W.shape[1]), np.result_type(x, W))            # [n, d_out]
         in_place = b is not None and np.result_type(y, b) == y.dtype    # else b widens y: added after
-        saved_x, saved_W = np.empty_like(x2), np.empty_like(W, order="K")   # the cache's copies
-        tasks.append((np.copyto, saved_W, W))
-        tasks += [(_forward_rows, x2, W, b if in_place else None, y, saved_x, rows)
+        # the cache keeps x and W themselves if they are frozen, else copies the tasks make
+        saved_x, saved_W = (a if frozen(a) else np.empty_like(a, order="K") for a in (x2, W))
+        if saved_W is not W:
+            tasks.append((np.copyto, saved_W, W))
+        copy_x = None if saved_x is x2 else saved_x
+        tasks += [(_forward_rows, x2, W, b if in_place else None, y, copy_x, rows)
                   for rows in _blocks(n, x2.shape[1] * W.shape[1])]
         results.append((b, in_place, y, LinearCache(x=saved_x.reshape(x.shape), W=saved_W,
                                                      has_bias=b is not None,
@@ -72,11 +76,12 @@ def projections_backward(items, workers):
 
 
 def _forward_rows(x2, W, b, y, saved_x, rows):
-    """y[rows] = x[rows] W (+ b), and the cache's copy of x's rows."""
+    """y[rows] = x[rows] W (+ b), and the cache's copy of x's rows (if it keeps a copy)."""
     np.matmul(x2[rows], W, out=y[rows])
     if b is not None:
         y[rows] += b
-    saved_x[rows] = x2[rows]
+    if saved_x is not None:
+        saved_x[rows] = x2[rows]
 
 
 def _dx_rows(dy2, W, dx, rows):
