@@ -83,24 +83,28 @@ def matmul_gflops(dtype, n=2048, repeats=5):
     return 2 * n ** 3 / median_time(lambda: a @ b, repeats) / 1e9
 
 
-def softmax_passes(shape, dtype, workers):
+def softmax_passes(shape, dtype, workers, fresh_p=False):
     """The fewest element-wise passes of attention's softmax and its backward over scores of
     `shape` [B, H, N_q, N_k], by themselves: a callable. Forward max, subtract, exp, sum,
     divide; backward rowsum(dP * P), subtract, multiply; in place, on the blocked engine's
-    blocks of rows, on `workers` threads (engines.parallel.run_tasks)."""
+    blocks of rows, on `workers` threads (engines.parallel.run_tasks).
+
+    fresh_p: P goes into a new array at every call, as in an engine that returns P (the
+    kernel maps and zeroes its pages at their first touch, work that threads share less well
+    than the passes); else into one array allocated once."""
     rng = np.random.default_rng(0)
     s, dp = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
     p, ds = np.empty(shape, dtype), np.empty(shape, dtype)
     blocks = [(block + (slice(None),),) for block in row_blocks(shape, 1, p.itemsize)]
 
-    def passes(index):
+    def passes(index, p):
         s_, p_, dp_, ds_ = s[index], p[index], dp[index], ds[index]
         np.subtract(s_, s_.max(axis=-1, keepdims=True), out=p_)          # P = exp(S - max) / sum
         np.exp(p_, out=p_)
         p_ /= p_.sum(axis=-1, keepdims=True)
         np.subtract(dp_, np.einsum("...i,...i->...", dp_, p_)[..., None], out=ds_)   # dS = P (dP - rowsum(P dP))
         ds_ *= p_
-    return lambda: run_tasks(passes, blocks, workers)
+    return lambda: run_tasks(passes, blocks, workers, shared={"p": np.empty(shape, dtype) if fresh_p else p})
 
 
 def run_child(code):

@@ -15,8 +15,10 @@ other load.
 "machine": the most W workers can gain over one on this machine, measured on work that
 divides perfectly (`thread_gain`): the fewest element-wise passes of the softmax and its
 backward, by themselves, on the blocked engine's blocks of rows (at most GAIN_N rows and
-columns), one thread against W. Cores that share memory bandwidth and caches (or the cores
-of a virtual machine that share a host) gain less than W even there.
+columns), one thread against W, with P in a new array at each call as the engine's forward
+makes it (it returns P, in the cache). Cores that share memory bandwidth and caches (or the
+cores of a virtual machine that share a host) gain less than W even there, and the kernel's
+zeroing of new pages gains less than the passes.
 """
 import argparse
 import os
@@ -52,10 +54,10 @@ def timed(fn):
 
 def thread_gain(shape, workers):
     """t(1 thread) / t(`workers` threads) of the softmax's element-wise passes alone
-    (_common.softmax_passes) on scores [B, H, n, n], n = min(N, GAIN_N), the blocked engine's
-    blocks; median of GAIN_REPEATS, alternating."""
+    (_common.softmax_passes, P new at each call) on scores [B, H, n, n], n = min(N, GAIN_N),
+    the blocked engine's blocks; median of GAIN_REPEATS, alternating."""
     n = min(shape[2], GAIN_N)
-    runs = {w: softmax_passes((shape[0], shape[1], n, n), np.float64, w) for w in (1, workers)}
+    runs = {w: softmax_passes((shape[0], shape[1], n, n), np.float64, w, fresh_p=True) for w in (1, workers)}
     times = {w: [] for w in runs}
     for _ in range(GAIN_REPEATS):
         for w, run in runs.items():
