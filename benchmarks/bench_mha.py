@@ -20,6 +20,10 @@ copies, no allocation, nothing else: about the least any numpy implementation of
 can take on this machine, since numpy runs one ufunc at a time. "floor % peak" is the most
 such an implementation can reach, and "torch/floor" the largest torch/ours it can show here.
 
+"matmuls 1T" times the same products with BLAS on one thread, one after another: at the
+shapes where workers=None gives one worker (the smallest), the least the products take
+under the rule that gives the same bits for every worker count (engines/parallel.py).
+
 "plain" is the same step written plainly in numpy (plain_step): the textbook formulas on
 whole arrays in about the fewest numpy calls, products on BLAS's threads, no checks, no
 copies kept for the backward. Timed like ours, it is what numpy itself takes for the step,
@@ -43,6 +47,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/
 from benchmarks._common import (OtherLoad, machine_line, matmul_gflops, median_time,  # noqa: E402
                                 median_times_apart, run_child, set_numpy_hugepages, softmax_passes, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
+from numpy_attention.engines.parallel import blas_on_one_thread  # noqa: E402
 from numpy_attention.options import resolve_workers  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
@@ -219,18 +224,22 @@ def main():
             times = median_times_apart(codes, args.rounds)
             t_ours, t_plain, t_torch = times[0], times[1], times[2] if have_torch else None
             t_matmuls = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
+            with blas_on_one_thread():
+                t_matmuls_1t = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             t_softmax = median_time(softmax_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
             t_floor = t_matmuls + t_softmax
             percent = lambda t: f"{100 * flops(B, N, D) / t / 1e9 / peak:.0f}%"     # of the matmul peak
             row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", percent(t_ours), f"{t_plain * 1e3:.2f}",
-                   f"{t_matmuls * 1e3:.2f}", f"{t_softmax * 1e3:.2f}", percent(t_floor)]
+                   f"{t_matmuls * 1e3:.2f}", f"{t_matmuls_1t * 1e3:.2f}", f"{t_softmax * 1e3:.2f}",
+                   percent(t_floor)]
             row += ([f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x", f"{t_torch / t_plain:.2f}x",
                      f"{t_torch / t_floor:.2f}x"] if have_torch else ["-"] * 4)
             if not args.no_memory:
                 row.append(f"{memory('ours', B, N, D, H, dtype, threads, on):.0f}")
                 row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if have_torch else "-")
             rows.append(row)
-        header = ["(B,N,D,H)", "ours ms", "% peak", "plain ms", "matmuls ms", "softmax ms", "floor % peak",
+        header = ["(B,N,D,H)", "ours ms", "% peak", "plain ms", "matmuls ms", "matmuls 1T ms", "softmax ms",
+                  "floor % peak",
                   "torch ms", "torch/ours", "torch/plain", "torch/floor"]
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
