@@ -16,12 +16,13 @@ Forward                                             Backward (reverse order, one
     4. merge_heads            [B, N_q, D]
     5. out = concat W_o + b_o [B, N_q, D]
 
-Threads: the projections run on the attention's threads (`workers`, by default every core for
-many scores or large projections: options.resolve_workers), each product in blocks of rows
-with BLAS on one thread (engines/projections.py), so the threads share them evenly; the
-blocks depend on the shapes alone, and the results are bitwise the same for any number of
-workers. The three splits and merges of heads (Q, K, V; dQ, dK, dV) run there too, one task
-each.
+Threads (`workers`): the projections run on threads, by default every core for large
+projections or many scores (options.resolve_workers), each product in blocks of rows with
+BLAS on one thread (engines/projections.py), so the threads share them evenly; the blocks
+depend on the shapes alone, and the results are bitwise the same for any number of workers.
+The three splits and merges of heads (Q, K, V; dQ, dK, dV) run there too, one task each,
+when they are large (options.PARALLEL_HEAD_COPIES). The attention takes `workers` as given,
+so by default its own rule (many scores).
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
 `state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
@@ -42,7 +43,7 @@ from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forw
 from .engines.parallel import run_tasks
 from .engines.projections import projections_backward, projections_forward
 from .heads import merge_heads, split_heads
-from .options import resolve_workers, score_count
+from .options import PARALLEL_HEAD_COPIES, resolve_workers, score_count
 from .params import TORCH_WEIGHTS, check_params, param_shapes, torch_to_seed_keys
 
 
@@ -53,6 +54,7 @@ class MultiHeadCache(NamedTuple):
     attention: tuple                # AttentionCache
     o: tuple                        # LinearCache of the output projection
     num_heads: int
+    workers: int                    # the projections' threads, resolved
 
 
 def multihead_forward(query, key, value, params, num_heads, *, mask=None, **attention_options):
@@ -67,9 +69,9 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
             to the array that owns the memory, like MultiHeadAttention's own).
         mask: keep-mask broadcastable to [B, H, N_q, N_k] (True/nonzero = attend).
         attention_options: passed to attention_forward (causal, bias, fully_masked, ...);
-            `workers` runs the projections too, and None gives every core for at least
-            options.PARALLEL_SCORES scores or PARALLEL_PROJECTIONS multiply-adds in the four
-            projections (B (2 N_q D + N_k (kdim + vdim)) D), else 1.
+            `workers` runs the projections too, where None gives every core for at least
+            options.PARALLEL_PROJECTIONS multiply-adds in the four projections
+            (B (2 N_q D + N_k (kdim + vdim)) D) or PARALLEL_SCORES scores, else 1.
     Returns:
         out [B, N_q, D], attn_weights [B, H, N_q, N_k], MultiHeadCache. attn_weights is a
         read-only view of the cache's P (like a tensor torch saved for backward, it must not
@@ -102,21 +104,20 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         if x.shape[2] != params[weight].shape[1]:
             raise ValueError(f"{name}'s width {x.shape[2]} is not the input width of params[{weight!r}] "
                              f"of shape {params[weight].shape} = [d_model, {width}]; got {shapes}")
-    # the threads: every core for many scores (as attention_forward resolves them) or large
-    # projections; the attention runs on the same
+    # the projections' threads: every core for large projections or many scores (the attention
+    # resolves its own from `workers` as given); the heads' splits and merges when they are large
     B, N_q, N_k = query.shape[0], query.shape[1], key.shape[1]
     projections = B * (2 * N_q * D + N_k * (key.shape[2] + value.shape[2])) * D      # multiply-adds
     scores = score_count((B, num_heads, N_q, D // num_heads), N_k)
     workers = resolve_workers(attention_options.get("workers"),
                               attention_options.get("implementation") or "blocked", scores, projections)
-    attention_options = {**attention_options, "workers": workers}
     # 1. linear projections (math layout W = weight^T), on the attention's threads
     (Q, cq), (K, ck), (V, cv) = projections_forward([
         (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]
         (key, params["W_k.weight"].T, params["W_k.bias"]),       # kdim -> [B, N_k, D]
         (value, params["W_v.weight"].T, params["W_v.bias"])], workers)   # vdim -> [B, N_k, D]
     # 2. split heads: [B, N, D] -> [B, H, N, d_k], on the threads too
-    Qh, Kh, Vh = run_tasks(split_heads, [(x, num_heads) for x in (Q, K, V)], workers)
+    Qh, Kh, Vh = run_tasks(split_heads, [(x, num_heads) for x in (Q, K, V)], _copying(workers, Q))
     # 3. attention per head
     attn, ca = attention_forward(Qh, Kh, Vh, mask=mask, **attention_options)   # [B, H, N_q, d_k]
     # 4. merge heads: [B, H, N_q, d_k] -> [B, N_q, D]
@@ -124,7 +125,7 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     # 5. output projection
     [(out, co)] = projections_forward([(concat, params["W_o.weight"].T, params["W_o.bias"])],
                                       workers)                                   # [B, N_q, D]
-    cache = MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads)
+    cache = MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads, workers=workers)
     weights = ca.weights.view()                       # read-only: the backward needs P unchanged,
     weights.flags.writeable = False                   # and a copy would cost another [B, H, N_q, N_k]
     return out, weights, cache
@@ -141,11 +142,12 @@ def multihead_backward(dout, cache):
     require_cache(cache, MultiHeadCache, "multihead_backward")
     dout = as_float_array(dout, "dout")
     require_same_shape(dout, cache.o.out_shape, "dout")
-    H, workers = cache.num_heads, cache.attention.options.workers       # the forward's threads
+    H, workers = cache.num_heads, cache.workers                          # the forward's threads
     [(dconcat, dWo, dbo)] = projections_backward([(dout, cache.o)], workers)   # 5. output projection
     dattn = split_heads(dconcat, H)                                      # 4. merge_heads' backward
     g = attention_backward(dattn, cache.attention)                       # 3. attention
-    dQ, dK, dV = run_tasks(merge_heads, [(g.dq,), (g.dk,), (g.dv,)], workers)   # 2. split_heads' backward
+    dQ, dK, dV = run_tasks(merge_heads, [(g.dq,), (g.dk,), (g.dv,)],        # 2. split_heads' backward
+                           _copying(workers, g.dq))
     (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(   # 1. input projections
         [(dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)
     grads = {"query": dquery, "key": dkey, "value": dvalue,
@@ -267,6 +269,12 @@ class MultiHeadAttention:
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "
                                 f"the module's dtype is {self.dtype}")
         self.params = {name: _read_only(arr.astype(self.dtype)) for name, arr in params.items()}  # copies
+
+
+def _copying(workers, heads):
+    """The threads for splitting or merging `heads` (an array of three alike): `workers` from
+    options.PARALLEL_HEAD_COPIES bytes up, else 1 (a thread's task there costs more than the copy)."""
+    return workers if heads.nbytes >= PARALLEL_HEAD_COPIES else 1
 
 
 def _read_only(a):

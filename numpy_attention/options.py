@@ -27,8 +27,9 @@ FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
 TILE_SIZE = 256             # the tiled engine's default block size (rows and columns per tile)
 PARALLEL_SCORES = 1 << 19   # workers=None: every core from this many scores [..., H, N_q, N_k] up
-PARALLEL_PROJECTIONS = 1 << 28   # or, in MultiHeadAttention, from this many multiply-adds in the
-                                 # forward's four projections up (B N D^2 per projection)
+PARALLEL_PROJECTIONS = 1 << 24   # MultiHeadAttention's projections: every core also from this many
+                                 # multiply-adds in the forward's four projections up (B N D^2 each)
+PARALLEL_HEAD_COPIES = 1 << 20   # and its splits and merges of heads from arrays of this many bytes up
 
 
 class AttentionOptions(NamedTuple):

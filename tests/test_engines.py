@@ -9,7 +9,7 @@ import pytest
 from compare import assert_normwise_equal
 
 import numpy_attention as na
-from numpy_attention.engines import blocked
+from numpy_attention.engines import blocked, parallel
 
 RTOL = 1e-13          # float64, normwise: the engines differ only in the order of their sums
 
@@ -230,21 +230,43 @@ def test_workers_default_to_every_core_from_2_to_the_19_scores():
     assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == 1
 
 
-def test_multihead_workers_default_to_every_core_for_many_scores_or_large_projections():
-    """MultiHeadAttention: few scores but 2^28 multiply-adds in the four projections take every
-    core too (its three input projections share them); the attention runs on the same."""
-    cores, params = len(os.sched_getaffinity(0)), na.MultiHeadAttention(512, 8, seed=0).params
-    def workers(B, N_q, N_k, **options):
-        query, key = np.zeros((B, N_q, 512)), np.zeros((B, N_k, 512))
-        return na.multihead_forward(query, key, key, params, 8, **options)[2].attention.options.workers
-    assert workers(4, 64, 64) == cores                     # 4 (2 * 64 + 64 * 2) 512^2 = 2^28; 2^17 scores
-    assert workers(4, 64, 63) == 1                         # just below
-    assert workers(1, 1, 256) == 1                         # 2^19 + 2^27 multiply-adds, 2^11 scores
-    assert workers(1, 1, 512) == cores                     # 2^19 + 2^28
-    assert workers(1, 256, 256) == cores                   # 2^19 scores, 2^28 multiply-adds
-    assert workers(4, 64, 64, implementation="textbook") == 1
-    assert workers(4, 64, 64, workers=1) == 1
-    assert workers(2, 10, 10) == 1                         # the blog's shape
+def test_multihead_workers_default_to_every_core_for_large_projections_or_many_scores():
+    """MultiHeadAttention's projections take every core from 2^24 multiply-adds in the four
+    projections, B (N_q + N_k) 2^19 at d_model = 512, or from 2^19 scores; the attention
+    resolves its own threads from `workers` as given (every core from 2^19 scores)."""
+    cores = len(os.sched_getaffinity(0))
+    modules = {D: na.MultiHeadAttention(D, 8, seed=0).params for D in (512, 16)}
+    def workers(B, N_q, N_k, D=512, **options):
+        query, key = np.zeros((B, N_q, D)), np.zeros((B, N_k, D))
+        cache = na.multihead_forward(query, key, key, modules[D], 8, **options)[2]
+        return cache.workers, cache.attention.options.workers
+    assert workers(2, 10, 10) == (cores, 1)                # the blog's shape: 40 2^19; 1600 scores
+    assert workers(2, 8, 8) == (cores, 1)                  # 32 2^19 = 2^24
+    assert workers(2, 8, 7) == (1, 1)                      # just below
+    assert workers(1, 256, 256) == (cores, cores)          # 2^28 multiply-adds, 2^19 scores
+    assert workers(1, 256, 256, D=16) == (cores, cores)    # 2^19 scores, 2^18 multiply-adds
+    assert workers(1, 256, 255, D=16) == (1, 1)            # just below both
+    assert workers(2, 10, 10, implementation="textbook") == (1, 1)
+    assert workers(2, 10, 10, workers=1) == (1, 1)
+    assert workers(1, 2, 2, D=16, workers=2) == (2, 2)
+
+
+def test_multihead_splits_and_merges_heads_on_threads_from_a_mebibyte(monkeypatch):
+    """The splits of Q, K, V and merges of dQ, dK, dV run on the projections' threads from
+    arrays of 2^20 bytes (options.PARALLEL_HEAD_COPIES), on the calling thread below."""
+    import numpy_attention.multihead as multihead
+    calls = []
+    def recording(fn, items, workers=1, **kwargs):
+        calls.append((fn.__name__, workers))
+        return parallel.run_tasks(fn, items, workers, **kwargs)
+    monkeypatch.setattr(multihead, "run_tasks", recording)
+    mha = na.MultiHeadAttention(512, 8, seed=0)
+    for N, expected in ((256, 2), (255, 1)):                # Q [1, N, 512] float64: 2^20 bytes at 256
+        calls.clear()
+        x = np.zeros((1, N, 512))
+        mha(x, x, x, workers=2)
+        mha.backward(x)
+        assert calls == [("split_heads", expected), ("merge_heads", expected)], calls
 
 
 def test_a_bias_without_batch_axis_splits_a_batch_of_one_by_kv_head():
@@ -467,7 +489,7 @@ def test_multihead_attention_on_threads_has_the_bits_of_one_thread(d_model):
     runs = []
     for workers in (1, 2, 3):
         out, weights, cache = na.multihead_forward(query, key, value, params, 4, workers=workers, causal=True)
-        assert cache.attention.options.workers == workers
+        assert cache.workers == cache.attention.options.workers == workers
         runs.append([out, weights, *na.multihead_backward(dout, cache).values()])
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
