@@ -38,7 +38,8 @@ def frozen(a):
     """Whether nothing can write into the ndarray `a`: it is read-only, and so is every array
     its memory comes from, down to the array that owns it (MultiHeadAttention's parameters,
     say). A read-only view of a writeable array is not frozen: its owner can still write. An
-    owner made read-only is trusted to stay so (numpy lets its holder set it writeable again).
+    owner made read-only is trusted to stay so: numpy lets its holder set it writeable again,
+    and leaves writeable the views of it made before it became read-only.
     """
     while isinstance(a, np.ndarray):
         if a.flags.writeable:

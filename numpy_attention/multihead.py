@@ -111,7 +111,7 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     scores = score_count((B, num_heads, N_q, D // num_heads), N_k)
     workers = resolve_workers(attention_options.get("workers"),
                               attention_options.get("implementation") or "blocked", scores, projections)
-    # 1. linear projections (math layout W = weight^T), on the attention's threads
+    # 1. linear projections (math layout W = weight^T), on the projections' threads
     (Q, cq), (K, ck), (V, cv) = projections_forward([
         (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]
         (key, params["W_k.weight"].T, params["W_k.bias"]),       # kdim -> [B, N_k, D]
