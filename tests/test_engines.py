@@ -382,16 +382,34 @@ def test_a_child_forked_inside_a_call_counts_only_that_call():
     assert result == 0 and blas_threads() == before
 
 
-def test_calls_reuse_the_threads_of_one_pool_per_worker_count():
-    """Threads are started once per number of workers and kept, not started for every call."""
+def test_calls_run_on_the_calling_thread_and_reuse_one_pool_of_helpers_per_worker_count():
+    """A call on W workers computes on the calling thread and W - 1 helper threads, started
+    once per number of workers and kept, not started for every call."""
     from numpy_attention.engines.parallel import run_tasks
     def thread():                                          # kept alive in `seen`: no id reused
         time.sleep(0.01)                                   # the other tasks start meanwhile
         return threading.current_thread()
-    seen = {workers: {t for _ in range(5) for t in run_tasks(thread, [()] * 4, workers)}
-            for workers in (2, 3)}
-    assert len(seen[2]) == 2 and len(seen[3]) == 3 and not seen[2] & seen[3]
-    assert threading.current_thread() not in seen[2] | seen[3]
+    me, seen = threading.current_thread(), {}
+    for workers in (2, 3):
+        calls = [set(run_tasks(thread, [()] * 4, workers)) for _ in range(5)]
+        assert all(me in threads for threads in calls)     # the caller computes too
+        seen[workers] = set().union(*calls) - {me}
+    assert len(seen[2]) == 1 and len(seen[3]) == 2 and not seen[2] & seen[3]
+
+
+def test_an_interrupt_in_the_calling_thread_stops_the_call():
+    """KeyboardInterrupt (not an Exception) in a task on the calling thread: raised once the
+    helper's task in progress ends, the tasks not started are not run."""
+    from numpy_attention.engines.parallel import run_tasks
+    me, finished = threading.current_thread(), []
+    def task(i):
+        if threading.current_thread() is me:
+            raise KeyboardInterrupt
+        time.sleep(0.05)
+        finished.append(i)
+    with pytest.raises(KeyboardInterrupt):
+        run_tasks(task, [(i,) for i in range(8)], 2)
+    assert len(finished) <= 1
 
 
 def test_calls_from_several_threads_sharing_a_pool_give_the_bits_of_one_worker(monkeypatch):
@@ -441,6 +459,18 @@ def test_a_failing_task_raises_after_every_task_of_the_call_is_done():
     with pytest.raises(ArithmeticError, match="task 0"):
         run_tasks(task, [(i,) for i in range(4)], 2)
     assert sorted(finished) == [1, 2, 3]
+
+
+def test_a_helper_stopped_by_more_than_an_exception_stops_the_call():
+    """SystemExit (not an Exception) in a task on a helper thread reaches the caller."""
+    from numpy_attention.engines.parallel import run_tasks
+    me = threading.current_thread()
+    def task(i):
+        time.sleep(0.01)                                   # the helper starts meanwhile
+        if threading.current_thread() is not me:
+            raise SystemExit("helper")
+    with pytest.raises(SystemExit, match="helper"):
+        run_tasks(task, [(i,) for i in range(4)], 2)
 
 
 def test_a_forked_child_starts_its_own_pool():
