@@ -104,7 +104,8 @@ def softmax_passes(shape, dtype, workers, fresh_p=False):
         p_ /= p_.sum(axis=-1, keepdims=True)
         np.subtract(dp_, np.einsum("...i,...i->...", dp_, p_)[..., None], out=ds_)   # dS = P (dP - rowsum(P dP))
         ds_ *= p_
-    return lambda: run_tasks(passes, blocks, workers, shared={"p": np.empty(shape, dtype) if fresh_p else p})
+    return lambda: run_tasks(passes, blocks, workers,
+                             shared={"p": np.empty(shape, dtype) if fresh_p else p})
 
 
 def run_child(code):

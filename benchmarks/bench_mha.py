@@ -20,9 +20,9 @@ copies, no allocation, nothing else: about the least any numpy implementation of
 can take on this machine, since numpy runs one ufunc at a time. "floor % peak" is the most
 such an implementation can reach, and "torch/floor" the largest torch/ours it can show here.
 
-"matmuls 1T" times the same products with BLAS on one thread, one after another: at the
-shapes where workers=None gives one worker (the smallest), the least the products take
-under the rule that gives the same bits for every worker count (engines/parallel.py).
+"matmuls 1T" times the same products with BLAS on one thread, one after another: what they
+take on one worker under the rule that gives the same bits for every worker count (each
+product on one BLAS thread, engines/parallel.py).
 
 "plain" is the same step written plainly in numpy (plain_step): the textbook formulas on
 whole arrays in about the fewest numpy calls, products on BLAS's threads, no checks, no
@@ -239,8 +239,7 @@ def main():
                 row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if have_torch else "-")
             rows.append(row)
         header = ["(B,N,D,H)", "ours ms", "% peak", "plain ms", "matmuls ms", "matmuls 1T ms", "softmax ms",
-                  "floor % peak",
-                  "torch ms", "torch/ours", "torch/plain", "torch/floor"]
+                  "floor % peak", "torch ms", "torch/ours", "torch/plain", "torch/floor"]
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
     print("\n" + load.line())
