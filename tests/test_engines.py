@@ -386,13 +386,14 @@ def test_calls_run_on_the_calling_thread_and_reuse_one_pool_of_helpers_per_worke
     """A call on W workers computes on the calling thread and W - 1 helper threads, started
     once per number of workers and kept, not started for every call."""
     from numpy_attention.engines.parallel import run_tasks
-    def thread():                                          # kept alive in `seen`: no id reused
-        time.sleep(0.01)                                   # the other tasks start meanwhile
-        return threading.current_thread()
     me, seen = threading.current_thread(), {}
     for workers in (2, 3):
-        calls = [set(run_tasks(thread, [()] * 4, workers)) for _ in range(5)]
-        assert all(me in threads for threads in calls)     # the caller computes too
+        barrier = threading.Barrier(workers)               # W tasks at once: every thread has one
+        def thread():                                      # kept alive in `seen`: no id reused
+            barrier.wait(10)
+            return threading.current_thread()
+        calls = [set(run_tasks(thread, [()] * workers, workers)) for _ in range(5)]
+        assert all(len(threads) == workers and me in threads for threads in calls)   # the caller too
         seen[workers] = set().union(*calls) - {me}
     assert len(seen[2]) == 1 and len(seen[3]) == 2 and not seen[2] & seen[3]
 
@@ -464,11 +465,13 @@ def test_a_failing_task_raises_after_every_task_of_the_call_is_done():
 def test_a_helper_stopped_by_more_than_an_exception_stops_the_call():
     """SystemExit (not an Exception) in a task on a helper thread reaches the caller."""
     from numpy_attention.engines.parallel import run_tasks
-    me = threading.current_thread()
+    me, helper_started = threading.current_thread(), threading.Event()
     def task(i):
-        time.sleep(0.01)                                   # the helper starts meanwhile
-        if threading.current_thread() is not me:
-            raise SystemExit("helper")
+        if threading.current_thread() is me:
+            helper_started.wait(10)                        # until a helper has taken a task
+            return
+        helper_started.set()
+        raise SystemExit("helper")
     with pytest.raises(SystemExit, match="helper"):
         run_tasks(task, [(i,) for i in range(4)], 2)
 
