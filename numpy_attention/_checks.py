@@ -3,6 +3,8 @@
 A leaf module: it imports nothing of the package, so the one-way import rule of
 DESIGN.md still holds (every module may use it; it uses none of them).
 
+It also holds the rule for the arrays a cache may keep without copying them (frozen, kept).
+
 Every failure is a ValueError (wrong value or shape) or a TypeError (wrong kind
 of object), and its message names the argument and the shapes involved.
 
@@ -46,6 +48,15 @@ def frozen(a):
             return False
         a = a.base
     return a is None
+
+
+def read_only_copy(x, dtype=None):
+    """A read-only copy of x (in `dtype` if given; None stays None): frozen, nothing can change it."""
+    if x is None:
+        return None
+    x = np.array(x, dtype)
+    x.flags.writeable = False
+    return x
 
 
 def kept(a):

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import (as_float_array, require_cache, require_choice, require_mapping,
+from ._checks import (as_float_array, read_only_copy, require_cache, require_choice, require_mapping,
                       require_positive_int, require_same_shape)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .engines.parallel import run_tasks
@@ -215,7 +215,7 @@ class MultiHeadAttention:
         self.params = {}
         for key, shape in shapes.items():                     # weight, then bias, per projection
             bound = 1.0 / np.sqrt(shapes[key.replace(".bias", ".weight")][1])   # nn.Linear: 1/sqrt(in)
-            self.params[key] = _read_only(rng.uniform(-bound, bound, shape).astype(self.dtype))
+            self.params[key] = read_only_copy(rng.uniform(-bound, bound, shape), self.dtype)   # frozen
         self._cache = None
 
     def __call__(self, query, key, value, mask=None, **attention_options):
@@ -268,16 +268,10 @@ class MultiHeadAttention:
             if arr.dtype.kind == "c" and self.dtype.kind != "c":
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "
                                 f"the module's dtype is {self.dtype}")
-        self.params = {name: _read_only(arr.astype(self.dtype)) for name, arr in params.items()}  # copies
+        self.params = {name: read_only_copy(arr, self.dtype) for name, arr in params.items()}  # frozen
 
 
 def _copying(workers, heads):
     """The threads for splitting or merging `heads` (an array of three alike): `workers` from
     options.PARALLEL_HEAD_COPIES bytes up, else 1 (a thread's task there costs more than the copy)."""
     return workers if heads.nbytes >= PARALLEL_HEAD_COPIES else 1
-
-
-def _read_only(a):
-    """`a`, which the module owns, made read-only: a cache keeps it without a copy (_checks.kept)."""
-    a.flags.writeable = False
-    return a

@@ -19,7 +19,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
-                      require_positive_int, require_positive_real, require_probability, result_dtype)
+                      read_only_copy, require_positive_int, require_positive_real, require_probability,
+                      result_dtype)
 from ._layout import check_window, resolve_alignment, unbroadcast
 from .positions import band_keep, distance, positions, sequence_lengths
 
@@ -130,12 +131,12 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     masked = (keep is not None or causal or window is not None or packed[0] is not None
               or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
-        scale=scale, softcap=softcap, bias=_read_only(bias), mask=_read_only(keep),
-        causal=causal, align=align, window=window, dropout_scale=_read_only(dropout_scale),
+        scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
+        causal=causal, align=align, window=window, dropout_scale=read_only_copy(dropout_scale),
         dropout_p=dropout_p,
-        fully_masked=fully_masked, sinks=_read_only(sinks), alibi_slopes=_read_only(alibi_slopes),
-        cu_seqlens_q=_read_only(packed[0]), cu_seqlens_k=_read_only(packed[1]),
-        seqused_k=_read_only(packed[2]),
+        fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
+        cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
+        seqused_k=read_only_copy(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size,
         workers=resolve_workers(workers, implementation, score_count(q.shape, k.shape[-2], packed)),
         scheduler=check_scheduler(scheduler, implementation))
@@ -307,15 +308,6 @@ def check_scheduler(scheduler, implementation="tiled"):
         raise ValueError(f"scheduler= runs the tiled engine's slices on a Dask cluster; "
                          f"implementation={implementation!r} runs here (use implementation='tiled')")
     return scheduler
-
-
-def _read_only(x):
-    """A read-only copy of x (None stays None): the record's arrays cannot change under it."""
-    if x is None:
-        return None
-    x = np.array(x)
-    x.flags.writeable = False
-    return x
 
 
 def _check_qkv(q, k, v):

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._checks import read_only_copy
+
 
 class PagedLayout(NamedTuple):
     page_table: np.ndarray          # [B, P] int (a read-only copy)
@@ -48,12 +50,8 @@ def check_pages(q, k_cache, v_cache, page_table, cache_seqlens):
     if ((table < 0) | (table >= num_pages))[used].any():
         raise ValueError(f"page_table's used entries must index k_cache's {num_pages} pages, "
                          f"got {table[used].tolist()}")
-    read_only = lambda x: np.array(x, np.int64)
-    layout = PagedLayout(page_table=read_only(table), cache_seqlens=read_only(lengths),
-                         q_shape=q.shape, k_cache_shape=k_cache.shape, v_cache_shape=v_cache.shape)
-    for x in layout[:2]:
-        x.flags.writeable = False
-    return layout
+    return PagedLayout(page_table=read_only_copy(table, np.int64), cache_seqlens=read_only_copy(lengths, np.int64),
+                       q_shape=q.shape, k_cache_shape=k_cache.shape, v_cache_shape=v_cache.shape)
 
 
 def _key_rows(layout):
