@@ -22,7 +22,8 @@ BLAS on one thread (engines/projections.py), so the threads share them evenly; t
 depend on the shapes alone, and the results are bitwise the same for any number of workers.
 The three splits and merges of heads (Q, K, V; dQ, dK, dV) run there too, one task each,
 when they are large (options.PARALLEL_HEAD_COPIES). The attention takes `workers` as given,
-so by default its own rule (many scores).
+so by default its own rule (many scores). BLAS is on one thread from the start of a forward or
+backward to its end (except around the textbook engine, which uses BLAS's own threads).
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
 `state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
@@ -33,6 +34,7 @@ that load_state_dict also takes, are in params.py.
 Self-attention: when the same array is passed as query, key and value, the
 gradient w.r.t. that array is grads["query"] + grads["key"] + grads["value"].
 """
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
@@ -40,7 +42,7 @@ import numpy as np
 from ._checks import (as_float_array, read_only_copy, require_cache, require_choice, require_mapping,
                       require_positive_int, require_same_shape)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
-from .engines.parallel import run_tasks
+from .engines.parallel import blas_on_one_thread, run_tasks
 from .engines.projections import projections_backward, projections_forward
 from .heads import merge_heads, split_heads
 from .options import PARALLEL_HEAD_COPIES, resolve_workers, score_count
@@ -109,22 +111,23 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     B, N_q, N_k = query.shape[0], query.shape[1], key.shape[1]
     projections = B * (2 * N_q * D + N_k * (key.shape[2] + value.shape[2])) * D      # multiply-adds
     scores = score_count((B, num_heads, N_q, D // num_heads), N_k)
-    workers = resolve_workers(attention_options.get("workers"),
-                              attention_options.get("implementation") or "blocked", scores, projections)
-    # 1. linear projections (math layout W = weight^T), on the projections' threads
-    (Q, cq), (K, ck), (V, cv) = projections_forward([
-        (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]
-        (key, params["W_k.weight"].T, params["W_k.bias"]),       # kdim -> [B, N_k, D]
-        (value, params["W_v.weight"].T, params["W_v.bias"])], workers)   # vdim -> [B, N_k, D]
-    # 2. split heads: [B, N, D] -> [B, H, N, d_k], on the threads too
-    Qh, Kh, Vh = run_tasks(split_heads, [(x, num_heads) for x in (Q, K, V)], _copying(workers, Q))
-    # 3. attention per head
-    attn, ca = attention_forward(Qh, Kh, Vh, mask=mask, **attention_options)   # [B, H, N_q, d_k]
-    # 4. merge heads: [B, H, N_q, d_k] -> [B, N_q, D]
-    concat = merge_heads(attn)
-    # 5. output projection
-    [(out, co)] = projections_forward([(concat, params["W_o.weight"].T, params["W_o.bias"])],
-                                      workers)                                   # [B, N_q, D]
+    engine = attention_options.get("implementation") or "blocked"
+    workers = resolve_workers(attention_options.get("workers"), engine, scores, projections)
+    with _blas_held(engine):
+        # 1. linear projections (math layout W = weight^T), on the projections' threads
+        (Q, cq), (K, ck), (V, cv) = projections_forward([
+            (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]
+            (key, params["W_k.weight"].T, params["W_k.bias"]),       # kdim -> [B, N_k, D]
+            (value, params["W_v.weight"].T, params["W_v.bias"])], workers)   # vdim -> [B, N_k, D]
+        # 2. split heads: [B, N, D] -> [B, H, N, d_k], on the threads too
+        Qh, Kh, Vh = run_tasks(split_heads, [(x, num_heads) for x in (Q, K, V)], _copying(workers, Q))
+        # 3. attention per head
+        attn, ca = attention_forward(Qh, Kh, Vh, mask=mask, **attention_options)   # [B, H, N_q, d_k]
+        # 4. merge heads: [B, H, N_q, d_k] -> [B, N_q, D]
+        concat = merge_heads(attn)
+        # 5. output projection
+        [(out, co)] = projections_forward([(concat, params["W_o.weight"].T, params["W_o.bias"])],
+                                          workers)                                   # [B, N_q, D]
     cache = MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads, workers=workers)
     weights = ca.weights.view()                       # read-only: the backward needs P unchanged,
     weights.flags.writeable = False                   # and a copy would cost another [B, H, N_q, N_k]
@@ -143,13 +146,14 @@ def multihead_backward(dout, cache):
     dout = as_float_array(dout, "dout")
     require_same_shape(dout, cache.o.out_shape, "dout")
     H, workers = cache.num_heads, cache.workers                          # the forward's threads
-    [(dconcat, dWo, dbo)] = projections_backward([(dout, cache.o)], workers)   # 5. output projection
-    dattn = split_heads(dconcat, H)                                      # 4. merge_heads' backward
-    g = attention_backward(dattn, cache.attention)                       # 3. attention
-    dQ, dK, dV = run_tasks(merge_heads, [(g.dq,), (g.dk,), (g.dv,)],        # 2. split_heads' backward
-                           _copying(workers, g.dq))
-    (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(   # 1. input projections
-        [(dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)
+    with _blas_held(cache.attention.options.implementation):
+        [(dconcat, dWo, dbo)] = projections_backward([(dout, cache.o)], workers)   # 5. output projection
+        dattn = split_heads(dconcat, H)                                  # 4. merge_heads' backward
+        g = attention_backward(dattn, cache.attention)                   # 3. attention
+        dQ, dK, dV = run_tasks(merge_heads, [(g.dq,), (g.dk,), (g.dv,)],    # 2. split_heads' backward
+                               _copying(workers, g.dq))
+        (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(
+            [(dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)            # 1. input projections
     grads = {"query": dquery, "key": dkey, "value": dvalue,
              "W_q.weight": dWq.T, "W_q.bias": dbq, "W_k.weight": dWk.T, "W_k.bias": dbk,
              "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}
@@ -269,6 +273,14 @@ class MultiHeadAttention:
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "
                                 f"the module's dtype is {self.dtype}")
         self.params = {name: read_only_copy(arr, self.dtype) for name, arr in params.items()}  # frozen
+
+
+def _blas_held(engine):
+    """BLAS on one thread for a whole forward or backward: the projections and the blocked engine
+    hold it for each of their steps anyway, and one hold costs less than one per step (each
+    setting and restoring costs about 0.03 ms here). Not with the textbook engine, whose
+    products run on BLAS's own threads."""
+    return nullcontext() if engine == "textbook" else blas_on_one_thread()
 
 
 def _copying(workers, heads):

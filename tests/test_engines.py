@@ -269,6 +269,42 @@ def test_multihead_splits_and_merges_heads_on_threads_from_a_mebibyte(monkeypatc
         assert calls == [("split_heads", expected), ("merge_heads", expected)], calls
 
 
+@pytest.mark.parametrize("engine", ["blocked", "textbook"])
+def test_multihead_holds_blas_on_one_thread_through_each_call(monkeypatch, engine):
+    """multihead_forward and multihead_backward hold BLAS on one thread from start to end (one
+    setting instead of one per step), except around the textbook engine, whose products run
+    on BLAS's own threads; BLAS gets its threads back after each call, and after a failure."""
+    import numpy_attention.multihead as multihead
+    from threadpoolctl import threadpool_limits
+    seen = {}
+    def recording(name, fn):
+        def record(*args, **kwargs):
+            seen.setdefault(name, []).append(blas_threads())
+            return fn(*args, **kwargs)
+        return record
+    for name in ("split_heads", "merge_heads", "attention_forward", "attention_backward"):
+        monkeypatch.setattr(multihead, name, recording(name, getattr(multihead, name)))
+    mha = na.MultiHeadAttention(16, 2, seed=0)
+    x = np.random.default_rng(4).standard_normal((2, 3, 16))
+    with threadpool_limits(limits=2, user_api="blas"):        # BLAS's own: two threads
+        before = blas_threads()
+        assert before == [2] * len(before)
+        mha(x, x, x, implementation=engine)
+        assert blas_threads() == before
+        mha.backward(x)
+        assert blas_threads() == before
+        calls = dict(seen)
+        seen.clear()
+        with pytest.raises(ValueError, match="causal"):            # raised inside the hold
+            mha(x, x, x, implementation=engine, causal="sideways")
+        assert blas_threads() == before and "split_heads" in seen
+    one = [1] * len(before)
+    held = before if engine == "textbook" else one               # what the module's own steps see
+    assert calls["split_heads"] == [one] * 3 + [held]           # 3 on run_tasks (forward), backward's
+    assert calls["merge_heads"] == [held] + [one] * 3           # forward's, 3 on run_tasks (backward)
+    assert calls["attention_forward"] == calls["attention_backward"] == [held]
+
+
 def test_a_bias_without_batch_axis_splits_a_batch_of_one_by_kv_head():
     """bias [H, N_q, N_k] on one batch index spans no two slices: the tiled backward runs one
     task per kv head (spans_slices), with the bits of one worker and the textbook's values."""
