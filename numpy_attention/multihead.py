@@ -6,7 +6,7 @@ Shape legend:  B batch,  N_q / N_k lengths,  D = d_model,  H = num_heads,  d_k =
     MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o,   head_i = Attention(Q W_q^i, K W_k^i, V W_v^i)
 
 Forward                                             Backward (reverse order, one line each)
-    1. Q = query W_q + b_q    [B, N_q, D]               5. linear_backward (W_o)
+    1. Q = query W_q + b_q    [B, N_q, D]               5. linear_backward (W_o): dconcat*
        K = key   W_k + b_k    [B, N_k, D]               4. split_heads (merge's backward)
        V = value W_v + b_v    [B, N_k, D]               3. attention_backward
        (query [B, N_q, D], key [B, N_k, kdim], value [B, N_k, vdim];
@@ -15,6 +15,9 @@ Forward                                             Backward (reverse order, one
     3. attention_forward      [B, H, N_q, d_k]          1. linear_backward (W_q, W_k, W_v)
     4. merge_heads            [B, N_q, D]
     5. out = concat W_o + b_o [B, N_q, D]
+                                                        * dW_o and db_o, which no later step
+                                                          needs, are computed in step 1, with
+                                                          its products on the same threads
 
 Threads (`workers`): the projections run on threads, by default every core for large
 projections or many scores (options.resolve_workers), each product in blocks of rows with
@@ -147,13 +150,14 @@ def multihead_backward(dout, cache):
     require_same_shape(dout, cache.o.out_shape, "dout")
     H, workers = cache.num_heads, cache.workers                          # the forward's threads
     with _blas_held(cache.attention.options.implementation):
-        [(dconcat, dWo, dbo)] = projections_backward([(dout, cache.o)], workers)   # 5. output projection
+        [(dconcat, _, _)] = projections_backward([(dout, cache.o, "dx")], workers)  # 5. output projection
         dattn = split_heads(dconcat, H)                                  # 4. merge_heads' backward
         g = attention_backward(dattn, cache.attention)                   # 3. attention
         dQ, dK, dV = run_tasks(merge_heads, [(g.dq,), (g.dk,), (g.dv,)],    # 2. split_heads' backward
                                _copying(workers, g.dq))
-        (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(
-            [(dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)            # 1. input projections
+        (_, dWo, dbo), (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(
+            [(dout, cache.o, "dW"),                    # 5.'s dW_o, db_o: first, a large task early
+             (dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)            # 1. input projections
     grads = {"query": dquery, "key": dkey, "value": dvalue,
              "W_q.weight": dWq.T, "W_q.bias": dbq, "W_k.weight": dWk.T, "W_k.bias": dbk,
              "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}

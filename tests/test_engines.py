@@ -645,6 +645,53 @@ def test_projections_are_cut_by_size_not_by_workers(monkeypatch):
     assert len(projections._blocks(100 * projections.MIN_ROWS, projections.MIN_BLOCK)) == projections.BLOCKS
 
 
+def test_projections_backward_computes_the_part_asked_for(monkeypatch):
+    """An item (dy, cache, "dx") gives (dx, None, None) and (dy, cache, "dW") gives (None, dW,
+    db), each bitwise the whole backward's, on any number of threads, from that part's products
+    alone."""
+    from numpy_attention.engines import projections
+    rng = np.random.default_rng(8)
+    items = [(rng.standard_normal((2, 700, 64)), rng.standard_normal((64, 48)), rng.standard_normal(48)),
+             (rng.standard_normal((2, 700, 64)), rng.standard_normal((64, 48)), None)]    # no bias
+    caches = [cache for _, cache in projections.projections_forward(items, 1)]
+    dys = [rng.standard_normal((2, 700, 48)) for _ in items]
+    whole = projections.projections_backward(list(zip(dys, caches)), 1)
+    names = []
+    def recording(fn, tasks, workers):
+        names.append(sorted({task[0].__name__ for task in tasks}))
+        return run_tasks(fn, tasks, workers)
+    run_tasks = projections.run_tasks
+    monkeypatch.setattr(projections, "run_tasks", recording)
+    for workers in (1, 2):
+        dx, dW = (projections.projections_backward([(dy, cache, part) for dy, cache in zip(dys, caches)], workers)
+                  for part in ("dx", "dW"))
+        for (dx_, no_dW, no_db), (no_dx, dW_, db_), (dx_ref, dW_ref, db_ref) in zip(dx, dW, whole, strict=True):
+            assert no_dW is None and no_db is None and no_dx is None
+            assert np.array_equal(dx_, dx_ref) and np.array_equal(dW_, dW_ref)
+        assert np.array_equal(dW[0][2], whole[0][2]) and dW[1][2] is None and whole[1][2] is None
+    assert names == [["_dx_rows"], ["_dW_rows", "sum"]] * 2
+    with pytest.raises(ValueError, match="part must be 'dx' or 'dW'"):
+        projections.projections_backward([(dys[0], caches[0], "db")], 1)
+
+
+def test_multihead_backward_puts_dW_o_with_the_input_projections(monkeypatch):
+    """The module's backward computes dconcat alone first, and dW_o, db_o (which no step before
+    the input projections needs) in the input projections' call, on their threads."""
+    import numpy_attention.multihead as multihead
+    parts = []
+    def recording(items, workers):
+        parts.append([item[2] if len(item) > 2 else "all" for item in items])
+        return projections_backward(items, workers)
+    projections_backward = multihead.projections_backward
+    monkeypatch.setattr(multihead, "projections_backward", recording)
+    mha = na.MultiHeadAttention(16, 2, seed=0)
+    x = np.random.default_rng(5).standard_normal((2, 3, 16))
+    mha(x, x, x)
+    grads = mha.backward(x)
+    assert parts == [["dx"], ["dW", "all", "all", "all"]]
+    assert grads["W_o.weight"].shape == (16, 16) and grads["W_o.bias"].shape == (16,)
+
+
 def test_multihead_attention_checks_workers_before_projecting():
     params = na.MultiHeadAttention(8, 2, seed=0).params
     x = np.zeros((1, 3, 8))

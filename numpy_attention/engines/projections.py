@@ -56,21 +56,32 @@ def projections_forward(items, workers):
 
 
 def projections_backward(items, workers):
-    """[linear_backward(dy, cache) for dy, cache in items], dx's rows and dW's rows in blocks."""
+    """[linear_backward(dy, cache) for dy, cache in items], dx's rows and dW's rows in blocks.
+
+    An item (dy, cache, part) computes only `part` of its gradients: "dx" ((dx, None, None)),
+    or "dW" ((None, dW, db)), so that a caller can put products that nothing needs yet with
+    later ones, on the same threads (MultiHeadAttention's dW_o with the input projections').
+    """
     results, tasks = [], []
-    for dy, cache in items:
+    for dy, cache, *part in items:
+        part = part[0] if part else "all"
+        if part not in ("all", "dx", "dW"):
+            raise ValueError(f"part must be 'dx' or 'dW' (or left out, for both), got {part!r}")
         x, W = cache.x, cache.W
         n = math.prod(x.shape[:-1])
         x2, dy2 = x.reshape(n, x.shape[-1]), dy.reshape(n, dy.shape[-1])   # [n, d_in], [n, d_out]
-        dx = np.empty(x2.shape, np.result_type(dy, W))                  # [n, d_in]
-        dW = np.empty(W.shape, np.result_type(x, dy))                   # [d_in, d_out]
-        db = np.empty(W.shape[1], dy.dtype) if cache.has_bias else None   # [d_out]
-        # dW first: often one block, as large as all of dx's; one thread takes it, the others dx's
-        tasks += [(_dW_rows, x2, dy2, dW, rows) for rows in _blocks(W.shape[0], dy2.size)]
-        tasks += [(_dx_rows, dy2, W, dx, rows) for rows in _blocks(n, W.size)]
-        if db is not None:
-            tasks.append((np.sum, dy2, 0, None, db))                   # db = sum over rows of dy
-        results.append((dx.reshape(x.shape), dW, db))
+        dx = dW = db = None
+        if part != "dx":
+            dW = np.empty(W.shape, np.result_type(x, dy))                   # [d_in, d_out]
+            # dW first: often one block, as large as all of dx's; one thread takes it, the others dx's
+            tasks += [(_dW_rows, x2, dy2, dW, rows) for rows in _blocks(W.shape[0], dy2.size)]
+        if part != "dW":
+            dx = np.empty(x2.shape, np.result_type(dy, W))                  # [n, d_in]
+            tasks += [(_dx_rows, dy2, W, dx, rows) for rows in _blocks(n, W.size)]
+        if part != "dx" and cache.has_bias:
+            db = np.empty(W.shape[1], dy.dtype)                             # [d_out]
+            tasks.append((np.sum, dy2, 0, None, db))                       # db = sum over rows of dy
+        results.append((None if dx is None else dx.reshape(x.shape), dW, db))
     run_tasks(_call, tasks, workers)
     return results
 
