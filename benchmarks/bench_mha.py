@@ -20,9 +20,14 @@ copies, no allocation, nothing else: about the least any numpy implementation of
 can take on this machine, since numpy runs one ufunc at a time. "floor % peak" is the most
 such an implementation can reach, and "torch/floor" the largest torch/ours it can show here.
 
-"matmuls 1T" times the same products with BLAS on one thread, one after another: what they
-take on one worker under the rule that gives the same bits for every worker count (each
-product on one BLAS thread, engines/parallel.py).
+"same bits" times the same products under the rule that gives the same bits for every worker
+count (engines/parallel.py): each on one BLAS thread, shared over the threads workers=None
+gives the module (the projections' for theirs, the attention's for its own), in the groups of
+products that do not need each other (the step's three input projections at once, say), cut
+as the library cuts them (the projections' blocks of rows, heads for the attention's). The time includes handing the
+products to the threads, as any threaded numpy step must: about the least a step that keeps
+the rule can take for its products alone, and "torch/same bits" (torch over same bits plus
+softmax) about the largest torch/ours such a step can show here.
 
 "plain" is the same step written plainly in numpy (plain_step): the textbook formulas on
 whole arrays in about the fewest numpy calls, products on BLAS's threads, no checks, no
@@ -47,7 +52,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]         # the package; tests/
 from benchmarks._common import (OtherLoad, machine_line, matmul_gflops, median_time,  # noqa: E402
                                 median_times_apart, run_child, set_numpy_hugepages, softmax_passes, table)
 from numpy_attention import MultiHeadAttention  # noqa: E402
-from numpy_attention.engines.parallel import blas_on_one_thread  # noqa: E402
+from numpy_attention.engines import projections  # noqa: E402
+from numpy_attention.engines.parallel import blas_on_one_thread, run_tasks  # noqa: E402
 from numpy_attention.options import resolve_workers  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
@@ -77,30 +83,69 @@ def make_inputs(B, N, D, dtype, seed=0):
     return [rng.standard_normal((B, N, D)).astype(dtype) for _ in range(4)]   # query, key, value, dout
 
 
-def matmuls_alone(B, N, D, H, dtype):
-    """The step's matrix products by themselves (see the module docstring): a callable."""
+def step_products(B, N, D, H, dtype):
+    """The step's 18 matrix products as (a, b, out) triples, out = a @ b, in groups of products
+    that do not need each other, in the step's order (inputs random, outputs allocated once)."""
     rng = np.random.default_rng(0)
     d = D // H
-    x = [rng.standard_normal((B * N, D)).astype(dtype) for _ in range(4)]           # 4 inputs
-    W = [rng.standard_normal((D, D)).astype(dtype) for _ in range(4)]               # 4 weights
-    y, dx, dW = np.empty((B * N, D), dtype), np.empty((B * N, D), dtype), np.empty((D, D), dtype)
-    q, k, v, dout = (rng.standard_normal((B * H, N, d)).astype(dtype) for _ in range(4))
-    S, dP = np.empty((B * H, N, N), dtype), np.empty((B * H, N, N), dtype)
-    o, oT = np.empty((B * H, N, d), dtype), np.empty((B * H, d, N), dtype)
+    draw = lambda *shape: rng.standard_normal(shape).astype(dtype)
     T = lambda a: np.swapaxes(a, -1, -2)
+    x, W = [draw(B * N, D) for _ in range(4)], [draw(D, D) for _ in range(4)]    # inputs, weights
+    q, k, v, dout = (draw(B * H, N, d) for _ in range(4))                          # heads
+    y, dx = [np.empty((B * N, D), dtype) for _ in range(4)], [np.empty((B * N, D), dtype) for _ in range(4)]
+    dW = [np.empty((D, D), dtype) for _ in range(4)]
+    S, dP = np.empty((B * H, N, N), dtype), np.empty((B * H, N, N), dtype)
+    o, dq, dkT, dvT = (np.empty(shape, dtype) for shape in [(B * H, N, d)] * 2 + [(B * H, d, N)] * 2)
+    return [[(x[i], W[i], y[i]) for i in range(3)],                    # Q, K, V = x W
+            [(q, T(k), S)],                                            # S = q k^T
+            [(S, v, o)],                                               # out = P v
+            [(x[3], W[3], y[3])],                                      # output projection
+            [(y[3], W[3].T, dx[3])],                                   # its dx = dy W^T
+            [(T(dout), S, dvT), (dout, T(v), dP)],                     # dv^T = dout^T P, dP = dout v^T
+            [(dP, k, dq), (T(q), dP, dkT)],                            # dq = dS k, dk^T = q^T dS
+            [(x[3].T, y[3], dW[3])] + [product for i in range(3) for product in   # its dW = x^T dy,
+                                       ((x[i].T, y[i], dW[i]), (y[i], W[i].T, dx[i]))]]   # the inputs'
+
+
+
+def matmuls_alone(B, N, D, H, dtype):
+    """The step's matrix products by themselves, one after another as numpy runs them (see the
+    module docstring): a callable."""
+    products = [product for group in step_products(B, N, D, H, dtype) for product in group]
 
     def step():
-        for xi, Wi in zip(x, W):
-            np.matmul(xi, Wi, out=y)            # forward projection
-            np.matmul(y, Wi.T, out=dx)          # dx = dy W^T
-            np.matmul(xi.T, y, out=dW)          # dW = x^T dy
-        np.matmul(q, T(k), out=S)               # S = q k^T
-        np.matmul(S, v, out=o)                  # out = P v
-        np.matmul(T(dout), S, out=oT)           # dv^T = dout^T P
-        np.matmul(dout, T(v), out=dP)           # dP = dout v^T
-        np.matmul(dP, k, out=o)                 # dq = dS k
-        np.matmul(T(q), dP, out=oT)             # dk^T = q^T dS
+        for a, b, out in products:
+            np.matmul(a, b, out=out)
     return step
+
+
+def matmuls_same_bits(B, N, D, H, dtype):
+    """The step's matrix products under the rule that gives the same bits for every worker
+    count (see the module docstring): a callable."""
+    scores = B * H * N * N
+    threads = {2: resolve_workers(None, "blocked", scores, 4 * B * N * D * D),    # the projections'
+               3: resolve_workers(None, "blocked", scores)}                     # the attention's
+    groups = []
+    for group in step_products(B, N, D, H, dtype):
+        workers, tasks = threads[group[0][0].ndim], []
+        for a, b, out in group:
+            if a.ndim == 2:                   # the projections' blocks of rows
+                blocks = projections._blocks(a.shape[0], a.shape[1] * b.shape[1])
+            else:                             # heads, shared evenly
+                edges = [len(a) * i // workers for i in range(workers + 1)]
+                blocks = [slice(start, stop) for start, stop in zip(edges, edges[1:])]
+            tasks += [(a[rows], b if a.ndim == 2 else b[rows], out[rows]) for rows in blocks]
+        groups.append((tasks, workers))
+
+    def step():
+        with blas_on_one_thread():
+            for tasks, workers in groups:
+                run_tasks(_matmul, tasks, workers)
+    return step
+
+
+def _matmul(a, b, out):
+    np.matmul(a, b, out=out)
 
 
 def softmax_alone(B, N, D, H, dtype):
@@ -223,23 +268,26 @@ def main():
             codes = [step_code(which, B, N, D, H, dtype, threads, on) for which in contenders]
             times = median_times_apart(codes, args.rounds)
             t_ours, t_plain, t_torch = times[0], times[1], times[2] if have_torch else None
-            t_matmuls = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
-            with blas_on_one_thread():
-                t_matmuls_1t = median_time(matmuls_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
-            t_softmax = median_time(softmax_alone(B, N, D, H, dtype), repeats=3 * args.rounds)
+            # the floors: up to 25 calls a round, at most half a second each round; the products on
+            # BLAS's threads last, since its idle threads then spin on the cores for about 0.1 s
+            floor_time = lambda fn: median_time(fn, repeats=25 * args.rounds, budget=0.5 * args.rounds)
+            t_same_bits = floor_time(matmuls_same_bits(B, N, D, H, dtype))
+            t_softmax = floor_time(softmax_alone(B, N, D, H, dtype))
+            t_matmuls = floor_time(matmuls_alone(B, N, D, H, dtype))
             t_floor = t_matmuls + t_softmax
             percent = lambda t: f"{100 * flops(B, N, D) / t / 1e9 / peak:.0f}%"     # of the matmul peak
             row = [f"({B},{N},{D},{H})", f"{t_ours * 1e3:.2f}", percent(t_ours), f"{t_plain * 1e3:.2f}",
-                   f"{t_matmuls * 1e3:.2f}", f"{t_matmuls_1t * 1e3:.2f}", f"{t_softmax * 1e3:.2f}",
+                   f"{t_matmuls * 1e3:.2f}", f"{t_same_bits * 1e3:.2f}", f"{t_softmax * 1e3:.2f}",
                    percent(t_floor)]
             row += ([f"{t_torch * 1e3:.2f}", f"{t_torch / t_ours:.2f}x", f"{t_torch / t_plain:.2f}x",
-                     f"{t_torch / t_floor:.2f}x"] if have_torch else ["-"] * 4)
+                     f"{t_torch / t_floor:.2f}x", f"{t_torch / (t_same_bits + t_softmax):.2f}x"]
+                    if have_torch else ["-"] * 5)
             if not args.no_memory:
                 row.append(f"{memory('ours', B, N, D, H, dtype, threads, on):.0f}")
                 row.append(f"{memory('torch', B, N, D, H, dtype, threads, on):.0f}" if have_torch else "-")
             rows.append(row)
-        header = ["(B,N,D,H)", "ours ms", "% peak", "plain ms", "matmuls ms", "matmuls 1T ms", "softmax ms",
-                  "floor % peak", "torch ms", "torch/ours", "torch/plain", "torch/floor"]
+        header = ["(B,N,D,H)", "ours ms", "% peak", "plain ms", "matmuls ms", "same bits ms", "softmax ms",
+                  "floor % peak", "torch ms", "torch/ours", "torch/plain", "torch/floor", "torch/same bits"]
         header += [] if args.no_memory else ["ours MiB", "torch MiB"]
         print(table(header, rows))
     print("\n" + load.line())
