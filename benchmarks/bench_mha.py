@@ -24,10 +24,10 @@ such an implementation can reach, and "torch/floor" the largest torch/ours it ca
 count (engines/parallel.py): each on one BLAS thread, shared over the threads workers=None
 gives the module (the projections' for theirs, the attention's for its own), in the groups of
 products that do not need each other (the step's three input projections at once, say), cut
-as the library cuts them (the projections' blocks of rows, heads for the attention's). The time includes handing the
-products to the threads, as any threaded numpy step must: about the least a step that keeps
-the rule can take for its products alone, and "torch/same bits" (torch over same bits plus
-softmax) about the largest torch/ours such a step can show here.
+as the library cuts them (the projections' blocks of rows, heads for the attention's). The
+time includes handing the products to the threads, as any threaded numpy step must: about
+the least a step that keeps the rule can take for its products alone, and "torch/same bits"
+(torch over same bits plus softmax) about the largest torch/ours such a step can show here.
 
 "plain" is the same step written plainly in numpy (plain_step): the textbook formulas on
 whole arrays in about the fewest numpy calls, products on BLAS's threads, no checks, no
@@ -107,7 +107,6 @@ def step_products(B, N, D, H, dtype):
                                        ((x[i].T, y[i], dW[i]), (y[i], W[i].T, dx[i]))]]   # the inputs'
 
 
-
 def matmuls_alone(B, N, D, H, dtype):
     """The step's matrix products by themselves, one after another as numpy runs them (see the
     module docstring): a callable."""
@@ -123,18 +122,19 @@ def matmuls_same_bits(B, N, D, H, dtype):
     """The step's matrix products under the rule that gives the same bits for every worker
     count (see the module docstring): a callable."""
     scores = B * H * N * N
-    threads = {2: resolve_workers(None, "blocked", scores, 4 * B * N * D * D),    # the projections'
-               3: resolve_workers(None, "blocked", scores)}                     # the attention's
+    projection_workers = resolve_workers(None, "blocked", scores, 4 * B * N * D * D)
+    attention_workers = resolve_workers(None, "blocked", scores)
     groups = []
     for group in step_products(B, N, D, H, dtype):
-        workers, tasks = threads[group[0][0].ndim], []
+        projecting = group[0][0].ndim == 2        # [B N, D] operands; the attention's are [B H, N, d]
+        workers, tasks = projection_workers if projecting else attention_workers, []
         for a, b, out in group:
-            if a.ndim == 2:                   # the projections' blocks of rows
+            if projecting:                        # the projections' blocks of rows
                 blocks = projections._blocks(a.shape[0], a.shape[1] * b.shape[1])
-            else:                             # heads, shared evenly
+                tasks += [(a[rows], b, out[rows]) for rows in blocks]
+            else:                                 # heads, shared evenly
                 edges = [len(a) * i // workers for i in range(workers + 1)]
-                blocks = [slice(start, stop) for start, stop in zip(edges, edges[1:])]
-            tasks += [(a[rows], b if a.ndim == 2 else b[rows], out[rows]) for rows in blocks]
+                tasks += [(a[i:j], b[i:j], out[i:j]) for i, j in zip(edges, edges[1:])]
         groups.append((tasks, workers))
 
     def step():
