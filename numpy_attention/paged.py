@@ -50,7 +50,8 @@ def check_pages(q, k_cache, v_cache, page_table, cache_seqlens):
     if ((table < 0) | (table >= num_pages))[used].any():
         raise ValueError(f"page_table's used entries must index k_cache's {num_pages} pages, "
                          f"got {table[used].tolist()}")
-    return PagedLayout(page_table=read_only_copy(table, np.int64), cache_seqlens=read_only_copy(lengths, np.int64),
+    return PagedLayout(page_table=read_only_copy(table, np.int64),
+                       cache_seqlens=read_only_copy(lengths, np.int64),
                        q_shape=q.shape, k_cache_shape=k_cache.shape, v_cache_shape=v_cache.shape)
 
 
