@@ -13,7 +13,8 @@ Forward, in this order (the blog's, with every option in its place):
     1. S = scale * q k^T                    scale defaults to 1 / sqrt(d_k)
     2. S = softcap * tanh(S / softcap)      only when softcap is set
     3. S = S + bias + alibi                 bias broadcasts to [..., H, N_q, N_k];
-                                            alibi = -slope_h |i + N_k - N_q - j|
+                                            alibi = -slope |i + N_k - N_q - j|, each row's slope
+                                            its head's, or its sequence's with [B, H] slopes
     4. S = -inf where not kept              keep = mask & causal & window (True = attend)
     5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy;
                                             sinks: one more logit per row, with no value
@@ -27,6 +28,7 @@ Backward, the same steps in reverse (derivations in docs/derivations.md):
        (+ P * dlse for a gradient of lse;  dsink = P_sink * (dlse - D) summed over rows)
     4. dS = 0 where S = -inf                 (masked scores do not depend on anything)
     3. dbias = dS summed to bias's shape;  dalibi_slopes = -sum dS * |i + N_k - N_q - j|
+       over each slope's rows (its head's; with [B, H] slopes, its sequence's)
     2. dS = dS * (1 - tanh^2(S / softcap))
     1. dq = scale * dS k,  dk = scale * dS^T q   (dk, dv summed over each query group)
 
@@ -47,8 +49,9 @@ from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttent
 from .engines.blocked import blocked_backward, blocked_forward
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
-from .options import (FULLY_MASKED_POLICIES, alibi_bias, alibi_distance, attention_options,
-                      head_gradient, keep_mask, with_sink, with_sink_weight)
+from .options import (FULLY_MASKED_POLICIES, alibi_bias, alibi_row_gradient, alibi_slopes_gradient,
+                      attention_options, check_per_head, head_gradient, keep_mask, with_sink,
+                      with_sink_weight)
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
@@ -78,7 +81,7 @@ def attention_scores(q, k, options):
         S = o.softcap * softcap_tanh
     if o.bias is not None:                          # 3. S = S + bias
         S = S + o.bias
-    if o.alibi_slopes is not None:                  #    S = S - slope |i + N_k - N_q - j|  (ALiBi)
+    if o.alibi_slopes is not None:                  #    S = S - slope_i |i + N_k - N_q - j|  (ALiBi)
         S = S + alibi_bias(o, S.shape)
     keep = keep_mask(o, S.shape)                    # 4. S = -inf where not kept
     if keep is not None:
@@ -130,7 +133,7 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
         dS = np.where(keep, dS, 0)
     dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)   # 3. S = S + bias
     dslopes = None if o.alibi_slopes is None else \
-        head_gradient(-np.sum(dS * alibi_distance(o, P.shape), axis=(-2, -1)), o.alibi_slopes)
+        alibi_slopes_gradient(alibi_row_gradient(dS, o, P.shape), o)   # -sum_j dS_ij |..| summed per slope
     dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
     dS_softcap = dS                                 # 2. S = c tanh(S / c):  dS = dS (1 - tanh^2)
     if cache.softcap_tanh is not None:
@@ -194,7 +197,10 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         alibi_slopes: [H] or [..., H]: ALiBi, S <- S - slope_h * |i + N_k - N_q - j|, the
             distance from the bottom-right-aligned diagonal (FlashAttention's convention;
             for N_q == N_k it is |i - j|, torch's and the paper's; a top-left form is
-            bias = -slope * |i - j|); gets a gradient, grads.dalibi_slopes.
+            bias = -slope * |i - j|); gets a gradient, grads.dalibi_slopes. With packed
+            sequences or a paged KV cache: [H], or [B, H] with one row per sequence (as
+            FlashAttention's varlen and kvcache functions take them), whose gradient's row b
+            sums over sequence b's rows only.
         sinks: [H]: one more logit per query head in every row's softmax, with no value
             (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the
             sink's weight exp(sink_h - lse) multiplies nothing. A row whose keys are all
@@ -246,6 +252,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                              "seqused_k: each sequence's keys are its cache_seqlens rows")
         q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
         paged = check_pages(q, k, v, page_table, cache_seqlens)
+        sinks, alibi_slopes = check_per_head(q.shape, sinks, alibi_slopes, q.shape[0])   # the caller's q
         q, k, v = pack(q, k, v, paged)
         cu_seqlens_q, cu_seqlens_k = cu_seqlens(paged)
     q, k, v, options = attention_options(

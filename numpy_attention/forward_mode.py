@@ -34,8 +34,7 @@ from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .attention import textbook_forward
 from .caches import AttentionGrads
 from .engines.tiled import tiled_jvp
-from .options import (alibi_distance, attention_options, heads_view, keep_mask, with_sink,
-                      with_sink_weight)
+from .options import alibi_bias, attention_options, keep_mask, with_sink, with_sink_weight
 
 
 def _t(x):
@@ -59,9 +58,8 @@ def _scores_tangent(q, k, o, q_dot, k_dot, softcap_tanh, bias_dot, alibi_slopes_
         S_dot = (1 - softcap_tanh ** 2) * S_dot
     if bias_dot is not None:                                                          # 3.
         S_dot = S_dot + bias_dot
-    if alibi_slopes_dot is not None:
-        slopes_dot = heads_view(alibi_slopes_dot, S_dot.shape)
-        S_dot = S_dot - slopes_dot[..., None, None] * alibi_distance(o, S_dot.shape)
+    if alibi_slopes_dot is not None:                                                  #    - slope_dot |..|
+        S_dot = S_dot + alibi_bias(o, S_dot.shape, slopes=alibi_slopes_dot)
     keep = keep_mask(o, S_dot.shape)                                                  # 4.
     return S_dot if keep is None else np.where(keep, S_dot, 0)
 

@@ -10,7 +10,10 @@ computes. Shape legend (as in attention.py):
 Which scores are kept (step 4 of the forward) depends on four options at once:
     keep = mask & causal & window & (bias != -inf)        (True = attend)
 `keep_mask(options, score_shape, index)` gives that for any block of the scores, and
-`alibi_bias(options, score_shape, index)` ALiBi's bias for it.
+`alibi_bias(options, score_shape, index)` ALiBi's bias for it: -slope * |i + N_k - N_q - j|,
+each row's slope its head's (alibi_slopes [H] or [..., H]) or, with packed sequences and
+alibi_slopes [B, H], its sequence's and head's. Its gradient is one per row and block
+(alibi_row_gradient), summed to each slope's rows by alibi_slopes_gradient.
 """
 import math
 import os
@@ -22,7 +25,7 @@ from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool,
                       read_only_copy, require_positive_int, require_positive_real, require_probability,
                       result_dtype)
 from ._layout import check_window, resolve_alignment, unbroadcast
-from .positions import band_keep, distance, positions, sequence_lengths
+from .positions import band_keep, distance, positions, sequence_lengths, sequence_of
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
@@ -45,7 +48,8 @@ class AttentionOptions(NamedTuple):
     dropout_p: float                    # the drop probability (0 without dropout)
     fully_masked: str                   # 'zero', 'uniform' or 'nan'
     sinks: Optional[np.ndarray]         # [H] one extra logit per query head, with no value (read-only)
-    alibi_slopes: Optional[np.ndarray]  # [H] or [..., H]: S += -slope |i + N_k - N_q - j| (read-only)
+    alibi_slopes: Optional[np.ndarray]  # [H], [..., H], or [B, H] per packed sequence: S += -slope
+                                        # |i + N_k - N_q - j| (read-only)
     cu_seqlens_q: Optional[np.ndarray]  # [B + 1] packed sequences' offsets along N_q (positions.py)
     cu_seqlens_k: Optional[np.ndarray]  # [B + 1] along N_k
     seqused_k: Optional[np.ndarray]     # [B] keys used of each sequence (None: all)
@@ -107,7 +111,9 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     keep = None if mask is None else as_mask(mask, "mask", score_shape, legend)
     dropout_p = require_probability(dropout_p, "dropout_p")
     dropout_scale = _dropout_scale(dropout_mask, dropout_p, score_shape, legend)
-    sinks, alibi_slopes = _per_head(q, sinks, alibi_slopes, fully_masked)
+    packed = _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    sinks, alibi_slopes = _per_head(q, sinks, alibi_slopes, fully_masked,
+                                    None if packed[0] is None else packed[0].size - 1)
     if require_bool(check_finite, "check_finite"):
         for name, x in (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)):
             if x is not None:
@@ -124,7 +130,6 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         dropout_scale = dropout_scale.astype(q.real.dtype)
     implementation, block_size = _engine(implementation, block_size, softcap, dropout_scale,
                                          fully_masked)
-    packed = _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
     if packed[0] is not None and fully_masked == "uniform":
         raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
@@ -195,26 +200,42 @@ def _int_array(x, name):
     return arr.astype(np.int64)
 
 
-def _per_head(q, sinks, alibi_slopes, fully_masked):
-    """sinks [H] and alibi_slopes [H] or [..., H] checked, as float (or complex) arrays.
-
-    A single head's [N, d] arrays have H = 1. With sinks a row whose keys are all masked
-    puts its whole weight on the sink: out = 0 and lse = sink, which is the 'zero' policy's
-    output; the other policies are refused.
+def _per_head(q, sinks, alibi_slopes, fully_masked, sequences=None):
+    """sinks and alibi_slopes checked (check_per_head) for q and its `sequences` packed
+    sequences (None: not packed). With sinks a row whose keys are all masked puts its whole
+    weight on the sink: out = 0 and lse = sink, which is the 'zero' policy's output; the other
+    policies are refused.
     """
-    heads = q.shape[-3] if q.ndim >= 3 else 1
-    checked = []
-    for name, x, shapes in (("sinks", sinks, [(heads,)]),
-                            ("alibi_slopes", alibi_slopes, [(heads,), q.shape[:-2]])):
-        if x is not None:
-            x = as_float_array(x, name)
-            if x.shape not in shapes:
-                raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))} "
-                                 f"([H] or [..., H] for q {q.shape}), got {x.shape}")
-        checked.append(x)
+    checked = check_per_head(q.shape, sinks, alibi_slopes, sequences)
     if sinks is not None and fully_masked != "zero":
         raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "
                          f"fully_masked={fully_masked!r} does not apply; use 'zero'")
+    return checked
+
+
+def check_per_head(q_shape, sinks, alibi_slopes, sequences=None):
+    """(sinks, alibi_slopes) as float (or complex) arrays, or None, checked against the caller's
+    q [..., H, N_q, d_k] (a single head's [N, d]: H = 1): sinks [H]; alibi_slopes [H] or
+    [..., H] (q's leading axes), or with B = `sequences` sequences (packed, or a paged KV
+    cache's batch) [H] or [B, H], one row per sequence (FlashAttention's varlen and kvcache).
+    ValueError naming the shapes accepted and q's.
+    """
+    heads = q_shape[-3] if len(q_shape) >= 3 else 1
+    if sequences is None:
+        slopes = ([(heads,), tuple(q_shape[:-2])], f"[H] or [..., H] for q {tuple(q_shape)}")
+    else:
+        slopes = ([(heads,), (sequences, heads)], f"[H], or [B, H] with one row per sequence, "
+                                                  f"for q {tuple(q_shape)} and B = {sequences} sequences")
+    checked = []
+    for name, x, (shapes, legend) in (("sinks", sinks, ([(heads,)], f"[H] for q {tuple(q_shape)}")),
+                                      ("alibi_slopes", alibi_slopes, slopes)):
+        if x is not None:
+            x = as_float_array(x, name)
+            shapes = list(dict.fromkeys(shapes))                 # [..., H] of q [H, N, d] is [H]
+            if x.shape not in shapes:
+                raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))} ({legend}), "
+                                 f"got {x.shape}")
+        checked.append(x)
     return checked
 
 
@@ -238,13 +259,59 @@ def alibi_distance(options, score_shape, index=(Ellipsis, slice(None), slice(Non
     return distance(_positions(options, score_shape, index, "bottom_right"))
 
 
-def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
-    """ALiBi's bias of the scores S[index], -slope_h * alibi_distance, or None without
-    alibi_slopes. index as for keep_mask."""
-    if options.alibi_slopes is None:
+def _per_sequence(slopes, cu_seqlens_q):
+    """Whether slopes are [B, H], one row per packed sequence (else one slope per head)."""
+    return cu_seqlens_q is not None and np.ndim(slopes) == 2
+
+
+def _row_slopes(slopes, options, score_shape, index):
+    """The slope of each row of S[index], broadcastable to its block [..., heads, rows, cols]:
+    slope_h, [..., heads, 1, 1], for slopes [H] or [..., H]; slopes[b, h] of the row's sequence
+    b, [heads, rows, 1], for slopes [B, H] with packed sequences."""
+    if not _per_sequence(slopes, options.cu_seqlens_q):
+        return heads_view(slopes, score_shape)[index[:-2]][..., None, None]
+    rows = np.arange(score_shape[-2])[index[-2]]
+    by_row = np.swapaxes(slopes[sequence_of(options.cu_seqlens_q, rows)], 0, 1)    # [H, rows]
+    by_row = by_row.reshape(tuple(score_shape[:-2]) + rows.shape)     # ([rows] for one [N, d] head)
+    return by_row[index[:-2] + (slice(None),)][..., None]
+
+
+def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None)), slopes=None):
+    """ALiBi's bias of the scores S[index], -slope * alibi_distance, or None without
+    alibi_slopes: each row's slope its head's (slopes [H] or [..., H]) or, for slopes [B, H]
+    with packed sequences, that of its sequence b and head, slopes[b, h]. slopes:
+    options.alibi_slopes by default (a tangent of them has their shape). index as for keep_mask."""
+    slopes = options.alibi_slopes if slopes is None else slopes
+    if slopes is None:
         return None
-    slopes = heads_view(options.alibi_slopes, score_shape)[index[:-2]]
-    return -slopes[..., None, None] * alibi_distance(options, score_shape, index)
+    return -_row_slopes(slopes, options, score_shape, index) * alibi_distance(options, score_shape, index)
+
+
+def alibi_row_gradient(dS, options, score_shape, index=(Ellipsis, slice(None), slice(None))):
+    """The gradient of each row's slope from the block dS = dS[index] [..., heads, rows, cols]
+    (the gradient of S where ALiBi adds to it): -sum_j dS_ij |i + N_k - N_q - j|, [..., heads,
+    rows]. A block of columns gives its part of the sum; alibi_slopes_gradient sums the rows."""
+    return -np.sum(dS * alibi_distance(options, score_shape, index), axis=-1)
+
+
+def alibi_slopes_gradient(row_gradient, options):
+    """dalibi_slopes, of alibi_slopes' shape, from every row's gradient [..., H, N_q]
+    (alibi_row_gradient): summed over each slope's rows (slopes_sum)."""
+    return slopes_sum(row_gradient, options.alibi_slopes, options.cu_seqlens_q)
+
+
+def slopes_sum(x, slopes, cu_seqlens_q=None):
+    """A value per row x [..., H, N_q] summed over each slope's rows, to the shape of slopes: for
+    slopes [H] or [..., H] every row of the slope's head (and the batch where [H] broadcasts
+    along it); for slopes [B, H] with packed sequences (cu_seqlens_q [B + 1]) the rows of
+    sequence b alone, dslopes[b, h] = sum_{i in b} x[h, i]."""
+    slopes = np.asarray(slopes)
+    if not _per_sequence(slopes, cu_seqlens_q):
+        return head_gradient(np.sum(x, axis=-1), slopes)
+    sums = np.zeros((len(cu_seqlens_q) - 1,) + x.shape[:-1], x.dtype)       # [B, H] (or [B])
+    for b, (start, stop) in enumerate(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])):
+        sums[b] = np.sum(x[..., start:stop], axis=-1)
+    return sums.reshape(slopes.shape)
 
 
 def head_gradient(g, x):

@@ -19,6 +19,7 @@ sequence, and aligns on that sequence's own lengths:
     causal keeps   j' <= diagonal
     window keeps   diagonal - left <= j' <= diagonal + right   (-1: unbounded on that side)
     ALiBi          distance = |i' + N_k' - N_q' - j'|           (the bottom-right diagonal)
+                   slope = alibi_slopes[b, h] with [B, H] slopes, one row per sequence
 """
 from typing import NamedTuple, Optional
 
@@ -36,13 +37,18 @@ def sequence_lengths(cu_seqlens):
     return np.diff(cu_seqlens)
 
 
+def sequence_of(cu_seqlens, indices):
+    """[n] the packed sequence b of each index [n] along its axis: cu_seqlens[b] <= index <
+    cu_seqlens[b + 1] (a zero-length sequence holds none)."""
+    return np.searchsorted(cu_seqlens, indices, side="right") - 1
+
+
 def positions(n_q, n_k, rows, cols, align, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
     """The Positions of rows [r] and cols [c] (absolute indices into the N_q, N_k axes)."""
     rows, cols = np.asarray(rows), np.asarray(cols)
     if cu_seqlens_q is None:
         return Positions(diagonal=rows + (n_k - n_q if align == "bottom_right" else 0), cols=cols, same=None)
-    seq_q = np.searchsorted(cu_seqlens_q, rows, side="right") - 1            # [r] each row's sequence
-    seq_k = np.searchsorted(cu_seqlens_k, cols, side="right") - 1            # [c]
+    seq_q, seq_k = sequence_of(cu_seqlens_q, rows), sequence_of(cu_seqlens_k, cols)   # [r], [c]
     used_k = sequence_lengths(cu_seqlens_k) if seqused_k is None else seqused_k
     offset = used_k - sequence_lengths(cu_seqlens_q) if align == "bottom_right" else np.zeros_like(used_k)
     local_cols = cols - cu_seqlens_k[seq_k]

@@ -97,24 +97,18 @@ def test_the_naive_baseline_in_blocks_is_the_whole_array_one_bitwise(name, gqa):
 @pytest.mark.parametrize("name", list(every_option(np.random.default_rng(0))))
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_the_recipe_in_blocks_is_the_whole_array_one(name, precision):
-    """Forward, dq and the flash backward bitwise; the eager backward's dk, dv, dbias (float32
-    sums over the blocks, rounded once) within one ulp of the compute dtype (its subnormals'
-    spacing near 0)."""
+    """Forward and both backwards bitwise, on any processor: the recipe takes every product
+    and every sum over rows in tiles of TILE_ROWS rows, whatever rows it holds."""
     rng = np.random.default_rng(2)
     p = PRECISIONS[precision]
     q, k, v, dout = (x.astype(p.compute).astype(np.float32) for x in random_inputs(rng))
     record = _record(q, k, v, np.float32, every_option(rng)[name])
-    ulp, tiny = (float(x) for x in (ml_dtypes.finfo(p.compute).eps, ml_dtypes.finfo(p.compute).smallest_subnormal))
     for backward, reorder in (("eager", True), ("eager", False), ("flash", True)):
         whole = recipe_attention(*record, p, dout=dout, backward=backward, reorder=reorder)
         blocked = recipe_attention(*record, p, dout=dout, backward=backward, reorder=reorder,
                                    block_rows=TILE_ROWS)
         for tensor, want in whole.items():
-            got = blocked[tensor]
-            if backward == "eager" and tensor in ("dk", "dv", "dbias"):
-                np.testing.assert_allclose(got, want, rtol=ulp, atol=tiny, err_msg=tensor)
-            else:
-                assert np.array_equal(got, want, equal_nan=True), (backward, reorder, tensor)
+            assert np.array_equal(blocked[tensor], want, equal_nan=True), (backward, reorder, tensor)
 
 
 # ----------------------------------------------------------------------------- crosscheck

@@ -579,10 +579,12 @@ PROJECTION_CASES = {            # (x's shape, W's shape, x's dtype, W's dtype, b
 
 @pytest.mark.parametrize("case", PROJECTION_CASES)
 def test_projections_on_threads_equal_linear(case):
-    """engines/projections.py computes y's, dx's and dW's rows in blocks: y, the cache and every
-    gradient are the bits of linear_forward / linear_backward on one BLAS thread (with numpy's
-    OpenBLAS, as the module says), for two linears at once, one with a transposed W (the
-    module's weight.T) and a strided x, on 1, 2 and 3 threads; the arguments are left alone."""
+    """engines/projections.py computes y's, dx's and dW's rows in blocks: on 1, 2 and 3 threads
+    the same bits (the library's promise: the blocks are cut by size, not by workers), and each
+    within the rounding bound of a product of linear_forward / linear_backward's (BLAS may sum
+    a block of rows in another order than the whole product: on some processors bitwise, not
+    on all); two linears at once, one with a transposed W (the module's weight.T) and a strided
+    x; the cache holds x and W themselves; the arguments are left alone."""
     from numpy_attention.engines.parallel import blas_on_one_thread
     from numpy_attention.engines.projections import projections_backward, projections_forward
     x_shape, W_shape, x_dtype, W_dtype, b_dtype = PROJECTION_CASES[case]
@@ -597,20 +599,39 @@ def test_projections_on_threads_equal_linear(case):
         expected = [na.linear_forward(*item) for item in items]
         douts = [draw(y.shape, y.dtype) for y, _ in expected]
         want = [na.linear_backward(dy, cache) for dy, (_, cache) in zip(douts, expected)]
+    bounds = [product_error_bounds(*item, dy) for item, dy in zip(items, douts)]
+    runs = []
     for workers in (1, 2, 3):
         results = projections_forward(items, workers)
-        for (y, cache), (y_ref, cache_ref) in zip(results, expected, strict=True):
-            assert y.dtype == y_ref.dtype and np.array_equal(y, y_ref)
+        got = projections_backward([(dy, cache) for dy, (_, cache) in zip(douts, results)], workers)
+        runs.append([a for (y, cache), grads in zip(results, got) for a in (y, cache.x, cache.W, *grads)])
+        for (y, cache), (y_ref, cache_ref), grads, grads_ref, bound in zip(results, expected, got, want,
+                                                                            bounds, strict=True):
             assert cache.has_bias == cache_ref.has_bias and cache.out_shape == cache_ref.out_shape
             assert np.array_equal(cache.x, cache_ref.x) and np.array_equal(cache.W, cache_ref.W)
-        got = projections_backward([(dy, cache) for dy, (_, cache) in zip(douts, results)], workers)
-        for grads, grads_ref in zip(got, want, strict=True):
-            for g, g_ref in zip(grads, grads_ref, strict=True):
-                assert (g is None) == (g_ref is None)
+            for name, g, g_ref in zip(("y", "dx", "dW", "db"), (y, *grads), (y_ref, *grads_ref), strict=True):
+                assert (g is None) == (g_ref is None), name
                 if g is not None:
-                    assert g.dtype == g_ref.dtype and g.shape == g_ref.shape and np.array_equal(g, g_ref)
+                    assert g.dtype == g_ref.dtype and g.shape == g_ref.shape, name
+                    assert np.all(np.abs(g - g_ref) <= bound[name]), name
+    for other in runs[1:]:
+        assert all(a is b is None or np.array_equal(a, b) for a, b in zip(runs[0], other, strict=True))
     for item, saved in zip(items, before):
         assert all(np.array_equal(a, b) for a, b in zip([a for a in item if a is not None], saved))
+
+
+def product_error_bounds(x, W, b, dy):
+    """For each of y = x W + b, dx = dy W^T, dW = x^T dy, db = sum dy, twice the rounding error
+    a sum of n products may make in any order, 2 (n + 2) u |a| |b| (u the unit roundoff of the
+    result's dtype; + 2 for the bias and a complex product): the most two computations of one
+    product may differ by."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    bound = lambda a, c, dtype: (a.shape[-1] + 2) * np.finfo(dtype).eps * (np.abs(a) @ np.abs(c))
+    y = bound(x2, W, np.result_type(x, W)).reshape(x.shape[:-1] + W.shape[-1:])   # x W, then + b in y's dtype
+    return {"y": y if b is None else y + np.finfo(np.result_type(x, W, b)).eps * np.abs(b),
+            "dx": bound(dy2, W.T, np.result_type(dy, W)).reshape(x.shape),
+            "dW": bound(x2.T, dy2, np.result_type(x, dy)),
+            "db": bound(np.ones((1, len(dy2))), dy2, dy.dtype)[0]}
 
 
 def test_projections_are_cut_by_size_not_by_workers(monkeypatch):

@@ -5,11 +5,13 @@ Rounding error is relative to the terms, not to the result: a gradient entry tha
 to 0 still rounds at the size of its terms. For dq, for example, the terms of entry (i, c)
 are scale * sum_j P_ij (|dP_ij| + |D_i|) |k_jc|. A per-head vector's gradient (dsinks,
 dalibi_slopes) sums over every row of its head, and over the batch where the vector is
-broadcast along it (sinks [H]); so do its terms.
+broadcast along it (sinks [H]), or for ALiBi slopes [B, H] of packed sequences over the rows
+of its sequence alone; so do its terms.
 """
 import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
+from ..options import slopes_sum
 
 
 def term_magnitudes(stage_blocks, inputs, options):
@@ -34,7 +36,8 @@ def term_sums(stage_blocks, inputs, options):
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
     dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
-    head_sums = {"dsinks": 0.0, "dalibi_slopes": 0.0}  # [..., H] sums over rows (and columns)
+    head_sums = {"dsinks": 0.0}                        # [..., H] sums over rows
+    slope_rows = np.zeros(with_head_axis(q).shape[:-1])   # [..., H, N_q] each row's ALiBi terms
     reach = q.shape[-2] + k.shape[-2]                  # ALiBi's distances are below N_q + N_k
     for index, stages in stage_blocks:
         p_drop, kept = np.nan_to_num(stages["P~"]), stages["S"]
@@ -47,8 +50,8 @@ def term_sums(stage_blocks, inputs, options):
         col_sum = {"dv": col_sum["dv"] + np.sum(p_drop, -2),
                    "dk": col_sum["dk"] + np.sum(terms, -2)}
         p_sink = np.clip(1 - np.sum(np.nan_to_num(stages["P"]), -1), 0, None)      # a sink's weight
-        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1),
-                     "dalibi_slopes": head_sums["dalibi_slopes"] + reach * np.sum(terms, (-2, -1))}
+        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1)}
+        slope_rows[index[:-1]] = reach * np.sum(terms, -1)
         if dbias is not None:
             block = bias_block(dbias, index)
             block += unbroadcast(terms, block.shape)
@@ -59,6 +62,9 @@ def term_sums(stage_blocks, inputs, options):
         if name[1:] in options:                     # (sinks [H] over the batch), like its gradient
             total = unbroadcast(total, np.shape(options[name[1:]])) if np.ndim(total) else total
             sums[name] = float(np.max(total, initial=0))
+    if "alibi_slopes" in options:                   # each slope's rows: its head's, or its sequence's
+        slope_sums = slopes_sum(slope_rows, options["alibi_slopes"], options.get("cu_seqlens_q"))
+        sums["dalibi_slopes"] = float(np.max(slope_sums, initial=0))
     return sums
 
 

@@ -30,7 +30,8 @@ same to rounding).
 import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
-from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
+from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
+                       with_sink)
 from .blocks import block_of, row_slices
 
 
@@ -70,8 +71,9 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
     lse = np.empty(q3.shape[:-1], q3.dtype)
     dq, dk, dv = np.empty(q3.shape, q3.dtype), None, None       # dk, dv: running sums (None: start)
     dbias = None if o.bias is None else np.zeros(o.bias.shape, q3.dtype)
-    per_head = {f"d{name}": np.zeros(score_shape[:-2], q3.dtype) for name in ("sinks", "alibi_slopes")
+    per_head = {f"d{name}": np.zeros(score_shape[:-2], q3.dtype) for name in ("sinks",)
                 if getattr(o, name) is not None}                    # [..., H]
+    dslope_rows = None if o.alibi_slopes is None else np.empty(score_shape[:-1], q3.dtype)   # [..., H, N_q]
     for g in range(groups):
         for rows in row_slices(score_shape[-2], block_rows):
             index = (Ellipsis, slice(g, None, groups), rows, slice(None))
@@ -87,9 +89,8 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
                 block += unbroadcast(ds, block.shape)
             if o.sinks is not None:
                 per_head["dsinks"][..., g::groups] += f["dsink"]
-            if o.alibi_slopes is not None:                          # S -= slope |i + N_k - N_q - j|
-                per_head["dalibi_slopes"][..., g::groups] -= np.sum(ds * alibi_distance(o, score_shape, index),
-                                                                    axis=(-2, -1))
+            if dslope_rows is not None:                             # S -= slope |i + N_k - N_q - j|
+                dslope_rows[index[:-1]] = alibi_row_gradient(ds, o, score_shape, index)
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     if dout3 is not None:
         result.update(dq=dq.reshape(q.shape), dk=(o.scale * dk).reshape(k.shape),
@@ -97,6 +98,8 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
         if dbias is not None:
             result["dbias"] = dbias
         result.update({name: head_gradient(g, getattr(o, name[1:])) for name, g in per_head.items()})
+        if dslope_rows is not None:
+            result["dalibi_slopes"] = alibi_slopes_gradient(dslope_rows, o)
     return result
 
 

@@ -25,9 +25,10 @@ result rounded to T, every element-wise step computed in float32 and rounded to 
               softcap: dS = round(round(round(dS * softcap) * (1 - t^2)) / softcap)
               dq = round(dS k'),  dk = round(round(dS^T q) * scale)
 
-Grouped-query heads sum their dk, dv in float32 before the one rounding. On a large case
-the recipe runs on blocks of query rows (blocks.py): the same results, but that the eager
-backward's float32 sums of dk, dv, dbias add up the blocks' products.
+Grouped-query heads sum their dk, dv in float32 before the one rounding. Every product by
+rows (S, out, dP, dq) is taken TILE_ROWS query rows at a time, and every float32 sum over
+rows (dk, dv, dbias) adds up such tiles' products in order. On a large case the recipe runs
+on blocks of query rows (blocks.py), a multiple of TILE_ROWS: the same results bitwise.
 Storage: bfloat16 and float8 arrays are ml_dtypes arrays (the dtypes JAX gives NumPy).
 """
 from typing import NamedTuple
@@ -36,7 +37,8 @@ import ml_dtypes
 import numpy as np
 
 from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
-from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink
+from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
+                       with_sink)
 from .blocks import block_of, row_slices
 
 
@@ -92,8 +94,8 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     one) or 'flash' (the tiled flash backward). reorder: the scale and the dropout's
     1 / (1 - p) applied to k and v (FlashAttention's reorder_ops), else to S and P.
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all of them.
-    Blocks change no result but the eager backward's dk, dv, dbias: float32 sums over the
-    blocks, rounded once, may round differently from one float32 product (by an ulp of T).
+    Blocks change no result: every product and every sum over rows goes a tile of TILE_ROWS
+    rows at a time, in the same order for any block size.
     Results are float32 arrays holding values of the output dtype (lse: float32).
     """
     T = precision.compute
@@ -110,8 +112,8 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     step = _flash_rows if backward == "flash" else _eager_rows
     dq, sums = np.empty(q3.shape, np.float32), {"dk": np.zeros(k3.shape, np.float32),
                                                "dv": np.zeros(v3.shape, np.float32)}
-    per_head = {name: np.zeros(score_shape[:-2], np.float32) for name in ("sinks", "alibi_slopes")
-                if getattr(o, name) is not None}                                 # [..., H], float32 sums
+    dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], np.float32)      # [..., H], float32 sums
+    dslope_rows = None if o.alibi_slopes is None else np.empty(score_shape[:-1], np.float32)   # [..., H, N_q]
     dbias = None if o.bias is None else np.zeros(o.bias.shape, np.float32)
     for rows in row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, rows, slice(None))
@@ -120,10 +122,14 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
         out[..., rows, :], lse[..., rows] = f.out, f.lse
         if dout3 is not None:
             dq[..., rows, :], ds, sums = step(rnd, dout3[..., rows, :], o, f, sums)
-            if dbias is not None:
-                block = bias_block(dbias, index)
-                block += unbroadcast(ds, block.shape)
-            _per_head_sums(per_head, o, f, ds, dout3[..., rows, :], score_shape, index)
+            if dbias is not None:                                                # dbias += dS, a tile at a time
+                for r in range(0, ds.shape[-2], TILE_ROWS):
+                    block = bias_block(dbias, (Ellipsis, slice(rows.start + r, rows.start + r + TILE_ROWS), slice(None)))
+                    block += unbroadcast(ds[..., r:r + TILE_ROWS, :], block.shape)
+            if dsinks is not None:                                               # -sum P_sink D
+                dsinks -= np.sum(f.p_sink[..., 0] * np.sum(dout3[..., rows, :] * f.out, axis=-1), axis=-1)
+            if dslope_rows is not None:                                          # each row's -sum dS |..|
+                dslope_rows[..., rows] = alibi_row_gradient(ds, o, score_shape, index)
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     if dout3 is None:
         return result
@@ -133,17 +139,11 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
                   dv=sums["dv"].reshape(v.shape))
     if dbias is not None:
         result["dbias"] = rnd(dbias)
-    result.update({f"d{name}": rnd(head_gradient(g, getattr(o, name))) for name, g in per_head.items()})
+    if dsinks is not None:
+        result["dsinks"] = rnd(head_gradient(dsinks, o.sinks))
+    if dslope_rows is not None:
+        result["dalibi_slopes"] = rnd(alibi_slopes_gradient(dslope_rows, o))
     return result
-
-
-def _per_head_sums(per_head, o, f, ds, dout, score_shape, index):
-    """Add a block's dsinks = -sum P_sink D (D = rowsum(dout out)) and dalibi_slopes =
-    -sum dS |i + N_k - N_q - j| to their float32 sums [..., H]."""
-    if "sinks" in per_head:
-        per_head["sinks"] -= np.sum(f.p_sink[..., 0] * np.sum(dout * f.out, axis=-1), axis=-1)
-    if "alibi_slopes" in per_head:
-        per_head["alibi_slopes"] -= np.sum(ds * alibi_distance(o, score_shape, index), axis=(-2, -1))
 
 
 class _Used(NamedTuple):
@@ -176,9 +176,9 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder)
     """The recipe's forward on the rows of q [..., H, b, d_k] (index: their block of the scores)."""
     scale, inv_keep = np.float32(o.scale), np.float32(1 / (1 - o.dropout_p))
     if reorder:                                                                  # S = q (scale k)^T
-        s = rnd(grouped_matmul(q, np.swapaxes(used.k, -1, -2)))
+        s = rnd(_tile_matmul(q, np.swapaxes(used.k, -1, -2)))
     else:                                                                        # S = scale (q k^T)
-        s = rnd(rnd(grouped_matmul(q, np.swapaxes(k, -1, -2))) * scale)
+        s = rnd(rnd(_tile_matmul(q, np.swapaxes(k, -1, -2))) * scale)
     tanh = None
     if o.softcap is not None:
         tanh = rnd(np.tanh(rnd(s / np.float32(o.softcap))))
@@ -201,8 +201,21 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder)
         p_drop = rnd(rnd(p * drop) * inv_keep)
     p_drop = p_drop.astype(precision.weights).astype(np.float32)
     return _Forward(q=q, k=k, v=v, used=used, keep=keep, tanh=tanh, bias=bias, drop=drop, p=p,
-                    p_drop=p_drop, out=rnd(grouped_matmul(p_drop, used.v)), lse=lse, reorder=reorder,
+                    p_drop=p_drop, out=rnd(_tile_matmul(p_drop, used.v)), lse=lse, reorder=reorder,
                     alibi=alibi, p_sink=p_sink)
+
+
+def _tile_matmul(x, y):
+    """grouped_matmul(x, y), x [..., H, b, a] @ y [..., H_kv, a, c] -> [..., H, b, c], in tiles
+    of TILE_ROWS rows of x: each row's product is one BLAS call of the same shapes whether the
+    recipe holds all of the rows or a block of them (a multiple of TILE_ROWS rows), so blocks
+    give the same bits on any processor (BLAS's kernels may sum a product of other shapes in
+    another order)."""
+    out = np.empty(x.shape[:-1] + y.shape[-1:], np.result_type(x, y))
+    for r in range(0, x.shape[-2], TILE_ROWS):
+        rows = (Ellipsis, slice(r, r + TILE_ROWS), slice(None))
+        grouped_matmul(x[rows], y, out=out[rows])
+    return out
 
 
 def _softmax32(s):
@@ -221,8 +234,8 @@ def _eager_rows(rnd, dout, o, f, sums):
     continued (rounded once at the end, _eager_sums_rounded)."""
     h_kv = f.k.shape[-3]
     inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
-    dv = grouped_sum_matmul(f.p_drop, dout, h_kv)
-    dp = rnd(grouped_matmul(dout, np.swapaxes(f.used.v, -1, -2)))
+    dv = _tile_sum_matmul(f.p_drop, dout, sums["dv"])
+    dp = rnd(_tile_matmul(dout, np.swapaxes(f.used.v, -1, -2)))
     dp = dp * f.drop if f.reorder else rnd(rnd(dp * inv_keep) * f.drop)
     ds = rnd(f.p * (dp - np.sum(f.p * dp, axis=-1, keepdims=True)))
     if f.keep is not None:
@@ -232,12 +245,21 @@ def _eager_rows(rnd, dout, o, f, sums):
         softcap = np.float32(o.softcap)
         ds = rnd(rnd(rnd(ds * softcap) * (1 - f.tanh ** 2)) / softcap)
     if f.reorder:
-        dq = rnd(grouped_matmul(ds, f.used.k))
+        dq = rnd(_tile_matmul(ds, f.used.k))
     else:
         ds = rnd(ds * scale)
-        dq = rnd(grouped_matmul(ds, f.k))
-    dk = grouped_sum_matmul(ds, f.q, h_kv)
-    return dq, ds_bias, {**sums, "dk": sums["dk"] + dk, "dv": sums["dv"] + dv}
+        dq = rnd(_tile_matmul(ds, f.k))
+    return dq, ds_bias, {**sums, "dk": _tile_sum_matmul(ds, f.q, sums["dk"]), "dv": dv}
+
+
+def _tile_sum_matmul(x, y, total):
+    """total + grouped_sum_matmul(x, y), x [..., H, b, a], y [..., H, b, c] -> [..., H_kv, a, c]
+    (total's shape), summed in float32 a tile of TILE_ROWS rows at a time: the same products
+    and the same sum whether the recipe holds all of the rows or a block of them."""
+    for r in range(0, x.shape[-2], TILE_ROWS):
+        rows = (Ellipsis, slice(r, r + TILE_ROWS), slice(None))
+        total = total + grouped_sum_matmul(x[rows], y[rows], total.shape[-3])
+    return total
 
 
 def _eager_sums_rounded(rnd, sums, o, reorder):
@@ -257,7 +279,7 @@ def _flash_rows(rnd, dout, o, f, sums):
     q, k, v = f.q, f.k, f.v
     h_kv = k.shape[-3]
     inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
-    s = grouped_matmul(q, np.swapaxes(k, -1, -2)) * scale
+    s = _tile_matmul(q, np.swapaxes(k, -1, -2)) * scale
     tanh32 = None
     if o.softcap is not None:
         tanh32 = np.tanh(s / np.float32(o.softcap))
@@ -270,7 +292,7 @@ def _flash_rows(rnd, dout, o, f, sums):
         s = np.where(f.keep, s, -np.inf)
     with np.errstate(invalid="ignore"):
         p32 = np.where(np.isneginf(f.lse)[..., None], 0, np.exp(s - f.lse[..., None]))
-    dp = grouped_matmul(dout, np.swapaxes(v, -1, -2)) * f.drop * inv_keep
+    dp = _tile_matmul(dout, np.swapaxes(v, -1, -2)) * f.drop * inv_keep
     ds = p32 * (dp - np.sum(dout * f.out, axis=-1, keepdims=True))
     if f.keep is not None:
         ds = np.where(f.keep, ds, 0)
@@ -285,7 +307,7 @@ def _flash_rows(rnd, dout, o, f, sums):
         dk = rnd(dk + grouped_sum_matmul(ds_T[rows], q[rows], h_kv) * scale)
     for c in range(0, k.shape[-2], TILE_COLS):
         cols = slice(c, c + TILE_COLS)
-        dq = rnd(dq + grouped_matmul(ds_T[..., cols], k[..., cols, :]) * scale)
+        dq = rnd(dq + _tile_matmul(ds_T[..., cols], k[..., cols, :]) * scale)
     return dq, ds_bias, {**sums, "dk": dk, "dv": dv}
 
 

@@ -37,7 +37,8 @@ import numpy as np
 
 from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, unbroadcast, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
-from ..options import alibi_bias, alibi_distance, head_gradient, keep_mask, with_sink, with_sink_weight
+from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
+                       with_sink, with_sink_weight)
 from .parallel import run_tasks
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 
@@ -193,8 +194,8 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dtype = np.result_type(dout, p)
     dq, dk, dv = np.empty(q3.shape, dtype), np.empty(k3.shape, dtype), np.empty(v3.shape, dtype)
     D = np.empty(score_shape[:-1], dtype)                            # [..., H, N_q] rowsum(dout * out)
-    per_head = {name: np.zeros(score_shape[:-2], dtype) for name, x in
-                (("sinks", o.sinks), ("alibi_slopes", o.alibi_slopes)) if x is not None}   # [..., H]
+    dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], dtype)          # [..., H]
+    dslope_rows = None if o.alibi_slopes is None else np.empty(score_shape[:-1], dtype)   # [..., H, N_q]
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
     dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
     def backward_block(block, dkT, dvT):                             # dk^T, dv^T: its kv heads' sums
@@ -218,15 +219,15 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         ds = _row_backward(method, dp, p_cols, _top_in(top[block], cols, score_shape[-1]), D[block],
                            lse[block], None if dlse is None else dlse3[block], o, score_shape, index, scores)
         if o.sinks is not None:                                      #    the sink's column: dsinks
-            per_head["sinks"][block[:-1]] += ds[..., -1].sum(axis=-1)
+            dsinks[block[:-1]] += ds[..., -1].sum(axis=-1)
             ds = np.ascontiguousarray(ds[..., :-1])
         if keep is not None:                                         # 4. dS = 0 where masked
             np.copyto(ds, 0, where=~keep)
         if dS is not None:                                           # 3. dbias (after the loop)
             dS_block = dS[block]
             dS_block[..., :cols.start], dS_block[..., cols], dS_block[..., cols.stop:] = 0, ds, 0
-        if o.alibi_slopes is not None:                               #    dalibi = -sum dS * distance
-            per_head["alibi_slopes"][block[:-1]] -= np.sum(ds * alibi_distance(o, score_shape, index), axis=(-2, -1))
+        if o.alibi_slopes is not None:                               #    each row's -sum dS * distance
+            dslope_rows[block] = alibi_row_gradient(ds, o, score_shape, index)
         if softcap_tanh is not None:                                 # 2. dS *= 1 - tanh^2
             ds *= 1 - softcap_tanh[block] ** 2
         dq[block] = scaled(grouped_matmul(ds, k_cols), o.scale)      # 1. dq = scale dS k
@@ -248,9 +249,11 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     if return_stages:
         stages = AttentionStages(dP=dP.reshape(cache.weights.shape), dS=dS.reshape(cache.weights.shape),
                                  D=D.reshape(cache.lse.shape))
-    head_grads = {f"d{name}": head_gradient(g, getattr(o, name)) for name, g in per_head.items()}
+    dsinks = None if dsinks is None else head_gradient(dsinks, o.sinks)
+    dslopes = None if dslope_rows is None else alibi_slopes_gradient(dslope_rows, o)   # summed per slope
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
-                          dv=dv.reshape(cache.v.shape), dbias=dbias, stages=stages, **head_grads)
+                          dv=dv.reshape(cache.v.shape), dbias=dbias, stages=stages, dsinks=dsinks,
+                          dalibi_slopes=dslopes)
 
 
 def _top_in(top, cols, n_k):

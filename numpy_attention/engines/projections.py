@@ -12,10 +12,10 @@ MIN_ROWS rows and MIN_BLOCK multiply-adds), and the blocks of all the linears gi
 `workers` threads with BLAS on one thread (parallel.run_tasks): the same products for every
 worker count, so bitwise the same results, and the threads share them evenly (on two threads
 the module's three input projections at 2048 rows are six rounds of quarters of a product;
-whole ones would take two rounds, one thread idle in the second). A block computes its part
-of the product as the whole one does, so the results equal those of linear_forward and
-linear_backward on one BLAS thread (bitwise with numpy's OpenBLAS, tested: it rounds a
-product below about 10^6 multiply-adds with another kernel, hence MIN_BLOCK).
+whole ones would take two rounds, one thread idle in the second). The results equal those of
+linear_forward and linear_backward to rounding: BLAS may sum a block of rows in another order
+than the whole product (its kernels depend on the processor and on the product's size), so an
+entry may differ by a rounding error of its sum, within 2 (d_in + 2) u |x| |W| (tested).
 
 Called by multihead_forward / multihead_backward, after their checks.
 """

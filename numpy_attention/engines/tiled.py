@@ -23,6 +23,7 @@ Backward, per query block i and key block j (P recomputed from lse, never stored
     dv_j += P_ij^T dout_i,   dP_ij = dout_i v_j^T
     dS_ij = P_ij * (dP_ij - D_i),   D = rowsum(dout * out)        (= rowsum(P * dP))
     dq_i += scale * dS_ij k_j,   dk_j += scale * dS_ij^T q_i,   dbias_ij = dS_ij (unbroadcast)
+    dslope_i += -rowsum(dS_ij * |i + N_k - N_q - j|)              each row's; summed per slope at the end
 
 Blocks that causal masking, the window, the mask or a -inf bias mask entirely are
 skipped in both passes. Grouped-query heads meet their kv heads as in the textbook
@@ -49,7 +50,8 @@ from .._checks import require_choice
 from .._layout import (bias_block, cut, grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices,
                        unbroadcast, with_head_axis)
 from ..caches import AttentionGrads, TiledAttentionCache
-from ..options import alibi_bias, alibi_distance, head_gradient, heads_view, keep_mask
+from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, heads_view,
+                       keep_mask)
 from .parallel import run_tasks
 
 
@@ -160,7 +162,7 @@ def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols):
     if tangents.bias is not None:
         s_dot = s_dot + np.broadcast_to(tangents.bias, score_shape)[tile]
     if tangents.alibi_slopes is not None:
-        s_dot = s_dot + alibi_bias(o._replace(alibi_slopes=tangents.alibi_slopes), score_shape, tile)
+        s_dot = s_dot + alibi_bias(o, score_shape, tile, tangents.alibi_slopes)
     return s_dot
 
 
@@ -224,7 +226,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     dq, dk, dv = (np.empty(x.shape, dout3.dtype) for x in (q3, k3, v3))   # every slice writes its own
     bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
     dbias = None if bias is None else np.empty(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
-    dslopes = None if o.alibi_slopes is None else np.empty(score_shape[:-2], dout3.dtype)   # [..., H]
+    dslopes = None if o.alibi_slopes is None else np.empty(score_shape[:-1], dout3.dtype)   # [..., H, N_q]
     ndim = len(score_shape)
     slices = kv_slices(score_shape, group, whole=bias is not None and spans_slices(bias, ndim, score_shape))
     items = [(at, q3[at], dout3[at], D[at], lse[at], k3[kv_index(at, group)], v3[kv_index(at, group)],
@@ -240,7 +242,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     dbias = None if dbias is None else dbias.reshape(o.bias.shape)
     head_grads = {}
     if dslopes is not None:
-        head_grads["dalibi_slopes"] = head_gradient(dslopes, o.alibi_slopes)
+        head_grads["dalibi_slopes"] = alibi_slopes_gradient(dslopes, o)
     if o.sinks is not None:                                             # dsink = P_sink (dlse - D)
         with np.errstate(invalid="ignore"):
             p_sink = np.exp(_row_sinks(o, score_shape) - lse)           # [..., H, N_q]
@@ -253,7 +255,8 @@ def _backward_slice(at, q, dout, D, lse, k, v, dbias_shape, dslopes_shape, *, o,
     """One task of the backward: the scores' slice `at` (a batch index and the G query heads of
     one kv head; (Ellipsis,): all), its q, dout [.., G, N_q, d], D, lse [.., G, N_q] and its kv
     head's k, v [.., 1, N_k, d]. Returns its (dq, dk, dv, dbias or None, dslopes or None), the
-    sums of its tiles: over key tiles j for dq, over query tiles i, in order, for dk and dv."""
+    sums of its tiles: over key tiles j for dq (and dslopes [.., G, N_q], each row's slope's
+    gradient), over query tiles i, in order, for dk and dv."""
     dq, dk, dv = np.zeros(q.shape, dout.dtype), np.zeros(k.shape, dout.dtype), np.zeros(v.shape, dout.dtype)
     dbias = None if dbias_shape is None else np.zeros(dbias_shape, dout.dtype)
     dslopes = None if dslopes_shape is None else np.zeros(dslopes_shape, dout.dtype)
@@ -275,8 +278,8 @@ def _backward_slice(at, q, dout, D, lse, k, v, dbias_shape, dslopes_shape, *, o,
             if dbias is not None:
                 block = bias_block(dbias, (Ellipsis, rows, cols))
                 block += unbroadcast(ds, block.shape)
-            if dslopes is not None:                                     # dalibi = -sum dS * distance
-                dslopes -= np.sum(ds * alibi_distance(o, score_shape, tile), axis=(-2, -1))
+            if dslopes is not None:                                     # each row's -sum dS * distance
+                dslopes[..., rows] += alibi_row_gradient(ds, o, score_shape, tile)
             dq[..., rows, :] += scaled(grouped_matmul(ds, k[..., cols, :]), o.scale)   # dq_i += scale dS k_j
             dk[..., cols, :] += grouped_sum_matmul(ds, q_i, n_kv)       # dk_j += dS^T (scale q_i)
     return dq, dk, dv, dbias, dslopes
