@@ -1,8 +1,9 @@
-"""The optional extras some tests need: torch (the cross-checks) and matplotlib (the figures).
+"""The optional extras some tests need: torch (the cross-checks), jax (its forward mode),
+matplotlib (the figures) and dask.distributed (the cluster).
 
 Without one, its tests skip and say how to install it; every other test still runs, so
-`pip install -e '.[test]' && python3 -m pytest -q` passes on numpy and scipy alone. The
-README's test command installs both and runs everything.
+`pip install '.[test]' && python3 -m pytest -q` passes on numpy and scipy alone (.ci/run's
+second leg runs exactly that). The README's test command installs them all and runs everything.
 """
 import importlib.util
 
@@ -10,7 +11,8 @@ import pytest
 
 TORCH_REASON = "torch is an optional extra: pip install torch==2.13.0"     # pytest.importorskip's reason
 MATPLOTLIB_REASON = "matplotlib is an optional extra: pip install 'numpy-attention[plot]'"
+JAX_REASON = "jax is an optional extra: pip install 'numpy-attention[jax]'"
+DASK_REASON = "dask.distributed is an optional extra: pip install 'numpy-attention[dask]'"
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                       reason=MATPLOTLIB_REASON)
-JAX_REASON = "jax is an optional extra: pip install 'numpy-attention[jax]'"

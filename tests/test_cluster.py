@@ -1,10 +1,10 @@
 """The tiled engine and crosscheck on a Dask cluster: a LocalCluster of two worker processes
 gives bitwise the results of a local run, forward, backward, JVP and a large crosscheck (its
-oracle and its baselines in slices)."""
+oracle and its baselines in slices). The tests that need no cluster run without dask."""
 import ml_dtypes
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from optional import DASK_REASON
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
@@ -38,8 +38,9 @@ SLICED = {
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
-            Client(cluster) as client:
+    distributed = pytest.importorskip("distributed", reason=DASK_REASON)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
         yield client
 
 

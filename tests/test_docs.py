@@ -1,8 +1,11 @@
 """Every code block of README.md and docs/*.md runs as written, and what it shows is what it prints.
 
 Blocks by their fence:
-    python  run with exec, each file's blocks in one namespace and in order (a later block
-            may use an earlier block's names), in a scratch directory; stdout is captured.
+    python  run as a user runs them: a file's blocks, in order, saved as one script (a later
+            block may use an earlier block's names) and run by `python` in a scratch
+            directory, so that what only fails in a script fails here too (worker processes
+            import the script: an unguarded LocalCluster). Blocks from the first that imports
+            an optional extra this Python lacks on are not run: the test skips, naming it.
     text    output or a listing, not run. A text block right after a python block is that
             block's output and must equal what it printed: words and fixed-point numbers
             exactly, numbers in e-notation to within a factor of 10 (they are rounding
@@ -19,9 +22,7 @@ Some documented outputs come from commands too slow to run here in full; the
 benchmark outputs of docs/performance.md must name their machine, and every
 `module.py: name` reference must name a function that exists.
 """
-import contextlib
 import importlib.util
-import io
 import json
 import pathlib
 import re
@@ -31,11 +32,14 @@ import sys
 
 import numpy as np
 import pytest
+from optional import DASK_REASON, JAX_REASON, MATPLOTLIB_REASON, TORCH_REASON
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README] + sorted((ROOT / "docs").glob("*.md"))
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
+# The optional extras a documented block may import, by module: how to install each.
+EXTRAS = {"torch": TORCH_REASON, "jax": JAX_REASON, "matplotlib": MATPLOTLIB_REASON,
+          "distributed": DASK_REASON, "dask": DASK_REASON}
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
 E_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?e[-+]?\d+")
 
@@ -106,26 +110,61 @@ def test_same_output_can_fail():
 
 # ----------------------------------------------------------------------------- python blocks
 
-@pytest.mark.parametrize("path", DOCS, ids=doc_id)
-def test_python_blocks_run_and_print_what_the_doc_shows(path, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)                     # blocks may write files (my_case.npz)
-    namespace = {"__name__": "__doc__"}
-    previous_output = None
-    ran = 0
-    for language, code, follows in blocks(path):
-        if language == "text" and follows and previous_output is not None:
-            ok, diff = same_output(code, previous_output)
+def missing_extra(code):
+    """How to install an optional extra that `code` imports and this Python lacks, or None."""
+    for name in re.findall(r"^\s*(?:import|from)\s+(\w+)", code, flags=re.M):
+        if name in EXTRAS and importlib.util.find_spec(name) is None:
+            return EXTRAS[name]
+    return None
+
+
+END_OF_BLOCK = "----- end of a documented python block -----"
+
+
+def run_as_script(name, codes, cwd):
+    """Run `codes` (Python blocks) saved as one script `cwd/name` by `python`, as a user does;
+    returns what each block printed. After each block the script prints END_OF_BLOCK (in the
+    main process only: a worker process that imports the script prints nothing)."""
+    end = f'\nif __name__ == "__main__":\n    print({END_OF_BLOCK!r}, flush=True)\n'
+    script = cwd / name
+    script.write_text("".join(code + end for code in codes))
+    res = subprocess.run([sys.executable, script.name], cwd=cwd, capture_output=True, text=True,
+                         timeout=600)
+    outputs = res.stdout.split(END_OF_BLOCK + "\n")
+    assert res.returncode == 0, (f"{name}: python block {len(outputs)} exited {res.returncode}:\n"
+                                 f"{res.stderr[-3000:]}")
+    assert len(outputs) == len(codes) + 1 and outputs[-1] == "", res.stdout
+    return outputs[:-1]
+
+
+def test_run_as_script_can_fail(tmp_path):
+    assert run_as_script("ok.py", ["print(1)", "x = 2", "print(x)"], tmp_path) == ["1\n", "", "2\n"]
+    with pytest.raises(AssertionError, match="python block 2 exited 1"):
+        run_as_script("fails.py", ["print(1)", "raise SystemExit(1)"], tmp_path)
+    # A process started at a script's top level: the child imports the script and starts one
+    # in turn, which fails (what an unguarded LocalCluster does); exec in one process did not.
+    start = ("child = multiprocessing.get_context('spawn').Process(target=print); "
+             "child.start(); child.join(); assert child.exitcode == 0\n")
+    with pytest.raises(AssertionError, match="python block 1 exited 1"):
+        run_as_script("unguarded.py", ["import multiprocessing\n" + start], tmp_path)
+    guarded = "import multiprocessing\nif __name__ == '__main__':\n    " + start
+    run_as_script("guarded.py", [guarded], tmp_path)
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if "```python" in p.read_text()], ids=doc_id)
+def test_python_blocks_run_and_print_what_the_doc_shows(path, tmp_path):
+    found = blocks(path)
+    python = [i for i, (language, _, _) in enumerate(found) if language == "python"]
+    reasons = [missing_extra(found[i][1]) for i in python]
+    skip = next((reason for reason in reasons if reason), None)
+    runnable = python[:reasons.index(skip)] if skip else python
+    outputs = run_as_script(f"{path.stem}_blocks.py", [found[i][1] for i in runnable], tmp_path)
+    for i, output in zip(runnable, outputs):
+        if i + 1 < len(found) and found[i + 1][0] == "text" and found[i + 1][2]:
+            ok, diff = same_output(found[i + 1][1], output)
             assert ok, f"{doc_id(path)}: the output shown differs from what the block prints: {diff}"
-        previous_output = None
-        if language != "python":
-            continue
-        if "torch" in code and not HAVE_TORCH:
-            pytest.skip(f"{doc_id(path)}: this block and the ones after it need torch (not installed)")
-        stdout = io.StringIO()
-        with contextlib.redirect_stdout(stdout):
-            exec(compile(code, f"{doc_id(path)} block {ran + 1}", "exec"), namespace)
-        previous_output = stdout.getvalue()
-        ran += 1
+    if skip:
+        pytest.skip(f"{doc_id(path)}: python block {len(runnable) + 1} and the ones after it: {skip}")
 
 
 # ----------------------------------------------------------------------------- shell blocks
@@ -182,12 +221,10 @@ def shell_blocks(path):
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if shell_blocks(p)], ids=doc_id)
-def test_shell_blocks_run(path, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for language, code, _ in blocks(path):    # the files the commands read (my_case.npz)
-        if language == "python" and "np.savez" in code:     # such a block is self-contained
-            with contextlib.redirect_stdout(io.StringIO()):
-                exec(compile(code, doc_id(path), "exec"), {"__name__": "__doc__"})
+def test_shell_blocks_run(path, tmp_path):
+    # The files the commands read (my_case.npz): the blocks that write them, each self-contained.
+    writers = [code for language, code, _ in blocks(path) if language == "python" and "np.savez" in code]
+    run_as_script(f"{path.stem}_files.py", writers, tmp_path)
     done = [check_command(line, tmp_path) for code in shell_blocks(path) for line in commands(code)]
     assert done
 
@@ -210,8 +247,17 @@ def test_top_commands_and_ci_agree():
     assert first_block[0] == "pip install . && numpy-attention demo"
     test_command = first_block[1].split("&&")[-1].strip()
     assert test_command == "python3 -m pytest -q"
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert test_command in ci.splitlines()
+    # .ci/run's two legs, each ending in the README's test command exactly: the README's
+    # installs, then '.[test]' alone in a fresh venv.
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    runs = [i for i, line in enumerate(ci) if line == test_command]
+    assert len(runs) == 2, ".ci/run must run the README's test command in each of its two legs"
+    every_extra, test_alone = ci[:runs[0]], ci[runs[0] + 1:runs[1]]
+    installs = [f"python3 -m {command.strip()}" for command in first_block[1].split("&&")[:-1]]
+    assert [line for line in every_extra if "pip install" in line] == installs
+    assert [line for line in test_alone if line and not line.startswith("#")] == [
+        'venv=$(mktemp -d)', 'trap \'rm -rf "$venv"\' EXIT', 'python3 -m venv "$venv"',
+        'source "$venv/bin/activate"', "python3 -m pip install '.[test]'"]
 
 
 def test_readme_is_short_and_names_the_blog_post():
