@@ -265,8 +265,7 @@ def test_complex_step_on_a_forward_that_is_not_analytic_prints_a_hint():
         report = na.gradcheck(absolute, absolute_backward, [x], method="complex", mode=mode, names=["x"])
         assert not report and report.rows[0].numeric == 0
         assert len(report.hints) == 1 and "not analytic in x" in report.hints[0]
-        assert str(report).splitlines()[-1].startswith("hint: x: complex step saw a derivative of "
-                                                       "exactly 0")
+        assert str(report).split("\nhint: ")[1].startswith("x: complex step saw a derivative of exactly 0")
         assert "np.abs" in str(report)
     assert na.gradcheck(absolute, absolute_backward, [x], method="central")  # central can check it
 

@@ -5,7 +5,8 @@ functions it is given.
 
     report = gradcheck(forward, backward, inputs)     # forward(*inputs) -> (out, cache)
     bool(report)                                      # True iff every check passed
-    print(report)                                     # a table, one row per input
+    print(report)                                     # a table, one row per input (checked or
+                                                      # skipped, with why)
 
 `backward(dout, cache)` returns gradients in the order of `inputs` (extra trailing entries
 are ignored; None for an input that has no gradient). One concept per module:

@@ -11,13 +11,14 @@ forward and a backward that broadcast over that axis). A numeric Jacobian pertur
 at a time (`over`); a probe may perturb several at once. `choose` picks the vectorized one
 when a two-entry probe gives the looped numbers to sqrt(eps_mach); `evaluate_chunk` falls
 back to looped when a real chunk trips a vectorized function the probe did not (a stack of 2
-may align with an axis of size 2 by chance). Each Evaluator carries why it is looped, and
-`summary` turns them into the report's `batching`: "vectorized" or "looped: <reasons>".
+may align with an axis of size 2 by chance). `summary` says in the report's `batching` which
+functions took one entry at a time: a fallback that worked is no error, so the report names
+no exception; batched=True raises the one a stacked call met.
 
 Only STACKING_ERRORS count as "does not broadcast": any other exception (a NameError, an
 AttributeError, a TypeError) is a bug of the function and propagates.
 """
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -36,7 +37,7 @@ STACKING_ERRORS = (ValueError, IndexError)
 class Evaluator(NamedTuple):
     evaluate: Callable                  # stack -> values, vectorized or looped
     what: str                           # which function, e.g. "forward over q", "backward"
-    looped_because: Optional[str]       # None: vectorized
+    vectorized: bool                    # False: one entry per call
 
 
 def stack(inputs, stacks, n):
@@ -110,7 +111,7 @@ def choose(vectorized, looped, probe, batched, dtype, what):
     vectorized if the probe passes, else looped; the numbers agree to rounding either way).
     """
     if batched is False:
-        return Evaluator(looped, what, "batched=False")
+        return Evaluator(looped, what, False)
     expected = looped(probe)                      # outside the try: its errors are the function's
     try:
         agree = all(_close(stacked, one_at_a_time, dtype) for stacked, one_at_a_time
@@ -119,14 +120,13 @@ def choose(vectorized, looped, probe, batched, dtype, what):
         if batched:
             raise ValueError(f"batched=True, but the forward/backward fail on inputs stacked along "
                              f"a new leading axis (the {what}): {_one_line(exc)}") from exc
-        return Evaluator(looped, what, f"on inputs stacked along a new leading axis: {_one_line(exc)}")
+        return Evaluator(looped, what, False)
     if agree:
-        return Evaluator(vectorized, what, None)
+        return Evaluator(vectorized, what, True)
     if batched:
         raise ValueError(f"batched=True, but the forward/backward give different numbers on inputs "
                          f"stacked along a new leading axis than one at a time (the {what})")
-    return Evaluator(looped, what, "different numbers on inputs stacked along a new leading axis "
-                                   "than one at a time")
+    return Evaluator(looped, what, False)
 
 
 def evaluate_chunk(evaluator, looped, compute, batched):
@@ -138,13 +138,12 @@ def evaluate_chunk(evaluator, looped, compute, batched):
     try:
         return compute(evaluator.evaluate), evaluator
     except STACKING_ERRORS as exc:
-        if evaluator.looped_because is not None:   # a looped evaluation's errors are the function's own
+        if not evaluator.vectorized:               # a looped evaluation's errors are the function's own
             raise
         if batched:
             raise ValueError(f"batched=True, but the {evaluator.what} fails on a chunk of inputs "
                              f"stacked along a new leading axis: {_one_line(exc)}") from exc
-        return compute(looped), Evaluator(looped, evaluator.what, f"on a chunk of inputs stacked along a "
-                                          f"new leading axis, though the probe passed: {_one_line(exc)}")
+        return compute(looped), Evaluator(looped, evaluator.what, False)
 
 
 def chunks(n, inputs, out_size, chunk_size):
@@ -156,15 +155,22 @@ def chunks(n, inputs, out_size, chunk_size):
     return [np.arange(start, min(start + chunk_size, n)) for start in range(0, n, chunk_size)]
 
 
-def summary(evaluators):
-    """The report's `batching`: "vectorized" if every evaluator was; else "looped: " and each
-    reason once, naming the functions it holds for unless it holds for all of them."""
-    functions_of = {}                                                 # reason -> the functions
-    for evaluator in evaluators:
-        functions_of.setdefault(evaluator.looped_because, []).append(evaluator.what)
-    if list(functions_of) == [None]:
+def summary(forward_over, backward, names, batched):
+    """The report's `batching`: "vectorized" if every function took stacks; else which took one
+    entry per call, and why: batched=False, or a stacked call that did not work (the same
+    numbers, only slower), e.g. "the forward took one perturbed W at a time: ...".
+
+    forward_over: {i: the Evaluator of the forward over input i}; backward: the backward's.
+    """
+    inputs = [names[i] for i, evaluator in forward_over.items() if not evaluator.vectorized]
+    if not inputs and backward.vectorized:
         return "vectorized"
-    if len(functions_of) == 1:
-        return f"looped: {next(iter(functions_of))}"
-    return "looped: " + "; ".join(f"{reason} (the {', '.join(functions)})"
-                                  for reason, functions in functions_of.items() if reason is not None)
+    perturbed = "input" if len(inputs) == len(forward_over) else " or ".join(inputs)
+    parts = [f"the forward took one perturbed {perturbed} at a time"] if inputs else []
+    if not backward.vectorized:
+        parts.append("the backward one upstream gradient" if parts else
+                     "the backward took one upstream gradient at a time")
+    if batched is False:
+        return f"{', '.join(parts)}, as batched=False asks"
+    return (f"{', '.join(parts)}: a stacked call did not work, so the check ran slower, to the same "
+            f"numbers (batched=True says why)")

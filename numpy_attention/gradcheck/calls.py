@@ -3,6 +3,9 @@
     out, cache = forward(*inputs)             out an array (the function whose derivative is checked)
     grads = backward(dout, cache)             grads[i] the gradient of input i (None: none), in
                                               input order; extra trailing entries are ignored
+
+The inputs checked are those named in wrt, by default every non-empty floating-point array;
+`unchecked` says why each other input is not (the report lists it as skipped).
 """
 import numpy as np
 
@@ -14,6 +17,14 @@ def _describe(x):
 def _checkable(x, kinds):
     """A non-empty array of a dtype kind in `kinds` ('f' real floating, 'c' complex)."""
     return isinstance(x, np.ndarray) and x.dtype.kind in kinds and x.size > 0
+
+
+def _as_array(x):
+    """np.asarray(x), or None for what makes no array (a ragged list)."""
+    try:
+        return np.asarray(x)
+    except ValueError:
+        return None
 
 
 def _require_sequence(inputs):
@@ -37,11 +48,7 @@ def _require_index(i, inputs, wrt, kinds, what):
         raise TypeError(f"wrt must hold integer input indices, got {i!r} ({type(i).__name__}) in {wrt!r}")
     if not 0 <= i < len(inputs):
         raise ValueError(f"wrt index {i} is out of range for {len(inputs)} inputs")
-    try:
-        x = np.asarray(inputs[i])             # named explicitly: scalars and lists count too
-    except ValueError:                        # a ragged list
-        x = None
-    if not _checkable(x, kinds):
+    if not _checkable(_as_array(inputs[i]), kinds):      # named explicitly: scalars and lists count too
         raise ValueError(f"wrt index {i} must name a non-empty {what} array, got {_describe(inputs[i])}")
 
 
@@ -63,6 +70,21 @@ def inputs_and_wrt(inputs, wrt, kinds, what):
     if len(set(wrt)) != len(wrt):
         raise ValueError(f"wrt names an input twice: {wrt!r}")
     return inputs, [int(i) for i in wrt]
+
+
+def _why_not_checkable(x, i, kinds, what):
+    """Why input i, x, is not checked by default: it is no non-empty array of `what`."""
+    if isinstance(x, np.ndarray):
+        return f"an empty array, shape {x.shape}" if x.size == 0 else f"an array of {x.dtype}, not {what}"
+    named = f": wrt=[{i}] checks it" if _checkable(_as_array(x), kinds) else ""   # a scalar, a list
+    return f"not an array ({'None' if x is None else type(x).__name__}){named}"
+
+
+def unchecked(inputs, wrt, wrt_given, kinds, what):
+    """{i: why input i is not checked} for each input not in wrt: "not in wrt" if wrt was
+    given (wrt_given), else why it is not a non-empty array of a dtype kind in `kinds`."""
+    return {i: "not in wrt" if wrt_given else _why_not_checkable(x, i, kinds, what)
+            for i, x in enumerate(inputs) if i not in wrt}
 
 
 def replaced(inputs, i, x):

@@ -10,12 +10,13 @@ from typing import NamedTuple, Optional
 
 from .._checks import (as_scalar, require_choice, require_nonnegative_real, require_positive_int,
                        require_positive_real, rng_from_seed)
-from .calls import inputs_and_wrt
+from .calls import inputs_and_wrt, unchecked
 from .differences import DEFAULTS, METHODS, default_atol, real_dtype_name, require_step_moves
 from .jacobians import full_jacobians, projections
 from .report import GradcheckError, GradcheckReport, compare, largest, non_analytic_hint
 
 MODES = ("full", "projection")
+CHECKED = ("fc", "floating-point (or complex)")     # the dtype kinds checked, and their name
 
 
 class Settings(NamedTuple):
@@ -51,7 +52,8 @@ def settings_of(inputs, wrt, names, method, mode, eps, atol, rtol, n_projections
 
 
 def prepare(first, second, inputs, wrt, names, seed, *settings):
-    """The checked arguments of gradcheck and jvpcheck: (inputs, wrt, names, Settings, rng).
+    """The checked arguments of gradcheck and jvpcheck: (inputs, wrt, names, Settings, rng,
+    skipped), skipped the report's (name, why) of each input not checked.
 
     first, second: (function, its name) pairs that must be callables; settings: settings_of's
     arguments from method on.
@@ -59,9 +61,11 @@ def prepare(first, second, inputs, wrt, names, seed, *settings):
     for function, name in (first, second):
         if not callable(function):
             raise TypeError(f"{first[1]} and {second[1]} must be callables, got {name} = {function!r:.60}")
-    inputs, wrt = inputs_and_wrt(inputs, wrt, "fc", "floating-point (or complex)")
+    wrt_given = wrt is not None
+    inputs, wrt = inputs_and_wrt(inputs, wrt, *CHECKED)
     names = names_of(names, inputs)
-    return inputs, wrt, names, settings_of(inputs, wrt, names, *settings), rng_from_seed(seed)
+    skipped = tuple((names[i], why) for i, why in unchecked(inputs, wrt, wrt_given, *CHECKED).items())
+    return inputs, wrt, names, settings_of(inputs, wrt, names, *settings), rng_from_seed(seed), skipped
 
 
 def names_of(names, inputs):
@@ -71,8 +75,9 @@ def names_of(names, inputs):
     return names
 
 
-def report_of(derivatives, names, settings, batching):
-    """The GradcheckReport of {i: Derivatives}: one row per input, atol by default_atol."""
+def report_of(derivatives, names, settings, batching, skipped):
+    """The GradcheckReport of {i: Derivatives}: one row per input, atol by default_atol; the
+    inputs not checked listed as skipped, (name, why) each."""
     size = {i: max(largest(d.analytic), largest(d.numeric)) for i, d in derivatives.items()}
     rows, hints = [], []
     for i, d in derivatives.items():
@@ -84,7 +89,8 @@ def report_of(derivatives, names, settings, batching):
                             d.analytic, d.numeric, d.index_of, settings.rtol, atol))
         hints.append(non_analytic_hint(rows[-1], settings.method, d.analytic, d.numeric))
     return GradcheckReport(rows, settings.method, settings.mode, settings.h, settings.rtol,
-                           settings.atol, settings.dtype, batching, tuple(hint for hint in hints if hint))
+                           settings.atol, settings.dtype, batching, tuple(hint for hint in hints if hint),
+                           skipped=skipped)
 
 
 def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=None, atol=None,
@@ -99,7 +105,8 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
     Args:
         forward: forward(*inputs) -> (out, cache); out an array.
         backward: backward(dout, cache) -> gradients in input order.
-        inputs: sequence of inputs; the floating (or complex) arrays among them are checked.
+        inputs: sequence of inputs; the floating (or complex) arrays among them are checked,
+            the report lists each other one as skipped, with why.
         method: 'central' (default), 'complex' (complex step) or 'richardson' (differences.py).
         mode: 'full' (whole Jacobian) or 'projection' (<u, J v> for random u, v).
         eps: step h; default per dtype and method (differences.DEFAULTS).
@@ -112,14 +119,14 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
         batched: full mode only (batching.py). None (default): evaluate a chunk of perturbations
             (and of unit upstream gradients) in one forward (backward) call, stacked along a new
             leading axis of every array input, if a two-entry probe shows the functions
-            broadcast over that axis; one at a time otherwise, the report's `batching` says why.
-            True: require the stacked evaluation (ValueError if it fails); False: always one at
-            a time. The numbers agree to rounding either way.
+            broadcast over that axis; one at a time otherwise, and the report's note says which.
+            True: require the stacked evaluation (ValueError with what it met, if it fails);
+            False: always one at a time. The numbers agree to rounding either way.
         chunk_size: perturbations per stacked call (default: ~2^20 entries per tensor).
     Returns:
         GradcheckReport: truthy iff every check passed; prints as a table.
     """
-    inputs, wrt, names, settings, rng = prepare(
+    inputs, wrt, names, settings, rng, skipped = prepare(
         (forward, "forward"), (backward, "backward"), inputs, wrt, names, seed,
         method, mode, eps, atol, rtol, n_projections, batched, chunk_size)
     if settings.mode == "full":
@@ -129,7 +136,7 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
         derivatives = {i: projections(forward, backward, inputs, i, names[i], settings.method,
                                       settings.h, rng, settings.n_projections) for i in wrt}
         batching = None
-    report = report_of(derivatives, names, settings, batching)
+    report = report_of(derivatives, names, settings, batching, skipped)
     if raise_on_failure and not report:
         raise GradcheckError("\n" + str(report))
     return report

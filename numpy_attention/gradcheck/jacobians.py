@@ -60,8 +60,8 @@ def forward_evaluators(forward, inputs, wrt, names, batched, rng):
         dtype = np.result_type(*(np.asarray(inputs[i]).real.dtype for i in wrt))
         joint = choose(vectorized, looped, {i: _probe(np.asarray(inputs[i]), rng) for i in wrt}, None,
                        dtype, "forward")
-        if joint.looped_because is None:
-            return {i: Evaluator(over(vectorized, i), what[i], None) for i in wrt}
+        if joint.vectorized:
+            return {i: Evaluator(over(vectorized, i), what[i], True) for i in wrt}
     return {i: choose(over(vectorized, i), over(looped, i), _probe(np.asarray(inputs[i]), rng), batched,
                       np.asarray(inputs[i]).real.dtype, what[i]) for i in wrt}
 
@@ -110,17 +110,16 @@ def full_jacobians(forward, backward, inputs, wrt, names, method, h, batched, ch
     batched, chunk_size: as for gradcheck (batching.py); rng draws the batching probes.
     """
     out, cache = forward_output(forward, inputs)
-    numeric, evaluators = {}, []
+    numeric, forward_over = {}, {}
     for i, evaluator in forward_evaluators(forward, inputs, wrt, names, batched, rng).items():
-        numeric[i], evaluator = numeric_jacobian(forward, inputs, i, evaluator, out.size, method, h,
-                                                  batched, chunk_size)
-        evaluators.append(evaluator)
-    analytic, evaluator = _analytic_jacobians(forward, backward, inputs, wrt, names, out, cache,
-                                              batched, chunk_size, rng)
+        numeric[i], forward_over[i] = numeric_jacobian(forward, inputs, i, evaluator, out.size, method, h,
+                                                       batched, chunk_size)
+    analytic, backward_evaluator = _analytic_jacobians(forward, backward, inputs, wrt, names, out, cache,
+                                                       batched, chunk_size, rng)
     largest_output = float(np.max(np.abs(out), initial=0))
     derivatives = {i: Derivatives(analytic[i], numeric[i], jacobian_index(out.shape, np.shape(inputs[i])),
                                   largest_output) for i in wrt}
-    return derivatives, summary(evaluators + [evaluator])
+    return derivatives, summary(forward_over, backward_evaluator, names, batched)
 
 
 def projections(forward, backward, inputs, i, name, method, h, rng, n_projections):

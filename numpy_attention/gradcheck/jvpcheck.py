@@ -60,9 +60,9 @@ def jvpcheck(forward, jvp, inputs, *, method="complex", mode="full", eps=None, a
     Returns:
         GradcheckReport: truthy iff every check passed; prints as a table.
     """
-    inputs, wrt, names, settings, rng = prepare((forward, "forward"), (jvp, "jvp"), inputs, wrt, names,
-                                                seed, method, mode, eps, atol, rtol, n_projections,
-                                                False, None)
+    inputs, wrt, names, settings, rng, skipped = prepare((forward, "forward"), (jvp, "jvp"), inputs, wrt,
+                                                         names, seed, method, mode, eps, atol, rtol,
+                                                         n_projections, False, None)
     out, _ = forward_output(forward, inputs)
     derivatives = {}
     looped = forward_evaluators(forward, inputs, wrt, names, False, rng) if settings.mode == "full" else {}
@@ -76,4 +76,4 @@ def jvpcheck(forward, jvp, inputs, *, method="complex", mode="full", eps=None, a
         else:
             derivatives[i] = _directions(forward, jvp, inputs, i, out, settings.method, settings.h,
                                          rng, settings.n_projections)
-    return report_of(derivatives, names, settings, None)._replace(check="jvpcheck")
+    return report_of(derivatives, names, settings, None, skipped)._replace(check="jvpcheck")

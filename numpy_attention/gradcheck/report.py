@@ -1,22 +1,28 @@
-"""The verdict and the table: one row per checked input.
+"""The verdict and the table: one row per checked input, then one per input not checked.
 
 Verdict per input: max |analytic - numeric| <= atol + rtol * scale, scale = the largest
 |entry| of either (a normwise criterion: one tiny entry cannot fail or pass the check).
 A NaN on one side only is an infinite error; NaN on both sides agrees.
 
-    print(report)       gradcheck  method=complex  mode=full  ...  batching=vectorized  -> PASS
-                        input   check   max abs err  max rel err  worst index (out, in)  analytic ...
-    bool(report)        True iff every row passed
+    print(report)       gradcheck  method=complex  mode=full  dtype=float64  ...  -> PASS
+                        note: the forward took one perturbed input at a time ...  if it did
+                        input  max abs err max rel err  worst index (out, in)        analytic ...
+                        x         1.27e-10    9.53e-11  ((4,1),(4,0))             -5.2920e-01 ...
+                        index  skipped: an array of int64, not floating-point (or complex)
+    bool(report)        True iff every checked row passed
 
 The worst index is (output index, input index) of the Jacobian entry in full mode and
-(projection number,) in projection mode.
+(projection number,) in projection mode. Every line fits in WIDTH columns (a longer note or
+hint wraps), unless an input's name or index is too long for its column.
 """
 import math
+import textwrap
 from typing import NamedTuple, Optional
 
 import numpy as np
 
 WORST_INDEX_LABELS = {"full": "worst index (out, in)", "projection": "worst index (projection)"}
+WIDTH = 100                 # the widest line of a report
 
 
 class GradcheckError(AssertionError):
@@ -43,32 +49,40 @@ class GradcheckReport(NamedTuple):
     rtol: float
     atol: Optional[float]   # None: the default roundoff floor (differences.py)
     dtype: str
-    batching: Optional[str] = None   # full mode: "vectorized" or "looped: <why>"; None in projection mode
+    batching: Optional[str] = None   # full mode: "vectorized", or which functions took one entry at
+                                     # a time and why (batching.summary); None in projection mode
     hints: tuple = ()                # lines printed under the table: likely causes of a failure
     check: str = "gradcheck"         # which check made it: "gradcheck" or "jvpcheck"
+    skipped: tuple = ()              # (name, why) of each input not checked, e.g. an integer array
 
     def __bool__(self):
         return all(row.passed for row in self.rows)
 
     def _header(self):
-        """The settings and the verdict on one line; then, if the batching fell back, why."""
+        """The settings and the verdict; then, if some function took one entry at a time, that."""
         atol = "floor" if self.atol is None else f"{self.atol:g}"
-        batching, _, why = (self.batching or "").partition(": ")        # "looped", "<reasons>"
         head = (f"{self.check}  method={self.method}  mode={self.mode}  dtype={self.dtype}  "
-                f"h={self.eps:g}  rtol={self.rtol:g}  atol={atol}"
-                f"{f'  batching={batching}' if batching else ''}  -> {'PASS' if self else 'FAIL'}")
-        return [head] + ([f"(batching {batching}: {why})"] if why else [])
+                f"h={self.eps:g}  rtol={self.rtol:g}  atol={atol}  -> {'PASS' if self else 'FAIL'}")
+        return [head] + ([f"note: {self.batching}"] if self.batching not in (None, "vectorized") else [])
 
     def __str__(self):
+        first = max([len("input")] + [len(row.name) for row in self.rows] +
+                    [len(name) for name, _ in self.skipped]) + 2            # the width of the names
         label = WORST_INDEX_LABELS[self.mode]
-        columns = (f"{'input':<14}{'check':<12}{'max abs err':>12}{'max rel err':>12}  "
-                   f"{label:<26}{'analytic':>13}{'numeric':>13}{'tol':>10}  ok")
-        lines = self._header() + [columns]
+        table = [f"{'input':<{first}}{'max abs err':>11}{'max rel err':>12}  {label:<25}"
+                 f"{'analytic':>12}{'numeric':>12}{'tol':>8}  ok"]
         for row in self.rows:
-            lines.append(f"{row.name:<14}{row.check:<12}{row.max_abs_err:>12.2e}{row.max_rel_err:>12.2e}  "
-                         f"{str(row.worst_index):<26}{row.analytic:>13.5e}{row.numeric:>13.5e}"
-                         f"{row.tol:>10.1e}  {'yes' if row.passed else 'NO'}")
-        return "\n".join(lines + [f"hint: {hint}" for hint in self.hints])
+            index = str(row.worst_index).replace(" ", "")                        # ((0,1,2),(0,1))
+            table.append(f"{row.name:<{first}}{row.max_abs_err:>11.2e}{row.max_rel_err:>12.2e}  {index:<25}"
+                         f"{row.analytic:>12.4e}{row.numeric:>12.4e}{row.tol:>8.1e}  "
+                         f"{'yes' if row.passed else 'NO'}")
+        table += [f"{name:<{first}}skipped: {why}" for name, why in self.skipped]
+        return "\n".join(wrapped(self._header()) + table + wrapped(f"hint: {hint}" for hint in self.hints))
+
+
+def wrapped(texts):
+    """The lines of each text, wrapped at WIDTH columns."""
+    return [line for text in texts for line in textwrap.wrap(text, WIDTH, break_on_hyphens=False)]
 
 
 def largest(a):
