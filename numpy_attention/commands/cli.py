@@ -5,10 +5,11 @@
     numpy-attention vanishing [...]        the 1/sqrt(d_k) study
     numpy-attention crosscheck CASE.npz    judge another implementation against the oracle
 
-Exit codes: 0 success, 1 a check failed, 2 bad arguments or input: one line on stderr,
+Exit codes: 0 success, 1 a check failed, 2 bad arguments or input, or an output that cannot
+be written (stdout or a file, e.g. on a full device): one line on stderr,
 `numpy-attention <command>: <message>` (no command given: the usage and the command list);
-130 interrupted (Ctrl-C), one line; 141 when the reader of its output closes the pipe
-(`| head`), quietly.
+130 interrupted (Ctrl-C), one line, from the moment main is called; 141 when the reader of
+its output closes the pipe (`| head`), quietly.
 Each command lives in its own module, which provides HELP (its line of the command list),
 DESCRIPTION and optionally EPILOG (its --help, as written), add_arguments(parser) and
 run(args) -> exit code; a command raises UsageError(message) for bad input.
@@ -24,8 +25,9 @@ PROG = "numpy-attention"
 COMMANDS = ("demo", "gradcheck", "crosscheck", "vanishing")        # modules of this package
 DESCRIPTION = ("Transformer attention in NumPy with every backward written by hand and checked "
                "against finite differences; a float64 oracle for other implementations.")
-EPILOG = (f"exit codes: 0 success, 1 a check failed, 2 bad arguments or input (one line on stderr), "
-          f"130 interrupted, 141 output pipe closed by its reader (no message). "
+EPILOG = (f"exit codes: 0 success, 1 a check failed, 2 bad arguments or input, or an output that "
+          f"cannot be written (one line on stderr), 130 interrupted, 141 output pipe closed by its "
+          f"reader (no message). "
           f"'{PROG} <command> --help' for a command's options.")
 
 
@@ -54,6 +56,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(f"{self.prog}: {message}")
 
+    def _print_message(self, message, file=None):
+        """argparse's printing, but what goes to stdout (--help, --version) is written with
+        _write_out: argparse would ignore an output that cannot be written."""
+        if file is sys.stdout:
+            _write_out(self.prog, message)
+        else:
+            super()._print_message(message, file)
+
 
 def build_parser():
     """The parser of every command; args.run(args) runs the one given (args.run None: none)."""
@@ -73,24 +83,42 @@ def build_parser():
 
 
 def _run(args):
-    """args.run(args) as an exit code. A UsageError of the command gets the command's prefix.
-    An OSError escaping it (a file that cannot be read or written) is bad input too, and so is
-    a MemoryError (sizes too large for this machine): the last safety net that keeps a
-    traceback from the user."""
+    """args.run(args) as an exit code, once what it printed is written (_write_out: an output
+    that cannot be written fails the command). A UsageError of the command gets the command's
+    prefix. An OSError escaping it (a file that cannot be read or written) is bad input too,
+    and so is a MemoryError (sizes too large for this machine): the last safety net that keeps
+    a traceback from the user."""
     prefix = f"{PROG} {args.command}"
     try:
         return int(args.run(args))
-    except BrokenPipeError:                            # the reader stopped reading (| head): quiet,
-        _discard_stdout()                              # the shell's 128 + SIGPIPE
-        return 141
     except UsageError as exc:
         raise UsageError(f"{prefix}: {exc}") from None
+    except BrokenPipeError:                            # main's, when the reader stopped reading
+        raise
     except OSError as exc:
-        what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
+        reason = exc.strerror or exc
+        what = f"{exc.filename}: {reason}" if exc.filename else reason
         raise UsageError(f"{prefix}: {what}") from None
     except MemoryError as exc:
         raise UsageError(f"{prefix}: not enough memory for these sizes: "
                          f"{str(exc) or 'MemoryError'}") from None
+    finally:                                           # also after a failure: its output so far
+        _write_out(prefix)
+
+
+def _write_out(prefix, text=""):
+    """Write text to stdout and flush it, so that a lost output is known before the exit code
+    (at the interpreter's exit it would print 'Exception ignored' and exit 120): UsageError
+    ('<prefix>: cannot write stdout: <reason>'), stdout pointed at the null device first so
+    that exiting cannot fail again. BrokenPipeError, the reader gone, is raised as it is."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        _discard_stdout()
+        raise UsageError(f"{prefix}: cannot write stdout: {exc.strerror or exc}") from None
 
 
 def _discard_stdout():
@@ -106,9 +134,10 @@ def _discard_stdout():
 
 def main(argv=None):
     """Run the command: exit code 0, 1, or 2 with one line on stderr for bad arguments or input
-    (no command at all: the usage with the command list, and a one-line hint)."""
-    parser = build_parser()
+    (no command at all: the usage with the command list, and a one-line hint); 130 for Ctrl-C
+    at any moment of main, the command modules' imports included; 141 for a closed pipe."""
     try:
+        parser = build_parser()
         args = parser.parse_args(argv)
         if args.run is None:
             print(f"{parser.format_help()}\n{PROG}: no command given; run one of {', '.join(COMMANDS)}, "
@@ -118,6 +147,18 @@ def main(argv=None):
     except UsageError as exc:
         print(" ".join(str(exc).split()), file=sys.stderr)
         return 2
+    except BrokenPipeError:                            # the reader stopped reading (| head): quiet,
+        _discard_stdout()                              # the shell's 128 + SIGPIPE
+        return 141
     except KeyboardInterrupt:                          # Ctrl-C: one line, the shell's 128 + SIGINT
         print(f"{PROG}: interrupted", file=sys.stderr)
+        _interrupt_handled()
         return 130
+
+
+def _interrupt_handled():
+    """Clear CPython's mark of an unhandled Ctrl-C. A KeyboardInterrupt that has left an exec()
+    of a string (scipy's imports run some) sets it, even when caught since, and `python -m`
+    then exits by SIGINT whatever main returns (CPython 3.10 to 3.13); an exec() of a string
+    that completes clears it."""
+    exec("")

@@ -1,0 +1,148 @@
+"""The numpy-attention command when its output is lost or it is interrupted.
+
+A lost output (stdout or a file on a full device) fails the command: one line on stderr,
+exit 2. Ctrl-C gives one line and exit 130 at any moment, the imports included.
+/dev/full (Linux) is the full device: every write to it fails with ENOSPC.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from numpy_attention.commands import cli
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux: /dev/full, signals")
+FULL = "No space left on device"
+SMALL_SWEEP = ["vanishing", "--d-k", "4", "--n-keys", "8", "--trials", "10"]
+
+
+def environment(unbuffered):
+    """This process's environment with PYTHONUNBUFFERED set to `unbuffered` ('' unset: stdout
+    block-buffered into a file or a pipe, as for most users)."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    return {**env, "PYTHONUNBUFFERED": unbuffered} if unbuffered else env
+
+
+def one_line_error(err, command):
+    """Assert err is one line, `numpy-attention <command>: ...`, no traceback; return it."""
+    assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, err
+    assert err.startswith(f"{cli.PROG} {command}: " if command else f"{cli.PROG}: "), err
+    return err
+
+
+@pytest.fixture
+def example_case(tmp_path):
+    """The path of a case file, the one --write-example writes."""
+    path = str(tmp_path / "case.npz")
+    assert cli.main(["crosscheck", "--write-example", path]) == 0
+    return path
+
+
+@pytest.mark.parametrize("buffering", [-1, 1], ids=["block-buffered", "line-buffered"])
+@pytest.mark.parametrize("argv", [
+    ["demo"], ["gradcheck", "--method", "central"], ["crosscheck", "CASE"],
+    ["crosscheck", "CASE", "--json"], ["crosscheck", "--write-example", "NEW"], SMALL_SWEEP,
+    SMALL_SWEEP + ["--json", "-"], SMALL_SWEEP + ["--csv", "-"], ["demo", "--help"], ["--version"]],
+    ids=" ".join)
+def test_stdout_on_a_full_device_fails_the_command(argv, buffering, example_case, tmp_path,
+                                                   monkeypatch, capsys):
+    """Block-buffered, the output is lost when main flushes it; line-buffered, at the first
+    print: either way one line, exit 2, and stdout is left so that exiting cannot fail again."""
+    argv = [{"CASE": example_case, "NEW": str(tmp_path / "new.npz")}.get(a, a) for a in argv]
+    capsys.readouterr()
+    with open("/dev/full", "w", buffering=buffering) as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert cli.main(argv) == 2
+        full.flush()                                   # what main left behind is writable now
+    monkeypatch.undo()
+    command = argv[0] if argv[0] in cli.COMMANDS else None
+    assert FULL in one_line_error(capsys.readouterr().err, command)
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["default", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("argv", [["demo"], ["--version"]], ids=" ".join)
+def test_the_command_to_a_full_device_exits_2_with_one_line(argv, unbuffered):
+    """The whole process, interpreter exit included (which would print 'Exception ignored'
+    and exit 120 for an output left in the buffer)."""
+    with open("/dev/full", "w") as full:
+        run = subprocess.run([sys.executable, "-m", "numpy_attention", *argv], stdout=full,
+                             stderr=subprocess.PIPE, text=True, env=environment(unbuffered),
+                             timeout=120)
+    assert run.returncode == 2
+    assert FULL in one_line_error(run.stderr, "demo" if argv == ["demo"] else None)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["crosscheck", "--write-example", "OUT"], "crosscheck"),
+    (SMALL_SWEEP + ["--json", "OUT"], "--json"), (SMALL_SWEEP + ["--csv", "OUT"], "--csv"),
+    (SMALL_SWEEP + ["--plot", "OUT"], "--plot")], ids=lambda x: x if isinstance(x, str) else None)
+def test_a_file_on_a_full_device_fails_the_command(argv, option, tmp_path, capsys):
+    """OUT is a link to /dev/full: the file is written, not replaced by a new one (which would
+    report success with nothing written to the device, and replace /dev/full itself if given)."""
+    if option == "--plot":
+        pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    out.symlink_to("/dev/full")
+    capsys.readouterr()
+    assert cli.main([str(out) if a == "OUT" else a for a in argv]) == 2
+    err = one_line_error(capsys.readouterr().err, argv[0])
+    assert FULL in err and str(out) in err
+    assert out.is_symlink() and os.path.realpath(out) == "/dev/full"
+
+
+def test_a_device_path_is_written_not_replaced(tmp_path, capsys):
+    """A link to /dev/null stays one: what is written goes to the device."""
+    out = tmp_path / "out"
+    out.symlink_to(os.devnull)
+    assert cli.main(["crosscheck", "--write-example", str(out)]) == 0
+    assert out.is_symlink() and os.path.realpath(out) == os.devnull
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["default", "PYTHONUNBUFFERED"])
+def test_a_closed_pipe_is_quiet_with_141(unbuffered):
+    """`numpy-attention demo | true`: the reader has closed the pipe before the first line
+    (block-buffered, the output meets it when main flushes; unbuffered, at the first print)."""
+    with subprocess.Popen([sys.executable, "-m", "numpy_attention", "demo"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=environment(unbuffered)) as command:
+        command.stdout.close()
+        err = command.stderr.read()
+    assert command.wait(timeout=120) == 141 and err == b""
+
+
+def interrupt(command, imported):
+    """Run `python -m numpy_attention <command>` and send it SIGINT once python -X importtime
+    has reported the module `imported` (None: once the command has printed its first line).
+    Return (exit code, the lines of stderr but the import times)."""
+    options = ["-X", "importtime"] if imported else []
+    with subprocess.Popen([sys.executable, *options, "-m", "numpy_attention", command],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        if imported:
+            for line in process.stderr:
+                if line.rpartition("|")[2].strip() == imported:
+                    break
+        else:
+            process.stdout.readline()
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    return process.returncode, [line for line in err.splitlines()
+                                if not line.startswith("import time:")]
+
+
+NEEDS_A_LIGHT_PACKAGE = pytest.mark.xfail(
+    strict=True, reason="the entry point runs after numpy_attention/__init__.py's imports, where a "
+                        "KeyboardInterrupt is the interpreter's: needs a change outside commands/")
+
+
+@pytest.mark.parametrize("imported", [
+    pytest.param("numpy", marks=NEEDS_A_LIGHT_PACKAGE, id="numpy_attention imported"),
+    pytest.param("numpy_attention.examples", id="the commands imported"),
+    pytest.param(None, id="the command running")])
+@pytest.mark.parametrize("command", ["demo", "gradcheck"])
+def test_ctrl_c_at_any_moment_is_one_line_130(command, imported):
+    """One line, exit 130, for SIGINT once numpy is imported (the first thing numpy_attention
+    imports; ml_dtypes and the rest take most of a second more), once numpy_attention.examples
+    is (the first module main imports, for demo; scipy takes a good part of a second more), or
+    once the command has printed its first line."""
+    assert interrupt(command, imported) == (130, [f"{cli.PROG}: interrupted"])
