@@ -10,11 +10,14 @@ of object), and its message names the argument and the shapes involved.
 
 dtype rule (DESIGN.md): float32 stays float32, float64 stays float64, complex
 stays complex (for complex-step gradient checks), float16 computes in float32,
-integers are cast to float64. Booleans, strings and objects are rejected.
+integers are cast to float64. Booleans, strings and objects are rejected. The 16- and
+8-bit floats NumPy lacks (bfloat16, float8: ml_dtypes arrays, or torch tensors of them)
+compute in float32, like float16.
 """
 import math
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 
 
@@ -24,12 +27,14 @@ def as_float_array(x, name):
     The result may share memory with `x`; callers never write into it.
     """
     try:
-        arr = np.asarray(x)
+        arr = to_numpy(x)
     except Exception as exc:  # ragged nested lists and the like
         raise TypeError(f"{name} must be a numeric array, got {type(x).__name__}: {exc}") from None
     kind = arr.dtype.kind
-    if kind in "fc":
-        return arr.astype(np.float32) if arr.dtype == np.float16 else arr
+    if is_float_dtype(arr.dtype):
+        return arr.astype(np.float32) if arr.dtype.itemsize < 4 else arr
+    if kind == "c":
+        return arr
     if kind in "iu":
         return arr.astype(np.float64)
     raise TypeError(f"{name} must be a numeric (integer, float or complex) array, "
@@ -195,7 +200,9 @@ def broadcast_shape_to(x, name, target_shape, legend):
 
 def as_mask(mask, name, target_shape, legend):
     """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape."""
-    arr = np.asarray(mask)
+    arr = to_numpy(mask)
+    if is_float_dtype(arr.dtype) and arr.dtype.itemsize < 4:
+        arr = arr.astype(np.float32)                 # float16, bfloat16, float8: exactly
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{name} must be a bool, integer or float array (nonzero = attend), "
                         f"got dtype {arr.dtype} with shape {arr.shape}")
@@ -206,11 +213,30 @@ def as_mask(mask, name, target_shape, legend):
     return arr != 0
 
 
+_TORCH_LOW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")   # no NumPy dtype: ml_dtypes'
+
+
 def to_numpy(value):
-    """A torch tensor (detached, on the CPU) or array-like -> ndarray."""
+    """A torch tensor (detached, on the CPU) or array-like -> ndarray. torch's bfloat16 and
+    float8 tensors, which have no NumPy dtype, become ml_dtypes arrays (through float32,
+    exactly)."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
+        dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
+        if dtype in _TORCH_LOW_FLOATS:
+            return value.detach().cpu().float().numpy().astype(getattr(ml_dtypes, dtype))
         return value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def is_float_dtype(dtype):
+    """Whether dtype is a real floating dtype: NumPy's, or ml_dtypes' bfloat16 and float8."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return True
+    try:
+        return dtype.kind == "V" and ml_dtypes.finfo(dtype) is not None
+    except ValueError:
+        return False
 
 
 def as_scalar(value):

@@ -25,32 +25,45 @@ KERNELS = {
     "manual": ("plain", "mask", "bias", "causal", "scale", "gqa", "bottom_right", "window",
                "softcap", "dropout"),
 }
-VARIANTS = sorted({v for variants in KERNELS.values() for v in variants})
+# the shapes and options of every day's kernels where a rule may cry wolf: decode (one query
+# row, causal or not: then one key), one_key (1-3 keys: dq, dk cancel to 0 or near it),
+# scale_gqa (a custom scale with grouped-query heads), softcap_bias_window (the three at once)
+EVERYDAY = {
+    "sdpa": ("decode", "one_key", "scale_gqa", "bias"),
+    "math": ("decode", "one_key", "bias"),
+    "flash_lse": ("decode", "one_key", "scale_gqa"),
+    "manual": ("decode", "one_key", "scale_gqa", "softcap_bias_window"),
+}
+VARIANTS = sorted({v for kernels in (KERNELS, EVERYDAY) for variants in kernels.values() for v in variants})
 BUGS = ("scale", "dq_entry", "lse_row", "causal_row", "window", "dropout", "gqa_group")
 
 
 def plants(case, kernel, bug):
-    """Whether `bug` can be planted in this case for this kernel, and changes something."""
-    applies = {"scale": True, "dq_entry": True, "lse_row": kernel == "flash_lse" and case["q"].shape[-2] > 1,
+    """Whether `bug` can be planted in this case for this kernel, and changes something (a row
+    must keep two keys for the scale or dq to matter: with one, P = 1 and dq = dk = 0)."""
+    n_q, n_k = case["q"].shape[-2], case["k"].shape[-2]
+    keep = _keep(case, n_q, n_k)
+    two_keys = n_k >= 2 and (keep is None or int(keep.sum(axis=-1).max()) >= 2)
+    applies = {"scale": two_keys, "dq_entry": two_keys, "lse_row": kernel == "flash_lse" and case["q"].shape[-2] > 1,
                "causal_row": kernel == "manual" and "causal" in case,
                "window": kernel == "manual" and "window" in case,
                "dropout": kernel == "manual" and "dropout_mask" in case,
                "gqa_group": kernel == "manual" and case["q"].shape[-3] != case["k"].shape[-3]}[bug]
     if applies and bug in ("causal_row", "window"):
-        n_q, n_k = case["q"].shape[-2], case["k"].shape[-2]
         applies = not np.array_equal(_keep(case, n_q, n_k), _keep(case, n_q, n_k, bug))
     return applies
 
 
-def campaign(precision, cases_per_variant, seed):
-    """Every kernel on random cases of every variant it computes, honest and with each bug.
+def campaign(precision, cases_per_variant, seed, kernels=KERNELS):
+    """Every kernel on random cases of every variant it computes (kernels: kernel -> variants),
+    honest and with each bug.
 
     Returns (honest, planted): honest a list of (kernel, variant, report), planted a dict
     bug -> list of reports (one per case the bug changes).
     """
     rng = np.random.default_rng(seed)
     honest, planted = [], {bug: [] for bug in BUGS}
-    for kernel, variants in KERNELS.items():
+    for kernel, variants in kernels.items():
         for variant in variants:
             for _ in range(cases_per_variant):
                 case = random_case(rng, precision, variant)
@@ -63,10 +76,15 @@ def campaign(precision, cases_per_variant, seed):
 
 def random_case(rng, precision, variant, max_len=200):
     """Inputs (float32 arrays holding values of `precision`) and options of one random case."""
-    b, h_kv = int(rng.integers(1, 3)), int(rng.integers(2 if variant == "gqa" else 1, 3))
-    g = int(rng.choice([2, 3])) if variant == "gqa" else 1
+    gqa = variant in ("gqa", "scale_gqa")
+    b, h_kv = int(rng.integers(1, 3)), int(rng.integers(2 if gqa else 1, 3))
+    g = int(rng.choice([2, 3])) if gqa else 1
     n_q, n_k = (int(np.exp(rng.uniform(0, np.log(max_len)))) + 1 for _ in range(2))
-    if variant in ("causal", "bottom_right", "window"):
+    if variant == "decode":
+        n_q = 1
+    elif variant == "one_key":
+        n_k = int(rng.integers(1, 4))
+    if variant in ("causal", "bottom_right", "window", "softcap_bias_window"):
         n_k = max(n_k, n_q)                                  # every row keeps a key
     d = int(rng.choice([8, 16, 32, 64]))
     storage = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[precision]
@@ -81,16 +99,19 @@ def random_case(rng, precision, variant, max_len=200):
         case["mask"][..., 0] = True                          # no fully masked row
     elif variant == "bias":
         case["bias"] = rounded(rng.standard_normal((h_kv, n_q, n_k)))
-    elif variant == "causal":
-        case["causal"] = np.array(True)
+    elif variant == "causal" or (variant == "decode" and rng.random() < 0.5):
+        case["causal"] = np.array(True)                      # decode: one key visible
     elif variant == "bottom_right":
         case["causal"] = np.array("bottom_right")
-    elif variant == "scale":
+    elif variant in ("scale", "scale_gqa"):
         case["scale"] = np.array(float(np.float32(rng.uniform(0.3, 2.0) / math.sqrt(d))))
     elif variant == "window":
         case["window"] = np.array([int(rng.integers(0, 8)), int(rng.integers(0, 8))])
-    elif variant == "softcap":
+    elif variant in ("softcap", "softcap_bias_window"):
         case["softcap"] = np.array(float(rng.uniform(2.0, 10.0)))
+        if variant == "softcap_bias_window":
+            case["bias"] = rounded(rng.standard_normal((h_kv * g, n_q, n_k)))
+            case["window"] = np.array([int(rng.integers(0, 8)), int(rng.integers(0, 8))])
     elif variant == "dropout":
         p = float(rng.uniform(0.1, 0.3))
         case["dropout_p"] = np.array(p)
@@ -188,6 +209,8 @@ def run(case, kernel, bug=None):
     out, lse = RUNNERS[kernel](t["q"], t["k"], t["v"], case, scale, bug)
     out.backward(t["dout"])
     result = {n: x for n, x in case.items() if not n.startswith("_")}
+    if "_bias" in case:                                      # the bias as the kernel read it: a tensor
+        result["bias"] = case["_bias"].detach()              # in its dtype (bfloat16: no NumPy dtype)
     result.update(out=out.detach(), dq=t["q"].grad, dk=t["k"].grad, dv=t["v"].grad)
     if lse is not None:
         result["lse"] = lse.detach()

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._checks import require_choice, require_positive_real, require_probability
+from .._checks import is_float_dtype, require_choice, require_positive_real, require_probability
 from .._files import replacing
 from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
@@ -149,9 +149,9 @@ def _read_tensors(arrays, precision, layout):
             role = roles.get(name, "result" if name in CANDIDATES else None)
             x = np.asarray(arrays[name])
             if role is None:                                    # bias, sinks, slopes, descales: floats
-                if x.dtype.kind != "f":
-                    raise StorageError(f"{name} must be a float array, got dtype {x.dtype} "
-                                       f"with shape {x.shape}")
+                if not is_float_dtype(x.dtype):
+                    raise StorageError(f"{name} must be a float array (float16/32/64, bfloat16 or "
+                                       f"float8), got dtype {x.dtype} with shape {x.shape}")
             else:
                 x = decode(name, x, precision, role)
             if layout == "bnhd" and name in _LAID_OUT:
