@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from optional import MATPLOTLIB_REASON
 
 from numpy_attention.commands import cli
 
@@ -82,7 +83,7 @@ def test_a_file_on_a_full_device_fails_the_command(argv, option, tmp_path, capsy
     """OUT is a link to /dev/full: the file is written, not replaced by a new one (which would
     report success with nothing written to the device, and replace /dev/full itself if given)."""
     if option == "--plot":
-        pytest.importorskip("matplotlib")
+        pytest.importorskip("matplotlib", reason=MATPLOTLIB_REASON)
     out = tmp_path / "out"
     out.symlink_to("/dev/full")
     capsys.readouterr()
@@ -130,19 +131,13 @@ def interrupt(command, imported):
                                 if not line.startswith("import time:")]
 
 
-NEEDS_A_LIGHT_PACKAGE = pytest.mark.xfail(
-    strict=True, reason="the entry point runs after numpy_attention/__init__.py's imports, where a "
-                        "KeyboardInterrupt is the interpreter's: needs a change outside commands/")
-
-
 @pytest.mark.parametrize("imported", [
-    pytest.param("numpy", marks=NEEDS_A_LIGHT_PACKAGE, id="numpy_attention imported"),
     pytest.param("numpy_attention.examples", id="the commands imported"),
     pytest.param(None, id="the command running")])
 @pytest.mark.parametrize("command", ["demo", "gradcheck"])
 def test_ctrl_c_at_any_moment_is_one_line_130(command, imported):
-    """One line, exit 130, for SIGINT once numpy is imported (the first thing numpy_attention
-    imports; ml_dtypes and the rest take most of a second more), once numpy_attention.examples
-    is (the first module main imports, for demo; scipy takes a good part of a second more), or
-    once the command has printed its first line."""
+    """One line, exit 130, for SIGINT once numpy_attention.examples is imported (the first
+    module main imports, for demo; scipy takes a good part of a second more), or once the
+    command has printed its first line. (Before main runs, during the package's own imports,
+    a Ctrl-C is still the interpreter's.)"""
     assert interrupt(command, imported) == (130, [f"{cli.PROG}: interrupted"])
