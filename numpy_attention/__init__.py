@@ -13,31 +13,68 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     linear_jvp, softmax_jvp, attention_jvp     forward mode; attention_hvp: second order
     gradcheck, jvpcheck, taylor_test           finite-difference checks (directional_derivative)
     crosscheck, from_torch                     judge another attention against the oracle
+
+Each name is imported from its module on first use (PEP 562's module __getattr__), so
+`import numpy_attention` imports no numpy: the `numpy-attention` command, whose modules are
+inside this package, gets control at once and handles a Ctrl-C during the heavy imports
+(one line, exit 130; commands/cli.py). `import numpy_attention as na; na.attention_forward`
+and `from numpy_attention import *` work as with eager imports.
 """
-from .attention import (AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache,
-                        attention_backward, attention_forward)
-from .options import AttentionOptions, attention_options
-from .combine import CombineCache, combine_backward, combine_forward
-from .crosscheck import CrosscheckReport, crosscheck, from_torch
-from .forward_mode import attention_hvp, attention_jvp
-from .gradcheck import (GradcheckError, GradcheckReport, directional_derivative, gradcheck, jvpcheck,
-                        taylor_test)
-from .heads import merge_heads, split_heads
-from .linear import LinearCache, linear_backward, linear_forward, linear_jvp
-from .multihead import MultiHeadAttention, multihead_backward, multihead_forward
-from .softmax import (SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian,
-                      softmax_jvp)
+import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "linear_forward", "linear_backward", "linear_jvp", "LinearCache",
-    "softmax_forward", "softmax_backward", "softmax_jvp", "softmax_jacobian", "logsumexp", "SoftmaxCache",
-    "split_heads", "merge_heads",
-    "attention_forward", "attention_backward", "AttentionCache", "AttentionGrads", "AttentionStages",
-    "TiledAttentionCache", "AttentionOptions", "attention_options",
-    "combine_forward", "combine_backward", "CombineCache",
-    "MultiHeadAttention", "multihead_forward", "multihead_backward",
-    "attention_jvp", "attention_hvp", "gradcheck", "jvpcheck", "taylor_test", "directional_derivative", "GradcheckReport", "GradcheckError",
-    "crosscheck", "CrosscheckReport", "from_torch",
-]
+_EXPORTS = {                                           # module of this package -> its public names
+    "linear": ("linear_forward", "linear_backward", "linear_jvp", "LinearCache"),
+    "softmax": ("softmax_forward", "softmax_backward", "softmax_jvp", "softmax_jacobian", "logsumexp",
+                "SoftmaxCache"),
+    "heads": ("split_heads", "merge_heads"),
+    "attention": ("attention_forward", "attention_backward", "AttentionCache", "AttentionGrads",
+                  "AttentionStages", "TiledAttentionCache"),
+    "options": ("AttentionOptions", "attention_options"),
+    "combine": ("combine_forward", "combine_backward", "CombineCache"),
+    "multihead": ("MultiHeadAttention", "multihead_forward", "multihead_backward"),
+    "forward_mode": ("attention_jvp", "attention_hvp"),
+    "gradcheck": ("gradcheck", "jvpcheck", "taylor_test", "directional_derivative", "GradcheckReport",
+                  "GradcheckError"),
+    "crosscheck": ("crosscheck", "CrosscheckReport", "from_torch"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name):
+    """A public name not yet loaded: import its module, and keep the name here (later uses
+    find it directly)."""
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    """The public names, loaded or not (for help() and tab completion), and the dunders."""
+    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])
+
+
+class _Package(types.ModuleType):
+    """This package's module type: na.crosscheck and na.gradcheck stay the functions.
+
+    They are also the names of subpackages, and the import system, once it has loaded a
+    subpackage (whoever imports it: `from numpy_attention.crosscheck.rule import judge`, a
+    command), sets the parent's attribute of that name to the subpackage. Here that attribute
+    becomes the subpackage's function of the same name instead; the subpackage stays in
+    sys.modules, where `from numpy_attention.crosscheck import ...` finds it.
+    """
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _MODULE_OF.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package             # Python's documented way to customize a module

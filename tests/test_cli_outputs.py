@@ -5,6 +5,7 @@ exit 2. Ctrl-C gives one line and exit 130 at any moment, the imports included.
 /dev/full (Linux) is the full device: every write to it fails with ENOSPC.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sys
 import pytest
 from optional import MATPLOTLIB_REASON
 
+import numpy_attention
 from numpy_attention.commands import cli
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux: /dev/full, signals")
@@ -112,17 +114,32 @@ def test_a_closed_pipe_is_quiet_with_141(unbuffered):
     assert command.wait(timeout=120) == 141 and err == b""
 
 
-def interrupt(command, imported):
-    """Run `python -m numpy_attention <command>` and send it SIGINT once python -X importtime
-    has reported the module `imported` (None: once the command has printed its first line).
-    Return (exit code, the lines of stderr but the import times)."""
-    options = ["-X", "importtime"] if imported else []
-    with subprocess.Popen([sys.executable, *options, "-m", "numpy_attention", command],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+def console_script():
+    """The path of the installed `numpy-attention` script (pip's, next to this Python first),
+    or None."""
+    return shutil.which(cli.PROG, path=os.path.dirname(sys.executable)) or shutil.which(cli.PROG)
+
+
+def interrupt(command, imported, script=None):
+    """Run `python -m numpy_attention <command>` (or `<script> <command>`, the console script)
+    and send it SIGINT once Python's import profile (-X importtime) has reported the module
+    `imported` (None: once the command has printed its first line). Return (exit code, the
+    lines of stderr but the import times). PYTHONPATH puts this checkout first, for the script."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited, and the command keeps it
+        pytest.skip("SIGINT is ignored here (a background job of a non-interactive shell)")
+    argv = [script] if script else [sys.executable, "-m", "numpy_attention"]
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(numpy_attention.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [checkout, os.getenv("PYTHONPATH")])))
+    if imported:
+        env["PYTHONPROFILEIMPORTTIME"] = "1"
+    with subprocess.Popen([*argv, command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as process:
         if imported:
             for line in process.stderr:
                 if line.rpartition("|")[2].strip() == imported:
                     break
+            else:
+                pytest.fail(f"{imported} was never imported: {process.communicate(timeout=120)}")
         else:
             process.stdout.readline()
         process.send_signal(signal.SIGINT)
@@ -131,13 +148,30 @@ def interrupt(command, imported):
                                 if not line.startswith("import time:")]
 
 
-@pytest.mark.parametrize("imported", [
+MOMENTS = [
+    pytest.param("numpy.version", id="numpy importing"),
+    pytest.param("numpy", id="numpy imported"),
+    pytest.param("ml_dtypes", id="ml_dtypes imported"),
     pytest.param("numpy_attention.examples", id="the commands imported"),
-    pytest.param(None, id="the command running")])
+    pytest.param(None, id="the command running")]
+
+
+@pytest.mark.parametrize("imported", MOMENTS)
 @pytest.mark.parametrize("command", ["demo", "gradcheck"])
 def test_ctrl_c_at_any_moment_is_one_line_130(command, imported):
-    """One line, exit 130, for SIGINT once numpy_attention.examples is imported (the first
-    module main imports, for demo; scipy takes a good part of a second more), or once the
-    command has printed its first line. (Before main runs, during the package's own imports,
-    a Ctrl-C is still the interpreter's.)"""
+    """One line, exit 130, for SIGINT during the heavy imports (numpy, then ml_dtypes' extension:
+    most of a second), once numpy_attention.examples is imported (scipy takes a good part of a
+    second more), or once the command has printed its first line. All of these are inside main:
+    `import numpy_attention` imports none of them, so main runs almost at once."""
     assert interrupt(command, imported) == (130, [f"{cli.PROG}: interrupted"])
+
+
+@pytest.mark.parametrize("imported", MOMENTS[:3])
+@pytest.mark.parametrize("command", ["demo", "gradcheck"])
+def test_ctrl_c_in_the_console_script_is_one_line_130(command, imported):
+    """The same by the installed `numpy-attention` script, which imports the package itself
+    (`from numpy_attention.commands.cli import main`) before it calls main."""
+    script = console_script()
+    if script is None:
+        pytest.skip(f"the {cli.PROG} console script is not installed (pip install -e .)")
+    assert interrupt(command, imported, script) == (130, [f"{cli.PROG}: interrupted"])

@@ -8,14 +8,15 @@
 Exit codes: 0 success, 1 a check failed, 2 bad arguments or input, or an output that cannot
 be written (stdout or a file, e.g. on a full device): one line on stderr,
 `numpy-attention <command>: <message>` (no command given: the usage and the command list);
-130 interrupted (Ctrl-C), one line, from the moment main is called; 141 when the reader of
-its output closes the pipe (`| head`), quietly.
+130 interrupted (Ctrl-C), one line, from the moment main is called, which is at once: the
+package's import loads nothing heavy (numpy_attention/__init__.py), main imports the commands;
+141 when the reader of its output closes the pipe (`| head`), quietly.
 Each command lives in its own module, which provides HELP (its line of the command list),
 DESCRIPTION and optionally EPILOG (its --help, as written), add_arguments(parser) and
 run(args) -> exit code; a command raises UsageError(message) for bad input.
 """
-import argparse
-import importlib
+import argparse                                        # light imports only: a Ctrl-C before
+import importlib                                       # main runs is still the interpreter's
 import os
 import sys
 
@@ -135,7 +136,8 @@ def _discard_stdout():
 def main(argv=None):
     """Run the command: exit code 0, 1, or 2 with one line on stderr for bad arguments or input
     (no command at all: the usage with the command list, and a one-line hint); 130 for Ctrl-C
-    at any moment of main, the command modules' imports included; 141 for a closed pipe."""
+    at any moment of main, the command modules' imports (numpy, scipy, ml_dtypes) included; 141
+    for a closed pipe."""
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

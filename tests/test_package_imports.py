@@ -1,0 +1,80 @@
+"""The package's import: light (no numpy), and the public API as with eager imports.
+
+numpy_attention/__init__.py loads each public name on first use, so that the command gets
+control at once (tests/test_cli_outputs.py: Ctrl-C during the imports). `crosscheck` and
+`gradcheck` are both subpackages and their functions; na.crosscheck and na.gradcheck are the
+functions whichever is imported first. Each case runs in a fresh interpreter: in this one,
+everything is imported already.
+"""
+import subprocess
+import sys
+import types
+
+import pytest
+
+import numpy_attention as na
+
+HEAVY = ("numpy", "scipy", "ml_dtypes", "threadpoolctl")
+
+
+def fresh(code):
+    """Run `code` in a fresh interpreter; return what it printed (it must not fail)."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_import_loads_no_numpy():
+    """`import numpy_attention` imports none of the heavy dependencies (and so fails on an
+    __init__ with eager re-exports)."""
+    code = (f"import sys, numpy_attention; "
+            f"print([name for name in {HEAVY!r} if name in sys.modules])")
+    assert fresh(code) == "[]"
+
+
+def test_star_import_and_dir_give_every_public_name():
+    """`from numpy_attention import *` binds exactly __all__; dir lists each name, loaded or not."""
+    code = ("import numpy_attention as na; names = sorted(dir(na)); "
+            "namespace = {}; exec('from numpy_attention import *', namespace); "
+            "del namespace['__builtins__']; "
+            "print(sorted(namespace) == sorted(na.__all__), set(na.__all__) <= set(names))")
+    assert fresh(code) == "True True"
+
+
+@pytest.mark.parametrize("name", na.__all__)
+def test_each_public_name_is_its_modules_object(name):
+    """Every name of __all__ resolves, and to the object its defining module holds (no
+    subpackage where a function is expected)."""
+    value = getattr(na, name)
+    assert not isinstance(value, types.ModuleType)
+    assert getattr(sys.modules[value.__module__], value.__name__) is value
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="module 'numpy_attention' has no attribute 'nope'"):
+        na.nope                                        # noqa: B018
+    assert not hasattr(na, "nope")
+
+
+@pytest.mark.parametrize("first", [
+    "import numpy_attention",
+    "from numpy_attention.crosscheck.rule import judge",
+    "import numpy_attention.gradcheck.report",
+    "from numpy_attention.crosscheck import crosscheck",
+    "from numpy_attention.gradcheck import gradcheck",
+    "import numpy_attention.commands.demo",
+    "import numpy_attention.commands.crosscheck",
+    "from numpy_attention import gradcheck, crosscheck",
+])
+def test_crosscheck_and_gradcheck_stay_functions_whatever_is_imported_first(first):
+    """Loading a subpackage sets its parent's attribute of that name to the subpackage; here
+    na.crosscheck and na.gradcheck remain the functions, and the subpackages stay importable."""
+    code = (f"{first}\n"
+            "import sys, types, numpy_attention as na\n"
+            "for name in ('crosscheck', 'gradcheck'):\n"
+            "    function = getattr(na, name)\n"
+            "    package = __import__(f'numpy_attention.{name}', fromlist=[name])\n"
+            "    print(name, type(function).__name__, type(package).__name__,\n"
+            "          function is getattr(na, name) is package.__dict__[name])\n")
+    assert fresh(code).splitlines() == ["crosscheck function module True",
+                                        "gradcheck function module True"]
