@@ -60,6 +60,7 @@ NaN, or both the same infinity, have error 0.
 """
 import json
 import math
+import textwrap
 from typing import NamedTuple
 
 import ml_dtypes
@@ -69,14 +70,15 @@ K_DEFAULT = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dbias": 3
              "dalibi_slopes": 3.0, "out_dot": 3.0, "lse_dot": 3.0}
 ATOL_ULPS = 4
 K_L2 = 2.0
+WIDTH = 100                     # the report's longest line
 
 
 class TensorVerdict(NamedTuple):
     name: str               # "out", "lse", "dq", ...
     dtype: str              # the candidate tensor's dtype
     max_abs_err: float      # err(candidate) = max |candidate - oracle|
-    rel_l2_err: float       # ||candidate - oracle||_2 / ||oracle||_2
-    l2_ratio: float         # ||candidate - oracle||_2 / ||baseline - oracle||_2
+    rel_l2_err: float       # ||candidate - oracle||_2 / ||oracle||_2 (norms over the finite errors)
+    l2_ratio: float         # ||candidate - oracle||_2 / ||baseline - oracle||_2 (the same)
     l2_k: float             # the normwise check's factor (nan: not applied)
     row_ratio: float        # max over rows of err(row) / max(err(baseline's row), rms baseline err)
     scale_err: float        # a(candidate): the relative scale error its error amounts to
@@ -90,6 +92,10 @@ class TensorVerdict(NamedTuple):
     candidate: float        # the candidate's value there
     oracle: float           # the oracle's value there
     passed: bool
+    failed: tuple = ()      # each failed check with its numbers, e.g. "row ratio 12.4 > k 3",
+                            # "16 of 16 entries NaN where the oracle is finite"
+    nans: int = 0           # entries NaN in the candidate where the oracle is finite
+    infs: int = 0           # entries infinite in the candidate where the oracle is finite
 
 
 class CrosscheckReport(NamedTuple):
@@ -102,22 +108,44 @@ class CrosscheckReport(NamedTuple):
         return all(row.passed for row in self.rows)
 
     def __str__(self):
+        """The verdict and the rule; a table of the max-abs check, one of the low-precision
+        checks (in a 16- or 8-bit precision), one of each tensor's worst entry; then what each
+        failing tensor failed by, and the diagnosis, wrapped at WIDTH (the tables fit it)."""
         low = any(not math.isnan(r.l2_k) for r in self.rows)          # a 16- or 8-bit precision
-        rule = "max abs err <= k * baseline err + atol" + (
-            ", also by L2 norm, row by row and along a scale change" if low else "")
-        head = (f"crosscheck: oracle {self.oracle_dtype}, baseline {self.baseline_dtype}; "
-                f"PASS iff {rule}  -> {'PASS' if self else 'FAIL'}")
-        more = f"{'L2 ratio':>9}{'row ratio':>10}{'scale err':>11}{'scale bound':>12}" if low else ""
-        cols = (f"{'tensor':<14}{'dtype':<9}{'max abs err':>12}{'rel L2 err':>12}{more}{'baseline':>11}"
-                f"{'ratio':>9}{'k':>4}{'bound':>11}  {'worst index':<20}{'verdict'}")
-        lines = [head, cols]
+        width = lambda texts: 2 + max(len(text) for text in texts)      # a column that fits them
+        n = width(["tensor"] + [r.name for r in self.rows])
+        d = width(["dtype"] + [r.dtype for r in self.rows])
+        lines = [f"crosscheck: oracle {self.oracle_dtype}, baseline {self.baseline_dtype}"
+                 f"  -> {'PASS' if self else 'FAIL'}",
+                 "PASS iff max abs err <= k * baseline err + atol"
+                 + ("; also by L2 norm, by row and along a scale change" if low else ""),
+                 f"{'tensor':<{n}}{'dtype':<{d}}{'max abs err':>11}{'rel L2 err':>12}{'baseline':>11}"
+                 f"{'ratio':>9}{'k':>4}{'bound':>11}  verdict"]
         for r in self.rows:
-            more = (f"{r.l2_ratio:>9.3g}{r.row_ratio:>10.3g}{r.scale_err:>+11.2e}{r.scale_bound:>12.2e}"
-                    if low else "")
-            lines.append(f"{r.name:<14}{r.dtype:<9}{r.max_abs_err:>12.3e}{r.rel_l2_err:>12.3e}{more}"
-                         f"{r.baseline_err:>11.3e}{r.ratio:>9.3g}{r.k:>4g}{r.bound:>11.3e}  "
-                         f"{str(r.worst_index):<20}{'PASS' if r.passed else 'FAIL'}")
-        lines += [f"diagnosis: {line}" for line in self.diagnosis]
+            rel = _nonfinite(r) or f"{r.rel_l2_err:.3e}"
+            lines.append(f"{r.name:<{n}}{r.dtype:<{d}}{r.max_abs_err:>11.3e} {rel:>11}{r.baseline_err:>11.3e}"
+                         f"{r.ratio:>9.3g}{r.k:>4g}{r.bound:>11.3e}  {'PASS' if r.passed else 'FAIL'}")
+        if low:
+            lines.append(f"{'tensor':<{n}}{'L2 ratio':>10}{'row ratio':>11}{'scale err':>11}"
+                         f"{'scale bound':>13}")
+            for r in self.rows:
+                l2_ratio = _nonfinite(r) or f"{r.l2_ratio:.3g}"
+                lines.append(f"{r.name:<{n}}{l2_ratio:>10}{r.row_ratio:>11.3g}{r.scale_err:>+11.2e}"
+                             f"{r.scale_bound:>13.2e}")
+        lines.append(f"{'tensor':<{n}}{'candidate':>16}{'oracle':>16}  worst index")
+        lines += [f"{r.name:<{n}}{r.candidate:>16.8g}{r.oracle:>16.8g}  {r.worst_index}" for r in self.rows]
+        for r in self.rows:
+            if r.failed:                        # its failed checks, "; " between, none split
+                lines.append(f"{r.name} FAIL: {r.failed[0]}")
+                for check in r.failed[1:]:
+                    if len(lines[-1]) + len(f"; {check};") <= WIDTH:      # room for a ";" after it
+                        lines[-1] += f"; {check}"
+                    else:
+                        lines[-1] += ";"
+                        lines.append(f"    {check}")
+        for line in self.diagnosis:
+            lines += textwrap.wrap(f"diagnosis: {line}", WIDTH, subsequent_indent="    ",
+                                   break_on_hyphens=False)
         return "\n".join(lines)
 
     def to_json(self):
@@ -184,30 +212,42 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
     err = abs_errors(candidate, oracle)
     base_errs = [abs_errors(b, base_oracle) for b in baselines]
     base = max(float(np.max(b, initial=0.0)) for b in base_errs)
+    finite, as_float = np.isfinite(oracle), candidate.astype(np.float64)
+    nans, infs = int(np.sum(np.isnan(as_float) & finite)), int(np.sum(np.isinf(as_float) & finite))
     worst = np.unravel_index(int(np.argmax(err)), err.shape) if err.size else ()
     max_err = float(err[worst]) if err.size else 0.0
     err_norm, base_norm = _norm(err), max(_norm(b) for b in base_errs)
-    ref_norm, cand_norm = _norm(oracle), _norm(candidate.astype(np.float64))
+    l2_ratio = _ratio(err_norm, base_norm)
+    ref_norm, cand_norm = _norm(oracle), _norm(as_float)
     # relative to the oracle's norm; where the oracle is all 0, to the candidate's (1: all wrong)
     norm = ref_norm if ref_norm > 0 else cand_norm
     rel = err_norm / norm if norm > 0 else (0.0 if err_norm == 0 else math.inf)
     bound = k * base + atol
-    normwise_ok = l2_k is None or err_norm <= l2_k * base_norm + atol
     row_ratio, row_ok = _row_check(err, base_errs, k, atol) if rows else (math.nan, True)
     scale_err, scale_bound = math.nan, math.nan
     if scale_direction is not None:
         scale_err, scale_bound = _scale_check(candidate, oracle, baselines, base_oracle,
                                               np.asarray(scale_direction), k, scale_tol)
+    failed = []                          # each failed check, in words and numbers
+    if not max_err <= bound:             # said by its non-finite entries if it has any
+        failed += [f"{count} of {err.size} entries {what} where the oracle is finite"
+                   for count, what in ((nans, "NaN"), (infs, "inf")) if count] or [
+                   f"max abs err {max_err:.2e} > bound {bound:.2e} ({_ratio(max_err, bound):.3g}x)"]
+    if l2_k is not None and not err_norm <= l2_k * base_norm + atol:
+        failed.append(f"L2 ratio {l2_ratio:.3g} > {l2_k:g}")
+    if not row_ok:
+        failed.append(f"row ratio {row_ratio:.3g} > k {k:g}")
+    if abs(scale_err) > scale_bound:
+        failed.append(f"scale err {scale_err:+.2e} beyond ±{scale_bound:.2e}")
     return TensorVerdict(name=name, dtype=str(dtype), max_abs_err=max_err, rel_l2_err=rel,
-                         l2_ratio=_ratio(err_norm, base_norm),
+                         l2_ratio=l2_ratio,
                          l2_k=math.nan if l2_k is None else float(l2_k), row_ratio=row_ratio,
                          scale_err=scale_err, scale_bound=scale_bound,
                          baseline_err=base, ratio=_ratio(max_err, base), k=k, atol=atol,
                          bound=bound, worst_index=tuple(int(i) for i in worst),
                          candidate=float(candidate[worst]) if err.size else 0.0,
                          oracle=float(oracle[worst]) if err.size else 0.0,
-                         passed=bool(max_err <= bound and normwise_ok and row_ok
-                                     and not abs(scale_err) > scale_bound))
+                         passed=not failed, failed=tuple(failed), nans=nans, infs=infs)
 
 
 def _ratio(err, base):
@@ -245,6 +285,13 @@ def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol):
 
     spread = max(max(abs(a), s) for a, s in (along(b, base_oracle) for b in baselines))
     return along(candidate, oracle)[0], k * spread + float(scale_tol)
+
+
+def _nonfinite(verdict):
+    """How many of the candidate's entries are NaN or infinite where the oracle is finite (the
+    norms leave them out): "16 NaN", "2 inf", "5 NaN/inf" (3 NaN and 2 inf); "" if none."""
+    what = "NaN/inf" if verdict.nans and verdict.infs else "NaN" if verdict.nans else "inf"
+    return f"{verdict.nans + verdict.infs} {what}" if verdict.nans or verdict.infs else ""
 
 
 def _norm(x):
