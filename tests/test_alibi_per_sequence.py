@@ -277,8 +277,13 @@ def test_the_term_sums_of_per_sequence_slopes_sum_each_sequence_alone():
     P = rng.random((4, n_q, n_k)) / n_k
     stages = {"S": rng.standard_normal(P.shape), "P": P, "P~": P, "dP": rng.standard_normal(P.shape),
               "D": rng.standard_normal((4, n_q))}
-    inputs = {"q": rng.standard_normal((4, n_q, 3)), "k": rng.standard_normal((2, n_k, 3))}
-    terms = (n_q + n_k) * np.sum(P * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]), -1)   # [H, N_q]
+    inputs = {"q": rng.standard_normal((4, n_q, 3)), "k": rng.standard_normal((2, n_k, 3)),
+              "v": rng.standard_normal((2, n_k, 3)), "dout": rng.standard_normal((4, n_q, 3))}
+    v_lengths = np.repeat(np.linalg.norm(inputs["v"], axis=-1), 2, axis=0)[:, None, :]   # [H, 1, N_k]
+    dots = (np.linalg.norm(inputs["dout"], axis=-1)[..., None]                           # dP's, D's terms
+            * (v_lengths + np.sum(P * v_lengths, -1, keepdims=True)))
+    terms = (n_q + n_k) * np.sum(P * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None] + dots),
+                                 -1)                                                       # [H, N_q]
     per_sequence = [terms[:, CU_Q[b]:CU_Q[b + 1]].sum(-1) for b in range(4)]                         # [B][H]
     whole = [((Ellipsis, slice(None), slice(None)), stages)]
     in_blocks = [((Ellipsis, rows, slice(None)), {n: x[:, rows] for n, x in stages.items()})

@@ -235,7 +235,9 @@ def test_crosscheck_keyword_arguments_are_checked(kwargs, exc, message):
 
 def test_atol_is_four_ulps_of_the_largest_sum_of_terms():
     """atol = 4 eps(float32) M, M computed here independently (float64, no mask): for out
-    max_i sum_j P_ij max|v| = max|v|; for dq scale max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|."""
+    max_i sum_j P_ij max|v| = max|v|; for dq scale max|k| max_i sum_j P_ij (|dP_ij| + |D_i| +
+    ||dout_i|| (||v_j|| + ||out_i||)), the products' terms bounded by the rows' lengths; for
+    lse max|S| + scale max||q_i|| max||k_j|| + log N_k."""
     rng = np.random.default_rng(7)
     q, k, v, dout = (rng.standard_normal((1, 2, 4, 8)) for _ in range(4))
     out, cache = attention_forward(*(x.astype(np.float32) for x in (q, k, v)))
@@ -244,9 +246,13 @@ def test_atol_is_four_ulps_of_the_largest_sum_of_terms():
     P = np.exp(s - s.max(-1, keepdims=True))
     P /= P.sum(-1, keepdims=True)
     D = np.sum(dout * (P @ v), -1, keepdims=True)
+    length = lambda x: np.linalg.norm(x, axis=-1)
+    dots = length(dout)[..., None] * (length(v)[..., None, :] + (P @ length(v)[..., None]))
     M = {"out": np.abs(v).max(),
-         "dq": np.max(np.sum(P * (np.abs(dout @ np.swapaxes(v, -1, -2)) + np.abs(D)), -1)) * np.abs(k).max() / np.sqrt(8)}
-    rows = {r.name: r for r in crosscheck(q=q, k=k, v=v, dout=dout, out=out, dq=dq).rows}
+         "dq": np.max(np.sum(P * (np.abs(dout @ np.swapaxes(v, -1, -2)) + np.abs(D) + dots), -1))
+         * np.abs(k).max() / np.sqrt(8),
+         "lse": np.abs(s).max() + length(q).max() * length(k).max() / np.sqrt(8) + np.log(4)}
+    rows = {r.name: r for r in crosscheck(q=q, k=k, v=v, dout=dout, out=out, dq=dq, lse=cache.lse).rows}
     for name in M:
         assert rows[name].atol == pytest.approx(4 * np.finfo(np.float32).eps * M[name], rel=1e-9)
 
@@ -273,13 +279,15 @@ def test_per_head_term_sums_add_up_over_the_batch_where_the_vector_broadcasts(sl
     P = rng.random((B, H, N, N)) / N                  # rows sum below 1: the rest is the sink's
     stages = {"S": rng.standard_normal((B, H, N, N)), "P": P, "P~": P,
               "dP": rng.standard_normal((B, H, N, N)), "D": rng.standard_normal((B, H, N))}
-    inputs = {name: rng.standard_normal((B, H, N, 8)) for name in ("q", "k")}
+    inputs = {name: rng.standard_normal((B, H, N, 8)) for name in ("q", "k", "v", "dout")}
     options = {"sinks": np.zeros(H), "alibi_slopes": np.ones(slopes_shape)}
     sums = term_sums([((Ellipsis, slice(None), slice(None)), stages)], inputs, options)
     sink_terms = np.sum((1 - P.sum(-1)) * np.abs(stages["D"]), -1)             # [B, H]
     assert sums["dsinks"] == pytest.approx(sink_terms.sum(0).max())           # summed over B
     assert sums["dsinks"] > sink_terms.max() * 1.01                          # more than one b's
-    terms = P * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None])
+    v_lengths, dout_lengths = (np.linalg.norm(inputs[name], axis=-1) for name in ("v", "dout"))
+    dots = dout_lengths[..., None] * (v_lengths[..., None, :] + P @ v_lengths[..., None])
+    terms = P * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None] + dots)
     per_head = 2 * N * terms.sum((-2, -1))                                     # reach = N_q + N_k
     expected = per_head.sum(0).max() if slopes_shape == (H,) else per_head.max()
     assert sums["dalibi_slopes"] == pytest.approx(expected)

@@ -368,3 +368,130 @@ def test_float8_with_sinks_and_alibi():
         kept = {name: x for name, x in heads.items() if name != dropped}
         failed = crosscheck(precision="float8_e4m3fn", **arrays, **candidate(**kept))
         assert [r.name for r in failed.rows if not r.passed] == ["out", "lse"], dropped
+
+
+def as_float32(arrays):
+    """A case as a kernel author without bfloat16 in NumPy saves it: every tensor as float32,
+    no precision key."""
+    return {n: x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype.itemsize <= 2
+            and x.dtype != bool else x for n, x in arrays.items()}
+
+
+def recipe_case(precision, seed=0, kernel_scale=None):
+    """A case whose candidate is the recipe of `precision` (float16 or bfloat16), stored in it."""
+    p = PRECISIONS[precision]
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (rng.standard_normal(shape).astype(p.storage) for shape in
+                     ((1, 2, 6, 8), (1, 2, 9, 8), (1, 2, 9, 8), (1, 2, 6, 8)))
+    f32 = lambda x: x.astype(np.float32)
+    q3, k3, v3, record = na.attention_options(f32(q), f32(k), f32(v), causal=True, scale=kernel_scale)
+    result = recipe_attention(q3, k3, v3, record, p, dout=f32(dout))
+    return {"q": q, "k": k, "v": v, "dout": dout, "causal": np.array(True), "lse": result["lse"],
+            **{n: result[n].astype(p.storage) for n in ("out", "dq", "dk", "dv")}}
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_16_bit_kernel_saved_as_float32_fails_with_a_hint_naming_its_precision(precision):
+    report = crosscheck(**as_float32(recipe_case(precision)))
+    assert not report and report.baseline_dtype.startswith("float32")
+    assert report.diagnosis == (f"the results hold only {precision} values, as a {precision} kernel's "
+                                f"do; judged with precision={precision!r} (a keyword, or the .npz "
+                                f"key), the case gives PASS",)
+    assert crosscheck(**as_float32(recipe_case(precision)), precision=precision)
+
+
+def test_the_hint_gives_the_verdict_in_that_precision():
+    """A bfloat16 kernel with its scale off by 1% fails in bfloat16 too, and the hint says so."""
+    wrong = as_float32(recipe_case("bfloat16", kernel_scale=1.01 / np.sqrt(8)))
+    assert crosscheck(**wrong).diagnosis[0].endswith("the case gives FAIL")
+
+
+def test_the_hint_says_what_stops_judging_in_that_precision():
+    """Results of bfloat16 values from inputs bfloat16 cannot hold: the hint names the input."""
+    arrays = as_float32(recipe_case("bfloat16"))
+    arrays["q"] = arrays["q"] * np.float32(1 + 2 ** -12)
+    line, = crosscheck(**arrays).diagnosis
+    assert line.startswith("the results hold only bfloat16 values, as a bfloat16 kernel's do; "
+                           "precision='bfloat16' would judge them, but: q has ")
+
+
+def test_no_hint_for_float32_results_or_too_few_values():
+    """A wrong float32 result (off the oracle by 1e-3), and a bfloat16 one of 4 values: no hint."""
+    arrays = as_float32(recipe_case("bfloat16"))
+    truth = na.attention_forward(*(arrays[n].astype(np.float64) for n in "qkv"), causal=True)[0]
+    wrong = {n: x for n, x in arrays.items() if n not in ("lse", "dq", "dk", "dv")}
+    wrong["out"] = (truth + 1e-3).astype(np.float32)
+    assert not crosscheck(**wrong) and crosscheck(**wrong).diagnosis == ()
+    small = {"q": arrays["q"][:, :1, :2], "k": arrays["k"][:, :1, :2], "v": arrays["v"][:, :1, :2, :2]}
+    out = na.attention_forward(*(small[n].astype(np.float64) for n in "qkv"))[0]      # [1, 1, 2, 2]
+    report = crosscheck(**small, out=out.astype(BF16).astype(np.float32))
+    assert not report and report.diagnosis == ()
+
+
+def flash_kernel_reading_its_out(seed=0):
+    """A bfloat16 decoding case (one query row, 8 keys) whose candidate is the recipe's flash
+    backward reading the kernel's own out for D = rowsum(dout * out), as FlashAttention's does,
+    and that out rounded toward dout's signs (each entry within an ulp of the exact out): the
+    largest shift of D an out of that accuracy gives, one D per head, in every entry of dq."""
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (rng.standard_normal(shape).astype(BF16).astype(np.float32) for shape in
+                     ((1, 2, 1, 64), (1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 1, 64)))
+    exact = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)))[0]
+    near = exact.astype(BF16).astype(np.float64)                   # one of its two bfloat16 neighbours
+    step = np.abs(np.nextafter(near.astype(BF16), np.sign(dout) * np.inf).astype(np.float64) - near)
+    toward = np.where((near - exact) * dout >= 0, near, near + np.sign(dout) * step)
+    out = toward.astype(BF16).astype(np.float32)
+    q3, k3, v3, record = na.attention_options(q, k, v)
+    grads = recipe_attention(q3, k3, v3, record, PRECISIONS["bfloat16"], dout=dout, backward="flash",
+                             saved_out=out)
+    return {"q": q, "k": k, "v": v, "dout": dout, "out": out, "precision": "bfloat16",
+            **{n: grads[n] for n in ("dq", "dk", "dv")}}
+
+
+def test_a_flash_backward_reading_its_own_out_passes():
+    report = crosscheck(**flash_kernel_reading_its_out())
+    assert report, str(report)
+
+
+def test_an_out_that_fails_does_not_excuse_the_gradients_it_reads():
+    """The gradients are held to the backward that reads the kernel's out only when that out
+    passes: out off by 5% fails, and so does the dq made from it."""
+    arrays = flash_kernel_reading_its_out()
+    wrong = arrays["out"] * np.float32(1.05)
+    q3, k3, v3, record = na.attention_options(arrays["q"], arrays["k"], arrays["v"])
+    grads = recipe_attention(q3, k3, v3, record, PRECISIONS["bfloat16"], dout=arrays["dout"],
+                             backward="flash", saved_out=wrong)
+    report = crosscheck(**{**arrays, "out": wrong, "dq": grads["dq"], "dk": grads["dk"]})
+    assert {r.name for r in report.rows if not r.passed} >= {"out", "dq"}, str(report)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_an_lse_may_be_off_by_half_an_ulp_of_the_compute_dtype(precision):
+    """A kernel that sums its softmax weights rounded to T has an lse off by up to eps(T) / 2
+    however small the lse: here two keys k = +-e_1 and scores +-scale 2^-8, where the recipe's
+    lse is exact to float32's rounding. Off by 0.9 of that passes, by 8 eps(T) fails."""
+    p = PRECISIONS[precision]
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    q[..., 0], q[..., 1] = 2.0 ** -8, 1.0
+    k = np.zeros((1, 1, 2, 8), np.float32)
+    k[..., 0, 0], k[..., 1, 0] = 1.0, -1.0
+    v = np.random.default_rng(0).standard_normal((1, 1, 2, 8)).astype(p.storage).astype(np.float32)
+    q3, k3, v3, record = na.attention_options(q, k, v)
+    result = recipe_attention(q3, k3, v3, record, p)
+    half = float(ml_dtypes.finfo(p.compute).eps) / 2
+    for shift, passes in ((0.9 * half, True), (16 * half, False)):
+        report = crosscheck(q=q, k=k, v=v, out=result["out"], lse=result["lse"] + np.float32(shift),
+                            precision=precision)
+        assert report.rows[1].passed == passes, str(report)
+
+
+def test_the_scale_check_is_not_applied_where_rounding_along_u_hides_a_scale_error():
+    """Where the baseline's rounding along u alone, s(baseline), exceeds scale_tol (a result
+    the scale barely moves), a(e) is rounding noise: no scale check. Where u is large, the same
+    errors are checked."""
+    rng = np.random.default_rng(3)
+    oracle = rng.standard_normal(16)
+    baseline, candidate = (oracle + 1e-3 * rng.standard_normal(16) for _ in range(2))
+    for u, applied in ((np.full(16, 1e-4), False), (np.ones(16), True)):
+        verdict = judge("out", candidate, oracle, baseline, scale_direction=u, scale_tol=3.9e-3)
+        assert np.isnan(verdict.scale_bound) != applied and verdict.passed, verdict

@@ -34,6 +34,8 @@ EVERYDAY = {
     "flash_lse": ("decode", "one_key", "scale_gqa"),
     "manual": ("decode", "one_key", "scale_gqa", "softcap_bias_window"),
 }
+# decoding with q nearly orthogonal to its 1-3 keys: the scores and lse cancel to near 0
+ORTHOGONAL = {"sdpa": ("orthogonal",), "flash_lse": ("orthogonal",), "manual": ("orthogonal",)}
 VARIANTS = sorted({v for kernels in (KERNELS, EVERYDAY) for variants in kernels.values() for v in variants})
 BUGS = ("scale", "dq_entry", "lse_row", "causal_row", "window", "dropout", "gqa_group")
 
@@ -44,7 +46,7 @@ def plants(case, kernel, bug):
     n_q, n_k = case["q"].shape[-2], case["k"].shape[-2]
     keep = _keep(case, n_q, n_k)
     two_keys = n_k >= 2 and (keep is None or int(keep.sum(axis=-1).max()) >= 2)
-    applies = {"scale": two_keys, "dq_entry": two_keys, "lse_row": kernel == "flash_lse" and case["q"].shape[-2] > 1,
+    applies = {"scale": two_keys and _moves(case), "dq_entry": two_keys, "lse_row": kernel == "flash_lse" and case["q"].shape[-2] > 1,
                "causal_row": kernel == "manual" and "causal" in case,
                "window": kernel == "manual" and "window" in case,
                "dropout": kernel == "manual" and "dropout_mask" in case,
@@ -54,21 +56,32 @@ def plants(case, kernel, bug):
     return applies
 
 
-def campaign(precision, cases_per_variant, seed, kernels=KERNELS):
+def _moves(case):
+    """Whether a 1% scale error moves P: some row's kept scores spread by more than 1."""
+    g = case["q"].shape[-3] // case["k"].shape[-3]
+    scores = case["q"] @ np.swapaxes(np.repeat(case["k"], g, axis=-3), -1, -2)
+    scores = scores * (float(case["scale"]) if "scale" in case else 1 / math.sqrt(case["q"].shape[-1]))
+    keep = _keep(case, *scores.shape[-2:])
+    kept = scores if keep is None else np.where(keep, scores, np.nan)
+    with np.errstate(invalid="ignore"):
+        return bool(np.nanmax(np.nanmax(kept, -1) - np.nanmin(kept, -1)) > 1)
+
+
+def campaign(precision, cases_per_variant, seed, kernels=KERNELS, bugs=BUGS):
     """Every kernel on random cases of every variant it computes (kernels: kernel -> variants),
-    honest and with each bug.
+    honest and with each of `bugs`.
 
     Returns (honest, planted): honest a list of (kernel, variant, report), planted a dict
     bug -> list of reports (one per case the bug changes).
     """
     rng = np.random.default_rng(seed)
-    honest, planted = [], {bug: [] for bug in BUGS}
+    honest, planted = [], {bug: [] for bug in bugs}
     for kernel, variants in kernels.items():
         for variant in variants:
             for _ in range(cases_per_variant):
                 case = random_case(rng, precision, variant)
                 honest.append((kernel, variant, crosscheck(**run(case, kernel))))
-                for bug in BUGS:
+                for bug in bugs:
                     if plants(case, kernel, bug):
                         planted[bug].append(crosscheck(**run(case, kernel, bug=bug)))
     return honest, planted
@@ -84,6 +97,8 @@ def random_case(rng, precision, variant, max_len=200):
         n_q = 1
     elif variant == "one_key":
         n_k = int(rng.integers(1, 4))
+    elif variant == "orthogonal":
+        n_q, n_k = 1, int(rng.integers(1, 4))
     if variant in ("causal", "bottom_right", "window", "softcap_bias_window"):
         n_k = max(n_k, n_q)                                  # every row keeps a key
     d = int(rng.choice([8, 16, 32, 64]))
@@ -94,6 +109,12 @@ def random_case(rng, precision, variant, max_len=200):
             "v": rounded(rng.standard_normal((b, h_kv, n_k, d))),
             "dout": rounded(rng.standard_normal((b, h_kv * g, n_q, d))),
             "precision": np.array(precision)}
+    if variant == "orthogonal":               # q's row minus all but 1e-3 of its part along its keys
+        keys = np.repeat(case["k"], g, axis=-3).astype(np.float64)                 # [B, H, N_k, d]
+        row = case["q"].astype(np.float64)                                         # [B, H, 1, d]
+        along = np.linalg.solve(keys @ np.swapaxes(keys, -1, -2), keys @ np.swapaxes(row, -1, -2))
+        along *= 1 - rng.uniform(-1e-3, 1e-3, along.shape)                         # [B, H, N_k, 1]
+        case["q"] = rounded(row - np.swapaxes(along, -1, -2) @ keys)
     if variant == "mask":
         case["mask"] = rng.random((b, 1, n_q, n_k)) < rng.uniform(0.4, 1.0)
         case["mask"][..., 0] = True                          # no fully masked row

@@ -33,7 +33,7 @@ from ..paged import scatter_keys, unpack_rows
 from . import blocks
 from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, split_case
 from .diagnosis import diagnose, rel_l2
-from .precision import TILE_ROWS, eps, recipe_attention
+from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention
 from .naive import naive_attention
 from .tangents import add_tangents
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
@@ -42,6 +42,8 @@ from .slices import case_slices, put_together
 
 ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
 SCALE_STEP = 2.0 ** -20     # the rule's scale check: d oracle / d log(scale) by this step
+HINT_PRECISIONS = ("bfloat16", "float16")   # a float32 result may hold a 16-bit kernel's values
+HINT_VALUES = 8             # nonzero values a result must hold for the hint (chance: 2^-128)
 
 
 def _case_in(inputs, options, dtype, scale_factor=1.0):
@@ -183,7 +185,8 @@ def baselines(case, gradients=True, block_rows=None, scheduler=None):
 
     float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
     recipe, with its two backwards (the eager one and the tiled flash one; the rule
-    takes the larger error of the two, since a kernel may be built either way).
+    takes the larger error of the two, since a kernel may be built either way), and last
+    the flash one with D from the candidate's out where _reads_kernel_out.
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
@@ -210,9 +213,23 @@ def _baselines(case, gradients, block_rows):
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
     q, k, v, record = attention_options(q, k, v, **options)
     dout = dout if gradients else None
-    ways = [("eager", True), ("eager", False)] + ([("flash", True)] if dout is not None else [])
+    ways = [("eager", True, None), ("eager", False, None)]
+    if dout is not None:
+        ways.append(("flash", True, None))
+    if _reads_kernel_out(case, gradients):      # the flash backward, D from the kernel's out
+        ways.append(("flash", True, rounded(case.candidates["out"])))
     return [recipe_attention(q, k, v, record, p, dout=dout, backward=backward, reorder=reorder,
-                             block_rows=block_rows) for backward, reorder in ways]
+                             block_rows=block_rows, saved_out=saved) for backward, reorder, saved in ways]
+
+
+def _reads_kernel_out(case, gradients):
+    """Whether the case's baselines end with the flash backward that reads the candidate's out
+    for D = rowsum(dout * out), as a FlashAttention backward reads its forward's: in a 16- or
+    8-bit precision, for a case with gradients and an out (not on a paged cache, whose out is
+    laid out otherwise). The gradients are held to it only when that out passes: a wrong out
+    must not excuse the gradients it would make wrong."""
+    return (case.precision.recipe and gradients and "dout" in case.inputs and "out" in case.candidates
+            and case.paged is None)
 
 
 def _block_rows(case):
@@ -244,18 +261,26 @@ def _as_arrays(arrays):
 def _atol(case, name, dtype, oracle, magnitude, given):
     """The tensor's atol (rule.py): the given one; 4 ulps of its largest sum of terms in a
     float32 / float64 precision (of its largest entry for a tangent, which has no term
-    magnitudes); in a 16- or 8-bit one, half an ulp of its largest entry, the ulp of the
-    precision's output dtype at least (a bfloat16 result may come as float32 values), but
-    for lse, which the recipe keeps in float32; and at least 4 float32 ulps of its largest
-    sum of terms, the rounding of the kernel's float32 sums, for a tensor that cancels to 0
-    or near it (dq and dk with one key in a row: exactly 0, and a kernel's rounding noise)."""
+    magnitudes). In a 16- or 8-bit one: half an ulp of its largest entry, in the precision's
+    output dtype at least (a bfloat16 result may come as float32 values), but in its own
+    dtype for lse, which kernels keep in float32, and then at least eps(T) / 2 (_summed_in_t);
+    and at least 4 float32 ulps of its largest sum of terms, the rounding of the kernel's
+    float32 sums, for a tensor that cancels to 0 or near it (dq and dk with one key in a row:
+    exactly 0, and a kernel's rounding noise)."""
     if given is not None:
         return given
     largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
     if not case.precision.recipe:
         return atol_for(dtype, largest if magnitude is None else magnitude)
     ulp = eps(dtype) if name == "lse" else max(eps(dtype), eps(case.precision.output))
-    return max(ulp / 2 * largest, 0.0 if magnitude is None else atol_for(np.float32, magnitude))
+    return max(ulp / 2 * largest, _summed_in_t(case, name),
+               0.0 if magnitude is None else atol_for(np.float32, magnitude))
+
+
+def _summed_in_t(case, name):
+    """eps(T) / 2 for an lse in a 16- or 8-bit precision, what a kernel that sums its softmax
+    weights rounded to T makes of the sum's log (rule.py); else 0."""
+    return eps(case.precision.compute) / 2 if name == "lse" and case.precision.recipe else 0.0
 
 
 def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
@@ -286,6 +311,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     Returns:
         CrosscheckReport. Raises CaseError (a ValueError) for a malformed case.
     """
+    settings = {"layout": layout, "lse_base": lse_base, "own_forward": own_forward,
+                "k_factors": k_factors, "atol": atol, "scheduler": scheduler}
     k_factors = _check_k_factors(k_factors)
     atol = None if atol is None else require_nonnegative_real(atol, "atol")
     scheduler = check_scheduler(scheduler)
@@ -316,15 +343,25 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
             bases = [_unpaged(b, case.paged) for b in bases]
-        verdicts = [judge(name, _in_base_e(case, name, cand), against[name],
-                          [b[name].astype(cand.dtype) for b in bases], baseline_oracle=truth[name],
-                          k=k_factors.get(name), dtype=cand.dtype,
-                          atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
-                          l2_k=K_L2 if low else None, rows=low,
-                          scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2)
-                    for name, cand in case.candidates.items()]
+        def verdict(name, ways):
+            cand = case.candidates[name]
+            return judge(name, _in_base_e(case, name, cand), against[name],
+                         [b[name].astype(cand.dtype) for b in ways], baseline_oracle=truth[name],
+                         k=k_factors.get(name), dtype=cand.dtype,
+                         atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
+                         l2_k=K_L2 if low else None, rows=low,
+                         scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
+                         scale_atol=_summed_in_t(case, name))
+
+        reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
+        verdicts = {name: verdict(name, bases[:-1] if reads_out else bases) for name in case.candidates}
+        if reads_out and verdicts["out"].passed:                   # an out that passes is one a kernel's
+            verdicts.update({name: verdict(name, bases) for name in verdicts if name in GRADIENTS})
+        verdicts = list(verdicts.values())
         failing = [row.name for row in verdicts if not row.passed]
         diagnosis = _diagnosis(arrays, case, truth, failing, whole) if failing else []
+    if failing:
+        diagnosis = _precision_hint(arrays, case, settings) + diagnosis
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
     return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
@@ -396,6 +433,31 @@ def _diagnosis(arrays, case, truth, failing, whole):
     if case.paged is not None:
         return ["not run: the mix-ups are not tried on a paged KV cache's case"]
     return diagnose(case, truth, failing) or _layout_mixup(arrays, case, failing)
+
+
+def _precision_hint(arrays, case, settings):
+    """The diagnosis line of a failing float32 / float64 case whose results (out and the
+    gradients; kernels keep lse in float32) hold only bfloat16 or float16 values, at least
+    HINT_VALUES of them besides 0: a 16-bit kernel's results saved as float32, what NumPy
+    without bfloat16 leads to. The line names that precision and the case's verdict in it.
+    (A float32 result lands on a bfloat16 value by chance once in 2^16.)"""
+    held = [np.asarray(case.candidates[n], np.float64) for n in ("out", *GRADIENTS)
+            if n in case.candidates]
+    if case.precision.recipe or not held:
+        return []
+    values = np.concatenate([x[np.isfinite(x) & (x != 0)] for x in held])
+    for name in HINT_PRECISIONS:            # bfloat16 first: most of its values are float16's too
+        if values.size >= HINT_VALUES and np.array_equal(
+                values.astype(PRECISIONS[name].storage).astype(np.float64), values):
+            said = f"the results hold only {name} values, as a {name} kernel's do"
+            try:
+                verdict = "PASS" if crosscheck(**{n: x for n, x in arrays.items() if n != "precision"},
+                                               precision=name, **settings) else "FAIL"
+            except CaseError as exc:          # q, k, v hold other values than such a kernel reads
+                return [f"{said}; precision={name!r} would judge them, but: {exc}"]
+            return [f"{said}; judged with precision={name!r} (a keyword, or the .npz key), the case "
+                    f"gives {verdict}"]
+    return []
 
 
 def _layout_mixup(arrays, case, failing):

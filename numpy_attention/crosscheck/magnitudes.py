@@ -2,11 +2,20 @@
 scales with (rule.py: atol = ATOL_ULPS * eps(dtype) * |X|max).
 
 Rounding error is relative to the terms, not to the result: a gradient entry that cancels
-to 0 still rounds at the size of its terms. For dq, for example, the terms of entry (i, c)
-are scale * sum_j P_ij (|dP_ij| + |D_i|) |k_jc|. A per-head vector's gradient (dsinks,
-dalibi_slopes) sums over every row of its head, and over the batch where the vector is
-broadcast along it (sinks [H]), or for ALiBi slopes [B, H] of packed sequences over the rows
-of its sequence alone; so do its terms.
+to 0 still rounds at the size of its terms. The products inside a term are sums of terms
+too, bounded by Cauchy-Schwarz with the rows' lengths:
+
+    dq   the terms of entry (i, c): scale * sum_j P_ij (|dP_ij| + |D_i| + ||dout_i|| (||v_j||
+         + ||out_i||)) |k_jc|, the last two the terms of dP_ij = dout_i . v_j and of
+         D_i = dout_i . out_i (one key: dP - D cancels to exactly 0, and rounds at their size);
+         dk likewise down the columns, and dbias, dalibi_slopes from the same terms
+    lse  the largest |S|, plus the terms of a score, scale sum_c |q_ic k_jc| <= scale
+         ||q_i|| ||k_j|| (the longest rows: decoding's one key nearly orthogonal to q gives
+         lse = S = 0.001, rounded at the size of q and k), plus log N_k
+
+A per-head vector's gradient (dsinks, dalibi_slopes) sums over every row of its head, and
+over the batch where the vector is broadcast along it (sinks [H]), or for ALiBi slopes [B, H]
+of packed sequences over the rows of its sequence alone; so do its terms.
 """
 import numpy as np
 
@@ -33,6 +42,10 @@ def term_sums(stage_blocks, inputs, options):
     its slices' (max_sums)."""
     q, k = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k"))
     h_kv = with_head_axis(k).shape[-3]
+    groups = with_head_axis(q).shape[-3] // h_kv
+    lengths = lambda x: np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=-1))     # row lengths
+    v_lengths = np.repeat(lengths(with_head_axis(inputs["v"]))[..., None, :], groups, axis=-3)
+    dout_lengths = lengths(with_head_axis(inputs["dout"])) if "dout" in inputs else None
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
     dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
@@ -45,7 +58,12 @@ def term_sums(stage_blocks, inputs, options):
         row_max["lse"] = max(row_max["lse"], np.abs(kept[np.isfinite(kept)]).max(initial=0))
         if "dP" not in stages:
             continue
-        terms = np.nan_to_num(stages["P"] * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]))
+        # dP_ij = dout_i . v_j and D_i = dout_i . out_i are sums of terms too: at most
+        # ||dout_i|| ||v_j|| and ||dout_i|| ||out_i||, ||out_i|| <= sum_j P~_ij ||v_j||
+        out_lengths = np.sum(p_drop * v_lengths, -1, keepdims=True)
+        dots = dout_lengths[index[:-1]][..., None] * (v_lengths + out_lengths)
+        terms = np.nan_to_num(stages["P"] * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]
+                                             + dots))
         row_max["dq"] = max(row_max["dq"], np.sum(terms, -1).max(initial=0))    # |dS|'s terms
         col_sum = {"dv": col_sum["dv"] + np.sum(p_drop, -2),
                    "dk": col_sum["dk"] + np.sum(terms, -2)}
@@ -77,7 +95,9 @@ def magnitudes_of(sums, inputs, options):
     """{tensor: the largest sum of |terms|}: term_sums times the inputs' largest entries."""
     q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
     scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
-    mags = {"out": sums["out"] * v.max(initial=0), "lse": sums["lse"] + np.log(max(k.shape[-2], 1))}
+    norm = lambda x: np.sqrt(np.sum(x * x, axis=-1)).max(initial=0)       # the largest row's length
+    lse = sums["lse"] + scale * norm(q) * norm(k) + np.log(max(k.shape[-2], 1))
+    mags = {"out": sums["out"] * v.max(initial=0), "lse": lse}
     if "dout" in inputs:
         mags.update(dv=sums["dv"] * np.abs(inputs["dout"]).max(initial=0),
                     dq=scale * sums["dq"] * k.max(initial=0),

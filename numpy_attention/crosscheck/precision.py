@@ -20,7 +20,8 @@ result rounded to T, every element-wise step computed in float32 and rounded to 
               P = round(softmax(S)),  lse = logsumexp(S) in float32
               P~ = P * dropout_mask (float8: rounded to float8),  v' = round(v / (1 - p))
               out = round(P~ v')
-    backward  dv' = round(P~^T dout),  dv = round(dv' / (1 - p)),  dP = round(dout v'^T) * mask
+    backward  (the flash backward's D = rowsum(dout * out) from the recipe's out, or the kernel's)
+              dv' = round(P~^T dout),  dv = round(dv' / (1 - p)),  dP = round(dout v'^T) * mask
               dS = round(P * (dP - rowsum(P * dP)))  (0 where masked),  dbias = round(sum of dS)
               softcap: dS = round(round(round(dS * softcap) * (1 - t^2)) / softcap)
               dq = round(dS k'),  dk = round(round(dS^T q) * scale)
@@ -85,7 +86,7 @@ def precision_of(dtype):
 
 
 def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", reorder=True,
-                     block_rows=None):
+                     block_rows=None, saved_out=None):
     """The recipe of the module docstring: out, lse (and dq, dk, dv, dbias with dout).
 
     q, k, v (and dout): float32 arrays holding values of the compute dtype (float8 inputs
@@ -94,6 +95,10 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     one) or 'flash' (the tiled flash backward). reorder: the scale and the dropout's
     1 / (1 - p) applied to k and v (FlashAttention's reorder_ops), else to S and P.
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all of them.
+    saved_out: the out, of q's shape but d_v, that the flash backward reads for D = rowsum(dout
+    * out) (and a sink's gradient): a kernel's own, as FlashAttention's backward reads the
+    forward's O; None: the recipe's. D's rounding then shifts dq, dk as it does the kernel's
+    (decoding's one query row: one D per head, and dS = P (dP - D) nearly cancels).
     Blocks change no result: every product and every sum over rows goes a tile of TILE_ROWS
     rows at a time, in the same order for any block size.
     Results are float32 arrays holding values of the output dtype (lse: float32).
@@ -109,6 +114,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], np.float32)
     lse = np.empty(q3.shape[:-1], np.float32)
     dout3 = None if dout is None else rnd(with_head_axis(dout))
+    saved3 = None if saved_out is None else rnd(with_head_axis(saved_out))
     step = _flash_rows if backward == "flash" else _eager_rows
     dq, sums = np.empty(q3.shape, np.float32), {"dk": np.zeros(k3.shape, np.float32),
                                                "dv": np.zeros(v3.shape, np.float32)}
@@ -120,6 +126,8 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
         f = _forward_rows(rnd, q3[..., rows, :], k3, v3, used, o, precision, score_shape, index,
                           reorder)
         out[..., rows, :], lse[..., rows] = f.out, f.lse
+        if saved3 is not None:                                                   # D from the kernel's out
+            f = f._replace(out=saved3[..., rows, :])
         if dout3 is not None:
             dq[..., rows, :], ds, sums = step(rnd, dout3[..., rows, :], o, f, sums)
             if dbias is not None:                                                # dbias += dS, a tile at a time

@@ -9,6 +9,7 @@ accurate as PyTorch's naive implementation in the same dtype"):
       normwise   ||candidate - oracle||_2 <= K_L2 * ||baseline - oracle||_2 + atol
       row-wise   err(row of candidate) <= k * max(err(row of baseline), rms(baseline - oracle)) + atol
       scale      |a(candidate)| <= k * max(|a(baseline)|, s(baseline)) + eps(T) / 2
+                                   (+ eps(T) / 2 ||u||_1 / ||u||_2^2 for lse)
 
 - oracle: attention computed in float64 (np.longdouble for a float64 precision) on
   the values the kernel read.
@@ -30,7 +31,12 @@ accurate as PyTorch's naive implementation in the same dtype"):
   A scale off by 1% is a 1% shift along u for every entry at once, about one bfloat16
   ulp, hidden in the rounding of each entry but not in a(e). eps(T) / 2 allows a kernel
   that holds the scale in its compute dtype T, rounded once (JAX multiplies bfloat16
-  scores by the scale in bfloat16).
+  scores by the scale in bfloat16). An lse may be off by eps(T) / 2 in every row, what a
+  kernel that sums its softmax weights rounded to T makes of the sum's log (the recipe
+  sums them in float32, so its spread along u does not show it): along u that is
+  eps(T) / 2 ||u||_1 / ||u||_2^2. Where s(baseline) exceeds eps(T) / 2, the rounding
+  along u hides a scale error of that size and a(e) is rounding noise; the check is not
+  applied there (scores near 0, that the scale barely moves: q nearly orthogonal to its keys).
 - atol, in float32 / float64: ATOL_ULPS * eps(dtype) * M, four units in the last
   place of M, the largest sum of absolute terms behind one entry of the tensor
   (magnitudes.py, term_magnitudes; max|oracle| when judge is called alone). It keeps a
@@ -47,6 +53,10 @@ accurate as PyTorch's naive implementation in the same dtype"):
       float32    1.2e-07    4 * 1.2e-07 * M
       float16    9.8e-04    max(9.8e-04 / 2 * max|oracle|, 4 * 1.2e-07 * M)
       bfloat16   7.8e-03    max(7.8e-03 / 2 * max|oracle|, 4 * 1.2e-07 * M)
+
+  and for a float32 lse of a 16- or 8-bit kernel max(eps(float32) / 2 * max|lse|, eps(T) / 2,
+  4 * 1.2e-07 * M): a kernel that sums its softmax weights rounded to T (torch's CPU flash
+  kernel in float16) has an lse off by up to eps(T) / 2, however small the lse.
 
 Fully masked rows of lse: where the oracle's lse is -inf (a query row with every key
 masked), a candidate lse of +inf passes as well as -inf. Both conventions exist:
@@ -172,7 +182,7 @@ def atol_for(dtype, magnitude):
 
 
 def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l2_k=None,
-          baseline_oracle=None, rows=False, scale_direction=None, scale_tol=0.0):
+          baseline_oracle=None, rows=False, scale_direction=None, scale_tol=0.0, scale_atol=0.0):
     """One TensorVerdict: err(candidate) <= k * err(baseline) + atol (and the low-precision checks).
 
     Args:
@@ -192,7 +202,9 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
             the backward of its own forward, the baseline's against the true gradients).
         rows: apply the row-wise check (module docstring).
         scale_direction: u = d oracle / d log(scale), of the oracle's shape: apply the scale
-            check, with scale_tol added to its bound. None: no scale check.
+            check, with scale_tol added to its bound (and, when > 0, the largest s(baseline) at
+            which the check applies), and scale_atol's projection along u, the error it allows
+            in every entry. None: no scale check.
     """
     candidate, oracle = np.asarray(candidate), np.asarray(oracle)
     baselines = [np.asarray(b) for b in (baseline if isinstance(baseline, list) else [baseline])]
@@ -227,7 +239,7 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
     scale_err, scale_bound = math.nan, math.nan
     if scale_direction is not None:
         scale_err, scale_bound = _scale_check(candidate, oracle, baselines, base_oracle,
-                                              np.asarray(scale_direction), k, scale_tol)
+                                              np.asarray(scale_direction), k, scale_tol, scale_atol)
     failed = []                          # each failed check, in words and numbers
     if not max_err <= bound:             # said by its non-finite entries if it has any
         failed += [f"{count} of {err.size} entries {what} where the oracle is finite"
@@ -267,10 +279,12 @@ def _row_check(err, base_errs, k, atol):
     return float(np.max(ratios)), bool(np.all(rows <= k * base_rows + atol))
 
 
-def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol):
-    """(a(candidate), its bound k * max(|a(baseline)|, s(baseline)) + scale_tol): the scale
+def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol, scale_atol):
+    """(a(candidate), its bound k * max(|a(baseline)|, s(baseline)) + scale_tol + scale_atol
+    ||u||_1 / ||u||_2^2, the last what an error of scale_atol in every entry amounts to along
+    u): the scale
     check of the module docstring, over the entries where the oracle and u are finite (nan,
-    nan where u is 0: a result the scale does not move)."""
+    nan where u is 0, a result the scale does not move, or where s(baseline) > scale_tol > 0)."""
     finite = np.isfinite(oracle) & np.isfinite(u) & np.isfinite(base_oracle)
     u = np.where(finite, u, 0).astype(np.float64)
     uu = float(np.sum(u * u))
@@ -283,8 +297,12 @@ def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol):
         e = np.where(finite & np.isfinite(e), e, 0)
         return float(np.sum(e * u)) / uu, _norm(e * u) / uu
 
-    spread = max(max(abs(a), s) for a, s in (along(b, base_oracle) for b in baselines))
-    return along(candidate, oracle)[0], k * spread + float(scale_tol)
+    measured = [along(b, base_oracle) for b in baselines]
+    if 0 < scale_tol < max(s for _, s in measured):      # rounding along u hides such a scale error
+        return math.nan, math.nan
+    spread = max(max(abs(a), s) for a, s in measured)
+    allowed = scale_atol * float(np.sum(np.abs(u))) / uu    # an error of scale_atol in every entry
+    return along(candidate, oracle)[0], k * spread + float(scale_tol) + allowed
 
 
 def _nonfinite(verdict):

@@ -39,7 +39,8 @@ def case_slices(case):
         kv = kv_index(at, group)
         inputs = {name: x[kv if name in ("k", "v", "k_dot", "v_dot") else at] for name, x in case.inputs.items()}
         options = {name: _cut_option(name, x, at, len(score_shape)) for name, x in case.options.items()}
-        cut.append((at, case._replace(inputs=inputs, options=options, candidates={})))
+        out = {"out": case.candidates["out"][at]} if "out" in case.candidates else {}   # the kernel's,
+        cut.append((at, case._replace(inputs=inputs, options=options, candidates=out)))  # for D
     return cut
 
 
