@@ -2,13 +2,14 @@
 scales its tolerance with the result cries wolf: decoding (one query row; causal, it sees one
 key), one to three keys (dq and dk cancel to 0, a kernel returns rounding noise), a custom
 scale with grouped-query heads, softcap with a bias and a window, biases handed over as
-tensors in the kernel's own dtype (bfloat16 has no NumPy dtype); and decoding with q nearly
+tensors in the kernel's own dtype (bfloat16 has no NumPy dtype); decoding with q nearly
 orthogonal to its keys (the scores and lse cancel to near 0, and round at the size of q and
-k). In float16, bfloat16 and float32, with SDPA, its math backend, the CPU flash kernel and
-attention as torch ops (tests/torch_kernels.py's EVERYDAY and ORTHOGONAL).
+k); 400 decoding steps of SDPA and the CPU flash kernel; ALiBi with its gradient. In float16,
+bfloat16 and float32, with SDPA, its math backend, the CPU flash kernel and attention as torch
+ops (tests/torch_kernels.py's EVERYDAY, ORTHOGONAL and ALIBI).
 
-Honest results must all pass (0 false failures over 840 + 180 + 1600 cases); a planted bug must fail
-in >= 95% of the cases where it changes the exact result.
+Honest results must all pass (0 false failures over 840 + 180 + 1600 + 80 cases); a planted
+bug must fail in >= 95% of the cases where it changes the exact result.
 """
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from optional import TORCH_REASON
 from numpy_attention import crosscheck
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
-from torch_kernels import EVERYDAY, ORTHOGONAL, campaign, random_case, run  # noqa: E402  (needs torch)
+from torch_kernels import (ALIBI, EVERYDAY, ORTHOGONAL, campaign, random_case,  # noqa: E402
+                           run)                                          # (needs torch)
 
 CASES_PER_VARIANT = 20                          # x 14 kernel-variant pairs = 280 cases per precision
 CAUGHT = 0.95
@@ -67,3 +69,16 @@ def test_no_false_failure_on_400_decoding_steps(precision):
         case = random_case(np.random.default_rng(seed), precision, "decode")
         failed += [(seed, kernel) for kernel in ("sdpa", "flash_lse") if not crosscheck(**run(case, kernel))]
     assert not failed, failed
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_no_false_failure_with_alibi_slopes_and_their_gradient(precision):
+    """ALiBi written as torch ops, the distances times the slopes in the kernel's dtype, with
+    dalibi_slopes by autograd: 40 cases, half of them causal, each baseline in the case's
+    dtype (tests/test_baseline_dtypes.py). (In float16, autograd sums the bias's gradient over
+    the batch in float16 before its product with the distances, which the recipe does not.)"""
+    torch.set_num_threads(1)
+    honest, planted = campaign(precision, 40, seed=14, kernels=ALIBI, bugs=("scale", "dq_entry"))
+    failed = [str(report) for _, _, report in honest if not report]
+    assert len(honest) == 40 and not failed, failed[:1]
+    assert all(sum(not r for r in reports) >= CAUGHT * len(reports) for reports in planted.values())

@@ -36,6 +36,8 @@ EVERYDAY = {
 }
 # decoding with q nearly orthogonal to its 1-3 keys: the scores and lse cancel to near 0
 ORTHOGONAL = {"sdpa": ("orthogonal",), "flash_lse": ("orthogonal",), "manual": ("orthogonal",)}
+# ALiBi slopes the kernel multiplies by the distance in its own dtype (biases down to -100s)
+ALIBI = {"manual": ("alibi",)}
 VARIANTS = sorted({v for kernels in (KERNELS, EVERYDAY) for variants in kernels.values() for v in variants})
 BUGS = ("scale", "dq_entry", "lse_row", "causal_row", "window", "dropout", "gqa_group")
 
@@ -99,7 +101,7 @@ def random_case(rng, precision, variant, max_len=200):
         n_k = int(rng.integers(1, 4))
     elif variant == "orthogonal":
         n_q, n_k = 1, int(rng.integers(1, 4))
-    if variant in ("causal", "bottom_right", "window", "softcap_bias_window"):
+    if variant in ("causal", "bottom_right", "window", "softcap_bias_window", "alibi"):
         n_k = max(n_k, n_q)                                  # every row keeps a key
     d = int(rng.choice([8, 16, 32, 64]))
     storage = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[precision]
@@ -133,6 +135,11 @@ def random_case(rng, precision, variant, max_len=200):
         if variant == "softcap_bias_window":
             case["bias"] = rounded(rng.standard_normal((h_kv * g, n_q, n_k)))
             case["window"] = np.array([int(rng.integers(0, 8)), int(rng.integers(0, 8))])
+    elif variant == "alibi":                                 # FlashAttention's slopes 2^(-8 (h + 1) / H)
+        heads = h_kv * g
+        case["alibi_slopes"] = rounded(2.0 ** (-8 * np.arange(1, heads + 1) / heads))
+        if rng.random() < 0.5:
+            case["causal"] = np.array("bottom_right")
     elif variant == "dropout":
         p = float(rng.uniform(0.1, 0.3))
         case["dropout_p"] = np.array(p)
@@ -172,6 +179,10 @@ def _manual(q, k, v, case, scale, bug):
         s = torch.tanh(s / c) * c
     if "bias" in case:
         s = s + case["_bias"]
+    if "_slopes" in case:                                    # -slope |i + N_k - N_q - j|, in the dtype
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+        s = s - case["_slopes"][:, None, None] * (i + n_k - n_q - j).abs().to(s.dtype)
     keep = _keep(case, q.shape[-2], k.shape[-2], bug)
     if keep is not None:
         s = s.masked_fill(torch.from_numpy(~keep), float("-inf"))
@@ -223,6 +234,8 @@ def run(case, kernel, bug=None):
     t = {n: torch.from_numpy(case[n]).to(dtype).requires_grad_(n != "dout") for n in ("q", "k", "v", "dout")}
     if "bias" in case:
         case = {**case, "_bias": torch.from_numpy(case["bias"]).to(dtype).requires_grad_()}
+    if "alibi_slopes" in case:
+        case = {**case, "_slopes": torch.from_numpy(case["alibi_slopes"]).to(dtype).requires_grad_()}
     d = case["q"].shape[-1]
     scale = float(case["scale"]) if "scale" in case else 1 / math.sqrt(d)
     if bug == "scale":
@@ -239,6 +252,9 @@ def run(case, kernel, bug=None):
             result["lse"] = torch.roll(result["lse"], 1, dims=-1)
     if "_bias" in case:
         result["dbias"] = case["_bias"].grad
+    if "_slopes" in case:
+        result["alibi_slopes"] = case["_slopes"].detach()
+        result["dalibi_slopes"] = case["_slopes"].grad
     if bug == "dq_entry":                                    # a random entry, off by 5% of max|dq|
         dq = result["dq"].float()
         index = tuple(int(i) for i in np.random.default_rng(dq.numel()).integers(0, dq.shape))

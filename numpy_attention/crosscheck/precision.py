@@ -25,6 +25,7 @@ result rounded to T, every element-wise step computed in float32 and rounded to 
               dS = round(P * (dP - rowsum(P * dP)))  (0 where masked),  dbias = round(sum of dS)
               softcap: dS = round(round(round(dS * softcap) * (1 - t^2)) / softcap)
               dq = round(dS k'),  dk = round(round(dS^T q) * scale)
+              dalibi_slopes = round(-sum of dS |i + N_k - N_q - j|), each product rounded (eager)
 
 Grouped-query heads sum their dk, dv in float32 before the one rounding. Every product by
 rows (S, out, dP, dq) is taken TILE_ROWS query rows at a time, and every float32 sum over
@@ -137,7 +138,8 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
             if dsinks is not None:                                               # -sum P_sink D
                 dsinks -= np.sum(f.p_sink[..., 0] * np.sum(dout3[..., rows, :] * f.out, axis=-1), axis=-1)
             if dslope_rows is not None:                                          # each row's -sum dS |..|
-                dslope_rows[..., rows] = alibi_row_gradient(ds, o, score_shape, index)
+                dslope_rows[..., rows] = alibi_row_gradient(ds, o, score_shape, index,
+                                                            rounded=rnd if backward == "eager" else None)
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     if dout3 is None:
         return result

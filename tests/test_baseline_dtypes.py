@@ -1,0 +1,48 @@
+"""Every baseline array keeps the case's dtype: a float32 kernel is held to float32 rounding.
+
+An option that leaks a wider dtype into a baseline (ALiBi's integer distances times float32
+slopes made float64) makes the baseline more accurate than any kernel of that precision, and
+honest kernels fail against it. Each variant, each baseline way, each tensor: float32 in a
+float32 case (the naive baseline) and in a 16- or 8-bit one (the recipe, its values rounded to
+the compute dtype and held in float32), float64 in a float64 case.
+"""
+import numpy as np
+import pytest
+
+from numpy_attention.crosscheck import baselines, split_case
+
+RNG = np.random.default_rng(0)
+Q, K, V = (RNG.standard_normal(shape) for shape in ((2, 4, 6, 8), (2, 2, 7, 8), (2, 2, 7, 8)))
+DOUT = RNG.standard_normal((2, 4, 6, 8))
+VARIANTS = {
+    "plain": {},
+    "causal": {"causal": np.array(True)},
+    "alibi [H]": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])},
+    "alibi [B, H]": {"alibi_slopes": RNG.random((2, 4))},
+    "alibi, causal, window": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+                              "causal": np.array(True), "window": np.array([2, 1])},
+    "bias": {"bias": RNG.standard_normal((4, 6, 7))},
+    "sinks": {"sinks": RNG.standard_normal(4)},
+    "softcap": {"softcap": np.array(5.0)},
+    "dropout": {"dropout_p": np.array(0.2), "dropout_mask": RNG.random((2, 4, 6, 7)) > 0.2},
+}
+HELD = {"float64": np.float64, "float32": np.float32, "bfloat16": np.float32, "float16": np.float32}
+
+
+@pytest.mark.parametrize("precision", list(HELD))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_baseline_array_keeps_the_cases_dtype(variant, precision):
+    dtype = np.float32 if precision != "float64" else np.float64
+    arrays = {"q": Q, "k": K, "v": V, "dout": DOUT, **VARIANTS[variant]}
+    arrays = {name: x.astype(dtype) if x.dtype.kind == "f" else x for name, x in arrays.items()}
+    if precision in ("bfloat16", "float16"):                # the values a 16-bit kernel read
+        import ml_dtypes
+        low = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[precision]
+        arrays = {name: x.astype(low).astype(np.float32) if x.dtype.kind == "f" else x
+                  for name, x in arrays.items()}
+    case = split_case({**arrays, "out": arrays["q"], "dq": arrays["q"]}, precision=precision)
+    ways = baselines(case)
+    assert ways
+    dtypes = {(i, name): str(x.dtype) for i, way in enumerate(ways) for name, x in way.items()
+              if x is not None}
+    assert set(dtypes.values()) == {np.dtype(HELD[precision]).name}, dtypes
