@@ -124,16 +124,16 @@ def interrupt(command, imported, script=None):
     """Run `python -m numpy_attention <command>` (or `<script> <command>`, the console script)
     and send it SIGINT once Python's import profile (-X importtime) has reported the module
     `imported` (None: once the command has printed its first line). Return (exit code, the
-    lines of stderr but the import times). PYTHONPATH puts this checkout first, for the script."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited, and the command keeps it
-        pytest.skip("SIGINT is ignored here (a background job of a non-interactive shell)")
+    lines of stderr but the import times). PYTHONPATH puts this checkout first, for the script.
+    The command starts with SIGINT's default action, as from a terminal (a background job of
+    a non-interactive shell inherits it ignored, and Python then keeps ignoring it)."""
     argv = [script] if script else [sys.executable, "-m", "numpy_attention"]
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(numpy_attention.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [checkout, os.getenv("PYTHONPATH")])))
     if imported:
         env["PYTHONPROFILEIMPORTTIME"] = "1"
     with subprocess.Popen([*argv, command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env) as process:
+                          env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as process:
         if imported:
             for line in process.stderr:
                 if line.rpartition("|")[2].strip() == imported:
