@@ -495,3 +495,23 @@ def test_the_scale_check_is_not_applied_where_rounding_along_u_hides_a_scale_err
     for u, applied in ((np.full(16, 1e-4), False), (np.ones(16), True)):
         verdict = judge("out", candidate, oracle, baseline, scale_direction=u, scale_tol=3.9e-3)
         assert np.isnan(verdict.scale_bound) != applied and verdict.passed, verdict
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_kernel_that_scales_q_in_the_compute_dtype_passes(precision):
+    """MLX's order, S = round(round(scale q) k^T), is one of the recipe's ways: 60 honest cases
+    of it pass (widths whose scale 1/sqrt(d) is not a power of two; some causal)."""
+    p = PRECISIONS[precision]
+    failed = []
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        n_q, n_k, d = int(rng.integers(1, 100)), int(rng.integers(1, 100)), int(rng.choice([24, 40, 96]))
+        q, k, v, dout = (rng.standard_normal(shape).astype(p.storage).astype(np.float32) for shape in
+                         ((1, 2, n_q, d), (1, 2, n_k, d), (1, 2, n_k, d), (1, 2, n_q, d)))
+        causal = bool(rng.random() < 0.5) and n_k >= n_q
+        q3, k3, v3, record = na.attention_options(q, k, v, causal=causal)
+        result = recipe_attention(q3, k3, v3, record, p, dout=dout, scaled_q=True)
+        report = crosscheck(q=q, k=k, v=v, dout=dout, causal=causal, precision=precision,
+                            **{name: result[name] for name in ("out", "lse", "dq", "dk", "dv")})
+        failed += [] if report else [(seed, str(report))]
+    assert not failed, failed[:1]

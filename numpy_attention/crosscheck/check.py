@@ -184,9 +184,10 @@ def baselines(case, gradients=True, block_rows=None, scheduler=None):
     """The baselines of the case's precision (precision.py): a list of result dicts.
 
     float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
-    recipe, with its two backwards (the eager one and the tiled flash one; the rule
-    takes the larger error of the two, since a kernel may be built either way), and last
-    the flash one with D from the candidate's out where _reads_kernel_out.
+    recipe, with the scale on k, on the scores and on q (MLX's order), its two backwards (the
+    eager one and the tiled flash one; the rule takes the largest error of them all, since a
+    kernel may be built any of these ways), and last the flash one with D from the
+    candidate's out where _reads_kernel_out.
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
@@ -213,13 +214,15 @@ def _baselines(case, gradients, block_rows):
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
     q, k, v, record = attention_options(q, k, v, **options)
     dout = dout if gradients else None
-    ways = [("eager", True, None), ("eager", False, None)]
+    ways = [("eager", True, None, False), ("eager", False, None, False),      # scale on k, on S
+            ("eager", True, None, True)]                                      # on q (MLX)
     if dout is not None:
-        ways.append(("flash", True, None))
+        ways.append(("flash", True, None, False))
     if _reads_kernel_out(case, gradients):      # the flash backward, D from the kernel's out
-        ways.append(("flash", True, rounded(case.candidates["out"])))
+        ways.append(("flash", True, rounded(case.candidates["out"]), False))
     return [recipe_attention(q, k, v, record, p, dout=dout, backward=backward, reorder=reorder,
-                             block_rows=block_rows, saved_out=saved) for backward, reorder, saved in ways]
+                             block_rows=block_rows, saved_out=saved, scaled_q=scaled_q)
+            for backward, reorder, saved, scaled_q in ways]
 
 
 def _reads_kernel_out(case, gradients):

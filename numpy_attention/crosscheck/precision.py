@@ -14,7 +14,7 @@ candidate to is an honest implementation at that precision:
 The recipe (T = the compute dtype, every matrix product accumulated in float32 and its
 result rounded to T, every element-wise step computed in float32 and rounded to T):
 
-    forward   k' = round(k * scale)            S = round(q k'^T)
+    forward   k' = round(k * scale)            S = round(q k'^T)     (or q' = round(scale q), MLX's)
               S = round(round(tanh(round(S / softcap))) * softcap)          (softcap)
               S = round(S + bias);  S = -inf where not kept
               P = round(softmax(S)),  lse = logsumexp(S) in float32
@@ -87,7 +87,7 @@ def precision_of(dtype):
 
 
 def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", reorder=True,
-                     block_rows=None, saved_out=None):
+                     block_rows=None, saved_out=None, scaled_q=False):
     """The recipe of the module docstring: out, lse (and dq, dk, dv, dbias with dout).
 
     q, k, v (and dout): float32 arrays holding values of the compute dtype (float8 inputs
@@ -100,12 +100,19 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     * out) (and a sink's gradient): a kernel's own, as FlashAttention's backward reads the
     forward's O; None: the recipe's. D's rounding then shifts dq, dk as it does the kernel's
     (decoding's one query row: one D per head, and dS = P (dP - D) nearly cancels).
+    scaled_q: the scale applied to q instead, S = round(round(scale q) k^T), as MLX's CPU
+    kernel does; then dq = round(dq' scale) from the gradient dq' of the scaled q.
     Blocks change no result: every product and every sum over rows goes a tile of TILE_ROWS
     rows at a time, in the same order for any block size.
     Results are float32 arrays holding values of the output dtype (lse: float32).
     """
     T = precision.compute
     rnd = lambda x: np.asarray(x, np.float32).astype(T).astype(np.float32)      # round to T
+    if scaled_q:                                                                 # S = (scale q) k^T
+        scale = np.float32(options.scale)
+        result = recipe_attention(rnd(q * scale), k, v, options._replace(scale=1.0), precision, dout,
+                                  backward, reorder, block_rows, saved_out)
+        return {**result, "dq": rnd(result["dq"] * scale)} if "dq" in result else result
     o = options
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
     score_shape = q3.shape[:-1] + k3.shape[-2:-1]                              # [..., H, N_q, N_k]
