@@ -6,6 +6,7 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
     inputs      q [..., H, N_q, d_k]  k [..., H_kv, N_k, d_k]  v [..., H_kv, N_k, d_v]
                 dout [..., H, N_q, d_v]            (needed when a gradient is given)
     options     mask          keep-mask broadcastable to [..., H, N_q, N_k], True/nonzero = attend
+                              (a float one holds 0 / 1; torch's 0 / -inf float mask is a bias)
                 bias          additive float scores, broadcastable like mask
                 causal        0-d bool, or the alignment name 'top_left' / 'bottom_right'
                 align         0-d 'top_left' / 'bottom_right': the diagonal of causal and window
@@ -23,6 +24,7 @@ tensor is judged in its own, so a float32 lse may come with a float16 out);
 the order of operations is attention.py's: scale -> softcap -> bias -> masks
 -> softmax -> dropout -> @ v.
 """
+import difflib
 import zipfile
 from typing import NamedTuple
 
@@ -53,6 +55,20 @@ SETTINGS = ("precision", "layout", "lse_base")        # how to read the case (al
 LAYOUTS = ("bhnd", "bnhd")
 LSE_BASES = ("e", "2")
 KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + SETTINGS
+# other libraries' names for a key: how to pass each (unknown keys otherwise get difflib's guess)
+NEAR_MISSES = {
+    "attn_mask": "a boolean attn_mask is mask= (True = attend), a float one is bias=",
+    "is_causal": "torch's is_causal is causal= (True is top-left, as in torch)",
+    "causal_mask": "causal=True draws the causal mask; a mask tensor is mask= (bool, True = attend) "
+                   "or bias= (float, 0 / -inf)",
+    "key_padding_mask": "torch's key_padding_mask [B, N_k] is True = ignore: pass "
+                        "mask=~key_padding_mask[:, None, None, :]",
+    "softmax_scale": "FlashAttention's softmax_scale is scale=",
+    "softmax_lse": "FlashAttention's softmax_lse is lse=",
+    "window_size": "FlashAttention's window_size is window= with align='bottom_right' (its diagonal)",
+    "alibi": "ALiBi's slopes are alibi_slopes= ([H] or [B, H])",
+    "dropout": "dropout is dropout_p= with the kernel's dropout_mask= (the oracle needs the kept entries)",
+}
 # tensors with a head axis and a length axis, in [..., H, N, d] (or FlashAttention's [..., N, H, d])
 _LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot")
 
@@ -98,6 +114,17 @@ def _window(arrays, name):
     return check_window((int(x[0]), int(x[1])))
 
 
+def _mask(arrays, name):
+    """A keep-mask as given; a float one must hold only 0 and 1 (torch's 0 / -inf is a bias)."""
+    x = np.asarray(arrays[name])
+    odd = x[(x != 0) & (x != 1)] if is_float_dtype(x.dtype) else ()
+    if len(odd):
+        raise CaseError(f"{name} of shape {x.shape} and dtype {x.dtype} holds {float(odd[0]):g}: a float "
+                        f"mask is a keep-mask of 0 and 1 (1 = attend); a float mask of 0 and -inf is an "
+                        f"additive bias: pass it as bias=")
+    return x
+
+
 def _word(choices):
     return lambda arrays, name: require_choice(_scalar(arrays, name, "str"), name, choices)
 
@@ -107,7 +134,7 @@ def _real(check):
 
 
 # option -> decode(arrays, name): its Python value, checked by attention_forward's rules
-_DECODE = {"causal": _causal, "window": _window, "align": _word(ALIGNMENTS),
+_DECODE = {"mask": _mask, "causal": _causal, "window": _window, "align": _word(ALIGNMENTS),
            "scale": _real(require_positive_real), "softcap": _real(require_positive_real),
            "dropout_p": _real(require_probability), "fully_masked": _word(FULLY_MASKED_POLICIES)}
 
@@ -126,6 +153,22 @@ def _decode_options(arrays):
 def _require_shape(arrays, name, shape):
     if arrays[name].shape != tuple(shape):
         raise CaseError(f"{name} must have shape {tuple(shape)}, got {arrays[name].shape}")
+
+
+def _require_lse_shape(lse, shape):
+    """lse [..., H, N_q]; FlashAttention's Triton kernel's, padded to a multiple of 128 rows, named."""
+    n = shape[-1]
+    if lse.shape[:-1] == tuple(shape[:-1]) and lse.shape[-1] == -(-n // 128) * 128 != n:
+        raise CaseError(f"lse has {lse.shape[-1]} rows, N_q = {n}: FlashAttention's Triton kernel pads "
+                        f"to a multiple of 128; pass lse[..., :{n}]")
+
+
+def _unknown_key(name):
+    """The message for a key a case does not have: how to pass it, a close match, or the keys."""
+    close = difflib.get_close_matches(name, KEYS, n=1)
+    hint = NEAR_MISSES.get(name) or (f"did you mean {close[0]}=?" if close else None)
+    return f"unknown key {name!r}: {hint}" if hint else \
+        f"unknown key {name!r}; a case has keys {', '.join(KEYS)}"
 
 
 def _setting(arrays, name, given, choices):
@@ -192,7 +235,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     """
     unknown = sorted(set(arrays) - set(KEYS))
     if unknown:
-        raise CaseError(f"unknown key {unknown[0]!r}; a case has keys {', '.join(KEYS)}")
+        raise CaseError(_unknown_key(unknown[0]))
     for name in ("q", "k", "v", "out"):
         if name not in arrays:
             raise CaseError(f"missing key {name!r}")
@@ -239,6 +282,8 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
                      ("dbias", np.shape(tensors.get("bias"))),
                      *((g, np.shape(tensors.get(o))) for g, o in _PER_HEAD.items())):
         if n in tensors:
+            if n == "lse":
+                _require_lse_shape(tensors[n], shape)
             _require_shape(tensors, n, shape)
     return Case(inputs=inputs, options=options,
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
@@ -268,9 +313,10 @@ def _packed_if_paged(arrays, inputs, options):
 
 def load_case(path):
     """Read a .npz case into a dict of arrays, every member checked before its data is read
-    (npz.py); CaseError for a file that is not a case."""
+    (npz.py); CaseError for a file that is not a case. Members named as in NEAR_MISSES (torch's
+    attn_mask) are read too, for split_case to refuse with the advice."""
     try:
-        return read_npz(path, KEYS)
+        return read_npz(path, KEYS + tuple(NEAR_MISSES))    # split_case explains a near miss
     except (OSError, ValueError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile) as exc:
         raise CaseError(f"cannot read {path} as a .npz case: {exc}") from None
 
