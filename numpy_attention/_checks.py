@@ -11,10 +11,11 @@ of object), and its message names the argument and the shapes involved.
 dtype rule (DESIGN.md): float32 stays float32, float64 stays float64, complex
 stays complex (for complex-step gradient checks), float16 computes in float32,
 integers are cast to float64. Booleans, strings and objects are rejected. The 16- and
-8-bit floats NumPy lacks (bfloat16, float8: ml_dtypes arrays, or torch tensors of them)
+8-bit floats NumPy lacks (bfloat16, float8: ml_dtypes arrays, or torch or MLX arrays of them)
 compute in float32, like float16.
 """
 import math
+import sys
 from collections.abc import Mapping
 
 import ml_dtypes
@@ -27,7 +28,9 @@ def as_float_array(x, name):
     The result may share memory with `x`; callers never write into it.
     """
     try:
-        arr = to_numpy(x)
+        arr = to_numpy(x, name)
+    except NoConversion:      # an MLX array of a dtype NumPy cannot read: already names x
+        raise
     except Exception as exc:  # ragged nested lists and the like
         raise TypeError(f"{name} must be a numeric array, got {type(x).__name__}: {exc}") from None
     kind = arr.dtype.kind
@@ -200,7 +203,7 @@ def broadcast_shape_to(x, name, target_shape, legend):
 
 def as_mask(mask, name, target_shape, legend):
     """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape."""
-    arr = to_numpy(mask)
+    arr = to_numpy(mask, name)
     if is_float_dtype(arr.dtype) and arr.dtype.itemsize < 4:
         arr = arr.astype(np.float32)                 # float16, bfloat16, float8: exactly
     if arr.dtype.kind not in "biuf":
@@ -215,17 +218,62 @@ def as_mask(mask, name, target_shape, legend):
 
 _TORCH_LOW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")   # no NumPy dtype: ml_dtypes'
 
+# MLX's dtypes (mlx.core.<name>) and the NumPy dtype each is read as. bfloat16, which NumPy
+# lacks (its buffer format is no PEP 3118 one), becomes an ml_dtypes array through float32
+# (exact: bfloat16 is a subset of float32); the rest through NumPy's buffer protocol. A dtype
+# not listed (one a later MLX adds) is refused rather than read: NumPy could take its bits as
+# another type's (a float8 exported as uint8 bytes).
+_MLX_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32,
+               "uint64": np.uint64, "int8": np.int8, "int16": np.int16, "int32": np.int32,
+               "int64": np.int64, "float16": np.float16, "float32": np.float32,
+               "float64": np.float64, "complex64": np.complex64,
+               "bfloat16": ml_dtypes.bfloat16}
 
-def to_numpy(value):
-    """A torch tensor (detached, on the CPU) or array-like -> ndarray. torch's bfloat16 and
-    float8 tensors, which have no NumPy dtype, become ml_dtypes arrays (through float32,
-    exactly)."""
+
+class NoConversion(TypeError):
+    """An array of a dtype NumPy cannot read (its message names the argument, dtype and shape)."""
+
+
+def to_numpy(value, name="the array"):
+    """A torch tensor (detached, on the CPU), an MLX array or array-like -> ndarray. torch's
+    bfloat16 and float8 tensors and MLX's bfloat16 arrays, which have no NumPy dtype, become
+    ml_dtypes arrays (through float32, exactly). An MLX array is read-only (MLX arrays are
+    immutable; the result may share its memory); one of a dtype with no NumPy reading raises
+    NoConversion (a TypeError) naming `name`, its dtype and shape."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
         if dtype in _TORCH_LOW_FLOATS:
             return value.detach().cpu().float().numpy().astype(getattr(ml_dtypes, dtype))
         return value.detach().cpu().numpy()
+    if is_mlx_array(value):
+        return _mlx_to_numpy(value, name)
     return np.asarray(value)
+
+
+def is_mlx_array(value):
+    """Whether `value` is an mlx.core.array (or a subclass), told without importing MLX: the
+    type is MLX's only if MLX is imported already."""
+    mx = sys.modules.get("mlx.core")
+    return mx is not None and isinstance(value, getattr(mx, "array", ()))
+
+
+def _mlx_to_numpy(value, name):
+    """An MLX array as an ndarray of the dtype _MLX_DTYPES gives it (see to_numpy)."""
+    mx = sys.modules["mlx.core"]
+    dtype = str(value.dtype).removeprefix("mlx.core.")
+    want = _MLX_DTYPES.get(dtype)
+    what = f"{name} is an MLX array of dtype {dtype} with shape {tuple(value.shape)}"
+    if want is None:
+        raise NoConversion(f"{what}, which has no NumPy or ml_dtypes reading; "
+                           f"cast it first (x.astype(mx.float32))")
+    if want is ml_dtypes.bfloat16:
+        arr = np.array(value.astype(mx.float32)).astype(want)
+    else:
+        arr = np.asarray(value)
+        if arr.dtype != want:     # never read one type's bits as another's
+            raise NoConversion(f"{what}, which NumPy reads as {arr.dtype}, not {np.dtype(want)}")
+    arr.flags.writeable = False
+    return arr
 
 
 def is_float_dtype(dtype):

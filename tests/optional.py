@@ -1,5 +1,5 @@
 """The optional extras some tests need: torch (the cross-checks), jax (its forward mode),
-matplotlib (the figures) and dask.distributed (the cluster).
+mlx (its arrays and its SDPA kernel), matplotlib (the figures) and dask.distributed (the cluster).
 
 Without one, its tests skip and say how to install it; every other test still runs, so
 `pip install '.[test]' && python3 -m pytest -q` passes on numpy and scipy alone (.ci/run's
@@ -12,6 +12,7 @@ import pytest
 TORCH_REASON = "torch is an optional extra: pip install torch==2.13.0"     # pytest.importorskip's reason
 MATPLOTLIB_REASON = "matplotlib is an optional extra: pip install 'numpy-attention[plot]'"
 JAX_REASON = "jax is an optional extra: pip install 'numpy-attention[jax]'"
+MLX_REASON = "mlx is an optional extra: pip install 'numpy-attention[mlx]' (on Linux its CPU build, mlx[cpu])"
 DASK_REASON = "dask.distributed is an optional extra: pip install 'numpy-attention[dask]'"
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
