@@ -18,8 +18,8 @@ from optional import TORCH_REASON
 from numpy_attention import crosscheck
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
-from torch_kernels import (ALIBI, EVERYDAY, ORTHOGONAL, campaign, random_case,  # noqa: E402
-                           run)                                          # (needs torch)
+from torch_kernels import (ALIBI, EVERYDAY, ORTHOGONAL, campaign, caught,  # noqa: E402 (needs torch)
+                           false_failures, random_case, run)
 
 CASES_PER_VARIANT = 20                          # x 14 kernel-variant pairs = 280 cases per precision
 CAUGHT = 0.95
@@ -34,14 +34,13 @@ def results(request):
 def test_no_false_failure(results):
     precision, (honest, _) = results
     assert len(honest) == 280
-    failed = [(kernel, variant, str(report)) for kernel, variant, report in honest if not report]
+    failed = false_failures(honest)
     assert not failed, failed[:2]
 
 
 def test_planted_bugs_are_caught(results):
     precision, (_, planted) = results
-    shares = {bug: sum(not report for report in reports) / len(reports)
-              for bug, reports in planted.items() if reports}
+    shares = caught(planted)
     assert len(planted["scale"]) >= 150 and len(planted["dq_entry"]) >= 150, {b: len(r) for b, r in planted.items()}
     assert all(share >= CAUGHT for share in shares.values()), (precision, shares)
 
@@ -53,7 +52,7 @@ def test_no_false_failure_where_q_is_nearly_orthogonal_to_its_keys(precision):
     torch.set_num_threads(1)
     honest, _ = campaign(precision, CASES_PER_VARIANT, seed=13, kernels=ORTHOGONAL, bugs=())
     assert len(honest) == 60
-    failed = [(kernel, str(report)) for kernel, _, report in honest if not report]
+    failed = false_failures(honest)
     assert not failed, failed[:2]
 
 
@@ -80,6 +79,6 @@ def test_no_false_failure_with_alibi_slopes_and_their_gradient(precision):
     the recipe does not: not yet held here.)"""
     torch.set_num_threads(1)
     honest, planted = campaign(precision, 40, seed=14, kernels=ALIBI, bugs=("dq_entry",))
-    failed = [str(report) for _, _, report in honest if not report]
+    failed = false_failures(honest)
     assert len(honest) == 40 and not failed, failed[:1]
-    assert sum(not report for report in planted["dq_entry"]) >= CAUGHT * len(planted["dq_entry"])
+    assert caught(planted)["dq_entry"] >= CAUGHT

@@ -10,7 +10,7 @@ import pytest
 from optional import TORCH_REASON
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
-from torch_kernels import campaign  # noqa: E402  (needs torch)
+from torch_kernels import campaign, caught, false_failures  # noqa: E402  (needs torch)
 
 CASES_PER_VARIANT = 20                          # x 27 kernel-variant pairs = 540 cases per precision
 CAUGHT = 0.95                                   # the share of a bug's cases that must fail
@@ -25,12 +25,12 @@ def results(request):
 def test_no_false_failure(results):
     precision, (honest, _) = results
     assert len(honest) == 540
-    failed = [(kernel, variant, str(report)) for kernel, variant, report in honest if not report]
+    failed = false_failures(honest)
     assert not failed, failed[:2]
 
 
 def test_planted_bugs_are_caught(results):
     precision, (_, planted) = results
-    shares = {bug: sum(not report for report in reports) / len(reports) for bug, reports in planted.items()}
+    shares = caught(planted)
     assert all(len(reports) >= 15 for reports in planted.values()), {b: len(r) for b, r in planted.items()}
     assert all(share >= CAUGHT for share in shares.values()), (precision, shares)

@@ -89,6 +89,17 @@ def campaign(precision, cases_per_variant, seed, kernels=KERNELS, bugs=BUGS):
     return honest, planted
 
 
+def false_failures(honest):
+    """campaign's honest results that failed, as (kernel, variant, the report's text)."""
+    return [(kernel, variant, str(report)) for kernel, variant, report in honest if not report]
+
+
+def caught(planted):
+    """campaign's planted results: bug -> the share of its cases that failed (bugs planted)."""
+    return {bug: sum(not report for report in reports) / len(reports)
+            for bug, reports in planted.items() if reports}
+
+
 def random_case(rng, precision, variant, max_len=200):
     """Inputs (float32 arrays holding values of `precision`) and options of one random case."""
     gqa = variant in ("gqa", "scale_gqa")

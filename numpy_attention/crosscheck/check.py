@@ -258,7 +258,7 @@ def _block_rows(case):
 def _as_arrays(arrays):
     """The keyword arguments as NumPy arrays (_checks.to_numpy: torch's bfloat16 and float8
     tensors become ml_dtypes arrays); None means absent."""
-    return {name: to_numpy(x) for name, x in arrays.items() if x is not None}
+    return {name: to_numpy(x, name) for name, x in arrays.items() if x is not None}
 
 
 def _atol(case, name, dtype, oracle, magnitude, given):

@@ -43,9 +43,8 @@ def term_sums(stage_blocks, inputs, options):
     q, k = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k"))
     h_kv = with_head_axis(k).shape[-3]
     groups = with_head_axis(q).shape[-3] // h_kv
-    lengths = lambda x: np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=-1))     # row lengths
-    v_lengths = np.repeat(lengths(with_head_axis(inputs["v"]))[..., None, :], groups, axis=-3)
-    dout_lengths = lengths(with_head_axis(inputs["dout"])) if "dout" in inputs else None
+    v_lengths = np.repeat(_lengths(with_head_axis(inputs["v"]))[..., None, :], groups, axis=-3)
+    dout_lengths = _lengths(with_head_axis(inputs["dout"])) if "dout" in inputs else None
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
     dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
@@ -95,8 +94,8 @@ def magnitudes_of(sums, inputs, options):
     """{tensor: the largest sum of |terms|}: term_sums times the inputs' largest entries."""
     q, k, v = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k", "v"))
     scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
-    norm = lambda x: np.sqrt(np.sum(x * x, axis=-1)).max(initial=0)       # the largest row's length
-    lse = sums["lse"] + scale * norm(q) * norm(k) + np.log(max(k.shape[-2], 1))
+    longest = lambda x: _lengths(x).max(initial=0)
+    lse = sums["lse"] + scale * longest(q) * longest(k) + np.log(max(k.shape[-2], 1))
     mags = {"out": sums["out"] * v.max(initial=0), "lse": lse}
     if "dout" in inputs:
         mags.update(dv=sums["dv"] * np.abs(inputs["dout"]).max(initial=0),
@@ -104,6 +103,11 @@ def magnitudes_of(sums, inputs, options):
                     dk=scale * sums["dk"] * q.max(initial=0))
         mags.update({name: sums[name] for name in ("dbias", "dsinks", "dalibi_slopes") if name in sums})
     return mags
+
+
+def _lengths(x):
+    """The length ||x_i||_2 of each row of x (the last axis), in float64."""
+    return np.sqrt(np.sum(np.square(np.asarray(x, np.float64)), axis=-1))
 
 
 def _kv_column_max(col_sum, h_kv):

@@ -140,7 +140,8 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
             dq[..., rows, :], ds, sums = step(rnd, dout3[..., rows, :], o, f, sums)
             if dbias is not None:                                                # dbias += dS, a tile at a time
                 for r in range(0, ds.shape[-2], TILE_ROWS):
-                    block = bias_block(dbias, (Ellipsis, slice(rows.start + r, rows.start + r + TILE_ROWS), slice(None)))
+                    tile = slice(rows.start + r, rows.start + r + TILE_ROWS)
+                    block = bias_block(dbias, (Ellipsis, tile, slice(None)))
                     block += unbroadcast(ds[..., r:r + TILE_ROWS, :], block.shape)
             if dsinks is not None:                                               # -sum P_sink D
                 dsinks -= np.sum(f.p_sink[..., 0] * np.sum(dout3[..., rows, :] * f.out, axis=-1), axis=-1)
