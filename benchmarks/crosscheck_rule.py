@@ -1,5 +1,6 @@
 """The crosscheck rule's record on torch's own CPU kernels: false failures of honest results and
-the share of planted bugs caught, per precision (the table of docs/crosscheck.md).
+the share of planted bugs caught, per precision, with how many of those caught the diagnosis
+names (the table of docs/crosscheck.md).
 
     python3 benchmarks/crosscheck_rule.py [--cases 20] [--seed 11]
 
@@ -35,13 +36,15 @@ def main():
     rows = {}
     for precision in ("float16", "bfloat16", "float32"):
         honest, planted = campaign(precision, args.cases, args.seed)
-        caught = {bug: (sum(not r for r in reports), len(reports)) for bug, reports in planted.items()}
+        caught = {bug: (sum(not r for r in reports), len(reports), sum(bool(r.diagnosis) for r in reports if not r))
+                  for bug, reports in planted.items()}
         rows[precision] = (sum(not r for _, _, r in honest), len(honest), caught)
     print("| | " + " | ".join(rows) + " |")
     print("|---|" + "---|" * len(rows))
     print("| honest results failed | " + " | ".join(f"{f} of {n}" for f, n, _ in rows.values()) + " |")
     for bug in BUGS:
-        cells = [f"{c}/{n} = {c / n:.0%}" for _, _, caught in rows.values() for c, n in [caught[bug]]]
+        cells = [f"{c}/{n} = {c / n:.0%}, {named} named" for _, _, caught in rows.values()
+                 for c, n, named in [caught[bug]]]
         print(f"| planted: {bug} | " + " | ".join(cells) + " |")
 
 

@@ -3,6 +3,8 @@ arrays, and the settings a kernel author needs (layout, lse base, None, causal 0
 Candidates here are built from the recipe itself or from our float64 attention; torch's
 kernels as candidates are in test_torch_precisions.py."""
 import ml_dtypes
+import re
+
 import numpy as np
 import pytest
 
@@ -254,7 +256,7 @@ def test_the_diagnosis_names_softcap_after_the_bias():
     rng = np.random.default_rng(5)
     q, k, v = rng.standard_normal((1, 4, 5, 8)), rng.standard_normal((1, 4, 7, 8)), rng.standard_normal((1, 4, 7, 8))
     from numpy_attention.crosscheck.diagnosis import _softcap_after_bias
-    wrong = _softcap_after_bias({"q": q, "k": k, "v": v}, {"softcap": 1.5, "bias": bias})
+    wrong = _softcap_after_bias(q, k, v, {"softcap": 1.5, "bias": bias})
     report = crosscheck(q=q, k=k, v=v, bias=bias, softcap=np.array(1.5), out=wrong["out"], lse=wrong["lse"])
     assert not report and "softcap applied after the bias" in " ".join(report.diagnosis)
 
@@ -270,6 +272,81 @@ def test_the_diagnosis_names_the_bnhd_layout():
     report = crosscheck(q=q, k=k, v=v, out=out)
     assert not report and "match the [..., N, H, d] layout" in " ".join(report.diagnosis)
     assert crosscheck(q=q, k=k, v=v, out=out, layout="bnhd")
+
+
+def _scaled(names, factor, heads=slice(None)):
+    """A transform of the case's arrays: the tensors `names` times `factor` in `heads`."""
+    def transform(arrays):
+        arrays = dict(arrays)
+        for name in names:
+            x = arrays[name].copy()
+            x[:, heads] *= factor
+            arrays[name] = x
+        return arrays
+    return transform
+
+
+def test_the_diagnosis_names_a_backward_without_the_scale():
+    diagnosis = _diagnosis({}, transform=_scaled(("dq", "dk"), np.sqrt(8)))
+    assert diagnosis.startswith("dq, dk match the oracle times 2.82843 = 1 / scale: a backward without")
+
+
+def test_the_diagnosis_names_one_heads_dk_negated():
+    diagnosis = _diagnosis({}, transform=_scaled(("dk",), -1, heads=2))
+    assert diagnosis.startswith("dk matches the oracle with head 2 negated (rel L2")
+
+
+@pytest.mark.parametrize("shift, expected", [(-1, "the diagonal excluded"), (1, "one key of the future kept")])
+def test_the_diagnosis_names_causal_masking_off_by_one(shift, expected):
+    keep = np.arange(7)[None, :] <= np.arange(5)[:, None] + shift
+    diagnosis = _diagnosis({"causal": True}, {"mask": keep})
+    assert f"out, lse, dq, dk, dv match causal masking off by one ({expected})" in diagnosis
+
+
+def test_the_diagnosis_names_a_missing_softcap_and_the_scale_applied_twice():
+    assert "match no softcap" in _diagnosis({"softcap": np.array(2.0)}, {})
+    assert "match scale 1/d_k = 0.125 (the scale applied twice)" in _diagnosis({}, {"scale": 1 / 8})
+
+
+def test_the_diagnosis_names_two_mixups_at_once():
+    diagnosis = _diagnosis({"causal": "top_left"}, {"causal": "bottom_right", "scale": 1.0})
+    assert diagnosis.startswith("out, lse, dq, dk, dv match causal='bottom_right' and scale 1 (rel L2")
+    assert "the case says causal='top_left'; the case's is 1/sqrt(d_k)" in diagnosis
+
+
+def test_the_diagnosis_names_lse_rows_moved_by_one():
+    diagnosis = _diagnosis({}, transform=lambda a: {**a, "lse": np.roll(a["lse"], 1, axis=-1)})
+    assert diagnosis.startswith("lse matches the oracle with each query row moved down by one")
+
+
+def test_the_diagnosis_names_mlx_causal_where_rows_are_fully_masked():
+    """More queries than keys: MLX's bottom-right causal leaves the first rows with no key and
+    makes them the mean of v (fully_masked='uniform'); the case says top-left."""
+    rng = np.random.default_rng(9)
+    q, dout = rng.standard_normal((1, 2, 6, 8)), rng.standard_normal((1, 2, 6, 8))
+    k, v = rng.standard_normal((1, 2, 4, 8)), rng.standard_normal((1, 2, 4, 8))
+    out, cache = na.attention_forward(q, k, v, causal="bottom_right", fully_masked="uniform")
+    g = na.attention_backward(dout, cache)
+    report = crosscheck(q=q, k=k, v=v, dout=dout, out=out, dq=g.dq, dk=g.dk, dv=g.dv, causal=True)
+    assert not report
+    assert " ".join(report.diagnosis).startswith(
+        "out, dq, dk, dv match causal='bottom_right' with fully masked rows the mean of v (MLX's causal)")
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_the_diagnosis_names_a_scale_one_percent_off_in_16_bits(precision):
+    """A 16-bit kernel whose scale is 1% off: its results rounded to the precision, the
+    rerun at the fitted scale as near as the rounding allows."""
+    rng = np.random.default_rng(12)
+    storage = {"bfloat16": BF16, "float16": np.float16}[precision]
+    rounded = lambda x: x.astype(storage).astype(np.float64)
+    q, k, v, dout = (rounded(2 * rng.standard_normal((1, 2, 64, 32))) for _ in range(4))
+    out, cache = na.attention_forward(q, k, v, scale=1.01 / np.sqrt(32))
+    g = na.attention_backward(dout, cache)
+    report = crosscheck(q=q, k=k, v=v, dout=dout, precision=precision,
+                        **{n: rounded(x) for n, x in (("out", out), ("dq", g.dq), ("dk", g.dk), ("dv", g.dv))})
+    assert not report
+    assert re.search(r"match scale 0\.1785\d* \(1\.01 times the case's\)", " ".join(report.diagnosis))
 
 
 def test_no_diagnosis_for_a_plain_wrong_result():

@@ -186,3 +186,29 @@ def test_to_json_has_the_failed_checks_and_the_counts():
         assert (tensors[r.name]["nans"], tensors[r.name]["infs"]) == (r.nans, r.infs)
     assert tensors["dq"]["max_abs_err"] == "inf" and tensors["dq"]["nans"] == arrays["dq"].size
     assert len(tensors["out"]["failed"]) == 4 and tensors["lse"]["failed"] == []
+
+
+# ----------------------------------------------------------------------------- the baseline's way
+
+def test_the_verdict_names_the_baseline_whose_error_is_the_bound():
+    rng = np.random.default_rng(2)
+    oracle = rng.standard_normal((2, 5, 8))
+    near, far = oracle + 1e-3 * rng.standard_normal(oracle.shape), oracle + 1e-2
+    verdict = judge("out", oracle + 1e-3, oracle, [near, far], baseline_names=["near", "far"])
+    assert verdict.baseline_way == "far" and verdict.baseline_err == pytest.approx(1e-2)
+    assert judge("out", oracle, oracle, [far, near], baseline_names=["far", "near"]).baseline_way == "far"
+    assert judge("out", oracle, oracle, near).baseline_way == ""
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bfloat16"])
+def test_the_report_says_which_way_of_the_baseline_bounds_each_tensor(dtype):
+    report = crosscheck(**every_tensor_case(dtype, None))
+    ways = {r.name: r.baseline_way for r in report.rows}
+    if dtype == np.float32:
+        assert set(ways.values()) == {"naive, sums left to right"}
+        return
+    scales = ("scale on k", "scale on S", "scale on q (MLX)")
+    assert ways["out"] in scales and ways["lse"] in scales
+    assert all(ways[n].startswith(scales) and ways[n].endswith(("eager backward", "flash backward", "D of its out"))
+               for n in ("dq", "dk", "dv"))
+    assert "baseline way" in str(report) and all(way in str(report) for way in ways.values())

@@ -213,16 +213,29 @@ def _baselines(case, gradients, block_rows):
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
     q, k, v, record = attention_options(q, k, v, **options)
-    dout = dout if gradients else None
-    ways = [("eager", True, None, False), ("eager", False, None, False),      # scale on k, on S
-            ("eager", True, None, True)]                                      # on q (MLX)
-    if dout is not None:
-        ways.append(("flash", True, None, False))
-    if _reads_kernel_out(case, gradients):      # the flash backward, D from the kernel's out
-        ways.append(("flash", True, rounded(case.candidates["out"]), False))
-    return [recipe_attention(q, k, v, record, p, dout=dout, backward=backward, reorder=reorder,
-                             block_rows=block_rows, saved_out=saved, scaled_q=scaled_q)
-            for backward, reorder, saved, scaled_q in ways]
+    saved = rounded(case.candidates["out"]) if _reads_kernel_out(case, gradients) else None
+    return [recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
+                             reorder=reorder, block_rows=block_rows, saved_out=saved if reads else None,
+                             scaled_q=scaled_q)
+            for _, (backward, reorder, reads, scaled_q) in _ways(case, gradients)]
+
+
+def _ways(case, gradients):
+    """The recipe's ways of computing the case (precision.recipe_attention's arguments), each
+    with its names for a forward result and for a gradient: [((name of its forward, name
+    with its backward), (backward, reorder, reads the kernel's out, scaled_q))]; the naive
+    baseline's one way in float32 / float64."""
+    if not case.precision.recipe:
+        return [(("naive, sums left to right",) * 2, None)]
+    named = lambda scale, backward: (scale, f"{scale}, {backward}")
+    ways = [(named("scale on k", "eager backward"), ("eager", True, False, False)),
+            (named("scale on S", "eager backward"), ("eager", False, False, False)),
+            (named("scale on q (MLX)", "eager backward"), ("eager", True, False, True))]
+    if gradients and "dout" in case.inputs:
+        ways.append((named("scale on k", "flash backward"), ("flash", True, False, False)))
+    if _reads_kernel_out(case, gradients):
+        ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False)))
+    return ways
 
 
 def _reads_kernel_out(case, gradients):
@@ -346,10 +359,13 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
             bases = [_unpaged(b, case.paged) for b in bases]
-        def verdict(name, ways):
+        names = [names for names, _ in _ways(case, want_grads)]      # each way's (forward, gradient) names
+        def verdict(name, ways):                         # judged by the first `ways` baselines
             cand = case.candidates[name]
             return judge(name, _in_base_e(case, name, cand), against[name],
-                         [b[name].astype(cand.dtype) for b in ways], baseline_oracle=truth[name],
+                         [b[name].astype(cand.dtype) for b in bases[:ways]],
+                         baseline_names=[way[name in GRADIENTS] for way in names[:ways]],
+                         baseline_oracle=truth[name],
                          k=k_factors.get(name), dtype=cand.dtype,
                          atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
                          l2_k=K_L2 if low else None, rows=low,
@@ -357,12 +373,12 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                          scale_atol=_summed_in_t(case, name))
 
         reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
-        verdicts = {name: verdict(name, bases[:-1] if reads_out else bases) for name in case.candidates}
+        verdicts = {name: verdict(name, len(bases) - reads_out) for name in case.candidates}
         if reads_out and verdicts["out"].passed:                   # an out that passes is one a kernel's
-            verdicts.update({name: verdict(name, bases) for name in verdicts if name in GRADIENTS})
+            verdicts.update({name: verdict(name, len(bases)) for name in verdicts if name in GRADIENTS})
         verdicts = list(verdicts.values())
         failing = [row.name for row in verdicts if not row.passed]
-        diagnosis = _diagnosis(arrays, case, truth, failing, whole) if failing else []
+        diagnosis = _diagnosis(arrays, case, truth, bases, failing, whole) if failing else []
     if failing:
         diagnosis = _precision_hint(arrays, case, settings) + diagnosis
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
@@ -427,15 +443,18 @@ def _in_base_e(case, name, cand):
     return cand.astype(np.float64) * np.log(2) if name == "lse" and case.lse_base == "2" else cand
 
 
-def _diagnosis(arrays, case, truth, failing, whole):
-    """The diagnosis lines of a failing case: the mix-up it matches (diagnosis.py, or the
-    other layout); none for a large case (not whole), whose reruns would be whole arrays."""
+def _diagnosis(arrays, case, truth, bases, failing, whole):
+    """The diagnosis lines of a failing case: the mix-up it matches (diagnosis.py, given the
+    rounding of the case's precision: the baselines' rel L2 errors; or the other layout);
+    none for a large case (not whole), whose reruns would be whole arrays."""
     if not whole:
         return ["not run: the case is too large to rerun the oracle under each mix-up "
                 f"(more than {blocks.SCORE_BUDGET:,} scores)"]
     if case.paged is not None:
         return ["not run: the mix-ups are not tried on a paged KV cache's case"]
-    return diagnose(case, truth, failing) or _layout_mixup(arrays, case, failing)
+    noise = {name: max(rel_l2(b[name], truth[name]) for b in bases) for name in failing
+             if all(name in b for b in bases)}
+    return diagnose(case, truth, failing, noise) or _layout_mixup(arrays, case, failing)
 
 
 def _precision_hint(arrays, case, settings):

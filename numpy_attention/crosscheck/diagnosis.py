@@ -1,19 +1,30 @@
 """Diagnosis: which common convention mix-up a failing candidate matches instead.
 
 When a tensor fails, the oracle is run again (float64) under each mix-up that applies to
-the case, and the failing tensors are compared with each rerun. A mix-up is named when
-every failing tensor is at least 100 times closer (rel L2) to its rerun than to the oracle
-and within 1e-2 of it:
+the case, and the failing tensors are compared with each rerun; where no mix-up alone
+explains them, the pairs of the PAIRED that bring it nearest. A rerun explains
+the failing tensors when the candidate is near it in each, within NEAR (rel L2) and either
+CLOSER times nearer than to the oracle or as near as the rounding of the case's precision
+lets an honest kernel be (NOISE times the baseline's rel L2, and nearer than to the
+oracle), and CLEARLY nearer in one of them at least. A tensor may also be a known constant
+times the rerun's, over the whole tensor or head by head (a backward without the scale,
+one head's dk negated):
 
     out, dq match causal='bottom_right' (rel L2 3.1e-08); the case says causal='top_left'
+    dq, dk match the oracle times 8 = 1 / scale (rel L2 2.0e-16): a backward without the scale
 
-The mix-ups: causal alignment swapped; causal masking missing, or added; scale 1 or
-sqrt(d_k) instead of 1/sqrt(d_k); mask polarity inverted; the window's alignment swapped;
-grouped-query heads interleaved (query head h with kv head h % H_kv, not h // G);
-dropout not rescaled by 1 / (1 - p); softcap applied after the bias; lse in base 2;
-the [..., N, H, d] layout read as [..., H, N, d].
+The mix-ups: causal alignment swapped (a bottom-right one also with fully masked rows the
+mean of v: MLX's mask="causal"); causal masking missing, or added, or off by one (the
+diagonal excluded, one key of the future kept); scale 1, sqrt(d_k) or 1/d_k (the scale
+applied twice) instead of 1/sqrt(d_k), or off by a few percent (the scale fitted to the
+candidate's out); softcap missing, or applied after the bias; mask polarity inverted; the
+window's alignment swapped, or each side off by one; grouped-query heads interleaved
+(query head h with kv head h % H_kv, not h // G); lse in base 2. The factors: -1, 2, 1/2,
+1 / scale and scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one (check.py adds: the [..., N, H, d] layout
+read as [..., H, N, d]).
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,9 +32,25 @@ from .._layout import grouped_matmul
 from ..attention import attention_backward, attention_forward, attention_scores
 from ..options import attention_options
 from ..softmax import softmax_and_logsumexp
+from .case import GRADIENTS
 
-CLOSER = 100.0          # a mix-up must explain a failing tensor this much better than the case
-NEAR = 1e-2             # and be this close to it (rel L2)
+CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
+NEAR = 1e-2             # and within this rel L2 of it;
+NOISE = 3.0             # or within this many times the baseline's rel L2 (the rule's k),
+CLEARLY = 2.0           # and this much nearer than the oracle
+PAIR_SCORES = 2 ** 20   # pairs of mix-ups are tried on cases of at most this many scores,
+PAIRED = 6              # of the mix-ups that bring the candidate nearest, this many
+FIT_STEPS = 4           # Gauss-Newton steps of the scale fitted to the candidate's out
+
+
+class Mixup(NamedTuple):
+    """One convention mix-up: what the candidate did, what the case says, and the rerun's
+    option changes (a value of None removes the option)."""
+    did: str
+    said: str
+    change: dict
+    interleaved: bool = False           # query head h meets kv head h % H_kv
+    softcap_after_bias: bool = False    # S = softcap tanh((scale q k^T + bias) / softcap)
 
 
 def rel_l2(x, ref):
@@ -37,103 +64,327 @@ def rel_l2(x, ref):
     return err / norm if norm > 0 else (0.0 if err == 0 else math.inf)
 
 
-def _rerun(inputs, options, gradients, interleaved=False):
-    """The float64 oracle's results for these inputs and options (a dict like check.reference's)."""
+def _rerun(inputs, options, gradients, mixup):
+    """The float64 oracle's results for these inputs and the options changed by `mixup` (a
+    dict like check.reference's; out and lse only for softcap after the bias)."""
+    options = {name: x for name, x in {**options, **mixup.change}.items() if x is not None}
     q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
+    if mixup.softcap_after_bias:
+        return _softcap_after_bias(q, k, v, options)
     groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
-    if interleaved:                                  # query head h meets kv head h % H_kv
+    if mixup.interleaved:
         k, v = (np.concatenate([x] * groups, axis=-3) for x in (k, v))
     out, cache = attention_forward(q, k, v, **options)
     result = {"out": out, "lse": cache.lse}
     if gradients and "dout" in inputs:
         grads = attention_backward(inputs["dout"].astype(np.float64), cache)
         dk, dv = grads.dk, grads.dv
-        if interleaved:                              # each kv head's copies summed back
+        if mixup.interleaved:                        # each kv head's copies summed back
             fold = lambda x: x.reshape(x.shape[:-3] + (groups, -1) + x.shape[-2:]).sum(axis=-4)
             dk, dv = fold(dk), fold(dv)
-        result.update(dq=grads.dq, dk=dk, dv=dv, dbias=grads.dbias)
+        result.update(dq=grads.dq, dk=dk, dv=dv, dbias=grads.dbias, dsinks=grads.dsinks,
+                      dalibi_slopes=grads.dalibi_slopes)
     return result
 
 
-def _softcap_after_bias(inputs, options):
+def _softcap_after_bias(q, k, v, options):
     """out and lse with S = softcap tanh((scale q k^T + bias) / softcap) (forward only)."""
-    options = dict(options)
     softcap = options.pop("softcap")
-    q, k, v, record = attention_options(*(inputs[n].astype(np.float64) for n in "qkv"), **options)
+    q, k, v, record = attention_options(q, k, v, **options)
     s = attention_scores(q, k, record)[0]            # scale q k^T + bias, -inf where masked
     s = np.where(np.isneginf(s), -np.inf, softcap * np.tanh(s / softcap))
     p, lse, _ = softmax_and_logsumexp(s)
     return {"out": grouped_matmul(p, v), "lse": lse}
 
 
-def _with(options, **change):
-    """The options with `change` applied; a value of None removes the option."""
-    options = {**options, **change}
-    return {name: x for name, x in options.items() if x is not None}
-
-
-def _mixups(case, gradients):
-    """(what the candidate did, what the case says, rerun()) for each mix-up that applies."""
-    o, inputs = case.options, case.inputs
-    rerun = lambda options, **kw: (lambda: _rerun(inputs, options, gradients, **kw))
+def _mixups(case):
+    """The mix-ups that apply to the case (Mixup), the scale fitted to the candidate aside."""
+    o, q, k = case.options, case.inputs["q"], case.inputs["k"]
+    n_q, n_k = q.shape[-2], k.shape[-2]
     causal = o.get("causal", False)
     align = causal if isinstance(causal, str) else o.get("align") or "top_left"
     other = {"top_left": "bottom_right", "bottom_right": "top_left"}[align]
     if causal:
         said = f"the case says causal={align!r}"
-        yield f"causal={other!r}", said, rerun(_with(o, causal=other, align=None))
-        yield "no causal mask", said, rerun(_with(o, causal=None, align=o.get("align")))
+        yield Mixup(f"causal={other!r}", said, {"causal": other, "align": None})
+        if other == "bottom_right" and n_q > n_k and o.get("fully_masked", "zero") != "uniform":
+            yield Mixup(f"causal={other!r} with fully masked rows the mean of v (MLX's causal)", said,
+                        {"causal": other, "align": None, "fully_masked": "uniform"})
+        yield Mixup("no causal mask", said, {"causal": None, "align": o.get("align")})
+        for shift, did in ((-1, "the diagonal excluded"), (1, "one key of the future kept")):
+            keep = _causal_keep(n_q, n_k, align, shift)
+            mask = keep if "mask" not in o else keep & (np.asarray(o["mask"]) != 0)
+            yield Mixup(f"causal masking off by one ({did})", said,
+                        {"causal": None, "align": align if "window" in o else None, "mask": mask})
     else:
         for alignment in ("top_left", "bottom_right"):
-            yield f"causal={alignment!r}", "the case has no causal mask", \
-                rerun(_with(o, causal=alignment, align=None))
-    d_k, scale = inputs["q"].shape[-1], o.get("scale")
-    for value, name in ((1.0, "1"), (math.sqrt(d_k), f"sqrt(d_k) = {math.sqrt(d_k):g}")):
+            yield Mixup(f"causal={alignment!r}", "the case has no causal mask",
+                        {"causal": alignment, "align": None})
+    d_k, scale = q.shape[-1], o.get("scale")
+    case_scale = f"the case's is {scale:g}" if scale is not None else "the case's is 1/sqrt(d_k)"
+    for value, name in ((1.0, "1"), (math.sqrt(d_k), f"sqrt(d_k) = {math.sqrt(d_k):g}"),
+                        (1 / d_k, f"1/d_k = {1 / d_k:g} (the scale applied twice)")):
         if scale is None or not math.isclose(scale, value):
-            yield f"scale {name}", f"the case's is {scale if scale is not None else '1/sqrt(d_k)'}", \
-                rerun(_with(o, scale=value))
+            yield Mixup(f"scale {name}", case_scale, {"scale": value})
+    if "softcap" in o:
+        yield Mixup("no softcap", f"the case's softcap is {o['softcap']:g}", {"softcap": None})
+        if "bias" in o:
+            yield Mixup("softcap applied after the bias", "the case applies it before", {},
+                        softcap_after_bias=True)
     if "mask" in o:
-        yield "the mask inverted (True = ignore)", "the case's mask is True = attend", \
-            rerun(_with(o, mask=np.asarray(o["mask"]) == 0))
-    if "window" in o and not causal:
-        yield f"the window aligned {other}", f"the case aligns it {align}", rerun(_with(o, align=other))
-    q, k = inputs["q"], inputs["k"]
+        yield Mixup("the mask inverted (True = ignore)", "the case's mask is True = attend",
+                    {"mask": np.asarray(o["mask"]) == 0})
+    if "window" in o:
+        if not causal:
+            yield Mixup(f"the window aligned {other}", f"the case aligns it {align}", {"align": other})
+        left, right = o["window"]
+        for change, did in (((1, 1), "both sides + 1"), ((-1, -1), "both sides - 1"),
+                            ((1, 0), "left + 1"), ((-1, 0), "left - 1"), ((0, 1), "right + 1"),
+                            ((0, -1), "right - 1")):
+            moved = tuple(w + c if w >= 0 else w for w, c in zip((left, right), change))
+            if moved != (left, right) and all(m >= 0 for m, w in zip(moved, (left, right)) if w >= 0):
+                yield Mixup(f"window={moved} ({did})", f"the case's window is {(left, right)}",
+                            {"window": moved})
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
-        yield "interleaved grouped-query heads (query head h with kv head h % H_kv)", \
-            "the case groups them (h // G)", rerun(o, interleaved=True)
-    if "dropout_mask" in o and o.get("dropout_p", 0) > 0:
-        yield "dropout without the 1 / (1 - p) rescaling", "the case rescales", \
-            rerun(_with(o, dropout_p=0.0))
-    if "softcap" in o and "bias" in o:
-        yield "softcap applied after the bias", "the case applies it before", \
-            lambda: _softcap_after_bias(inputs, o)
+        yield Mixup("interleaved grouped-query heads (query head h with kv head h % H_kv)",
+                    "the case groups them (h // G)", {}, interleaved=True)
 
 
-def diagnose(case, truth, failing):
+def _causal_keep(n_q, n_k, align, shift):
+    """[N_q, N_k] the causal keep-mask of `align` with its diagonal moved by `shift` keys."""
+    offset = n_k - n_q if align == "bottom_right" else 0
+    return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + offset + shift
+
+
+def _both(first, second):
+    """The two mix-ups at once, or None where they change one option (or both regroup heads)."""
+    if set(first.change) & set(second.change) or (first.interleaved and second.interleaved) \
+            or first.softcap_after_bias or second.softcap_after_bias:
+        return None
+    return Mixup(f"{first.did} and {second.did}", f"{first.said}; {second.said}",
+                 {**first.change, **second.change}, first.interleaved or second.interleaved)
+
+
+def diagnose(case, truth, failing, noise=None):
     """Lines naming the mix-up the failing tensors match; [] when none does.
 
     case: the split case; truth: the oracle's results; failing: the names of the tensors
-    that failed (their candidates are in case.candidates).
+    that failed (their candidates are in case.candidates); noise: {name: rel L2 of the
+    baseline} (the rounding of the case's precision; default 0).
     """
     candidates = {n: np.asarray(case.candidates[n]).astype(np.float64) for n in failing}
     if case.lse_base == "2" and "lse" in candidates:
         candidates["lse"] = candidates["lse"] * math.log(2)
+    noise = {n: (noise or {}).get(n, 0.0) for n in candidates}
     distance = {n: rel_l2(candidates[n], truth[n]) for n in candidates}
-    explains = lambda err, name: err <= NEAR and err * CLOSER <= distance[name]
+    judge = _Judge(candidates, distance, noise)
     if "lse" in candidates and case.lse_base == "e":
         base2 = rel_l2(candidates["lse"] * math.log(2), truth["lse"])
-        if explains(base2, "lse"):
+        if judge.explains(base2, "lse"):
             return [f"lse matches lse in base 2 (rel L2 {base2:.1e}); the case says base e "
                     f"(lse_base='2' reads it)"]
-    gradients = any(n in candidates for n in ("dq", "dk", "dv", "dbias"))
+    gradients = any(n in candidates for n in GRADIENTS)
+    rerun = lambda mixup: _rerun(case.inputs, case.options, gradients, mixup)
+    helpful = []
     with np.errstate(all="ignore"):
-        for did, said, rerun in _mixups(case, gradients):
-            try:
-                alternative = rerun()
-            except (ValueError, TypeError):             # not a valid case under this mix-up
+        found = judge.match(truth, case)                # a known factor of the oracle's
+        if found:
+            return [found]
+        singles = list(_mixups(case))
+        for index, mixup in enumerate(singles + _fitted_scale(case, candidates, truth, gradients)):
+            alternative = _tried(rerun, mixup)
+            if alternative is None:
                 continue
-            names = [n for n in candidates if alternative.get(n) is not None]
-            errs = {n: rel_l2(candidates[n], alternative[n]) for n in names}
-            if names and all(explains(errs[n], n) for n in names):
-                return [f"{', '.join(names)} match {did} (rel L2 {max(errs.values()):.1e}); {said}"]
+            found = judge.match(alternative, case, mixup)
+            if found:
+                return [found]
+            gain = judge.gain(alternative)
+            if gain > 1 and index < len(singles):       # the fitted scale was fitted alone
+                helpful.append((gain, index))
+        if _scores(case) <= PAIR_SCORES:
+            helpful = [singles[i] for i in sorted(i for _, i in sorted(helpful, reverse=True)[:PAIRED])]
+            for i, first in enumerate(helpful):
+                for second in helpful[i + 1:]:
+                    both = _both(first, second)
+                    alternative = None if both is None else _tried(rerun, both)
+                    found = alternative is not None and judge.match(alternative, case, both)
+                    if found:
+                        return [found]
     return []
+
+
+def _tried(rerun, mixup):
+    """rerun(mixup), or None where the mix-up makes no valid case."""
+    try:
+        return rerun(mixup)
+    except (ValueError, TypeError):
+        return None
+
+
+def _scores(case):
+    """The number of scores of the case (the cost of one rerun)."""
+    q, k = case.inputs["q"], case.inputs["k"]
+    return q.size // q.shape[-1] * k.shape[-2]
+
+
+def _fitted_scale(case, candidates, truth, gradients):
+    """[Mixup] of the scale that fits the failing candidates best, when it is off the case's
+    by more than 1e-4 relatively: Gauss-Newton on log(scale) over the tensors together, each
+    weighted by 1 / ||oracle||^2, each step's directions u = d result / d log(scale) by a
+    difference of the oracle rerun."""
+    d_k, given = case.inputs["q"].shape[-1], case.options.get("scale")
+    scale = given if given is not None else 1 / math.sqrt(d_k)
+    rerun = lambda s: _tried(lambda m: _rerun(case.inputs, case.options, gradients, m),
+                             Mixup("", "", {"scale": s}))
+    clean = lambda x: np.nan_to_num(x, nan=0, posinf=0, neginf=0)
+    weights = {n: float(np.sum(clean(truth[n]) ** 2)) for n in candidates
+               if n in ("out", "lse", *GRADIENTS) and truth.get(n) is not None}
+    weights = {n: 1 / w for n, w in weights.items() if w > 0}
+    factor, now = 1.0, truth
+    for _ in range(FIT_STEPS):
+        step = 2.0 ** -20
+        shifted = rerun(scale * factor * (1 + step))
+        if shifted is None or not weights:
+            return []
+        eu = uu = 0.0
+        for name, w in weights.items():
+            u = clean((shifted[name] - now[name]) / step)
+            eu += w * float(np.sum(clean(candidates[name] - now[name]) * u))
+            uu += w * float(np.sum(u * u))
+        if uu == 0:
+            return []
+        factor *= math.exp(float(np.clip(eu / uu, -1, 1)))
+        now = rerun(scale * factor)
+        if now is None:
+            return []
+    if abs(factor - 1) <= 1e-4:
+        return []
+    said = f"the case's is {given:g}" if given is not None else f"the case's is 1/sqrt(d_k) = {scale:.6g}"
+    return [Mixup(f"scale {scale * factor:.6g} ({factor:.4g} times the case's)", said,
+                  {"scale": scale * factor})]
+
+
+class _Judge:
+    """Whether a rerun explains the failing candidates (module docstring)."""
+
+    def __init__(self, candidates, distance, noise):
+        self.candidates, self.distance, self.noise = candidates, distance, noise
+
+    def explains(self, err, name):
+        """Whether a rerun at rel L2 `err` from the candidate explains it (module docstring)."""
+        return self.near(err, name) and err * CLEARLY <= self.distance[name]
+
+    def near(self, err, name):
+        """Whether the candidate is as near a rerun as rounding lets it be, and nearer than
+        to the oracle: one of the tensors a rerun explains, if another is clearly nearer."""
+        dist = self.distance[name]
+        return err <= NEAR and (err * CLOSER <= dist or (err <= NOISE * self.noise[name] and err <= dist))
+
+    def gain(self, alternative):
+        """How many times nearer the rerun is than the oracle, in the tensor it brings nearest."""
+        gains = [self.distance[n] / max(rel_l2(x, alternative[n]), 1e-300)
+                 for n, x in self.candidates.items() if alternative.get(n) is not None]
+        return max(gains, default=0.0)
+
+    def match(self, alternative, case, mixup=None):
+        """The diagnosis line if the rerun (the oracle itself when mixup is None) explains
+        every failing tensor, directly or as a factor of it; else ''."""
+        parts = []
+        for name, cand in self.candidates.items():
+            ref = alternative.get(name)
+            if ref is None:                 # a forward-only rerun says nothing of the gradients
+                continue
+            err = rel_l2(cand, ref)
+            if mixup is not None and self.near(err, name):
+                parts.append((name, "", err))
+                continue
+            fitted = _factor(cand, ref, case, name, self)
+            if fitted is None and mixup is None:
+                fitted = _shifted_rows(cand, ref, name, self)
+            if fitted is None:
+                return ""
+            parts.append((name, *fitted))
+        if not any(self.explains(err, name) for name, _, err in parts):
+            return ""
+        direct = [n for n, how, _ in parts if not how]
+        lines = []
+        if direct:
+            err = max(e for n, how, e in parts if not how)
+            verb = "matches" if len(direct) == 1 else "match"
+            lines.append(f"{', '.join(direct)} {verb} {mixup.did} (rel L2 {err:.1e}); {mixup.said}")
+        by_how = {}
+        for name, how, err in parts:
+            if how:
+                by_how.setdefault(how, []).append((name, err))
+        for how, named in by_how.items():
+            where = f"the oracle under {mixup.did}" if mixup is not None else "the oracle"
+            err = max(e for _, e in named)
+            verb = "matches" if len(named) == 1 else "match"
+            lines.append(f"{', '.join(n for n, _ in named)} {verb} {where} {how} (rel L2 {err:.1e})"
+                         + (f"; {mixup.said}" if mixup is not None and not direct else ""))
+        return "; ".join(lines)
+
+
+def _known_factors(case):
+    """{factor: its name} of the constants a kernel may multiply a result by wrongly."""
+    d_k, given = case.inputs["q"].shape[-1], case.options.get("scale")
+    scale = given if given is not None else 1 / math.sqrt(d_k)
+    known = {-1.0: "negated", 2.0: "times 2", 0.5: "times 1/2",
+             1 / scale: f"times {1 / scale:g} = 1 / scale: a backward without the scale",
+             scale: f"times {scale:g}: the scale applied once more"}
+    p = float(case.options.get("dropout_p", 0) or 0)
+    if "dropout_mask" in case.options and 0 < p < 1:
+        known[1 - p] = f"times (1 - p) = {1 - p:g}: dropout without the 1 / (1 - p) rescaling"
+    return known
+
+
+def _factor(cand, ref, case, name, judge):
+    """(how, rel L2) where cand is a known constant times ref (known_factors), over the whole
+    tensor or head by head (heads on axis -3; -2 for lse), the other heads equal; else None."""
+    known = _known_factors(case)
+    near = lambda c: next((f for f in known if math.isclose(c, f, rel_tol=1e-2)), None)
+    finite = np.isfinite(ref) & np.isfinite(cand)
+    if not finite.all():
+        return None
+    dot = lambda a, b, axes=None: np.sum(a * b, axis=axes)
+    whole = float(dot(ref, ref))
+    if whole == 0:
+        return None
+    factor = near(float(dot(cand, ref)) / whole)
+    if factor is not None:
+        err = rel_l2(cand, factor * ref)
+        if judge.explains(err, name):
+            return known[factor], err
+    axis = -2 if name == "lse" else -3
+    if ref.ndim < -axis or ref.shape[axis] < 2:
+        return None
+    others = tuple(a for a in range(ref.ndim) if a != ref.ndim + axis)
+    norms = dot(ref, ref, others)
+    fits = np.divide(dot(cand, ref, others), norms, out=np.ones_like(norms), where=norms > 0)
+    factors = [1.0 if math.isclose(c, 1, rel_tol=1e-2) else near(c) for c in fits]
+    if None in factors or all(f == 1.0 for f in factors):
+        return None
+    shape = [1] * ref.ndim
+    shape[axis] = len(factors)
+    err = rel_l2(cand, np.reshape(factors, shape) * ref)
+    if not judge.explains(err, name):
+        return None
+    wrong = [h for h, f in enumerate(factors) if f != 1.0]
+    hows = {known[factors[h]] for h in wrong}
+    heads = f"head{'s' if len(wrong) > 1 else ''} {', '.join(map(str, wrong))}"
+    return f"with {heads} {' / '.join(sorted(hows))}", err
+
+
+def _shifted_rows(cand, ref, name, judge):
+    """(how, rel L2) where cand is ref with its rows (the query axis: -2, -1 for lse) moved by
+    one, as a kernel that stores each row one place off; else None."""
+    if name not in ("out", "lse"):
+        return None
+    axis = -1 if name == "lse" else -2
+    if ref.ndim < -axis or ref.shape[axis] < 2:
+        return None
+    for shift in (1, -1):
+        err = rel_l2(cand, np.roll(ref, shift, axis=axis))
+        if judge.explains(err, name):
+            return f"with each query row moved {'down' if shift > 0 else 'up'} by one", err
+    return None

@@ -106,6 +106,7 @@ class TensorVerdict(NamedTuple):
                             # "16 of 16 entries NaN where the oracle is finite"
     nans: int = 0           # entries NaN in the candidate where the oracle is finite
     infs: int = 0           # entries infinite in the candidate where the oracle is finite
+    baseline_way: str = ""  # the baseline (of several: the recipe's ways) whose error is err(baseline)
 
 
 class CrosscheckReport(NamedTuple):
@@ -137,11 +138,11 @@ class CrosscheckReport(NamedTuple):
                          f"{r.ratio:>9.3g}{r.k:>4g}{r.bound:>11.3e}  {'PASS' if r.passed else 'FAIL'}")
         if low:
             lines.append(f"{'tensor':<{n}}{'L2 ratio':>10}{'row ratio':>11}{'scale err':>11}"
-                         f"{'scale bound':>13}")
+                         f"{'scale bound':>13}  baseline way")
             for r in self.rows:
                 l2_ratio = _nonfinite(r) or f"{r.l2_ratio:.3g}"
                 lines.append(f"{r.name:<{n}}{l2_ratio:>10}{r.row_ratio:>11.3g}{r.scale_err:>+11.2e}"
-                             f"{r.scale_bound:>13.2e}")
+                             f"{r.scale_bound:>13.2e}  {r.baseline_way}")
         lines.append(f"{'tensor':<{n}}{'candidate':>16}{'oracle':>16}  worst index")
         lines += [f"{r.name:<{n}}{r.candidate:>16.8g}{r.oracle:>16.8g}  {r.worst_index}" for r in self.rows]
         for r in self.rows:
@@ -182,7 +183,8 @@ def atol_for(dtype, magnitude):
 
 
 def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l2_k=None,
-          baseline_oracle=None, rows=False, scale_direction=None, scale_tol=0.0, scale_atol=0.0):
+          baseline_oracle=None, rows=False, scale_direction=None, scale_tol=0.0, scale_atol=0.0,
+          baseline_names=None):
     """One TensorVerdict: err(candidate) <= k * err(baseline) + atol (and the low-precision checks).
 
     Args:
@@ -205,6 +207,8 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
             check, with scale_tol added to its bound (and, when > 0, the largest s(baseline) at
             which the check applies), and scale_atol's projection along u, the error it allows
             in every entry. None: no scale check.
+        baseline_names: a name for each baseline: the verdict's baseline_way is the one
+            whose max-abs error err(baseline) is (default: none named).
     """
     candidate, oracle = np.asarray(candidate), np.asarray(oracle)
     baselines = [np.asarray(b) for b in (baseline if isinstance(baseline, list) else [baseline])]
@@ -223,7 +227,9 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
     base_oracle = oracle if baseline_oracle is None else np.asarray(baseline_oracle)
     err = abs_errors(candidate, oracle)
     base_errs = [abs_errors(b, base_oracle) for b in baselines]
-    base = max(float(np.max(b, initial=0.0)) for b in base_errs)
+    base_maxima = [float(np.max(b, initial=0.0)) for b in base_errs]
+    base = max(base_maxima)
+    way = "" if baseline_names is None else baseline_names[base_maxima.index(base)]
     finite, as_float = np.isfinite(oracle), candidate.astype(np.float64)
     nans, infs = int(np.sum(np.isnan(as_float) & finite)), int(np.sum(np.isinf(as_float) & finite))
     worst = np.unravel_index(int(np.argmax(err)), err.shape) if err.size else ()
@@ -259,7 +265,8 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
                          bound=bound, worst_index=tuple(int(i) for i in worst),
                          candidate=float(candidate[worst]) if err.size else 0.0,
                          oracle=float(oracle[worst]) if err.size else 0.0,
-                         passed=not failed, failed=tuple(failed), nans=nans, infs=infs)
+                         passed=not failed, failed=tuple(failed), nans=nans, infs=infs,
+                         baseline_way=way)
 
 
 def _ratio(err, base):
