@@ -1,9 +1,12 @@
 """`numpy-attention crosscheck CASE.npz [--json] [--precision P] [--layout bnhd] [--lse-base 2]
-[--own-forward] [--k out=2,dq=3] [--atol A] [--scheduler ADDRESS]`: judge another attention's results.
+[--own-forward] [--k out=2,dq=3] [--atol A] [--scheduler ADDRESS] [--plot FILE.png]`: judge
+another attention's results.
 
 Reads a case (crosscheck/case.py), computes the oracle and the baseline, prints one row per
 candidate tensor (crosscheck/rule.py) and exits 0 if every tensor passes, 1 if any fails,
-2 for a malformed case (one line on stderr naming the key or the shape).
+2 for a malformed case (one line on stderr naming the key or the shape). `--plot` also writes
+each tensor's error over its bound by head and row (crosscheck/errormap.py), the exit code
+the same; no matplotlib, or a figure that cannot be written, is bad input (2).
 `--write-example CASE.npz` writes an example case instead.
 """
 import argparse
@@ -12,6 +15,7 @@ import math
 
 from ..crosscheck import CaseError, crosscheck, load_case, write_example_case
 from ..crosscheck.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
+from ..crosscheck.errormap import crosscheck_errors, draw_error_maps, require_matplotlib
 from ..crosscheck.precision import PRECISIONS
 from .cli import UsageError
 
@@ -35,7 +39,8 @@ case keys (a .npz written by numpy.savez; shapes [..., H, N, d] as in attention_
 exit codes:
   0  every tensor passed
   1  a tensor failed
-  2  bad input: a malformed case or a file that cannot be read (one line on stderr)"""
+  2  bad input: a malformed case, a file that cannot be read, or --plot without
+     matplotlib or with a file it cannot write (one line on stderr)"""
 
 
 def _k_factors(text):
@@ -84,6 +89,9 @@ def add_arguments(parser):
     parser.add_argument("--scheduler", metavar="ADDRESS",
                         help="a Dask scheduler (e.g. tcp://host:8786): a large case's oracle and "
                              "baselines run their slices on that cluster (needs the extra 'dask')")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also write a PNG of each tensor's |err| / bound by head and row "
+                             "(key rows for dk, dv), red where it fails (needs matplotlib)")
     parser.add_argument("--write-example", action="store_true",
                         help="write an example case to CASE.npz and exit")
 
@@ -106,6 +114,11 @@ def run(args):
             raise UsageError(f"cannot write {args.case}: {exc.strerror or exc}") from None
         print(f"wrote an example case to {args.case}")
         return 0
+    if args.plot is not None:                       # before the work, not after it
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
     try:
         arrays = load_case(args.case)
         for name in ("precision", "layout", "lse_base"):             # the options, or the case's keys
@@ -115,9 +128,18 @@ def run(args):
                                 f"{name} {str(arrays[name])!r}")
             if given is not None:
                 arrays[name] = given
-        report = crosscheck(**arrays, own_forward=args.own_forward, k_factors=args.k, atol=args.atol,
-                            scheduler=_cluster(args.scheduler))
+        settings = {"own_forward": args.own_forward, "k_factors": args.k, "atol": args.atol,
+                    "scheduler": _cluster(args.scheduler)}
+        if args.plot is None:
+            report, ratios = crosscheck(**arrays, **settings), None
+        else:                                          # the same verdicts, and each entry's ratio
+            report, ratios = crosscheck_errors(**arrays, **settings)
     except (ValueError, TypeError) as exc:             # CaseError, and any argument refused by name
         raise UsageError(f"{args.case}: {exc}") from None
+    if args.plot is not None:
+        try:
+            draw_error_maps(args.plot, report, ratios)
+        except OSError as exc:
+            raise UsageError(f"--plot: cannot write {args.plot}: {exc.strerror or exc}") from None
     print(report.to_json() if args.json else report)
     return 0 if report else 1

@@ -10,6 +10,7 @@
     diagnosis.py  which convention mix-up a failing candidate matches instead
     tangents.py   forward mode: a candidate's out_dot, lse_dot along q_dot, k_dot, v_dot
     check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
+    errormap.py   error_maps, plot_error_maps: each entry's |err| / bound by head and row, a PNG
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
     (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)
 """

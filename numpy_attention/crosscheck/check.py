@@ -300,7 +300,7 @@ def _summed_in_t(case, name):
 
 
 def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
-               atol=None, scheduler=None, **arrays):
+               atol=None, scheduler=None, judge=judge, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
@@ -320,6 +320,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         scheduler: a dask.distributed Client, or a scheduler's address: a large case's tiled
             oracle, baselines and term magnitudes run their slices there (bitwise the same
             report); a case small enough to form its scores whole runs here.
+        judge: what judges each tensor, called as rule.judge (the default) is; errormap.py
+            passes one that also keeps each entry's error over its bound.
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
     lse is judged against float16 scores); the oracle computes in float64 (np.longdouble
     for a float64 precision). Overflow in a case shows as inf / NaN errors in the report,

@@ -280,10 +280,17 @@ def _row_check(err, base_errs, k, atol):
     if err.size == 0:
         return 0.0, True
     rows = np.max(err, axis=-1)
-    floor = max(_norm(b) / math.sqrt(b.size) for b in base_errs)          # rms(baseline - oracle)
-    base_rows = np.maximum(np.max([np.max(b, axis=-1) for b in base_errs], axis=0), floor)
+    base_rows = baseline_rows(base_errs)
     ratios = np.divide(rows, base_rows, out=np.where(rows > 0, np.inf, 0.0), where=base_rows > 0)
     return float(np.max(ratios)), bool(np.all(rows <= k * base_rows + atol))
+
+
+def baseline_rows(base_errs):
+    """[...] each row's baseline error for the row-wise check: the largest over the baselines
+    of err(row of baseline), floored at rms(baseline - oracle) (module docstring); base_errs:
+    the baselines' entrywise errors [..., row length], one shape."""
+    floor = max(_norm(b) / math.sqrt(b.size) for b in base_errs)          # rms(baseline - oracle)
+    return np.maximum(np.max([np.max(b, axis=-1) for b in base_errs], axis=0), floor)
 
 
 def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol, scale_atol):
