@@ -4,12 +4,15 @@ An option that leaks a wider dtype into a baseline (ALiBi's integer distances ti
 slopes made float64) makes the baseline more accurate than any kernel of that precision, and
 honest kernels fail against it. Each variant, each baseline way, each tensor: float32 in a
 float32 case (the naive baseline) and in a 16- or 8-bit one (the recipe, its values rounded to
-the compute dtype and held in float32), float64 in a float64 case.
+the compute dtype and held in float32), float64 in a float64 case. And the flash way's sum of
+a group's dk, dv over its query heads is torch's CPU flash kernel's, head by head in T.
 """
+import ml_dtypes
 import numpy as np
 import pytest
+from optional import TORCH_REASON
 
-from numpy_attention.crosscheck import baselines, split_case
+from numpy_attention.crosscheck import baselines, crosscheck, split_case
 
 RNG = np.random.default_rng(0)
 Q, K, V = (RNG.standard_normal(shape) for shape in ((2, 4, 6, 8), (2, 2, 7, 8), (2, 2, 7, 8)))
@@ -46,3 +49,36 @@ def test_every_baseline_array_keeps_the_cases_dtype(variant, precision):
     dtypes = {(i, name): str(x.dtype) for i, way in enumerate(ways) for name, x in way.items()
               if x is not None}
     assert set(dtypes.values()) == {np.dtype(HELD[precision]).name}, dtypes
+
+
+# ----------------------------------------------------------------------------- grouped heads' sums
+
+def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_does():
+    """Decoding with one key and eight query heads on one kv head: P = 1, so dv is the sum of
+    the eight heads' dout rows. torch's CPU flash kernel adds them one head at a time in
+    bfloat16, bit for bit the recipe's flash way; a float32 sum rounded once is another
+    result, whose error is several times smaller (the rule would fail the kernel on it)."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    rng = np.random.default_rng(0)
+    q, dout = (rng.standard_normal((1, 8, 1, 128)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, 1, 128)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    t = {n: torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16).requires_grad_(n != "dout")
+         for n, x in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(t["q"], t["k"], t["v"], enable_gqa=True)
+    out.backward(t["dout"])
+    kernel_dv = t["v"].grad.float().numpy()
+    rounded = lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    head_by_head = dout[0, 0].astype(np.float32)
+    for h in range(1, 8):
+        head_by_head = rounded(head_by_head + dout[0, h].astype(np.float32))
+    assert np.array_equal(kernel_dv[0, 0], head_by_head)
+    case = split_case({"q": q, "k": k, "v": v, "dout": dout, "out": out.detach().float().numpy(),
+                       "precision": np.array("bfloat16")})
+    flash = baselines(case)[3]                                # scale on k, flash backward
+    assert np.array_equal(flash["dv"], kernel_dv)
+    once = rounded(np.sum(dout[0].astype(np.float32), axis=0))
+    assert not np.array_equal(once, head_by_head)
+    report = crosscheck(q=q, k=k, v=v, dout=dout, out=out.detach(), dq=t["q"].grad, dk=t["k"].grad,
+                        dv=t["v"].grad)
+    assert report, str(report)

@@ -587,7 +587,7 @@ def test_a_kernel_that_scales_q_in_the_compute_dtype_passes(precision):
                          ((1, 2, n_q, d), (1, 2, n_k, d), (1, 2, n_k, d), (1, 2, n_q, d)))
         causal = bool(rng.random() < 0.5) and n_k >= n_q
         q3, k3, v3, record = na.attention_options(q, k, v, causal=causal)
-        result = recipe_attention(q3, k3, v3, record, p, dout=dout, scaled_q=True)
+        result = recipe_attention(q3, k3, v3, record, p, dout=dout, mlx=True)
         report = crosscheck(q=q, k=k, v=v, dout=dout, causal=causal, precision=precision,
                             **{name: result[name] for name in ("out", "lse", "dq", "dk", "dv")})
         failed += [] if report else [(seed, str(report))]

@@ -216,14 +216,14 @@ def _baselines(case, gradients, block_rows):
     saved = rounded(case.candidates["out"]) if _reads_kernel_out(case, gradients) else None
     return [recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
                              reorder=reorder, block_rows=block_rows, saved_out=saved if reads else None,
-                             scaled_q=scaled_q)
-            for _, (backward, reorder, reads, scaled_q) in _ways(case, gradients)]
+                             mlx=mlx)
+            for _, (backward, reorder, reads, mlx) in _ways(case, gradients)]
 
 
 def _ways(case, gradients):
     """The recipe's ways of computing the case (precision.recipe_attention's arguments), each
     with its names for a forward result and for a gradient: [((name of its forward, name
-    with its backward), (backward, reorder, reads the kernel's out, scaled_q))]; the naive
+    with its backward), (backward, reorder, reads the kernel's out, MLX's order))]; the naive
     baseline's one way in float32 / float64."""
     if not case.precision.recipe:
         return [(("naive, sums left to right",) * 2, None)]

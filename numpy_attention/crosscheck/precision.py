@@ -23,16 +23,20 @@ result rounded to T, every element-wise step computed in float32 and rounded to 
     backward  (the flash backward's D = rowsum(dout * out) from the recipe's out, or the kernel's)
               dv' = round(P~^T dout),  dv = round(dv' / (1 - p)),  dP = round(dout v'^T) * mask
               dS = round(P * (dP - rowsum(P * dP)))  (0 where masked),  dbias = round(sum of dS)
+                   (MLX's: dS = round(round(P dP) - round(P round(rowsum(round(P dP))))))
               softcap: dS = round(round(round(dS * softcap) * (1 - t^2)) / softcap)
               dq = round(dS k'),  dk = round(round(dS^T q) * scale)
               dalibi_slopes = round(-sum of dS |i + N_k - N_q - j|), each product rounded (eager)
 
-Grouped-query heads sum their dk, dv in float32 before the one rounding. Every product by
+Grouped-query heads: each query head's dk, dv rounded to T (k and v repeated for each query
+head, as torch's kernels, MLX's and FlashAttention's dk_expanded do), then their sum over
+the group: in float32, rounded again (eager), or head by head in T (flash). Every product by
 rows (S, out, dP, dq) is taken TILE_ROWS query rows at a time, and every float32 sum over
 rows (dk, dv, dbias) adds up such tiles' products in order. On a large case the recipe runs
 on blocks of query rows (blocks.py), a multiple of TILE_ROWS: the same results bitwise.
 Storage: bfloat16 and float8 arrays are ml_dtypes arrays (the dtypes JAX gives NumPy).
 """
+from functools import partial
 from typing import NamedTuple
 
 import ml_dtypes
@@ -87,7 +91,7 @@ def precision_of(dtype):
 
 
 def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", reorder=True,
-                     block_rows=None, saved_out=None, scaled_q=False):
+                     block_rows=None, saved_out=None, mlx=False):
     """The recipe of the module docstring: out, lse (and dq, dk, dv, dbias with dout).
 
     q, k, v (and dout): float32 arrays holding values of the compute dtype (float8 inputs
@@ -100,19 +104,40 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     * out) (and a sink's gradient): a kernel's own, as FlashAttention's backward reads the
     forward's O; None: the recipe's. D's rounding then shifts dq, dk as it does the kernel's
     (decoding's one query row: one D per head, and dS = P (dP - D) nearly cancels).
-    scaled_q: the scale applied to q instead, S = round(round(scale q) k^T), as MLX's CPU
-    kernel does; then dq = round(dq' scale) from the gradient dq' of the scaled q.
+    mlx: MLX's order (its CPU kernel): the scale applied to q, S = round(round(scale q) k^T),
+    then dq = round(dq' scale) from the gradient dq' of the scaled q; and the softmax's
+    backward op by op, dS = round(round(P dP) - round(P round(rowsum(round(P dP))))) (eager).
+    Grouped-query heads: each query head's dk, dv is rounded to T, then the group's sum, as a
+    kernel that repeats k and v for each query head does (torch's kernels and MLX's;
+    FlashAttention's dk_expanded): in float32 and rounded (eager), or added head by head in
+    T (flash: torch's CPU flash kernel accumulates a group's heads in its T output).
     Blocks change no result: every product and every sum over rows goes a tile of TILE_ROWS
     rows at a time, in the same order for any block size.
     Results are float32 arrays holding values of the output dtype (lse: float32).
     """
     T = precision.compute
     rnd = lambda x: np.asarray(x, np.float32).astype(T).astype(np.float32)      # round to T
-    if scaled_q:                                                                 # S = (scale q) k^T
+    if mlx and options.scale != 1.0:                                             # S = (scale q) k^T
         scale = np.float32(options.scale)
         result = recipe_attention(rnd(q * scale), k, v, options._replace(scale=1.0), precision, dout,
-                                  backward, reorder, block_rows, saved_out)
+                                  backward, reorder, block_rows, saved_out, mlx)
         return {**result, "dq": rnd(result["dq"] * scale)} if "dq" in result else result
+    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:                              # k, v for each query head
+        h_kv, g = k.shape[-3], q.shape[-3] // k.shape[-3]
+        result = recipe_attention(q, np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), options,
+                                  precision, dout, backward, reorder, block_rows, saved_out, mlx)
+        for name in ("dk", "dv"):                                                # the group's sum, rounded
+            if name in result:
+                x = result[name]
+                heads = x.reshape(x.shape[:-3] + (h_kv, g) + x.shape[-2:])
+                if backward == "flash":                                          # added head by head in T
+                    total = heads[..., 0, :, :]
+                    for h in range(1, g):
+                        total = rnd(total + heads[..., h, :, :])
+                else:                                                            # in float32, rounded once
+                    total = rnd(np.sum(heads, axis=-3))
+                result[name] = total
+        return result
     o = options
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
     score_shape = q3.shape[:-1] + k3.shape[-2:-1]                              # [..., H, N_q, N_k]
@@ -123,7 +148,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     lse = np.empty(q3.shape[:-1], np.float32)
     dout3 = None if dout is None else rnd(with_head_axis(dout))
     saved3 = None if saved_out is None else rnd(with_head_axis(saved_out))
-    step = _flash_rows if backward == "flash" else _eager_rows
+    step = _flash_rows if backward == "flash" else partial(_eager_rows, mlx=mlx)
     dq, sums = np.empty(q3.shape, np.float32), {"dk": np.zeros(k3.shape, np.float32),
                                                "dv": np.zeros(v3.shape, np.float32)}
     dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], np.float32)      # [..., H], float32 sums
@@ -246,7 +271,7 @@ def _softmax32(s):
         return np.where(total > 0, e / total, 0).astype(np.float32), lse.astype(np.float32)
 
 
-def _eager_rows(rnd, dout, o, f, sums):
+def _eager_rows(rnd, dout, o, f, sums, mlx=False):
     """The backward of the forward's ops on a block of rows, each rounded (torch's autograd in
     that dtype): (dq, dS for dbias, sums) with the float32 sums of dk and dv over the rows
     continued (rounded once at the end, _eager_sums_rounded)."""
@@ -255,7 +280,11 @@ def _eager_rows(rnd, dout, o, f, sums):
     dv = _tile_sum_matmul(f.p_drop, dout, sums["dv"])
     dp = rnd(_tile_matmul(dout, np.swapaxes(f.used.v, -1, -2)))
     dp = dp * f.drop if f.reorder else rnd(rnd(dp * inv_keep) * f.drop)
-    ds = rnd(f.p * (dp - np.sum(f.p * dp, axis=-1, keepdims=True)))
+    if mlx:                                                                      # MLX's softmax backward
+        pdp = rnd(f.p * dp)
+        ds = rnd(pdp - rnd(f.p * rnd(np.sum(pdp, axis=-1, keepdims=True))))
+    else:
+        ds = rnd(f.p * (dp - np.sum(f.p * dp, axis=-1, keepdims=True)))
     if f.keep is not None:
         ds = np.where(f.keep, ds, 0)
     ds_bias = ds
