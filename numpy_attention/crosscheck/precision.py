@@ -14,7 +14,7 @@ candidate to is an honest implementation at that precision:
 The recipe (T = the compute dtype, every matrix product accumulated in float32 and its
 result rounded to T, every element-wise step computed in float32 and rounded to T):
 
-    forward   k' = round(k * scale)            S = round(q k'^T)     (or q' = round(scale q), MLX's)
+    forward   k' = round(k * scale)            S = round(q k'^T)     (MLX's: q' = round(round(scale) q))
               S = round(round(tanh(round(S / softcap))) * softcap)          (softcap)
               S = round(S + bias);  S = -inf where not kept
               P = round(softmax(S)),  lse = logsumexp(S) in float32
@@ -104,8 +104,9 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     * out) (and a sink's gradient): a kernel's own, as FlashAttention's backward reads the
     forward's O; None: the recipe's. D's rounding then shifts dq, dk as it does the kernel's
     (decoding's one query row: one D per head, and dS = P (dP - D) nearly cancels).
-    mlx: MLX's order (its CPU kernel): the scale applied to q, S = round(round(scale q) k^T),
-    then dq = round(dq' scale) from the gradient dq' of the scaled q; and the softmax's
+    mlx: MLX's order (its CPU kernel): the scale, rounded to T, applied to q,
+    S = round(round(round(scale) q) k^T), then dq = round(dq' round(scale)) from the gradient
+    dq' of the scaled q; and the softmax's
     backward op by op, dS = round(round(P dP) - round(P round(rowsum(round(P dP))))) (eager).
     Grouped-query heads: each query head's dk, dv is rounded to T, then the group's sum, as a
     kernel that repeats k and v for each query head does (torch's kernels and MLX's;
@@ -117,8 +118,8 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     """
     T = precision.compute
     rnd = lambda x: np.asarray(x, np.float32).astype(T).astype(np.float32)      # round to T
-    if mlx and options.scale != 1.0:                                             # S = (scale q) k^T
-        scale = np.float32(options.scale)
+    if mlx and options.scale != 1.0:                                             # S = (round(scale) q) k^T
+        scale = rnd(np.float32(options.scale))
         result = recipe_attention(rnd(q * scale), k, v, options._replace(scale=1.0), precision, dout,
                                   backward, reorder, block_rows, saved_out, mlx)
         return {**result, "dq": rnd(result["dq"] * scale)} if "dq" in result else result
