@@ -2,7 +2,8 @@
 (which NumPy lacks: read as ml_dtypes arrays, exactly) as q, k, v, the candidates and the
 options, bool and integer masks; the same reports and results as the same values in NumPy /
 ml_dtypes arrays. And MLX's own kernel, mx.fast.scaled_dot_product_attention, judged honest in
-float32 (its 16-bit results: the pass rates are in the closing notes, not asserted here).
+float32, and its 16-bit forward the recipe's MLX way (tests/test_real_kernels.py judges it in
+every dtype, with gradients).
 """
 import subprocess
 import sys
@@ -160,3 +161,25 @@ def test_mlx_causal_is_bottom_right_and_crosscheck_tells_it():
         arrays = mlx_sdpa_case(np.random.default_rng(arrays["k"].shape[2]), "causal")
     assert na.crosscheck(**arrays)
     assert not na.crosscheck(**{**arrays, "causal": "top_left"})
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_recipes_mlx_way_is_mlxs_forward(dtype):
+    """MLX's CPU kernel in 16 bits: the scale rounded to the dtype times q, S = round(q' k^T),
+    the softmax in float32 rounded, out = round(P v): recipe_attention(..., mlx=True)'s out,
+    bit for bit with the scale 1/sqrt(d); with a custom one, all but a few entries (< 1%, by
+    one ulp: float32 sums taken in another order). The recipe's other ways differ in half."""
+    from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
+    precision, rng = PRECISIONS[dtype], np.random.default_rng(3)
+    for scale in (None, 0.1234567):
+        pairs = [both(rng.standard_normal(shape), dtype) for shape in ((1, 2, 16, 40), (1, 2, 24, 40),
+                                                                       (1, 2, 24, 40))]
+        out = mx.fast.scaled_dot_product_attention(*(x for x, _ in pairs),
+                                                   scale=scale if scale else 40 ** -0.5)
+        out = np.array(out.astype(mx.float32))
+        q, k, v, record = na.attention_options(*(values.astype(np.float32) for _, values in pairs),
+                                               scale=scale)
+        ours, other = (recipe_attention(q, k, v, record, precision, mlx=mlx)["out"] for mlx in (True, False))
+        ulp = np.abs(out) * float(ml_dtypes.finfo(precision.storage).eps)
+        assert np.mean(ours != out) <= (0 if scale is None else 0.01)
+        assert np.all(np.abs(ours - out) <= ulp) and np.mean(other != out) > 0.3
