@@ -71,13 +71,14 @@ def test_the_normwise_check_names_its_l2_ratio():
 
 
 def test_the_row_check_names_its_row_ratio_in_a_bfloat16_report():
-    """One dq entry off by 2% of max|dq|: within the tensor's bound, 11 times its row's."""
+    """One dq entry off by 2% of max|dq|: within the tensor's bound, 5 times its row's (the
+    largest row error of the recipe's ways, here MLX's, whose softmax backward rounds each op)."""
     arrays = bf16_case(n=(32, 32), d=32)
     dq = arrays["dq"].astype(np.float32)
     dq[0, 1, 7, 4] += 0.02 * np.abs(dq).max()
     report = crosscheck(**{**arrays, "dq": dq.astype(BF16)})
     verdict = rows(report)["dq"]
-    assert verdict.failed == (f"row ratio {verdict.row_ratio:.3g} > k 3",) and verdict.row_ratio > 10
+    assert verdict.failed == (f"row ratio {verdict.row_ratio:.3g} > k 3",) and verdict.row_ratio > 4.5
     assert failure(report, "dq") == f"dq FAIL: row ratio {verdict.row_ratio:.3g} > k 3"
     assert [r.name for r in report.rows if r.failed] == ["dq"]
 

@@ -216,25 +216,29 @@ def _baselines(case, gradients, block_rows):
     saved = rounded(case.candidates["out"]) if _reads_kernel_out(case, gradients) else None
     return [recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
                              reorder=reorder, block_rows=block_rows, saved_out=saved if reads else None,
-                             mlx=mlx)
-            for _, (backward, reorder, reads, mlx) in _ways(case, gradients)]
+                             mlx=mlx, scores32=scores32)
+            for _, (backward, reorder, reads, mlx, scores32) in _ways(case, gradients)]
 
 
 def _ways(case, gradients):
     """The recipe's ways of computing the case (precision.recipe_attention's arguments), each
     with its names for a forward result and for a gradient: [((name of its forward, name
-    with its backward), (backward, reorder, reads the kernel's out, MLX's order))]; the naive
-    baseline's one way in float32 / float64."""
+    with its backward), (backward, reorder, reads the kernel's out, MLX's order, scores in
+    float32))]; the naive baseline's one way in float32 / float64."""
     if not case.precision.recipe:
         return [(("naive, sums left to right",) * 2, None)]
     named = lambda scale, backward: (scale, f"{scale}, {backward}")
-    ways = [(named("scale on k", "eager backward"), ("eager", True, False, False)),
-            (named("scale on S", "eager backward"), ("eager", False, False, False)),
-            (named("scale on q (MLX)", "eager backward"), ("eager", True, False, True))]
+    ways = [(named("scale on k", "eager backward"), ("eager", True, False, False, False)),
+            (named("scale on S", "eager backward"), ("eager", False, False, False, False)),
+            (named("scale on q (MLX)", "eager backward"), ("eager", True, False, True, False))]
+    flash = [(named("scale on k", "flash backward"), ("flash", True, False, False, False)),
+             (named("S in float32 (flex)", "flash backward"), ("flash", False, False, False, True))]
     if gradients and "dout" in case.inputs:
-        ways.append((named("scale on k", "flash backward"), ("flash", True, False, False)))
+        ways += flash
+    else:                                              # the forward of the flex way
+        ways.append(flash[1])
     if _reads_kernel_out(case, gradients):
-        ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False)))
+        ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False, False)))
     return ways
 
 

@@ -91,7 +91,7 @@ def precision_of(dtype):
 
 
 def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", reorder=True,
-                     block_rows=None, saved_out=None, mlx=False):
+                     block_rows=None, saved_out=None, mlx=False, scores32=False):
     """The recipe of the module docstring: out, lse (and dq, dk, dv, dbias with dout).
 
     q, k, v (and dout): float32 arrays holding values of the compute dtype (float8 inputs
@@ -112,6 +112,9 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     kernel that repeats k and v for each query head does (torch's kernels and MLX's;
     FlashAttention's dk_expanded): in float32 and rounded (eager), or added head by head in
     T (flash: torch's CPU flash kernel accumulates a group's heads in its T output).
+    scores32: the scores in float32 from the product on (the scale, softcap and the sums with
+    the bias and ALiBi's terms, those in T, not rounded; P still is), as flex_attention's eager
+    kernel computes them.
     Blocks change no result: every product and every sum over rows goes a tile of TILE_ROWS
     rows at a time, in the same order for any block size.
     Results are float32 arrays holding values of the output dtype (lse: float32).
@@ -121,12 +124,12 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     if mlx and options.scale != 1.0:                                             # S = (round(scale) q) k^T
         scale = rnd(np.float32(options.scale))
         result = recipe_attention(rnd(q * scale), k, v, options._replace(scale=1.0), precision, dout,
-                                  backward, reorder, block_rows, saved_out, mlx)
+                                  backward, reorder, block_rows, saved_out, mlx, scores32)
         return {**result, "dq": rnd(result["dq"] * scale)} if "dq" in result else result
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:                              # k, v for each query head
         h_kv, g = k.shape[-3], q.shape[-3] // k.shape[-3]
         result = recipe_attention(q, np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), options,
-                                  precision, dout, backward, reorder, block_rows, saved_out, mlx)
+                                  precision, dout, backward, reorder, block_rows, saved_out, mlx, scores32)
         for name in ("dk", "dv"):                                                # the group's sum, rounded
             if name in result:
                 x = result[name]
@@ -158,7 +161,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     for rows in row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, rows, slice(None))
         f = _forward_rows(rnd, q3[..., rows, :], k3, v3, used, o, precision, score_shape, index,
-                          reorder)
+                          reorder, (lambda x: np.asarray(x, np.float32)) if scores32 else rnd)
         out[..., rows, :], lse[..., rows] = f.out, f.lse
         if saved3 is not None:                                                   # D from the kernel's out
             f = f._replace(out=saved3[..., rows, :])
@@ -216,23 +219,25 @@ class _Forward(NamedTuple):
     p_sink: np.ndarray      # [..., H, b, 1] the sink's weight (float32), or [..., H, b, 0] without
 
 
-def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder):
-    """The recipe's forward on the rows of q [..., H, b, d_k] (index: their block of the scores)."""
+def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder, srnd):
+    """The recipe's forward on the rows of q [..., H, b, d_k] (index: their block of the scores);
+    srnd rounds the score pipeline's steps (rnd, or float32 for scores32; the bias and ALiBi
+    terms are rounded to T either way)."""
     scale, inv_keep = np.float32(o.scale), np.float32(1 / (1 - o.dropout_p))
     if reorder:                                                                  # S = q (scale k)^T
-        s = rnd(_tile_matmul(q, np.swapaxes(used.k, -1, -2)))
+        s = srnd(_tile_matmul(q, np.swapaxes(used.k, -1, -2)))
     else:                                                                        # S = scale (q k^T)
-        s = rnd(rnd(_tile_matmul(q, np.swapaxes(k, -1, -2))) * scale)
+        s = srnd(srnd(_tile_matmul(q, np.swapaxes(k, -1, -2))) * scale)
     tanh = None
     if o.softcap is not None:
-        tanh = rnd(np.tanh(rnd(s / np.float32(o.softcap))))
-        s = rnd(tanh * np.float32(o.softcap))
+        tanh = srnd(np.tanh(srnd(s / np.float32(o.softcap))))
+        s = srnd(tanh * np.float32(o.softcap))
     bias = block_of(o.bias, score_shape, index)
     if bias is not None:
-        s = rnd(s + rnd(bias))
+        s = srnd(s + rnd(bias))
     alibi = alibi_bias(o, score_shape, index)
     if alibi is not None:                                                        # S -= slope |i + N_k - N_q - j|
-        s = rnd(s + rnd(alibi))
+        s = srnd(s + rnd(alibi))
     keep = keep_mask(o, score_shape, index)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
