@@ -13,6 +13,7 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     linear_jvp, softmax_jvp, attention_jvp     forward mode; attention_hvp: second order
     gradcheck, jvpcheck, taylor_test           finite-difference checks (directional_derivative)
     crosscheck, from_torch                     judge another attention against the oracle
+    conform                                    sweep a kernel over the case grid (conform.cases, .check)
 
 Each name is imported from its module on first use (PEP 562's module __getattr__), so
 `import numpy_attention` imports no numpy: the `numpy-attention` command, whose modules are
@@ -40,6 +41,7 @@ _EXPORTS = {                                           # module of this package 
     "gradcheck": ("gradcheck", "jvpcheck", "taylor_test", "directional_derivative", "GradcheckReport",
                   "GradcheckError"),
     "crosscheck": ("crosscheck", "CrosscheckReport", "from_torch"),
+    "conform": ("conform",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -62,7 +64,7 @@ def __dir__():
 
 
 class _Package(types.ModuleType):
-    """This package's module type: na.crosscheck and na.gradcheck stay the functions.
+    """This package's module type: na.crosscheck, na.gradcheck and na.conform stay the functions.
 
     They are also the names of subpackages, and the import system, once it has loaded a
     subpackage (whoever imports it: `from numpy_attention.crosscheck.rule import judge`, a

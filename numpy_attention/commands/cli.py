@@ -4,6 +4,7 @@
     numpy-attention gradcheck [--method]   every op's backward against finite differences
     numpy-attention vanishing [...]        the 1/sqrt(d_k) study
     numpy-attention crosscheck CASE.npz    judge another implementation against the oracle
+    numpy-attention conform MODULE:FUNCTION  sweep a kernel over the case grid, shrink each failure
 
 Exit codes: 0 success, 1 a check failed, 2 bad arguments or input, or an output that cannot
 be written (stdout or a file, e.g. on a full device): one line on stderr,
@@ -23,7 +24,7 @@ import sys
 from .. import __version__
 
 PROG = "numpy-attention"
-COMMANDS = ("demo", "gradcheck", "crosscheck", "vanishing")        # modules of this package
+COMMANDS = ("demo", "gradcheck", "crosscheck", "conform", "vanishing")      # modules of this package
 DESCRIPTION = ("Transformer attention in NumPy with every backward written by hand and checked "
                "against finite differences; a float64 oracle for other implementations.")
 EPILOG = (f"exit codes: 0 success, 1 a check failed, 2 bad arguments or input, or an output that "

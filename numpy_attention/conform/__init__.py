@@ -1,0 +1,28 @@
+"""The conformance run: a kernel swept over the kernel test suites' case grid, each case judged
+by crosscheck against the float64 oracle, each failure shrunk to its smallest case.
+
+    supports.py   what a kernel supports: dtypes, options, outputs; declare(); the names checked
+    grid.py       the case grid: ConformCase, cases() in the sweep's order, draw() its arrays
+    kernels.py    how a torch, JAX or NumPy callable, or a command line, is called on a case
+    judge.py      one case judged: check() (for pytest), evaluate() (PASS / FAIL / ERROR)
+    shrink.py     a failing case shrunk, greedily, to the smallest that still fails
+    progress.py   the sweep's progress bar on stderr
+    report.py     the ConformReport: the option x dtype table, the failures, JSON
+    run.py        conform(kernel, ...): the sweep, the budget, the shrinks, the saved cases
+    examples.py   torch SDPA (math, flash), flex_attention, jax.nn.dot_product_attention, and
+                  our own float32 attention, each declared
+    (the command `numpy-attention conform MODULE:FUNCTION` is numpy_attention/commands/conform.py)
+
+`na.conform` is the function (numpy_attention/__init__.py keeps it so); na.conform.cases,
+na.conform.check and na.conform.declare are its attributes.
+"""
+from .grid import ConformCase, cases, draw
+from .judge import CaseResult, check, evaluate
+from .kernels import KernelError, as_kernel
+from .report import ConformReport
+from .run import conform
+from .shrink import Shrunk
+from .supports import DTYPES, OPTIONS, OUTPUTS, declare
+
+__all__ = ["conform", "cases", "check", "declare", "ConformCase", "ConformReport", "CaseResult",
+           "Shrunk", "KernelError", "draw", "evaluate", "as_kernel", "DTYPES", "OPTIONS", "OUTPUTS"]

@@ -1,0 +1,251 @@
+"""How a kernel is called on a case: a torch, JAX or NumPy callable, or a command line.
+
+    kind     the call (options: the case's option keys)          its gradients
+    torch    fn(q, k, v, **options) -> out or (out, lse)           out.backward(dout); q.grad, ...
+             torch tensors of the case's dtype
+    jax      fn(q, k, v, **options) -> out or (out, lse)           jax.vjp, cotangent (dout, 0)
+             jax arrays of the case's dtype, under jax.jit (the forward and the vjp one
+             compilation; q, k, v and the float options traced, the others constants)
+    numpy    fn(q, k, v, **options, dout=dout) -> {"out": ...,     the kernel's own dq, dk, dv
+             "lse": ..., "dq": ...}, arrays of the case's dtype     (dout given with 'gradients')
+             (ml_dtypes.bfloat16 for bfloat16)
+    command  "prog --in {in} --out {out}" (without the two          the dq, dk, dv it writes
+             placeholders, the two paths are appended): reads the
+             case .npz at {in}, writes its results .npz at {out}
+
+The options are crosscheck's case keys (crosscheck/case.py), as Python values where they are
+scalars (causal True or 'bottom_right', scale, softcap, dropout_p), window as a tuple
+(left, right), and arrays or tensors otherwise: mask and dropout_mask bool, bias, sinks and
+alibi_slopes in the dtype (with gradients, torch tensors that require grad: their .grad is
+judged too, as dbias, dsinks, dalibi_slopes), cu_seqlens_q, cu_seqlens_k, page_table,
+cache_seqlens int32. A command's input file is the case itself: q, k, v, dout as float32
+arrays holding values of the dtype that its `precision` key names (float32, bfloat16,
+float16); its output file holds out and any of lse, dq, dk, dv, dbias, dsinks, dalibi_slopes,
+in any float dtype crosscheck reads (storage.py).
+
+The kind is told from the kernel when not given: a str is a command; a callable declared
+with supports.declare(kind=...) is that; else 'torch' or 'jax' if its code names torch or JAX
+(the modules of its function, its class, the global names its code uses and the variables it
+closes over), else 'numpy'.
+A kernel's results are those its declaration asks for: lse with 'lse' (KernelError if it
+returns none), dq, dk, dv with 'gradients'; what it returns beyond them is not judged.
+"""
+import functools
+import inspect
+import os
+import shlex
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from .._checks import to_numpy
+from ..crosscheck.case import FLOAT_OPTIONS, load_case
+from ..crosscheck.precision import PRECISIONS
+from .supports import check_kind, declaration_of
+
+GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks",
+               "alibi_slopes": "dalibi_slopes"}         # an input -> its gradient's key
+FLOAT_INPUTS = ("q", "k", "v", "dout") + FLOAT_OPTIONS  # cast to the case's dtype for the kernel
+NOT_OPTIONS = ("q", "k", "v", "dout", "precision", "fully_masked")  # the case keys a kernel is not given
+LIBRARIES = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "flax": "jax"}   # package -> kind
+
+
+class KernelError(Exception):
+    """A kernel's results that cannot be judged (no lse where it declares one, no gradient)."""
+
+
+class Kernel(NamedTuple):
+    """A kernel ready to call: results(arrays, outputs) -> its results as NumPy arrays."""
+    name: str               # 'module:function', or the command line
+    kind: str               # 'torch', 'jax', 'numpy' or 'command'
+    fn: object              # the callable, or the command line's arguments (a list)
+
+    def results(self, arrays, outputs):
+        """The kernel's results on a case (grid.draw's arrays): {"out": ..., "lse": ...,
+        "dq": ...} as NumPy / ml_dtypes arrays, those that `outputs` asks for."""
+        call = {"torch": _torch, "jax": _jax, "numpy": _numpy, "command": _command}[self.kind]
+        return {name: to_numpy(x, name) for name, x in _wanted(call(self.fn, arrays, outputs), outputs).items()}
+
+
+def as_kernel(kernel, kind=None):
+    """The Kernel of a callable or a command line; kind overrides the one told from it."""
+    kind = check_kind(kind) or kind_of(kernel)
+    if kind == "command":
+        if not isinstance(kernel, str):
+            raise TypeError(f"kind='command' takes a command line (a str), got {type(kernel).__name__}")
+        return Kernel(kernel, kind, command_args(kernel))
+    if not callable(kernel):
+        raise TypeError(f"kernel must be a callable or a command line (a str), got {kernel!r}")
+    return Kernel(_name(kernel), kind, kernel)
+
+
+def kind_of(kernel):
+    """'command' for a str; the declared kind; 'torch' or 'jax' if the kernel's code names it;
+    else 'numpy'. TypeError for a kernel that is neither callable nor a str."""
+    if isinstance(kernel, str):
+        return "command"
+    if not callable(kernel):
+        raise TypeError(f"kernel must be a callable or a command line (a str), got {kernel!r}")
+    declared = declaration_of(kernel).kind
+    if declared is not None:
+        return declared
+    named = {LIBRARIES.get(module.split(".")[0]) for module in _modules(kernel)}
+    return "torch" if "torch" in named else "jax" if "jax" in named else "numpy"
+
+
+def _modules(kernel):
+    """The modules a kernel is made of: its function's (unwrapped from functools.partial and
+    decorators), its class's, and those of the global names its function's code uses and of
+    the variables it closes over."""
+    fn = kernel
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(fn)
+    found = [cls.__module__ for cls in type(fn).__mro__]        # a torch.nn.Module, a jitted function
+    code_of = getattr(fn, "__func__", fn)                       # a bound method's function
+    if not inspect.isfunction(code_of):
+        code_of = getattr(type(fn).__call__, "__func__", type(fn).__call__)     # a callable object
+    found.append(getattr(code_of, "__module__", None) or "")
+    names = getattr(getattr(code_of, "__code__", None), "co_names", ())
+    values = [getattr(code_of, "__globals__", {}).get(name) for name in names]
+    values += [cell.cell_contents for cell in getattr(code_of, "__closure__", None) or ()]
+    found += [value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None) or ""
+              for value in values]
+    return found
+
+
+def _name(kernel):
+    """'module:qualname' of a function, else its type's name."""
+    module, qualname = getattr(kernel, "__module__", None), getattr(kernel, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else type(kernel).__name__
+
+
+def command_args(line):
+    """A command line's arguments, split as a POSIX shell would, with '{in}' and '{out}' where
+    the paths go (both or neither: then the two paths are appended)."""
+    args = shlex.split(line)
+    has_in, has_out = "{in}" in line, "{out}" in line
+    if not args or has_in != has_out:
+        raise ValueError(f"kernel: a command line names a program, and where its input and output "
+                         f"files go with both {{in}} and {{out}} (or neither: the two paths are "
+                         f"appended); got {line!r}")
+    return args if has_in else args + ["{in}", "{out}"]
+
+
+def _arguments(arrays, gradients):
+    """(q, k, v, options, dout): the case's arrays as a kernel takes them, still NumPy: the
+    float inputs in the case's dtype, 0-d options as Python values, window a tuple."""
+    storage = PRECISIONS[str(arrays["precision"])].storage
+    value = lambda name, x: (x.astype(storage) if name in FLOAT_INPUTS else
+                             tuple(int(w) for w in x) if name == "window" else
+                             x.item() if x.ndim == 0 else x)
+    given = {name: value(name, np.asarray(x)) for name, x in arrays.items()}
+    options = {name: x for name, x in given.items() if name not in NOT_OPTIONS}
+    return given["q"], given["k"], given["v"], options, given.get("dout") if gradients else None
+
+
+def _out_and_lse(returned):
+    """(out, lse or None) from a kernel that returns out or (out, lse)."""
+    if isinstance(returned, (tuple, list)):
+        if len(returned) != 2:
+            raise KernelError(f"the kernel returned {len(returned)} values; it returns out or (out, lse)")
+        return returned[0], returned[1]
+    return returned, None
+
+
+def _torch(fn, arrays, outputs):
+    import torch
+    gradients = "gradients" in outputs
+    dtype = getattr(torch, str(arrays["precision"]))
+
+    def tensor(name, x):                          # a copy: the kernel cannot write into the case
+        if name in FLOAT_INPUTS:
+            t = torch.tensor(x.astype(np.float32)).to(dtype)
+            return t.requires_grad_(gradients and name in GRADIENT_OF)
+        return torch.tensor(x) if isinstance(x, np.ndarray) else x
+
+    q, k, v, options, dout = _arguments(arrays, gradients)
+    q, k, v = (tensor(name, x) for name, x in zip("qkv", (q, k, v)))
+    options = {name: tensor(name, x) for name, x in options.items()}
+    out, lse = _out_and_lse(fn(q, k, v, **options))
+    results = {"out": out, "lse": lse}
+    if gradients:
+        out.backward(tensor("dout", dout))
+        leaves = {"q": q, "k": k, "v": v, **options}
+        results.update({GRADIENT_OF[name]: leaves[name].grad for name in GRADIENT_OF
+                        if name in leaves and leaves[name].grad is not None})
+    return results
+
+
+def _jax(fn, arrays, outputs):
+    """The kernel under jax.jit, forward and vjp in one compilation: q, k, v and the float
+    options traced (and differentiated), the others constants of the trace."""
+    import jax
+    import jax.numpy as jnp
+    gradients = "gradients" in outputs
+    q, k, v, options, dout = _arguments(arrays, gradients)
+    options = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+    names = ["q", "k", "v"] + [name for name in GRADIENT_OF if name in options]   # differentiated
+    fixed = {name: x for name, x in options.items() if name not in names}
+    primals = [jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)] + [options[name] for name in names[3:]]
+
+    def call(*xs):
+        given = dict(zip(names, xs))
+        return fn(given.pop("q"), given.pop("k"), given.pop("v"), **given, **fixed)
+
+    def forward_and_back(primals, dout):
+        returned, vjp = jax.vjp(call, *primals)
+        out, lse = _out_and_lse(returned)
+        cotangent = dout.astype(out.dtype)
+        if lse is not None:                       # no loss on lse: its cotangent is 0
+            cotangent = type(returned)((cotangent, jnp.zeros_like(lse)))
+        return returned, vjp(cotangent)
+
+    if not gradients:
+        out, lse = _out_and_lse(jax.jit(call)(*primals))
+        return {"out": out, "lse": lse}
+    returned, grads = jax.jit(forward_and_back)(primals, jnp.asarray(dout))
+    out, lse = _out_and_lse(returned)
+    return {"out": out, "lse": lse, **{GRADIENT_OF[name]: g for name, g in zip(names, grads)}}
+
+
+def _numpy(fn, arrays, outputs):
+    q, k, v, options, dout = _arguments(arrays, "gradients" in outputs)
+    returned = fn(q, k, v, **options, **({} if dout is None else {"dout": dout}))
+    if not isinstance(returned, Mapping) or "out" not in returned:
+        raise KernelError(f"a numpy kernel returns a dict with 'out' (and 'lse', 'dq', ...), "
+                          f"got {type(returned).__name__}")
+    return dict(returned)
+
+
+def _command(args, arrays, outputs):
+    with tempfile.TemporaryDirectory(prefix="conform-") as directory:
+        paths = {"{in}": os.path.join(directory, "case.npz"), "{out}": os.path.join(directory, "results.npz")}
+        with open(paths["{in}"], "wb") as f:
+            np.savez(f, **{name: x for name, x in arrays.items()
+                           if name != "dout" or "gradients" in outputs})
+        line = [functools.reduce(lambda a, p: a.replace(p, paths[p]), paths, arg) for arg in args]
+        done = subprocess.run(line, capture_output=True, text=True)
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+            raise KernelError(f"{args[0]} exited with status {done.returncode}: {said}")
+        if not os.path.exists(paths["{out}"]):
+            raise KernelError(f"{args[0]} exited 0 but wrote no results file")
+        return load_case(paths["{out}"])
+
+
+def _wanted(results, outputs):
+    """The results that `outputs` asks for (None is absent); KernelError for one it lacks."""
+    results = {name: x for name, x in results.items() if x is not None}
+    if "lse" in outputs and "lse" not in results:
+        raise KernelError("the kernel returned no lse; its declaration says it returns one "
+                          "('lse' in supports): return (out, lse)")
+    missing = [name for name in ("dq", "dk", "dv") if name not in results]
+    if "gradients" in outputs and missing:
+        raise KernelError(f"the kernel gave no {missing[0]}; its declaration says it has gradients "
+                          f"('gradients' in supports)")
+    dropped = (() if "lse" in outputs else ("lse",)) + (() if "gradients" in outputs else tuple(GRADIENT_OF.values()))
+    return {name: x for name, x in results.items() if name not in dropped}

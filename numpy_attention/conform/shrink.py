@@ -1,0 +1,94 @@
+"""Shrinking a failing case to the smallest shape and the fewest options that still fail.
+
+Greedy, like the shrinkers of QuickCheck and Hypothesis. Each move makes the case smaller:
+
+    halve the batch, the kv heads, the query heads per kv head (gqa keeps 2), N_k, N_q, the width
+    drop one option (the cell's own too: a failure may need only a companion)
+    drop one output (lse, then the gradients: a forward that fails alone says so)
+    N_k - 1, N_q - 1 (after halving: 3 keys may fail where 1 passes)
+
+and is kept while the kernel still FAILs crosscheck on the new case (a PASS or an ERROR undoes
+it); a kept move is tried again at once (halving until it stops failing), and the passes over
+all moves repeat until none is kept, within MAX_STEPS runs of the kernel (a case once undone
+is not run again). The new case's arrays are drawn anew (grid.draw): the shrunk case is a
+case of the grid's kind, with its id.
+"""
+from typing import NamedTuple
+
+from .grid import ConformCase, make_case
+from .judge import evaluate
+
+MAX_STEPS = 64              # runs of the kernel a shrink may spend
+MIN_GROUPS = 2              # query heads per kv head of a case that keeps gqa
+
+
+class Shrunk(NamedTuple):
+    original: ConformCase   # the sweep's failing case
+    case: ConformCase       # the smallest failing case found
+    report: object          # its CrosscheckReport
+    arrays: dict            # its arrays with the kernel's results (crosscheck's keywords, save_case's)
+    steps: int              # runs of the kernel spent
+
+
+def _remade(case, **changes):
+    """The case with `changes` to its fields, and its new id."""
+    fields = case._asdict()
+    fields.update(changes)
+    del fields["id"]
+    return make_case(**fields)
+
+
+def _without(name):
+    """The move that drops option or output `name` (with gqa: one query head per kv head)."""
+    def move(case):
+        if name in case.options:
+            return _remade(case, options=tuple(o for o in case.options if o != name),
+                           groups=1 if name == "gqa" else case.groups)
+        if name in case.outputs:
+            return _remade(case, outputs=tuple(o for o in case.outputs if o != name))
+        return None
+    return move
+
+
+def _smaller(field, step):
+    """The move that makes `field` step(value), if that is at least its least (else None)."""
+    def move(case):
+        least = MIN_GROUPS if field == "groups" and "gqa" in case.options else 1
+        value = getattr(case, field)
+        return _remade(case, **{field: step(value)}) if step(value) >= least and value > least else None
+    return move
+
+
+half = lambda value: value // 2
+less_one = lambda value: value - 1
+
+
+def moves(case):
+    """The moves, in the order they are tried: the halvings (after which every run is cheap),
+    the options, the outputs, then one less."""
+    return ([_smaller(field, half) for field in ("batch", "kv_heads", "groups", "n_k", "n_q", "d")]
+            + [_without(name) for name in case.options + tuple(reversed(case.outputs))]
+            + [_smaller(field, less_one) for field in ("n_k", "n_q")])
+
+
+def shrink(kernel, case, report, arrays, max_steps=MAX_STEPS):
+    """A Shrunk: the smallest case found that the kernel (a kernels.Kernel) still fails, from a
+    failing case with its report and judged arrays (judge.judged's)."""
+    best = Shrunk(case, case, report, arrays, 0)
+    tried = set()                               # ids of the cases that passed or raised
+    changed = True
+    while changed and best.steps < max_steps:
+        changed = False
+        for move in moves(best.case):
+            while best.steps < max_steps:
+                smaller = move(best.case)
+                if smaller is None or smaller.id in tried:
+                    break
+                result, judged_arrays = evaluate(kernel, smaller)
+                if result.status != "FAIL":
+                    tried.add(smaller.id)
+                    best = best._replace(steps=best.steps + 1)
+                    break
+                best = Shrunk(case, smaller, result.report, judged_arrays, best.steps + 1)
+                changed = True
+    return best

@@ -1,0 +1,148 @@
+"""What a kernel supports: the dtypes and options a conformance run sweeps, checked by name.
+
+    dtypes    float32, bfloat16, float16: what the kernel computes in (its tensors' dtype)
+    options   the variants of a case, one row of the table each (besides 'plain'):
+                causal        causal=True, top-left (torch's is_causal)
+                bottom_right  causal='bottom_right' (FlashAttention 2.1+); a window shares it
+                gqa           grouped-query heads: k, v with H_kv < H heads
+                scale         a custom scale=
+                window        window=(left, right), -1 unbounded
+                softcap       softcap=
+                bias          bias [H, N_q, N_k], an additive float
+                mask          mask [B, 1, N_q, N_k] bool, True = attend (with a fully masked row)
+                dropout       dropout_mask [B, H, N_q, N_k] bool with its dropout_p
+                alibi         alibi_slopes [H]
+                sinks         sinks [H]
+                varlen        packed sequences: q [H, total_q, d], cu_seqlens_q, cu_seqlens_k
+                paged         a paged KV cache: k, v [pages, H_kv, page, d], page_table, cache_seqlens
+    outputs   what the kernel returns besides out, on every case:
+                lse           the logsumexp [..., H, N_q], natural log
+                gradients     dq, dk, dv (and dbias, dsinks, dalibi_slopes where it gives them)
+
+Defaults: the three dtypes, 'causal', 'gqa' and 'gradients'. A kernel declares its own
+with declare() (the conformance run reads the declaration when its arguments are None):
+
+    @declare(supports=("causal", "bottom_right", "gqa", "lse"), dtypes=("bfloat16",))
+    def my_attention(q, k, v, **options): ...
+"""
+import difflib
+from typing import NamedTuple
+
+from .._checks import require_choice
+
+DTYPES = ("float32", "bfloat16", "float16")
+OPTIONS = ("causal", "bottom_right", "gqa", "scale", "window", "softcap", "bias", "mask", "dropout",
+           "alibi", "sinks", "varlen", "paged")
+OUTPUTS = ("lse", "gradients")
+PLAIN = "plain"                             # the table's row of cases with no option
+DEFAULT_SUPPORTS = ("causal", "gqa", "gradients")
+FULLY_MASKED = ("zero", "uniform", "nan")   # attention_forward's policies for a row with no key
+KINDS = ("torch", "jax", "numpy", "command")
+# options that one case cannot hold together (the case format refuses them, or they contradict)
+EXCLUSIVE = frozenset(frozenset(pair) for pair in (
+    ("causal", "bottom_right"), ("varlen", "paged"), ("varlen", "mask"), ("varlen", "bias"),
+    ("varlen", "dropout"), ("paged", "mask"), ("paged", "bias"), ("paged", "dropout")))
+# options that take fully_masked='zero' only (attention_forward's rule)
+ZERO_ONLY = {"varlen": ("zero", "nan"), "paged": ("zero", "nan"), "sinks": ("zero",)}
+# other names for an option or a dtype: what to write instead
+NEAR_MISSES = {
+    "top_left": "top-left causal is 'causal'", "is_causal": "'causal' (top-left)",
+    "causal_lower_right": "'bottom_right'", "enable_gqa": "'gqa'", "mqa": "'gqa' (H_kv = 1 included)",
+    "softmax_scale": "'scale'", "window_size": "'window'", "local_window_size": "'window'",
+    "attn_mask": "'mask' (bool) or 'bias' (float)", "dropout_mask": "'dropout'",
+    "alibi_slopes": "'alibi'", "cu_seqlens": "'varlen'", "page_table": "'paged'",
+    "kv_cache": "'paged'", "logsumexp": "'lse'", "grad": "'gradients'", "grads": "'gradients'",
+    "backward": "'gradients'", "bf16": "'bfloat16'", "fp16": "'float16'", "half": "'float16'",
+    "fp32": "'float32'", "float": "'float32'", "float64": "'float32' (float64 is the oracle's)",
+}
+
+
+class Declaration(NamedTuple):
+    """What a kernel declares (None: the conformance run's default)."""
+    kind: object            # 'torch', 'jax', 'numpy', 'command' or None (told from the kernel)
+    supports: object        # tuple of OPTIONS and OUTPUTS names, or None
+    dtypes: object          # tuple of DTYPES, or None
+    fully_masked: object    # the kernel's policy for a row with no key (FULLY_MASKED), or None
+
+
+def _unknown(name, argument, known):
+    """The message for a name not among `known`: its near miss, difflib's guess, or the list."""
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = NEAR_MISSES.get(name) or (f"'{close[0]}'" if close else None)
+    names = ", ".join(known)
+    return (f"{argument} has the unknown name {name!r}" + (f": did you mean {hint}?" if hint else "")
+            + f" ({argument}: {names})")
+
+
+def _names(values, argument, known):
+    """`values` (a name or an iterable of names) as a tuple in `known`'s order; ValueError naming
+    `argument` for an unknown or repeated name, TypeError for a value that is not a name."""
+    values = (values,) if isinstance(values, str) else values
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise TypeError(f"{argument} must be a name or a sequence of names, got {values!r}") from None
+    for name in values:
+        if not isinstance(name, str):
+            raise TypeError(f"{argument} must hold names (strings), got {name!r}")
+        if name not in known:
+            raise ValueError(_unknown(name, argument, known))
+    if len(set(values)) != len(values):
+        raise ValueError(f"{argument} names an option twice: {values!r}")
+    return tuple(name for name in known if name in values)
+
+
+def check_dtypes(dtypes, argument="dtypes"):
+    """dtypes as a non-empty tuple of DTYPES names, in DTYPES order (errors name `argument`)."""
+    names = _names(dtypes, argument, DTYPES)
+    if not names:
+        raise ValueError(f"{argument} is empty: name at least one of {', '.join(DTYPES)}")
+    return names
+
+
+def check_supports(supports, fully_masked="zero", argument="supports"):
+    """(options, outputs): supports split into case OPTIONS and OUTPUTS, each in its order
+    ('plain' is always run and may be named). ValueError naming `argument` for an unknown name,
+    or for an option that does not go with the kernel's fully_masked policy."""
+    names = _names(supports, argument, (PLAIN,) + OPTIONS + OUTPUTS)
+    fully_masked = check_fully_masked(fully_masked)
+    for name, policies in ZERO_ONLY.items():
+        if name in names and fully_masked not in policies:
+            raise ValueError(f"{argument} has {name!r}, which takes fully_masked in {policies}, "
+                             f"and fully_masked is {fully_masked!r}")
+    return (tuple(n for n in names if n in OPTIONS), tuple(n for n in names if n in OUTPUTS))
+
+
+def check_fully_masked(fully_masked):
+    return require_choice(fully_masked, "fully_masked", FULLY_MASKED)
+
+
+def check_kind(kind):
+    return None if kind is None else require_choice(kind, "kind", KINDS)
+
+
+def declare(kernel=None, *, kind=None, supports=None, dtypes=None, fully_masked=None):
+    """Attach a Declaration to `kernel` (a function or any object that takes attributes), as
+    its `conform_declaration`; with kernel None, a decorator that does. Checked at once:
+    ValueError / TypeError naming the argument. Returns the kernel itself."""
+    declaration = Declaration(
+        kind=check_kind(kind),
+        supports=None if supports is None else _names(supports, "supports", (PLAIN,) + OPTIONS + OUTPUTS),
+        dtypes=None if dtypes is None else check_dtypes(dtypes),
+        fully_masked=None if fully_masked is None else check_fully_masked(fully_masked))
+    if declaration.supports is not None:
+        check_supports(declaration.supports, declaration.fully_masked or "zero")
+
+    def attach(kernel):
+        if isinstance(kernel, str):
+            raise TypeError("declare() cannot attach to a command line (a str): pass supports=, "
+                            "dtypes= and fully_masked= to conform() instead")
+        kernel.conform_declaration = declaration
+        return kernel
+    return attach if kernel is None else attach(kernel)
+
+
+def declaration_of(kernel):
+    """The kernel's Declaration (all None if it has none)."""
+    found = getattr(kernel, "conform_declaration", None)
+    return found if isinstance(found, Declaration) else Declaration(None, None, None, None)
