@@ -276,18 +276,21 @@ def _row_slopes(slopes, options, score_shape, index):
     return by_row[index[:-2] + (slice(None),)][..., None]
 
 
-def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None)), slopes=None):
+def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None)), slopes=None,
+               rounded=None):
     """ALiBi's bias of the scores S[index], -slope * alibi_distance, or None without
     alibi_slopes: each row's slope its head's (slopes [H] or [..., H]) or, for slopes [B, H]
     with packed sequences, that of its sequence b and head, slopes[b, h]. slopes:
     options.alibi_slopes by default (a tangent of them has their shape). index as for keep_mask.
     In the slopes' dtype (the distances are integers below 2^24, exact in float32): a float32
-    case's bias is float32, as a float32 kernel's is."""
+    case's bias is float32, as a float32 kernel's is. rounded: applied to the distances first
+    (a kernel that turns them into its 16-bit dtype, as torch's int * bfloat16 does), or None."""
     slopes = options.alibi_slopes if slopes is None else slopes
     if slopes is None:
         return None
     rows = _row_slopes(slopes, options, score_shape, index)
-    return -rows * alibi_distance(options, score_shape, index).astype(rows.dtype)   # in the slopes' dtype
+    distance = alibi_distance(options, score_shape, index).astype(rows.dtype)          # in the slopes' dtype
+    return -rows * (distance if rounded is None else rounded(distance))
 
 
 def alibi_row_gradient(dS, options, score_shape, index=(Ellipsis, slice(None), slice(None)),
@@ -295,9 +298,12 @@ def alibi_row_gradient(dS, options, score_shape, index=(Ellipsis, slice(None), s
     """The gradient of each row's slope from the block dS = dS[index] [..., heads, rows, cols]
     (the gradient of S where ALiBi adds to it): -sum_j dS_ij |i + N_k - N_q - j|, [..., heads,
     rows]. A block of columns gives its part of the sum; alibi_slopes_gradient sums the rows.
-    rounded: applied to each product before the sum (a 16-bit autograd rounds them), or None."""
-    products = dS * alibi_distance(options, score_shape, index).astype(dS.dtype)
-    return -np.sum(products if rounded is None else rounded(products), axis=-1)
+    rounded: applied to the distances and to each product before the sum (a 16-bit autograd
+    rounds them), or None."""
+    distance = alibi_distance(options, score_shape, index).astype(dS.dtype)
+    if rounded is None:
+        return -np.sum(dS * distance, axis=-1)
+    return -np.sum(rounded(dS * rounded(distance)), axis=-1)
 
 
 def alibi_slopes_gradient(row_gradient, options):

@@ -89,7 +89,7 @@ def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_the_flex_way_is_flex_attentions_eager_forward(precision):
     """flex_attention's eager kernel takes the scores in float32 from the product on (an ALiBi
-    score_mod whose slopes are a tensor of the dtype: its terms in T): the recipe's scores32
+    score_mod whose slopes are a tensor of the dtype: its distances and terms in T): the recipe's scores32
     way gives its out bit for bit in bfloat16, all but a few entries (< 1%, by one ulp) in
     float16; the ways that round the scores differ in half of them."""
     torch = pytest.importorskip("torch", reason=TORCH_REASON)
@@ -97,12 +97,12 @@ def test_the_flex_way_is_flex_attentions_eager_forward(precision):
     from numpy_attention import attention_options
     from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
     p, rng = PRECISIONS[precision], np.random.default_rng(1)
-    q, k, v = (rng.standard_normal(shape).astype(p.storage).astype(np.float32)
-               for shape in ((1, 2, 40, 32), (1, 2, 56, 32), (1, 2, 56, 32)))
-    slopes = np.array([0.25, 0.0625], np.float32)
+    q, k, v = (rng.standard_normal(shape).astype(p.storage).astype(np.float32)     # distances to 299:
+               for shape in ((1, 2, 40, 32), (1, 2, 300, 32), (1, 2, 300, 32)))     # beyond bfloat16's 256
+    slopes = np.array([0.25, 0.0247802734375], np.float32)   # far keys weigh; no power of 2
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
     tq, tk, tv, ts = (torch.from_numpy(x).to(dtype) for x in (q, k, v, slopes))
-    alibi = lambda score, b, h, i, j: score - ts[h] * (i + 56 - 40 - j).abs()
+    alibi = lambda score, b, h, i, j: score - ts[h] * (i + 300 - 40 - j).abs()
     with warnings.catch_warnings():                   # flex_attention's "use torch.compile" advice
         warnings.simplefilter("ignore")
         out = flex_attention(tq, tk, tv, score_mod=alibi).float().numpy()

@@ -27,6 +27,8 @@ result rounded to T, every element-wise step computed in float32 and rounded to 
               softcap: dS = round(round(round(dS * softcap) * (1 - t^2)) / softcap)
               dq = round(dS k'),  dk = round(round(dS^T q) * scale)
               dalibi_slopes = round(-sum of dS |i + N_k - N_q - j|), each product rounded (eager)
+    (ALiBi's distances rounded to T where the scale is on S, as torch's int * bfloat16 does:
+    beyond 256 in bfloat16, 2048 in float16)
 
 Grouped-query heads: each query head's dk, dv rounded to T (k and v repeated for each query
 head, as torch's kernels, MLX's and FlashAttention's dk_expanded do), then their sum over
@@ -235,7 +237,7 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
     bias = block_of(o.bias, score_shape, index)
     if bias is not None:
         s = srnd(s + rnd(bias))
-    alibi = alibi_bias(o, score_shape, index)
+    alibi = alibi_bias(o, score_shape, index, rounded=None if reorder else rnd)  # torch: distances in T
     if alibi is not None:                                                        # S -= slope |i + N_k - N_q - j|
         s = srnd(s + rnd(alibi))
     keep = keep_mask(o, score_shape, index)
