@@ -213,3 +213,16 @@ def test_the_report_says_which_way_of_the_baseline_bounds_each_tensor(dtype):
     assert all(ways[n].startswith(scales) and ways[n].endswith(("eager backward", "flash backward", "D of its out"))
                for n in ("dq", "dk", "dv"))
     assert "baseline way" in str(report) and all(way in str(report) for way in ways.values())
+
+
+def test_a_baseline_ways_own_scale_error_does_not_widen_the_scale_check():
+    """A way that holds the scale in T (MLX's) is off along u by its offset on purpose: the
+    scale check measures its a(baseline) from that offset, and the bound stays the noise's."""
+    rng = np.random.default_rng(4)
+    oracle, u = rng.standard_normal((2, 64, 16)), rng.standard_normal((2, 64, 16))
+    noise = lambda: 1e-4 * rng.standard_normal(oracle.shape)
+    honest, rounded_scale = oracle + noise(), oracle + 3e-3 * u + noise()
+    settings = dict(scale_direction=u, scale_tol=0.0)
+    wide = judge("out", oracle, oracle, [honest, rounded_scale], **settings)
+    kept = judge("out", oracle, oracle, [honest, rounded_scale], scale_offsets=[0.0, 3e-3], **settings)
+    assert wide.scale_bound > 2 * 3e-3 * 0.9 and kept.scale_bound < 1e-3      # k times the noise

@@ -242,6 +242,21 @@ def _ways(case, gradients):
     return ways
 
 
+def _scale_offsets(case, gradients):
+    """Each way's own relative scale error, on purpose: MLX's way rounds the scale to T, by
+    round(scale) / scale - 1 (0 where the scale is 1, which it leaves); the others 0. The scale
+    check measures a(baseline) from it: its allowance eps(T) / 2 already covers a scale held
+    in T (rule.py)."""
+    ways = _ways(case, gradients)
+    if not case.precision.recipe:
+        return [0.0] * len(ways)
+    given = case.options.get("scale")
+    scale = np.float32(given) if given is not None else 1 / np.sqrt(np.float32(case.inputs["q"].shape[-1]))
+    rounded = np.float32(scale).astype(case.precision.compute).astype(np.float32)
+    mlx = 0.0 if scale == 1 else float(rounded) / float(scale) - 1
+    return [mlx if way[3] else 0.0 for _, way in ways]
+
+
 def _reads_kernel_out(case, gradients):
     """Whether the case's baselines end with the flash backward that reads the candidate's out
     for D = rowsum(dout * out), as a FlashAttention backward reads its forward's: in a 16- or
@@ -366,6 +381,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
             bases = [_unpaged(b, case.paged) for b in bases]
         names = [names for names, _ in _ways(case, want_grads)]      # each way's (forward, gradient) names
+        offsets = _scale_offsets(case, want_grads)
         def verdict(name, ways):                         # judged by the first `ways` baselines
             cand = case.candidates[name]
             return judge(name, _in_base_e(case, name, cand), against[name],
@@ -376,7 +392,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                          atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
                          l2_k=K_L2 if low else None, rows=low,
                          scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
-                         scale_atol=_summed_in_t(case, name))
+                         scale_atol=_summed_in_t(case, name), scale_offsets=offsets[:ways])
 
         reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
         verdicts = {name: verdict(name, len(bases) - reads_out) for name in case.candidates}

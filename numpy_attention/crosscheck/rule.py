@@ -28,6 +28,8 @@ accurate as PyTorch's naive implementation in the same dtype"):
   result, u = d oracle / d log(scale) (the oracle rerun at scale * (1 + 2^-20)):
       a(e) = <e, u> / ||u||^2          the relative scale error the error e amounts to
       s(e) = ||e * u||_2 / ||u||^2     what a(e) would be if e's signs were random
+  A baseline way that holds the scale in T on purpose (MLX's rounds it) has a(baseline)
+  measured from that scale error, which eps(T) / 2 below allows.
   A scale off by 1% is a 1% shift along u for every entry at once, about one bfloat16
   ulp, hidden in the rounding of each entry but not in a(e). eps(T) / 2 allows a kernel
   that holds the scale in its compute dtype T, rounded once (JAX multiplies bfloat16
@@ -184,7 +186,7 @@ def atol_for(dtype, magnitude):
 
 def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l2_k=None,
           baseline_oracle=None, rows=False, scale_direction=None, scale_tol=0.0, scale_atol=0.0,
-          baseline_names=None):
+          baseline_names=None, scale_offsets=None):
     """One TensorVerdict: err(candidate) <= k * err(baseline) + atol (and the low-precision checks).
 
     Args:
@@ -209,6 +211,9 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
             in every entry. None: no scale check.
         baseline_names: a name for each baseline: the verdict's baseline_way is the one
             whose max-abs error err(baseline) is (default: none named).
+        scale_offsets: each baseline's own relative scale error, made on purpose (a way that
+            holds the scale in T, which scale_tol allows): the scale check measures a(baseline)
+            from it (default: all 0).
     """
     candidate, oracle = np.asarray(candidate), np.asarray(oracle)
     baselines = [np.asarray(b) for b in (baseline if isinstance(baseline, list) else [baseline])]
@@ -245,7 +250,8 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
     scale_err, scale_bound = math.nan, math.nan
     if scale_direction is not None:
         scale_err, scale_bound = _scale_check(candidate, oracle, baselines, base_oracle,
-                                              np.asarray(scale_direction), k, scale_tol, scale_atol)
+                                              np.asarray(scale_direction), k, scale_tol, scale_atol,
+                                              scale_offsets or [0.0] * len(baselines))
     failed = []                          # each failed check, in words and numbers
     if not max_err <= bound:             # said by its non-finite entries if it has any
         failed += [f"{count} of {err.size} entries {what} where the oracle is finite"
@@ -293,8 +299,8 @@ def baseline_rows(base_errs):
     return np.maximum(np.max([np.max(b, axis=-1) for b in base_errs], axis=0), floor)
 
 
-def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol, scale_atol):
-    """(a(candidate), its bound k * max(|a(baseline)|, s(baseline)) + scale_tol + scale_atol
+def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol, scale_atol, offsets):
+    """(a(candidate), its bound k * max(|a(baseline) - offset|, s(baseline)) + scale_tol + scale_atol
     ||u||_1 / ||u||_2^2, the last what an error of scale_atol in every entry amounts to along
     u): the scale
     check of the module docstring, over the entries where the oracle and u are finite (nan,
@@ -314,7 +320,7 @@ def _scale_check(candidate, oracle, baselines, base_oracle, u, k, scale_tol, sca
     measured = [along(b, base_oracle) for b in baselines]
     if 0 < scale_tol < max(s for _, s in measured):      # rounding along u hides such a scale error
         return math.nan, math.nan
-    spread = max(max(abs(a), s) for a, s in measured)
+    spread = max(max(abs(a - offset), s) for (a, s), offset in zip(measured, offsets))
     allowed = scale_atol * float(np.sum(np.abs(u))) / uu    # an error of scale_atol in every entry
     return along(candidate, oracle)[0], k * spread + float(scale_tol) + allowed
 
