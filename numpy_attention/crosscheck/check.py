@@ -242,12 +242,11 @@ def _ways(case, gradients):
     return ways
 
 
-def _scale_offsets(case, gradients):
-    """Each way's own relative scale error, on purpose: MLX's way rounds the scale to T, by
-    round(scale) / scale - 1 (0 where the scale is 1, which it leaves); the others 0. The scale
-    check measures a(baseline) from it: its allowance eps(T) / 2 already covers a scale held
-    in T (rule.py)."""
-    ways = _ways(case, gradients)
+def _scale_offsets(case, ways):
+    """Each of the ways' (_ways) own relative scale error, on purpose: MLX's way rounds the
+    scale to T, by round(scale) / scale - 1 (0 where the scale is 1, which it leaves); the
+    others 0. The scale check measures a(baseline) from it: its allowance eps(T) / 2 already
+    covers a scale held in T (rule.py)."""
     if not case.precision.recipe:
         return [0.0] * len(ways)
     given = case.options.get("scale")
@@ -380,19 +379,20 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
             bases = [_unpaged(b, case.paged) for b in bases]
-        names = [names for names, _ in _ways(case, want_grads)]      # each way's (forward, gradient) names
-        offsets = _scale_offsets(case, want_grads)
-        def verdict(name, ways):                         # judged by the first `ways` baselines
+        ways = _ways(case, want_grads)
+        names = [names for names, _ in ways]             # each way's (forward, gradient) names
+        offsets = _scale_offsets(case, ways)
+        def verdict(name, count):                        # judged by the first `count` baselines
             cand = case.candidates[name]
             return judge(name, _in_base_e(case, name, cand), against[name],
-                         [b[name].astype(cand.dtype) for b in bases[:ways]],
-                         baseline_names=[way[name in GRADIENTS] for way in names[:ways]],
+                         [b[name].astype(cand.dtype) for b in bases[:count]],
+                         baseline_names=[way[name in GRADIENTS] for way in names[:count]],
                          baseline_oracle=truth[name],
                          k=k_factors.get(name), dtype=cand.dtype,
                          atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
                          l2_k=K_L2 if low else None, rows=low,
                          scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
-                         scale_atol=_summed_in_t(case, name), scale_offsets=offsets[:ways])
+                         scale_atol=_summed_in_t(case, name), scale_offsets=offsets[:count])
 
         reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
         verdicts = {name: verdict(name, len(bases) - reads_out) for name in case.candidates}

@@ -40,7 +40,8 @@ NOISE = 3.0             # or within this many times the baseline's rel L2 (the r
 CLEARLY = 2.0           # and this much nearer than the oracle
 PAIR_SCORES = 2 ** 20   # pairs of mix-ups are tried on cases of at most this many scores,
 PAIRED = 6              # of the mix-ups that bring the candidate nearest, this many
-FIT_STEPS = 4           # Gauss-Newton steps of the scale fitted to the candidate's out
+FIT_STEPS = 4           # Gauss-Newton steps of the scale fitted to the failing tensors,
+FIT_STEP = 2.0 ** -20   # each one's directions by a difference of log(scale) this large
 
 
 class Mixup(NamedTuple):
@@ -191,7 +192,7 @@ def diagnose(case, truth, failing, noise=None):
         if found:
             return [found]
         singles = list(_mixups(case))
-        for index, mixup in enumerate(singles + _fitted_scale(case, candidates, truth, gradients)):
+        for index, mixup in enumerate(singles + _fitted_scale(case, candidates, truth, rerun)):
             alternative = _tried(rerun, mixup)
             if alternative is None:
                 continue
@@ -227,34 +228,34 @@ def _scores(case):
     return q.size // q.shape[-1] * k.shape[-2]
 
 
-def _fitted_scale(case, candidates, truth, gradients):
+def _fitted_scale(case, candidates, truth, rerun):
     """[Mixup] of the scale that fits the failing candidates best, when it is off the case's
     by more than 1e-4 relatively: Gauss-Newton on log(scale) over the tensors together, each
     weighted by 1 / ||oracle||^2, each step's directions u = d result / d log(scale) by a
-    difference of the oracle rerun."""
+    difference of the oracle rerun (rerun(mixup): diagnose's, None for an invalid case)."""
     d_k, given = case.inputs["q"].shape[-1], case.options.get("scale")
     scale = given if given is not None else 1 / math.sqrt(d_k)
-    rerun = lambda s: _tried(lambda m: _rerun(case.inputs, case.options, gradients, m),
-                             Mixup("", "", {"scale": s}))
+    at = lambda s: _tried(rerun, Mixup("", "", {"scale": s}))
     clean = lambda x: np.nan_to_num(x, nan=0, posinf=0, neginf=0)
     weights = {n: float(np.sum(clean(truth[n]) ** 2)) for n in candidates
                if n in ("out", "lse", *GRADIENTS) and truth.get(n) is not None}
     weights = {n: 1 / w for n, w in weights.items() if w > 0}
+    if not weights:
+        return []
     factor, now = 1.0, truth
     for _ in range(FIT_STEPS):
-        step = 2.0 ** -20
-        shifted = rerun(scale * factor * (1 + step))
-        if shifted is None or not weights:
+        shifted = at(scale * factor * (1 + FIT_STEP))
+        if shifted is None:
             return []
         eu = uu = 0.0
         for name, w in weights.items():
-            u = clean((shifted[name] - now[name]) / step)
+            u = clean((shifted[name] - now[name]) / FIT_STEP)
             eu += w * float(np.sum(clean(candidates[name] - now[name]) * u))
             uu += w * float(np.sum(u * u))
         if uu == 0:
             return []
         factor *= math.exp(float(np.clip(eu / uu, -1, 1)))
-        now = rerun(scale * factor)
+        now = at(scale * factor)
         if now is None:
             return []
     if abs(factor - 1) <= 1e-4:

@@ -123,15 +123,15 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     """
     T = precision.compute
     rnd = lambda x: np.asarray(x, np.float32).astype(T).astype(np.float32)      # round to T
+    again = partial(recipe_attention, precision=precision, dout=dout, backward=backward, reorder=reorder,
+                    block_rows=block_rows, saved_out=saved_out, mlx=mlx, scores32=scores32)
     if mlx and options.scale != 1.0:                                             # S = (round(scale) q) k^T
         scale = rnd(np.float32(options.scale))
-        result = recipe_attention(rnd(q * scale), k, v, options._replace(scale=1.0), precision, dout,
-                                  backward, reorder, block_rows, saved_out, mlx, scores32)
+        result = again(rnd(q * scale), k, v, options._replace(scale=1.0))
         return {**result, "dq": rnd(result["dq"] * scale)} if "dq" in result else result
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:                              # k, v for each query head
         h_kv, g = k.shape[-3], q.shape[-3] // k.shape[-3]
-        result = recipe_attention(q, np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), options,
-                                  precision, dout, backward, reorder, block_rows, saved_out, mlx, scores32)
+        result = again(q, np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), options)
         for name in ("dk", "dv"):                                                # the group's sum, rounded
             if name in result:
                 x = result[name]
@@ -283,7 +283,6 @@ def _eager_rows(rnd, dout, o, f, sums, mlx=False):
     """The backward of the forward's ops on a block of rows, each rounded (torch's autograd in
     that dtype): (dq, dS for dbias, sums) with the float32 sums of dk and dv over the rows
     continued (rounded once at the end, _eager_sums_rounded)."""
-    h_kv = f.k.shape[-3]
     inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
     dv = _tile_sum_matmul(f.p_drop, dout, sums["dv"])
     dp = rnd(_tile_matmul(dout, np.swapaxes(f.used.v, -1, -2)))
