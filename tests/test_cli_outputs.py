@@ -9,12 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import weakref
 
 import pytest
 from optional import MATPLOTLIB_REASON
 
 import numpy_attention
-from numpy_attention.commands import cli
+from numpy_attention.commands import cli, demo
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux: /dev/full, signals")
 FULL = "No space left on device"
@@ -175,3 +176,49 @@ def test_ctrl_c_in_the_console_script_is_one_line_130(command, imported):
     if script is None:
         pytest.skip(f"the {cli.PROG} console script is not installed (pip install -e .)")
     assert interrupt(command, imported, script) == (130, [f"{cli.PROG}: interrupted"])
+
+
+def lose_an_interrupt():
+    """What SIGINT does when it lands in a weakref callback (as in the import system's module
+    locks): the KeyboardInterrupt is raised there, Python reports it as unraisable and goes on."""
+    class Thing:
+        pass
+    thing = Thing()
+    reference = weakref.ref(thing, lambda _: (_ for _ in ()).throw(KeyboardInterrupt))
+    del thing
+    return reference
+
+
+@pytest.mark.parametrize("where", ["importing", "running"])
+def test_an_interrupt_python_could_not_raise_still_ends_in_130(where, monkeypatch, capsys):
+    """A KeyboardInterrupt lost in a callback while the commands are imported or while the
+    command runs: main still answers one line and 130, and no 'Exception ignored' report."""
+    ran = []
+    if where == "importing":
+        real = cli.importlib.import_module
+        monkeypatch.setattr(cli.importlib, "import_module",
+                            lambda name: (lose_an_interrupt(), real(name))[1])
+    monkeypatch.setattr(demo, "run", lambda args: (where == "running" and lose_an_interrupt(),
+                                                   ran.append(True), 0)[2])
+    hook = sys.unraisablehook
+    assert cli.main(["demo"]) == 130
+    assert capsys.readouterr().err == f"{cli.PROG}: interrupted\n"
+    assert ran == ([True] if where == "running" else [])
+    assert sys.unraisablehook is hook
+
+
+def test_other_unraisable_exceptions_are_still_reported(monkeypatch, capsys):
+    """Only KeyboardInterrupt is kept: another exception of a callback is reported as before."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+
+    def run(args):
+        class Thing:
+            pass
+        thing = Thing()
+        reference = weakref.ref(thing, lambda _: 1 / 0)
+        del thing
+        return 0 if reference() is None else 1
+    monkeypatch.setattr(demo, "run", run)
+    assert cli.main(["demo"]) == 0
+    assert [item.exc_type for item in seen] == [ZeroDivisionError]

@@ -139,24 +139,55 @@ def main(argv=None):
     (no command at all: the usage with the command list, and a one-line hint); 130 for Ctrl-C
     at any moment of main, the command modules' imports (numpy, scipy, ml_dtypes) included; 141
     for a closed pipe."""
-    try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if args.run is None:
-            print(f"{parser.format_help()}\n{PROG}: no command given; run one of {', '.join(COMMANDS)}, "
-                  f"e.g. '{PROG} demo'", file=sys.stderr)
+    with _LostInterrupts() as lost:
+        try:
+            parser = build_parser()
+            lost.check()
+            args = parser.parse_args(argv)
+            if args.run is None:
+                print(f"{parser.format_help()}\n{PROG}: no command given; run one of {', '.join(COMMANDS)}, "
+                      f"e.g. '{PROG} demo'", file=sys.stderr)
+                return 2
+            code = _run(args)
+            lost.check()
+            return code
+        except UsageError as exc:
+            print(" ".join(str(exc).split()), file=sys.stderr)
             return 2
-        return _run(args)
-    except UsageError as exc:
-        print(" ".join(str(exc).split()), file=sys.stderr)
-        return 2
-    except BrokenPipeError:                            # the reader stopped reading (| head): quiet,
-        _discard_stdout()                              # the shell's 128 + SIGPIPE
-        return 141
-    except KeyboardInterrupt:                          # Ctrl-C: one line, the shell's 128 + SIGINT
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        _interrupt_handled()
-        return 130
+        except BrokenPipeError:                        # the reader stopped reading (| head): quiet,
+            _discard_stdout()                          # the shell's 128 + SIGPIPE
+            return 141
+        except KeyboardInterrupt:                      # Ctrl-C: one line, the shell's 128 + SIGINT
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            _interrupt_handled()
+            return 130
+
+
+class _LostInterrupts:
+    """A Ctrl-C that Python could not raise: SIGINT's KeyboardInterrupt raised inside a weakref
+    callback or a __del__ (the import system's module locks have one) is only reported, as
+    'Exception ignored in: ...', and the program goes on. Within this context such a
+    KeyboardInterrupt is kept quiet and remembered; check() raises it again where main can
+    handle it. Other unraisable exceptions go to the hook there was before."""
+
+    def __enter__(self):
+        self.previous, self.interrupted = sys.unraisablehook, False
+        sys.unraisablehook = self._hook
+        return self
+
+    def _hook(self, unraisable):
+        if issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.interrupted = True
+        else:
+            self.previous(unraisable)
+
+    def check(self):
+        """Raise KeyboardInterrupt if one was lost since the context began."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc_info):
+        sys.unraisablehook = self.previous
 
 
 def _interrupt_handled():
