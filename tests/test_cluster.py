@@ -9,7 +9,7 @@ from optional import DASK_REASON
 import numpy_attention as na
 from numpy_attention.commands.cli import main
 from numpy_attention.crosscheck import blocks, crosscheck, save_case, split_case
-from numpy_attention.crosscheck.check import _baselines
+from numpy_attention.crosscheck.check import _baseline, _ways
 from numpy_attention.crosscheck.slices import case_slices, put_together
 
 RNG = np.random.default_rng(3)
@@ -160,8 +160,9 @@ def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precisi
 
 def assert_slices_put_together_are_whole(case, slices, gradients):
     """Each way's baselines of the slices, put together, bitwise those of the whole case."""
-    whole = _baselines(case, gradients, 32)
-    pieces = [_baselines(piece, gradients, 32) for _, piece in slices]
+    ways = range(len(_ways(case, gradients)))
+    whole = [_baseline(case, way, gradients, 32) for way in ways]
+    pieces = [[_baseline(piece, way, gradients, 32) for way in ways] for _, piece in slices]
     for way, expected in enumerate(whole):
         got = put_together(case, [at for at, _ in slices], [piece[way] for piece in pieces])
         assert got.keys() == expected.keys()

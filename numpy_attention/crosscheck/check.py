@@ -19,6 +19,7 @@ fully_masked other than 'zero': CaseError), the baselines and the term magnitude
 of query rows (blocks.py), with the same results as whole arrays; no diagnosis.
 """
 import math
+from functools import partial
 
 import numpy as np
 
@@ -28,12 +29,12 @@ from .._layout import grouped_matmul, with_head_axis
 from ..attention import ENGINES, TiledAttentionCache, attention_backward
 from ..engines.parallel import cluster, run_tasks
 from ..engines.tiled import tile_scores
-from ..options import attention_options, check_scheduler
+from ..options import PARALLEL_SCORES, attention_options, check_scheduler, resolve_workers
 from ..paged import scatter_keys, unpack_rows
 from . import blocks
 from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, split_case
 from .diagnosis import diagnose, rel_l2
-from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention
+from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
 from .naive import naive_attention
 from .tangents import add_tangents
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
@@ -180,7 +181,7 @@ def _check_k_factors(k_factors):
     return dict(k_factors)
 
 
-def baselines(case, gradients=True, block_rows=None, scheduler=None):
+def baselines(case, gradients=True, block_rows=None, scheduler=None, workers=1):
     """The baselines of the case's precision (precision.py): a list of result dicts.
 
     float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
@@ -191,33 +192,47 @@ def baselines(case, gradients=True, block_rows=None, scheduler=None):
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
+    workers: threads for the ways, and for the slices of a case of at least PARALLEL_SCORES
+    scores (engines.parallel.run_tasks), with the same results.
     """
-    slices = _slices(case, scheduler)
-    results = run_tasks(_baselines, [(piece,) for _, piece in slices], shared={
-        "gradients": gradients, "block_rows": block_rows}, scheduler=scheduler)
+    count = len(_ways(case, gradients))
+    slices = _slices(case, scheduler, workers, count)
+    results = run_tasks(_baseline, [(piece, way) for _, piece in slices for way in range(count)],
+                        workers=workers, shared={"gradients": gradients, "block_rows": block_rows},
+                        scheduler=scheduler)
     ats = [at for at, _ in slices]
-    return [put_together(case, ats, [result[way] for result in results]) for way in range(len(results[0]))]
+    return [put_together(case, ats, results[way::count]) for way in range(count)]
 
 
-def _slices(case, scheduler):
-    """The case in (batch index, kv head) slices for a cluster (slices.py); here, whole."""
-    return case_slices(case) if scheduler is not None else [((Ellipsis,), case)]
+def _score_shape(case):
+    """The case's scores' shape [..., H, N_q, N_k]."""
+    q, k = with_head_axis(case.inputs["q"]), with_head_axis(case.inputs["k"])
+    return q.shape[:-1] + k.shape[-2:-1]
 
 
-def _baselines(case, gradients, block_rows):
-    """The baselines of `case` (a whole case, or one slice of it: a task of baselines)."""
+def _slices(case, scheduler, workers, tasks=1):
+    """The case in (batch index, kv head) slices (slices.py) for a cluster, or for threads
+    when it has at least PARALLEL_SCORES scores and its `tasks` (the baselines' ways) are
+    fewer than the workers; else whole."""
+    threads = workers > tasks and blocks.score_entries(_score_shape(case)) >= PARALLEL_SCORES
+    return case_slices(case) if scheduler is not None or threads else [((Ellipsis,), case)]
+
+
+def _baseline(case, way, gradients, block_rows):
+    """The baseline of `case` (a whole case, or one slice of it) computed its way number `way`
+    (_ways): a task of baselines."""
     p = case.precision
     if not p.recipe:
-        return [baseline(case.inputs, case.options, p.compute, gradients, block_rows)]
-    rounded = lambda x: None if x is None else x.astype(p.compute).astype(np.float32)
+        return baseline(case.inputs, case.options, p.compute, gradients, block_rows)
+    rounded = lambda x: None if x is None else round_to(x, p.compute)
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
     q, k, v, record = attention_options(q, k, v, **options)
-    saved = rounded(case.candidates["out"]) if _reads_kernel_out(case, gradients) else None
-    return [recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
-                             reorder=reorder, block_rows=block_rows, saved_out=saved if reads else None,
-                             mlx=mlx, scores32=scores32)
-            for _, (backward, reorder, reads, mlx, scores32) in _ways(case, gradients)]
+    backward, reorder, reads, mlx, scores32 = _ways(case, gradients)[way][1]
+    saved = rounded(case.candidates["out"]) if reads else None
+    return recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
+                            reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx,
+                            scores32=scores32)
 
 
 def _ways(case, gradients):
@@ -270,8 +285,7 @@ def _block_rows(case):
     """Query rows per block for the case (blocks.block_rows): None when its scores fit
     blocks.SCORE_BUDGET. A larger case runs on the tiled oracle: CaseError naming an option
     it lacks."""
-    q, k = with_head_axis(case.inputs["q"]), with_head_axis(case.inputs["k"])
-    score_shape = q.shape[:-1] + k.shape[-2:-1]
+    score_shape = _score_shape(case)
     block_rows = blocks.block_rows(score_shape, TILE_ROWS)
     o = case.options
     lacking = [name for name, used in (("softcap", "softcap" in o),
@@ -318,7 +332,7 @@ def _summed_in_t(case, name):
 
 
 def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
-               atol=None, scheduler=None, judge=judge, **arrays):
+               atol=None, scheduler=None, workers=None, judge=judge, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
@@ -338,6 +352,10 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         scheduler: a dask.distributed Client, or a scheduler's address: a large case's tiled
             oracle, baselines and term magnitudes run their slices there (bitwise the same
             report); a case small enough to form its scores whole runs here.
+        workers: threads for the oracle's runs, the baselines' ways and a large case's slices
+            (an int >= 1); default every core this process may use from PARALLEL_SCORES
+            scores up (options.resolve_workers), else 1. The report is bitwise the same for
+            any number.
         judge: what judges each tensor, called as rule.judge (the default) is; errormap.py
             passes one that also keeps each entry's error over its bound.
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
@@ -348,7 +366,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         CrosscheckReport. Raises CaseError (a ValueError) for a malformed case.
     """
     settings = {"layout": layout, "lse_base": lse_base, "own_forward": own_forward,
-                "k_factors": k_factors, "atol": atol, "scheduler": scheduler}
+                "k_factors": k_factors, "atol": atol, "scheduler": scheduler, "workers": workers}
     k_factors = _check_k_factors(k_factors)
     atol = None if atol is None else require_nonnegative_real(atol, "atol")
     scheduler = check_scheduler(scheduler)
@@ -358,24 +376,30 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     want_grads = any(name in case.candidates for name in GRADIENTS)
     forward_of = _candidate_forward(case, require_bool(own_forward, "own_forward"), want_grads)
     block_rows = _block_rows(case)                       # None: whole arrays
+    workers = resolve_workers(workers, "tiled", blocks.score_entries(_score_shape(case)))
     whole = block_rows is None
     tangents = any(name in case.candidates for name in FORWARD_MODE)
     if tangents and not whole:
         raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
+    low = case.precision.recipe                          # a 16- or 8-bit precision
     with np.errstate(all="ignore"), cluster(None if whole else scheduler) as client:
-        truth = reference(case.inputs, case.options, wide, want_grads, stages=whole, scheduler=client)
+        oracle = partial(reference, case.inputs, case.options, wide, stages=whole, scheduler=client)
+        jobs = {"truth": partial(oracle, want_grads)}
+        if forward_of is not None:                       # the backward of the candidate's forward
+            jobs["own"] = partial(oracle, True, forward_of)
+        if low:                                          # the scale check's oracle at another scale
+            jobs["shifted"] = partial(oracle, want_grads, scale_factor=1 + SCALE_STEP)
+        done = _concurrently(jobs, workers)
+        truth = done["truth"]
         against = dict(truth)                              # what each candidate tensor is judged against
         if forward_of is not None:
-            against.update({name: value for name, value in reference(
-                case.inputs, case.options, wide, True, forward_of, stages=whole, scheduler=client).items()
-                if name in GRADIENTS})
-        bases = baselines(case, want_grads, block_rows, client)
+            against.update({name: value for name, value in done["own"].items() if name in GRADIENTS})
+        bases = baselines(case, want_grads, block_rows, client, workers)
         if tangents:
             add_tangents(case, truth, bases, wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
-        low = case.precision.recipe                      # a 16- or 8-bit precision
-        mags = _magnitudes(case, truth, whole, block_rows, client)
-        directions = _scale_directions(case, truth, wide, want_grads, whole, client) if low else {}
+        mags = _magnitudes(case, truth, whole, block_rows, client, workers)
+        directions = _scale_directions(truth, done["shifted"]) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
             bases = [_unpaged(b, case.paged) for b in bases]
@@ -394,10 +418,13 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                          scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
                          scale_atol=_summed_in_t(case, name), scale_offsets=offsets[:count])
 
+        def verdicts_of(names, count):                   # {name: verdict}, the tensors on threads
+            return dict(zip(names, run_tasks(verdict, [(name, count) for name in names], workers=workers)))
+
         reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
-        verdicts = {name: verdict(name, len(bases) - reads_out) for name in case.candidates}
+        verdicts = verdicts_of(list(case.candidates), len(bases) - reads_out)
         if reads_out and verdicts["out"].passed:                   # an out that passes is one a kernel's
-            verdicts.update({name: verdict(name, len(bases)) for name in verdicts if name in GRADIENTS})
+            verdicts.update(verdicts_of([name for name in verdicts if name in GRADIENTS], len(bases)))
         verdicts = list(verdicts.values())
         failing = [row.name for row in verdicts if not row.passed]
         diagnosis = _diagnosis(arrays, case, truth, bases, failing, whole) if failing else []
@@ -408,14 +435,16 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
 
 
-def _magnitudes(case, truth, whole, block_rows, scheduler):
+def _magnitudes(case, truth, whole, block_rows, scheduler, workers):
     """The case's term magnitudes (magnitudes.py): from the oracle's stages when whole, else
-    recomputed block by block, on a cluster in (batch index, kv head) slices (slices.py)."""
+    recomputed block by block, on a cluster or on threads in (batch index, kv head) slices
+    (slices.py)."""
     if whole:
         return term_magnitudes(whole_stages(truth), case.inputs, case.options)
     items = [(piece, {name: truth[name][at] for name in ("out", "lse", "dq") if name in truth})
-             for at, piece in _slices(case, scheduler)]
-    sums = run_tasks(_slice_sums, items, shared={"block_rows": block_rows}, scheduler=scheduler)
+             for at, piece in _slices(case, scheduler, workers)]
+    sums = run_tasks(_slice_sums, items, workers=workers, shared={"block_rows": block_rows},
+                     scheduler=scheduler)
     return magnitudes_of(max_sums(sums), case.inputs, case.options)
 
 
@@ -425,15 +454,26 @@ def _slice_sums(piece, truth, block_rows):
                      piece.inputs, piece.options)
 
 
-def _scale_directions(case, truth, dtype, gradients, whole, scheduler):
+def _scale_directions(truth, shifted):
     """{tensor: d oracle / d log(scale)} for the rule's scale check, by a forward difference
-    of the oracle rerun at scale * (1 + SCALE_STEP) (float64: the difference is exact to
-    about 1e-10 of it, far finer than a 16-bit precision's rounding)."""
-    shifted = reference(case.inputs, case.options, dtype, gradients, stages=whole,
-                        scale_factor=1 + SCALE_STEP, scheduler=scheduler)
+    of the oracle and the oracle rerun at scale * (1 + SCALE_STEP) (`shifted`; float64: the
+    difference is exact to about 1e-10 of it, far finer than a 16-bit precision's rounding)."""
     with np.errstate(invalid="ignore"):
         return {name: (shifted[name] - truth[name]) / SCALE_STEP
                 for name in CANDIDATES if name in shifted and name in truth}
+
+
+def _concurrently(jobs, workers):
+    """{name: job()} for a dict of calls without arguments: on `workers` threads when there
+    are several (run_tasks: BLAS on one thread, the same bits for any number of workers); a
+    single job runs as it is."""
+    if len(jobs) == 1:
+        return {name: job() for name, job in jobs.items()}
+    return dict(zip(jobs, run_tasks(_call, [(job,) for job in jobs.values()], workers=workers)))
+
+
+def _call(job):
+    return job()
 
 
 def _unpaged(results, paged):

@@ -27,6 +27,8 @@ whole array, and the results are the same bitwise for any block size; but for db
 bias broadcast along heads or rows: a NumPy sum over them, which the blocks split (the
 same to rounding).
 """
+import math
+
 import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
@@ -35,13 +37,31 @@ from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, he
 from .blocks import block_of, row_slices
 
 
+SUM_TILE = 1 << 17          # entries of a tile of recursive_matmul's sums: it stays in the core's cache
+
+
 def recursive_matmul(a, b, start=None):
     """start + a @ b, [..., m, n] @ [..., n, p] -> [..., m, p], each dot product summed left to
-    right (continuing from start [..., m, p]; default zeros)."""
-    acc = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
-                   dtype=np.result_type(a, b)) if start is None else start
-    for i in range(a.shape[-1]):
-        acc = acc + a[..., :, i:i + 1] * b[..., i:i + 1, :]
+    right (continuing from start [..., m, p]; default zeros): the roundings of
+
+        for i in range(n):
+            acc = acc + a[..., :, i:i + 1] * b[..., i:i + 1, :]
+
+    computed a tile of acc's rows at a time (about SUM_TILE entries, kept in cache through
+    the n steps), each step in place."""
+    dtype = np.result_type(a, b)
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, n, p = a.shape[-2], a.shape[-1], b.shape[-1]
+    acc = np.zeros(batch + (m, p), dtype) if start is None else np.array(start, dtype)
+    columns = np.swapaxes(a, -1, -2).astype(dtype)                 # [..., n, m]: a's columns, each contiguous
+    rows = max(1, SUM_TILE // max(1, math.prod(batch) * p))
+    product = np.empty(batch + (min(rows, m), p), dtype)
+    for top in range(0, m, rows):
+        tile = acc[..., top:top + rows, :]
+        term = product[..., :tile.shape[-2], :]
+        for i in range(n):
+            np.multiply(columns[..., i, top:top + rows, None], b[..., i:i + 1, :], out=term)
+            np.add(tile, term, out=tile)
     return acc
 
 

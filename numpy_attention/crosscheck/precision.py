@@ -84,6 +84,46 @@ def eps(dtype):
     return float(ml_dtypes.finfo(dtype).eps)
 
 
+def round_to(x, dtype):
+    """x (float32 values) rounded to `dtype`, held in float32: the bits of
+    x.astype(dtype).astype(np.float32), for bfloat16 and float16 without the conversions
+    (the recipe rounds every step; through ml_dtypes and NumPy's float16 that was most of
+    its time). Round to nearest, ties to even:
+
+        bfloat16   on the bits: add 0x7FFF plus the last kept bit, clear the low 16 bits
+                   (NaN kept as it is: the carry would make some NaNs infinite)
+        float16    Veltkamp's split, hi = t - (t - x) with t = (2^13 + 1) x, keeps 11 bits;
+                   below 2^-14 (float16's subnormals, multiples of 2^-24) (x + 0.75) - 0.75
+                   with x's sign; from 65520 (half way past float16's largest, 65504) +-inf
+    Other dtypes (float8) convert. A new array; x is not written."""
+    x = np.asarray(x, np.float32)
+    dtype = np.dtype(dtype)
+    if dtype == _BF16:
+        bits = x.view(np.uint32)
+        kept = bits >> 16
+        kept &= 1                                                   # the last bit kept: ties to even
+        kept += 0x7FFF
+        kept += bits
+        kept &= np.uint32(0xFFFF0000)
+        rounded = kept.view(np.float32)
+        nan = np.isnan(x)
+        if nan.any():
+            rounded[nan] = x[nan]
+        return rounded
+    if dtype == np.float16:
+        with np.errstate(over="ignore", invalid="ignore"):           # +-inf and huge x: set below
+            split = x * np.float32(2 ** 13 + 1)
+            rounded = split - (split - x)
+        size = np.abs(x)
+        tiny, huge = size < np.float32(2.0 ** -14), size >= np.float32(65520)
+        if tiny.any():
+            rounded[tiny] = np.copysign((x[tiny] + np.float32(0.75)) - np.float32(0.75), x[tiny])
+        if huge.any():
+            rounded[huge] = np.copysign(np.float32(np.inf), x[huge])
+        return rounded
+    return x.astype(dtype).astype(np.float32)
+
+
 def precision_of(dtype):
     """The precision whose storage dtype is `dtype` (None when there is none)."""
     for p in PRECISIONS.values():
@@ -122,7 +162,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     Results are float32 arrays holding values of the output dtype (lse: float32).
     """
     T = precision.compute
-    rnd = lambda x: np.asarray(x, np.float32).astype(T).astype(np.float32)      # round to T
+    rnd = partial(round_to, dtype=T)                                             # round to T
     again = partial(recipe_attention, precision=precision, dout=dout, backward=backward, reorder=reorder,
                     block_rows=block_rows, saved_out=saved_out, mlx=mlx, scores32=scores32)
     if mlx and options.scale != 1.0:                                             # S = (round(scale) q) k^T
@@ -250,7 +290,7 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
         p_drop = p * drop
     else:                                                                        # P~ = P mask / (1 - p)
         p_drop = rnd(rnd(p * drop) * inv_keep)
-    p_drop = p_drop.astype(precision.weights).astype(np.float32)
+    p_drop = round_to(p_drop, precision.weights)
     return _Forward(q=q, k=k, v=v, used=used, keep=keep, tanh=tanh, bias=bias, drop=drop, p=p,
                     p_drop=p_drop, out=rnd(_tile_matmul(p_drop, used.v)), lse=lse, reorder=reorder,
                     alibi=alibi, p_sink=p_sink)
