@@ -1,28 +1,65 @@
-"""crosscheck's wall time and peak memory on a causal bfloat16 case with gradients.
+"""crosscheck's time against a float64 reference's, and its peak memory on long cases.
 
-    python3 benchmarks/bench_crosscheck.py [--lengths 2048 8192] [--heads 4] [--d 64]
-                                           [--budget N]
+    python3 benchmarks/bench_crosscheck.py [--lengths 128 512 2048] [--precisions ...]
+                                           [--rounds 3] [--heads 8] [--d 64]
+    python3 benchmarks/bench_crosscheck.py --memory [--lengths 2048 8192] [--budget N]
 
-The case: q, k, v, dout [1, H, N, d] in bfloat16 (random normal), causal; the candidate is
-our own float64 attention (the tiled engine, O(N) memory) rounded to bfloat16: out, lse
-(float32), dq, dk, dv. It is written to a .npz file by one child process; a fresh child
-then loads it and runs crosscheck, as `numpy-attention crosscheck CASE.npz` does, and
-reports crosscheck's wall time and its own peak RSS (VmHWM), so that neither the case's
-making nor another size's run can hide in it. "import" is the peak of a child that only
-imports numpy_attention and loads the case: what any check of that case costs at least.
+Time (the default): what a kernel author's alternative costs, a float64 torch forward and
+backward of the same case (scaled_dot_product_attention on float64 tensors, then
+torch.autograd.grad of out with dout: dq, dk, dv), against one crosscheck call judging
+out, dq, dk, dv (and lse) of a candidate in the precision: q, k, v, dout [1, H, N, d]
+random normal values of the precision, the candidate our float64 attention rounded to
+it. Per N, precision and causal or not: the median time of each, timed alone in its own
+process, the processes alternating (_common.median_times_apart), and the ratio
+crosscheck / torch (the figure to read: the machine is shared and noisy). Without torch,
+crosscheck's times alone.
 
-Scores [1, H, N, N] over blocks.SCORE_BUDGET (2**24) entries run in O(N) memory (the
-tiled oracle, the baselines in blocks of query rows); smaller ones on whole arrays.
---budget sets blocks.SCORE_BUDGET in the child, to run a small case in blocks (or a large
-one whole: mind the memory, one float64 P at N=8192 with 4 heads is 2 GiB).
+Memory (--memory): crosscheck's wall time and peak RSS on a causal bfloat16 case with
+gradients and lse. It is written to a .npz file by one child process; a fresh child then
+loads it and runs crosscheck, as `numpy-attention crosscheck CASE.npz` does, and reports
+crosscheck's wall time and its own peak RSS (VmHWM), so that neither the case's making
+nor another size's run can hide in it. "import" is the peak of a child that only imports
+numpy_attention and loads the case: what any check of that case costs at least. Scores
+[1, H, N, N] over blocks.SCORE_BUDGET (2**24) entries run in O(N) memory (the tiled
+oracle, the baselines in blocks of query rows); smaller ones on whole arrays. --budget
+sets blocks.SCORE_BUDGET in the child, to run a small case in blocks (or a large one
+whole: mind the memory, one float64 P at N=8192 with 4 heads is 2 GiB).
 """
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine_line, run_child, table  # noqa: E402
+from benchmarks._common import OtherLoad, machine_line, median_times_apart, run_child, table  # noqa: E402
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+
+CROSSCHECK_STEP = """
+import numpy as np, ml_dtypes
+from numpy_attention import attention_backward, attention_forward, crosscheck
+T = {{"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}}[{precision!r}]
+rng = np.random.default_rng(0)
+q, k, v, dout = (rng.standard_normal((1, {h}, {n}, {d})).astype(T) for _ in range(4))
+wide = [x.astype(np.float64) for x in (q, k, v, dout)]
+out, cache = attention_forward(*wide[:3], causal={causal}, implementation="tiled")
+g = attention_backward(wide[3], cache)
+case = dict(q=q, k=k, v=v, dout=dout, causal={causal}, out=out.astype(T), lse=cache.lse.astype(np.float32),
+            dq=g.dq.astype(T), dk=g.dk.astype(T), dv=g.dv.astype(T))
+def step():
+    assert crosscheck(**case)
+"""
+
+TORCH_STEP = """
+import torch
+g = torch.Generator().manual_seed(0)
+q, k, v, dout = (torch.randn(1, {h}, {n}, {d}, dtype=torch.float64, generator=g) for _ in range(4))
+def step():
+    q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal={causal})
+    torch.autograd.grad(out, (q_, k_, v_), dout)
+"""
 
 MAKE_CASE = """
 import numpy as np, ml_dtypes
@@ -66,18 +103,28 @@ def measure(n, heads, d, budget, directory):
     return said["PATH"], float(said["SECONDS"]), mib, base_mib, said["VERDICT"]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 2)[2])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192],
-                    help="sequence lengths N (default 2048 8192)")
-    ap.add_argument("--heads", type=int, default=4, help="heads H (default 4)")
-    ap.add_argument("--d", type=int, default=64, help="head width d (default 64)")
-    ap.add_argument("--budget", type=int, default=2 ** 24,
-                    help="blocks.SCORE_BUDGET in the child (default 2**24 = 16777216, the library's)")
-    args = ap.parse_args()
-    print(machine_line())
+def time_table(args):
+    """The time table: crosscheck and torch's float64 forward + backward, and their ratio."""
+    has_torch = importlib.util.find_spec("torch") is not None
+    print(f"crosscheck of out, lse, dq, dk, dv [1, {args.heads}, N, {args.d}] against torch's float64 "
+          f"SDPA forward + backward of the same case (median of {args.rounds} rounds, each alone in "
+          f"its own process)")
+    rows = []
+    for n in args.lengths:
+        for precision in args.precisions:
+            for causal in (False, True):
+                fields = dict(h=args.heads, n=n, d=args.d, causal=causal)
+                codes = [CROSSCHECK_STEP.format(precision=precision, **fields)]
+                codes += [TORCH_STEP.format(**fields)] if has_torch else []
+                times = median_times_apart(codes, rounds=args.rounds, calls=1)
+                ratio = f"{times[0] / times[1]:.1f}" if has_torch else "-"
+                rows.append([str(n), precision, "yes" if causal else "no", f"{times[0]:.3f}",
+                             f"{times[1]:.3f}" if has_torch else "-", ratio])
+    print(table(["N", "precision", "causal", "crosscheck s", "torch float64 s", "ratio"], rows))
+
+
+def memory_table(args):
+    """The memory table: crosscheck's time and peak RSS on long causal bfloat16 cases."""
     print(f"crosscheck of a causal bfloat16 case with gradients, [1, {args.heads}, N, {args.d}]; "
           f"SCORE_BUDGET = {args.budget:,} scores; peak = the child's VmHWM")
     rows = []
@@ -88,6 +135,29 @@ def main():
             rows.append([str(n), path, f"{seconds:.1f}", f"{mib:.0f}", f"{base_mib:.0f}",
                          f"{p_gib:.3g}", verdict])
     print(table(["N", "path", "seconds", "peak MiB", "import MiB", "one float64 P GiB", "verdict"], rows))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 2)[2])
+    ap.add_argument("--memory", action="store_true", help="the memory table instead of the time table")
+    ap.add_argument("--lengths", type=int, nargs="+",
+                    help="sequence lengths N (default 128 512 2048; --memory: 2048 8192)")
+    ap.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
+                    help="the candidates' precisions (time table; default all three)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the time table (default 3)")
+    ap.add_argument("--heads", type=int, help="heads H (default 8; --memory: 4)")
+    ap.add_argument("--d", type=int, default=64, help="head width d (default 64)")
+    ap.add_argument("--budget", type=int, default=2 ** 24,
+                    help="blocks.SCORE_BUDGET in the child (--memory; default 2**24 = 16777216, the library's)")
+    args = ap.parse_args()
+    args.lengths = args.lengths or ([2048, 8192] if args.memory else [128, 512, 2048])
+    args.heads = args.heads or (4 if args.memory else 8)
+    print(machine_line())
+    load = OtherLoad()
+    (memory_table if args.memory else time_table)(args)
+    print(load.line())
 
 
 if __name__ == "__main__":

@@ -63,6 +63,14 @@ def test_round_to_is_the_conversions(dtype):
     assert np.array_equal(x.view(np.uint32), kept.view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
+def test_round_to_takes_a_scalar_and_an_empty_array(dtype):
+    for x in (np.float32(1 / 3), np.array(np.nan, np.float32), np.float32(70000.0), np.zeros((2, 0), np.float32)):
+        with np.errstate(over="ignore"):
+            got, want = round_to(x, dtype), converted(x, dtype)
+        assert got.shape == want.shape and np.array_equal(got, want, equal_nan=True)
+
+
 def test_round_to_a_float8_converts():
     x = np.linspace(-500, 500, 1001, dtype=np.float32)
     f8 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -422,9 +422,11 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             return dict(zip(names, run_tasks(verdict, [(name, count) for name in names], workers=workers)))
 
         reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
-        verdicts = verdicts_of(list(case.candidates), len(bases) - reads_out)
-        if reads_out and verdicts["out"].passed:                   # an out that passes is one a kernel's
-            verdicts.update(verdicts_of([name for name in verdicts if name in GRADIENTS], len(bases)))
+        verdicts = verdicts_of([name for name in case.candidates if name not in GRADIENTS], len(bases) - reads_out)
+        with_out = reads_out and verdicts["out"].passed            # an out that passes is one a kernel's
+        verdicts.update(verdicts_of([name for name in case.candidates if name in GRADIENTS],
+                                    len(bases) - reads_out + with_out))
+        verdicts = {name: verdicts[name] for name in case.candidates}
         verdicts = list(verdicts.values())
         failing = [row.name for row in verdicts if not row.passed]
         diagnosis = _diagnosis(arrays, case, truth, bases, failing, whole) if failing else []

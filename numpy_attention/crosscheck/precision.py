@@ -98,6 +98,8 @@ def round_to(x, dtype):
     Other dtypes (float8) convert. A new array; x is not written."""
     x = np.asarray(x, np.float32)
     dtype = np.dtype(dtype)
+    if x.ndim == 0:                                                 # the steps below write arrays
+        return round_to(x.reshape(1), dtype).reshape(())
     if dtype == _BF16:
         bits = x.view(np.uint32)
         kept = bits >> 16
@@ -112,14 +114,19 @@ def round_to(x, dtype):
         return rounded
     if dtype == np.float16:
         with np.errstate(over="ignore", invalid="ignore"):           # +-inf and huge x: set below
-            split = x * np.float32(2 ** 13 + 1)
-            rounded = split - (split - x)
+            rounded = x * np.float32(2 ** 13 + 1)
+            low = rounded - x
+            rounded -= low
         size = np.abs(x)
-        tiny, huge = size < np.float32(2.0 ** -14), size >= np.float32(65520)
-        if tiny.any():
-            rounded[tiny] = np.copysign((x[tiny] + np.float32(0.75)) - np.float32(0.75), x[tiny])
+        tiny = size < np.float32(2.0 ** -14)
+        if tiny.any():                                              # (softmax weights often are)
+            np.add(x, np.float32(0.75), out=low)
+            low -= np.float32(0.75)
+            np.copysign(low, x, out=low)
+            np.copyto(rounded, low, where=tiny)
+        huge = np.greater_equal(size, np.float32(65520), out=tiny)
         if huge.any():
-            rounded[huge] = np.copysign(np.float32(np.inf), x[huge])
+            np.copyto(rounded, np.copysign(np.float32(np.inf), x), where=huge)
         return rounded
     return x.astype(dtype).astype(np.float32)
 

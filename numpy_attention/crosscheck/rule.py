@@ -239,14 +239,15 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
     nans, infs = int(np.sum(np.isnan(as_float) & finite)), int(np.sum(np.isinf(as_float) & finite))
     worst = np.unravel_index(int(np.argmax(err)), err.shape) if err.size else ()
     max_err = float(err[worst]) if err.size else 0.0
-    err_norm, base_norm = _norm(err), max(_norm(b) for b in base_errs)
+    base_norms = [_norm(b) for b in base_errs]
+    err_norm, base_norm = _norm(err), max(base_norms)
     l2_ratio = _ratio(err_norm, base_norm)
     ref_norm, cand_norm = _norm(oracle), _norm(as_float)
     # relative to the oracle's norm; where the oracle is all 0, to the candidate's (1: all wrong)
     norm = ref_norm if ref_norm > 0 else cand_norm
     rel = err_norm / norm if norm > 0 else (0.0 if err_norm == 0 else math.inf)
     bound = k * base + atol
-    row_ratio, row_ok = _row_check(err, base_errs, k, atol) if rows else (math.nan, True)
+    row_ratio, row_ok = _row_check(err, base_errs, base_norms, k, atol) if rows else (math.nan, True)
     scale_err, scale_bound = math.nan, math.nan
     if scale_direction is not None:
         scale_err, scale_bound = _scale_check(candidate, oracle, baselines, base_oracle,
@@ -280,22 +281,24 @@ def _ratio(err, base):
     return err / base if base > 0 else (0.0 if err == 0 else math.inf)
 
 
-def _row_check(err, base_errs, k, atol):
+def _row_check(err, base_errs, base_norms, k, atol):
     """(the largest row ratio, whether every row passes): the row-wise check of the module
-    docstring, rows along the last axis."""
+    docstring, rows along the last axis (base_norms: the baselines' _norm)."""
     if err.size == 0:
         return 0.0, True
     rows = np.max(err, axis=-1)
-    base_rows = baseline_rows(base_errs)
+    base_rows = baseline_rows(base_errs, base_norms)
     ratios = np.divide(rows, base_rows, out=np.where(rows > 0, np.inf, 0.0), where=base_rows > 0)
     return float(np.max(ratios)), bool(np.all(rows <= k * base_rows + atol))
 
 
-def baseline_rows(base_errs):
+def baseline_rows(base_errs, base_norms=None):
     """[...] each row's baseline error for the row-wise check: the largest over the baselines
     of err(row of baseline), floored at rms(baseline - oracle) (module docstring); base_errs:
-    the baselines' entrywise errors [..., row length], one shape."""
-    floor = max(_norm(b) / math.sqrt(b.size) for b in base_errs)          # rms(baseline - oracle)
+    the baselines' entrywise errors [..., row length], one shape; base_norms: their norms
+    (_norm), if known."""
+    norms = [_norm(b) for b in base_errs] if base_norms is None else base_norms
+    floor = max(norm / math.sqrt(b.size) for norm, b in zip(norms, base_errs))   # rms(baseline - oracle)
     return np.maximum(np.max([np.max(b, axis=-1) for b in base_errs], axis=0), floor)
 
 
