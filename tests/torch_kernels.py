@@ -7,10 +7,15 @@ importorskip.
     arrays = run(case, "sdpa")                            # + torch's out (lse), dq, dk, dv, dbias
     arrays = run(case, "manual", bug="scale")             # a planted bug
 """
+import atexit
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import ml_dtypes
 import numpy as np
+import threadpoolctl
 import torch
 
 from numpy_attention import crosscheck
@@ -71,22 +76,61 @@ def _moves(case):
 
 def campaign(precision, cases_per_variant, seed, kernels=KERNELS, bugs=BUGS):
     """Every kernel on random cases of every variant it computes (kernels: kernel -> variants),
-    honest and with each of `bugs`.
+    honest and with each of `bugs`. The cases are drawn here, in order; they are run and
+    judged on a pool of processes, one per core (judged_all).
 
     Returns (honest, planted): honest a list of (kernel, variant, report), planted a dict
     bug -> list of reports (one per case the bug changes).
     """
     rng = np.random.default_rng(seed)
-    honest, planted = [], {bug: [] for bug in bugs}
+    jobs, labels = [], []
     for kernel, variants in kernels.items():
         for variant in variants:
             for _ in range(cases_per_variant):
                 case = random_case(rng, precision, variant)
-                honest.append((kernel, variant, crosscheck(**run(case, kernel))))
+                jobs.append((case, kernel, None))
+                labels.append((kernel, variant, None))
                 for bug in bugs:
                     if plants(case, kernel, bug):
-                        planted[bug].append(crosscheck(**run(case, kernel, bug=bug)))
+                        jobs.append((case, kernel, bug))
+                        labels.append((kernel, variant, bug))
+    honest, planted = [], {bug: [] for bug in bugs}
+    for (kernel, variant, bug), report in zip(labels, judged_all(jobs)):
+        if bug is None:
+            honest.append((kernel, variant, report))
+        else:
+            planted[bug].append(report)
     return honest, planted
+
+
+def judged(job):
+    """crosscheck's report on one (case, kernel, bug) of a campaign (bug None: honest)."""
+    case, kernel, bug = job
+    return crosscheck(**run(case, kernel, bug=bug))
+
+
+def judged_all(jobs):
+    """[judged(job) for job in jobs], on a pool of processes (one per core this process may
+    use, started at the first call and kept for the session): the small cases of a campaign
+    spend most of their time in Python, which threads would not share. torch and BLAS compute
+    on one thread in each (_one_thread; the verdicts do not depend on it)."""
+    global _POOL
+    if _POOL is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _POOL = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=_one_thread)
+        atexit.register(_POOL.shutdown)
+    return list(_POOL.map(judged, jobs, chunksize=8))
+
+
+_POOL = None
+
+
+def _one_thread():
+    """A pool process computes on one thread, torch and BLAS alike: the pool has a process
+    per core."""
+    torch.set_num_threads(1)
+    threadpoolctl.threadpool_limits(1)
 
 
 def false_failures(honest):
