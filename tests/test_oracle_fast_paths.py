@@ -112,3 +112,26 @@ def test_a_report_is_the_plain_paths_one(name, arrays, budget, monkeypatch):
     monkeypatch.setattr(CHECK, "round_to", converted)
     monkeypatch.setattr(naive, "recursive_matmul", plain_recursive_matmul)
     assert report_record(arrays, budget, workers=1) == fast
+
+
+@pytest.mark.parametrize("workers, error", [(0, ValueError), (2.5, TypeError), ("2", TypeError)])
+def test_workers_is_checked(workers, error):
+    name, arrays, budget = CASES[0]
+    with pytest.raises(error, match="workers must be a positive integer"):
+        report_record(arrays, budget, workers=workers)
+
+
+def test_the_command_takes_workers(tmp_path, capsys):
+    """`--workers N` prints the report of one thread; `--workers 0` is a one-line error, exit 2."""
+    from numpy_attention.commands.cli import main
+    case = str(tmp_path / "case.npz")
+    assert main(["crosscheck", "--write-example", case]) == 0
+    capsys.readouterr()
+    outputs = []
+    for workers in ("1", "3"):
+        assert main(["crosscheck", case, "--workers", workers]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "PASS" in outputs[0]
+    assert main(["crosscheck", case, "--workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--workers" in err and "must be an integer >= 1" in err

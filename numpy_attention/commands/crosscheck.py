@@ -1,5 +1,5 @@
 """`numpy-attention crosscheck CASE.npz [--json] [--precision P] [--layout bnhd] [--lse-base 2]
-[--own-forward] [--k out=2,dq=3] [--atol A] [--scheduler ADDRESS] [--plot FILE.png]`: judge
+[--own-forward] [--k out=2,dq=3] [--atol A] [--scheduler ADDRESS] [--workers N] [--plot FILE.png]`: judge
 another attention's results.
 
 Reads a case (crosscheck/case.py), computes the oracle and the baseline, prints one row per
@@ -17,7 +17,7 @@ from ..crosscheck import CaseError, crosscheck, load_case, write_example_case
 from ..crosscheck.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
 from ..crosscheck.errormap import crosscheck_errors, draw_error_maps, require_matplotlib
 from ..crosscheck.precision import PRECISIONS
-from .cli import UsageError
+from .cli import UsageError, integer
 
 HELP = "judge another attention's results against the oracle"
 DESCRIPTION = """\
@@ -89,6 +89,9 @@ def add_arguments(parser):
     parser.add_argument("--scheduler", metavar="ADDRESS",
                         help="a Dask scheduler (e.g. tcp://host:8786): a large case's oracle and "
                              "baselines run their slices on that cluster (needs the extra 'dask')")
+    parser.add_argument("--workers", type=integer(1), metavar="N",
+                        help="threads for the oracle's runs and the baselines (default: every core "
+                             "from 2^19 scores up, else 1); the same report for any number")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also write a PNG of each tensor's |err| / bound by head and row "
                              "(key rows for dk, dv), red where it fails (needs matplotlib)")
@@ -129,7 +132,7 @@ def run(args):
             if given is not None:
                 arrays[name] = given
         settings = {"own_forward": args.own_forward, "k_factors": args.k, "atol": args.atol,
-                    "scheduler": _cluster(args.scheduler)}
+                    "scheduler": _cluster(args.scheduler), "workers": args.workers}
         if args.plot is None:
             report, ratios = crosscheck(**arrays, **settings), None
         else:                                          # the same verdicts, and each entry's ratio

@@ -81,7 +81,7 @@ def crosscheck_errors(**arrays):
         verdict = judge(name, candidate, oracle, baseline, **settings)
         ratios[name] = entry_ratios(verdict, candidate, oracle, baseline,
                                     settings.get("baseline_oracle"), settings.get("rows", False))
-        return verdict                   # a tensor judged again (check.py) keeps its last ratios
+        return verdict                   # (check.py judges each tensor once)
 
     report = crosscheck(**arrays, judge=judge_and_keep)
     return report, ratios
