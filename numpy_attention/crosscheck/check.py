@@ -17,6 +17,8 @@ A large case (scores [..., H, N_q, N_k] over blocks.SCORE_BUDGET entries) runs i
 memory plus its own arrays: the oracle on the tiled engine (no softcap, dropout or
 fully_masked other than 'zero': CaseError), the baselines and the term magnitudes in blocks
 of query rows (blocks.py), with the same results as whole arrays; no diagnosis.
+The oracle's runs, the baselines' ways (a large case's slices) and the tensors' verdicts run
+on `workers` threads (engines/parallel.py), the report bitwise the same for any number.
 """
 import math
 from functools import partial
