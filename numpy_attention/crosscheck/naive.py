@@ -53,7 +53,7 @@ def recursive_matmul(a, b, start=None):
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     m, n, p = a.shape[-2], a.shape[-1], b.shape[-1]
     acc = np.zeros(batch + (m, p), dtype) if start is None else np.array(start, dtype)
-    columns = np.swapaxes(a, -1, -2).astype(dtype)                 # [..., n, m]: a's columns, each contiguous
+    columns = np.swapaxes(a, -1, -2).astype(dtype)                 # [..., n, m]: a's columns as rows, in dtype
     rows = max(1, SUM_TILE // max(1, math.prod(batch) * p))
     product = np.empty(batch + (min(rows, m), p), dtype)
     for top in range(0, m, rows):
