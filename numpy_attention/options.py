@@ -354,6 +354,11 @@ def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(N
         return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
 
 
+def available_cores():
+    """The cores this process may use (os.sched_getaffinity; os.cpu_count where it has none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def resolve_workers(workers, implementation, scores, projections=0):
     """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
     None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
@@ -364,7 +369,7 @@ def resolve_workers(workers, implementation, scores, projections=0):
     if workers is None:
         if implementation == "textbook" or (scores < PARALLEL_SCORES and projections < PARALLEL_PROJECTIONS):
             return 1
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return available_cores()
     workers = require_positive_int(workers, "workers")
     if workers > 1 and implementation not in ("blocked", "tiled"):
         raise ValueError(f"workers={workers} runs the blocked or tiled engine on threads; "

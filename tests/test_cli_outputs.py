@@ -178,13 +178,17 @@ def test_ctrl_c_in_the_console_script_is_one_line_130(command, imported):
     assert interrupt(command, imported, script) == (130, [f"{cli.PROG}: interrupted"])
 
 
-def lose_an_interrupt():
-    """What SIGINT does when it lands in a weakref callback (as in the import system's module
-    locks): the KeyboardInterrupt is raised there, Python reports it as unraisable and goes on."""
+def raise_in_a_callback(error):
+    """Raise `error` in a weakref callback, as SIGINT's KeyboardInterrupt is raised when the
+    signal lands in one (the import system's module locks have one): Python reports it as
+    unraisable and goes on. Returns the (dead) reference."""
     class Thing:
         pass
+
+    def callback(_):
+        raise error
     thing = Thing()
-    reference = weakref.ref(thing, lambda _: (_ for _ in ()).throw(KeyboardInterrupt))
+    reference = weakref.ref(thing, callback)
     del thing
     return reference
 
@@ -197,8 +201,8 @@ def test_an_interrupt_python_could_not_raise_still_ends_in_130(where, monkeypatc
     if where == "importing":
         real = cli.importlib.import_module
         monkeypatch.setattr(cli.importlib, "import_module",
-                            lambda name: (lose_an_interrupt(), real(name))[1])
-    monkeypatch.setattr(demo, "run", lambda args: (where == "running" and lose_an_interrupt(),
+                            lambda name: (raise_in_a_callback(KeyboardInterrupt), real(name))[1])
+    monkeypatch.setattr(demo, "run", lambda args: (where == "running" and raise_in_a_callback(KeyboardInterrupt),
                                                    ran.append(True), 0)[2])
     hook = sys.unraisablehook
     assert cli.main(["demo"]) == 130
@@ -207,18 +211,10 @@ def test_an_interrupt_python_could_not_raise_still_ends_in_130(where, monkeypatc
     assert sys.unraisablehook is hook
 
 
-def test_other_unraisable_exceptions_are_still_reported(monkeypatch, capsys):
+def test_other_unraisable_exceptions_are_still_reported(monkeypatch):
     """Only KeyboardInterrupt is kept: another exception of a callback is reported as before."""
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-
-    def run(args):
-        class Thing:
-            pass
-        thing = Thing()
-        reference = weakref.ref(thing, lambda _: 1 / 0)
-        del thing
-        return 0 if reference() is None else 1
-    monkeypatch.setattr(demo, "run", run)
+    monkeypatch.setattr(demo, "run", lambda args: 0 if raise_in_a_callback(ZeroDivisionError)() is None else 1)
     assert cli.main(["demo"]) == 0
     assert [item.exc_type for item in seen] == [ZeroDivisionError]

@@ -10,7 +10,6 @@ importorskip.
 import atexit
 import math
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 
 import ml_dtypes
@@ -19,6 +18,7 @@ import threadpoolctl
 import torch
 
 from numpy_attention import crosscheck
+from numpy_attention.options import available_cores
 
 F = torch.nn.functional
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -116,8 +116,7 @@ def judged_all(jobs):
     on one thread in each (_one_thread; the verdicts do not depend on it)."""
     global _POOL
     if _POOL is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        _POOL = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+        _POOL = ProcessPoolExecutor(available_cores(), mp_context=multiprocessing.get_context("spawn"),
                                     initializer=_one_thread)
         atexit.register(_POOL.shutdown)
     return list(_POOL.map(judged, jobs, chunksize=8))

@@ -268,7 +268,7 @@ def _scale_offsets(case, ways):
         return [0.0] * len(ways)
     given = case.options.get("scale")
     scale = np.float32(given) if given is not None else 1 / np.sqrt(np.float32(case.inputs["q"].shape[-1]))
-    rounded = np.float32(scale).astype(case.precision.compute).astype(np.float32)
+    rounded = round_to(np.float32(scale), case.precision.compute)
     mlx = 0.0 if scale == 1 else float(rounded) / float(scale) - 1
     return [mlx if way[3] else 0.0 for _, way in ways]
 
@@ -421,15 +421,14 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                          scale_atol=_summed_in_t(case, name), scale_offsets=offsets[:count])
 
         def verdicts_of(names, count):                   # {name: verdict}, the tensors on threads
-            return dict(zip(names, run_tasks(verdict, [(name, count) for name in names], workers=workers)))
+            return _concurrently({name: partial(verdict, name, count) for name in names}, workers)
 
         reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
         verdicts = verdicts_of([name for name in case.candidates if name not in GRADIENTS], len(bases) - reads_out)
         with_out = reads_out and verdicts["out"].passed            # an out that passes is one a kernel's
         verdicts.update(verdicts_of([name for name in case.candidates if name in GRADIENTS],
                                     len(bases) - reads_out + with_out))
-        verdicts = {name: verdicts[name] for name in case.candidates}
-        verdicts = list(verdicts.values())
+        verdicts = [verdicts[name] for name in case.candidates]
         failing = [row.name for row in verdicts if not row.passed]
         diagnosis = _diagnosis(arrays, case, truth, bases, failing, whole) if failing else []
     if failing:

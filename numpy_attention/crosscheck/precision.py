@@ -87,8 +87,8 @@ def eps(dtype):
 def round_to(x, dtype):
     """x (float32 values) rounded to `dtype`, held in float32: the bits of
     x.astype(dtype).astype(np.float32), for bfloat16 and float16 without the conversions
-    (the recipe rounds every step; through ml_dtypes and NumPy's float16 that was most of
-    its time). Round to nearest, ties to even:
+    (slower through ml_dtypes and NumPy's float16, at every step of the recipe). Round to
+    nearest, ties to even:
 
         bfloat16   on the bits: add 0x7FFF plus the last kept bit, clear the low 16 bits
                    (NaN kept as it is: the carry would make some NaNs infinite)
