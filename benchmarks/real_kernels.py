@@ -65,15 +65,20 @@ def main():
             honest = result.honest
             failed = rk.false_failures(honest)
             saved += rk.save_failures(honest, args.save or rk.FAILURES_DIR) if failed else []
-            rows.append([kernel, precision, str(len(honest)), str(len(failed)),
+            single = sum(1 in (o.layout.n_q, o.layout.n_k) for o in honest)
+            rows.append([kernel, precision, str(len(honest)), str(single), str(len(failed)),
                          str(sum(not o.fa_passed for o in honest))]
                         + [cell(result.planted.get(bug, [])) for bug in rk.BUGS])
             times.append(f"{kernel} {precision}: {result.seconds:.0f} s "
                          f"(first call {result.first_call:.1f} s)")
             print(f"# done {times[-1]}", file=sys.stderr, flush=True)
-    print("honest: cases, failed by crosscheck, failed by FlashAttention's rule; planted bugs: "
-          "caught by crosscheck | by FlashAttention's rule, of the cases the bug changes")
-    print(table(["kernel", "dtype", "honest", "xc fail", "FA fail"] + list(rk.BUGS), rows))
+    print("honest: cases, those with one query row or one key, failed by crosscheck, failed by "
+          "FlashAttention's rule; planted bugs: caught by crosscheck | by FlashAttention's rule, of "
+          "the cases the bug changes")
+    print(table(["kernel", "dtype", "honest", "1 row/key", "xc fail", "FA fail"] + list(rk.BUGS), rows))
+    print(f"all: {sum(int(row[2]) for row in rows)} honest, {sum(int(row[3]) for row in rows)} with one "
+          f"row or key, {sum(int(row[4]) for row in rows)} failed by crosscheck, "
+          f"{sum(int(row[5]) for row in rows)} by FlashAttention's rule")
     print("\n".join(["", "time per campaign (the first call compiles where the kernel does):"] + times))
     for line in not_run:
         print(f"not run: {line}")

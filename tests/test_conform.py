@@ -16,7 +16,7 @@ import conform_bugs
 import numpy_attention as na
 from numpy_attention.commands.cli import main
 from numpy_attention.conform import examples, judge, run
-from numpy_attention.conform.grid import LENGTHS, ROLES, WIDTHS, cases, draw
+from numpy_attention.conform.grid import LENGTHS, PER_ROLE, ROLES, WIDTHS, cases, draw
 from numpy_attention.conform.judge import evaluate
 from numpy_attention.conform.kernels import KernelError, as_kernel, command_args, kind_of
 from numpy_attention.conform.progress import LineBar, NoBar, progress_bar
@@ -40,7 +40,7 @@ def clock(monkeypatch):
 def test_the_grid_is_deterministic_and_its_ids_unique():
     grid = cases()
     assert [c.id for c in grid] == [c.id for c in cases()]
-    assert len({c.id for c in grid}) == len(grid) == len(ROLES) * 3 * 3      # 7 roles, 3 cells x 3 dtypes
+    assert len({c.id for c in grid}) == len(grid) == PER_ROLE * len(ROLES) * 3 * 3   # 3 cells x 3 dtypes
     assert [c.id for c in cases(seed=1)] != [c.id for c in grid]
     case = grid[20]
     assert all(np.array_equal(x, y) for x, y in zip(draw(case).values(), draw(case).values()))
@@ -66,6 +66,18 @@ def test_the_sweep_is_round_robin_smallest_first():
     first_round = grid[:len(cells)]
     assert {(c.cell, c.dtype) for c in first_round} == cells                # every cell at once
     assert [c.scores for c in first_round] == sorted(c.scores for c in first_round)
+
+
+def test_each_cell_holds_each_role_at_different_lengths():
+    grid = cases(dtypes=("float32", "float16"), supports=("causal", "gqa", "softcap"))
+    cells = {(c.cell, c.dtype) for c in grid}
+    for cell in cells:
+        pairs = [(c.n_q, c.n_k) for c in grid if (c.cell, c.dtype) == cell]
+        assert len(pairs) == len(set(pairs)) == PER_ROLE * len(ROLES)
+        for _, role in ROLES:
+            assert sum(pair in role for pair in pairs) == PER_ROLE
+    second = grid[len(cells) * len(ROLES):]                 # the rounds of each role's second case
+    assert [(c.n_q, c.n_k) in ROLES[0][1] for c in second[:len(cells)]] == [True] * len(cells)
 
 
 def test_fully_masked_rows_where_the_options_make_them():
@@ -282,7 +294,7 @@ def test_a_failing_run_saves_each_shrunk_case_for_crosscheck(tmp_path, clock, mo
     assert failure.file == str(tmp_path / "out" / f"{failure.shrunk.case.id}.npz")
     assert drawn == [(failure.picture, sorted(load_case(failure.file)))]
     text = str(report)
-    assert "9 of 21 cases of the grid run" in text and failure.shrunk.case.id in text
+    assert f"9 of {PER_ROLE * 21} cases of the grid run" in text and failure.shrunk.case.id in text
     assert "diagnosis: out matches interleaved grouped-query heads" in text
     assert main(["crosscheck", failure.file]) == 1                         # the file, re-judged
     assert "FAIL" in capsys.readouterr().out
@@ -301,15 +313,15 @@ def test_without_the_picture_the_case_is_still_saved(tmp_path, clock, monkeypatc
 
 def test_the_budget_stops_new_cases_and_the_table_says_how_many_ran(clock):
     report = na.conform(examples.numpy_float32, dtypes=("float32",), supports=("causal",), budget=2.5)
-    assert len(report.results) == 3 and report.grid_size == 14 and report    # clock: 0 | 1, 2, 3 | 4
+    assert len(report.results) == 3 and report.grid_size == PER_ROLE * 14 and report    # clock: 0 | 1, 2, 3 | 4
     assert str(report).startswith("conform: numpy_attention.conform.examples:numpy_float32 (numpy), seed 0: "
-                                  "3 of 14 cases of the grid run in 4 s (budget 2.5 s) -> PASS")
+                                  f"3 of {PER_ROLE * 14} cases of the grid run in 4 s (budget 2.5 s) -> PASS")
 
 
 def test_the_json_report(clock):
     report = na.conform(conform_bugs.causal_shifted, dtypes=("float16",), budget=5.5)
     data = json.loads(report.to_json())
-    assert data["passed"] is False and data["cases_run"] == 6 == len(data["cases"]) and data["grid_cases"] == 21
+    assert data["passed"] is False and data["cases_run"] == 6 == len(data["cases"]) and data["grid_cases"] == PER_ROLE * 21
     assert {"kernel", "kind", "seed", "dtypes", "supports", "budget", "seconds", "cells"} <= set(data)
     assert [(c["option"], c["dtype"]) for c in data["cells"]] == [("plain", "float16"), ("causal", "float16"),
                                                                  ("gqa", "float16")]
@@ -339,7 +351,7 @@ def test_command_exit_codes(tmp_path, clock, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["conform", "numpy_attention.conform.examples:numpy_float32", "--quiet", "--budget", "2.5"]
     assert main(argv + ["--dtypes", "float32,bfloat16", "--options", "causal", "lse"]) == 0
-    assert "3 of 28 cases of the grid run" in capsys.readouterr().out
+    assert f"3 of {PER_ROLE * 28} cases of the grid run" in capsys.readouterr().out
     assert main(["conform", "conform_bugs:scale_off", "--quiet", "--budget", "4.5", "--json", "--dtypes", "float32"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["passed"] is False and data["cells"][0]["smallest_failing"]["file"].startswith("conform-failures/")

@@ -1,8 +1,8 @@
 """The case grid of a conformance run: the shapes and options kernel test suites sweep.
 
 One cell of the grid per (option, dtype): 'plain' and each option the kernel supports
-(supports.py), times each of its dtypes. Each cell holds one case per ROLE, from a single
-key to the long sequences:
+(supports.py), times each of its dtypes. Each cell holds PER_ROLE cases per ROLE, from a
+single key to the long sequences:
 
     role        (N_q, N_k)
     one key     N_k = 1 (with N_q = 1: decoding's first step); dq, dk are 0 exactly
@@ -10,7 +10,8 @@ key to the long sequences:
     short, unequal, equal, medium, long     N_q != N_k as well as equal, up to 2048
 
 so that the grid meets the lengths {1, 3, 64, 113, 128, 239, 256, 512, 799, 1024, 2048};
-cell c takes the pair (c + seed) mod 5 of each role, and any 5 cells take them all. The rest
+cell c takes the pairs (c + seed + 2j) mod 5, j < PER_ROLE, of each role, and any 3 cells
+in a row take them all. The rest
 is drawn, deterministically from the seed: the batch (1-4), the heads (1-8; 2-8 with
 grouped-query heads, 2 to 4 query heads per kv head), the head width (32, 40, 64, 72, 96,
 128), and from the third role on, companions: up to MAX_COMPANIONS other supported options
@@ -21,7 +22,8 @@ Fully masked rows come where the options make them: a mask masks one row of each
 a bottom-right diagonal with N_q > N_k, a narrow window, a packed sequence with no key.
 
 The sweep's order (cases()) is round-robin: round r holds role r of every cell, smallest
-first, so that a short budget still meets every cell.
+first, so that a short budget still meets every cell; rounds 7 to 13 hold each role's second
+case (j = 1).
 
 A ConformCase is a record of the shapes and option names; its arrays (draw) are drawn from
 the seed and the case's id, rounded to its dtype, and stored as crosscheck's case format
@@ -51,6 +53,7 @@ ROLES = (                                  # (N_q, N_k) pairs of each role, smal
 LENGTHS = (1, 3, 64, 113, 128, 239, 256, 512, 799, 1024, 2048)
 WIDTHS = (32, 40, 64, 72, 96, 128)          # head widths d_k = d_v, the odd ones beside 2^n
 MAX_BATCH, MAX_HEADS, GROUPS = 4, 8, (2, 3, 4)
+PER_ROLE = 2                                # cases of each role in each cell
 MAX_SCORES = 2 ** 21                        # B H N_q N_k of a case, where batch and heads allow
 COMPANION_FROM = 2                          # the first role whose cases get companion options
 MAX_COMPANIONS = 2                          # other options a case may hold beside its cell's
@@ -117,13 +120,15 @@ def cases(*, dtypes=DTYPES, supports=DEFAULT_SUPPORTS, seed=0, fully_masked="zer
     fully_masked = check_fully_masked(fully_masked)
     seed = require_positive_int(seed, "seed", minimum=0)
     cells = [(cell, dtype) for cell in (PLAIN,) + options for dtype in dtypes]
-    rounds = [[] for _ in ROLES]
+    rounds = [[] for _ in range(PER_ROLE * len(ROLES))]
     for c, (cell, dtype) in enumerate(cells):
         rng = np.random.default_rng([seed, c])
-        for r, (_, pairs) in enumerate(ROLES):
-            n_q, n_k = pairs[(c + seed) % len(pairs)]
-            chosen = _options(rng, cell, options, companions=r >= COMPANION_FROM)
-            rounds[r].append(_sized(rng, dtype, cell, chosen, outputs, n_q, n_k, fully_masked, seed))
+        for j in range(PER_ROLE):
+            for r, (_, pairs) in enumerate(ROLES):
+                n_q, n_k = pairs[(c + seed + 2 * j) % len(pairs)]
+                chosen = _options(rng, cell, options, companions=r >= COMPANION_FROM)
+                rounds[j * len(ROLES) + r].append(
+                    _sized(rng, dtype, cell, chosen, outputs, n_q, n_k, fully_masked, seed))
     ordered, seen = [], set()
     for round_cases in rounds:
         for case in sorted(round_cases, key=lambda case: (case.scores, case.id)):
