@@ -282,7 +282,7 @@ class MultiHeadAttention:
 def _blas_held(engine):
     """BLAS on one thread for a whole forward or backward: the projections and the blocked engine
     hold it for each of their steps anyway, and one hold costs less than one per step (each
-    setting and restoring costs about 0.03 ms here). Not with the textbook engine, whose
+    is a setting and a restoring of BLAS's threads). Not with the textbook engine, whose
     products run on BLAS's own threads."""
     return nullcontext() if engine == "textbook" else blas_on_one_thread()
 

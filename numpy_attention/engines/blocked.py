@@ -22,10 +22,10 @@ the whole problem when it fits, else one leading index at a time, then groups of
 then one head in slices of rows. A slice of heads holds whole groups of G (or a single
 head), so its queries meet their kv heads by `grouped_matmul` as in the textbook.
 
-Two details of the backward, each measured faster here:
+Two details of the backward, each chosen for speed:
 - dk and dv are accumulated over the blocks as their transposes, dk^T += scale q^T dS and
-  dv^T += dout^T P~: a wide [d, N_k] product, which BLAS runs about 1.3x faster than the
-  tall [N_k, d] one with a transposed operand. One task takes a kv head's blocks, in order,
+  dv^T += dout^T P~: a wide [d, N_k] product, which BLAS runs faster than the tall [N_k, d]
+  one with a transposed operand. One task takes a kv head's blocks, in order,
   then scales and transposes its sums into dk's and dv's rows; each block scales its own dq
   and sums its own D = rowsum(dout * out): every pass on the threads, none left whole after.
 - softmax_backward shifts each row of dP at the row's largest P; the forward keeps that

@@ -63,10 +63,9 @@ def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
 class _Pools:
     """The calls of run_tasks on `workers` threads: the calling thread and workers - 1 helpers
     from a pool, each taking the next call no thread has taken yet, so the calling thread
-    starts at once instead of waiting for a helper to wake (about 0.15 ms here, per call of
-    run_tasks). A pool per number of workers, started at its first use and kept, like BLAS's
-    own threads (starting and joining threads for every call took 0.35-0.8 ms here, and a
-    module step makes up to eight calls). The pools hold no data between calls, and which
+    starts at once instead of waiting for a helper to wake. A pool per number of workers,
+    started at its first use and kept, like BLAS's own threads (starting and joining threads
+    costs more than a small call's work, and a module step makes up to eight calls). The pools hold no data between calls, and which
     thread computes a call changes none of its bits. Calls from several threads share a pool:
     each caller computes its own calls too, and cancels the helpers that had not started when
     none were left. A thread inside a call (a helper, or the caller while it computes) that
@@ -137,7 +136,7 @@ class _OneThreadBlas:
     (by thread), so that one ending while another runs does not give BLAS its threads back.
     That holds among the library's own calls: code of yours that sets BLAS's threads while a
     call runs changes them under it. threadpoolctl finds the loaded BLAS libraries once, at
-    the first entry (a search costs about 0.15 ms; setting a limit on them about 10 us):
+    the first entry (a search costs more than setting a limit on them):
     numpy's, loaded with numpy, and any loaded before; one loaded later (scipy.linalg's own
     OpenBLAS, say) is left alone. threadpoolctl lets one thread at a time set OpenBLAS's
     threads (its pthreads build, threadpoolctl >= 3.6) and ignores the others: the first
