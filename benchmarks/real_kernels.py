@@ -1,6 +1,7 @@
 """crosscheck's record on real attention kernels nobody here wrote, beside FlashAttention's own
-test rule on the same results: per kernel and precision, the honest cases, how many of them each
-rule failed, and per planted bug the share each rule caught.
+test rule on the same results: per kernel and precision, the honest cases (and those with one
+query row or one key), how many of them each rule failed, and per planted bug the share each
+rule caught; then the totals.
 
     python3 benchmarks/real_kernels.py [--cases 60] [--seed 20] [--kernels flex,jax_xla]
                                        [--large 1] [--one-bug] [--bugs scale,window|none] [--save DIR]
