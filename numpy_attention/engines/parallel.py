@@ -62,15 +62,16 @@ def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
 
 class _Pools:
     """The calls of run_tasks on `workers` threads: the calling thread and workers - 1 helpers
-    from a pool, each taking the next call no thread has taken yet, so the calling thread
-    starts at once instead of waiting for a helper to wake. A pool per number of workers,
-    started at its first use and kept, like BLAS's own threads (starting and joining threads
-    costs more than a small call's work, and a module step makes up to eight calls). The pools hold no data between calls, and which
-    thread computes a call changes none of its bits. Calls from several threads share a pool:
-    each caller computes its own calls too, and cancels the helpers that had not started when
-    none were left. A thread inside a call (a helper, or the caller while it computes) that
-    runs tasks runs them itself, in order (waiting for the pool from inside it could wait
-    forever). A forked child has none of the parent's threads, so it starts its own pools.
+    from a pool, each taking the next call no thread has taken yet, so the calling thread starts
+    at once instead of waiting for a helper to wake. A pool per number of workers, started at
+    its first use and kept, like BLAS's own threads (starting and joining threads costs more
+    than a small call's work, and a module step makes up to eight calls). The pools hold no data
+    between calls, and which thread computes a call changes none of its bits. Calls from several
+    threads share a pool: each caller computes its own calls too, and cancels the helpers that
+    had not started when none were left. A thread inside a call (a helper, or the caller while
+    it computes) that runs tasks runs them itself, in order (waiting for the pool from inside it
+    could wait forever). A forked child has none of the parent's threads, so it starts its own
+    pools.
     """
 
     def __init__(self):
