@@ -53,6 +53,7 @@ def main():
     print(f"# {machine_line()}")
     kernels = args.kernels.split(",") if args.kernels else list(rk.KERNELS)
     rows, times, not_run, saved = [], [], [], []
+    totals = [0, 0, 0, 0]               # honest, one row or key, failed by crosscheck, by FA's rule
     for index, kernel in enumerate(kernels):
         library = rk.KERNELS[kernel].library
         if importlib.util.find_spec(MODULES[library]) is None:
@@ -66,9 +67,10 @@ def main():
             honest = result.honest
             failed = rk.false_failures(honest)
             saved += rk.save_failures(honest, args.save or rk.FAILURES_DIR) if failed else []
-            single = sum(1 in (o.layout.n_q, o.layout.n_k) for o in honest)
-            rows.append([kernel, precision, str(len(honest)), str(single), str(len(failed)),
-                         str(sum(not o.fa_passed for o in honest))]
+            counts = (len(honest), sum(1 in (o.layout.n_q, o.layout.n_k) for o in honest), len(failed),
+                      sum(not o.fa_passed for o in honest))
+            totals = [total + n for total, n in zip(totals, counts)]
+            rows.append([kernel, precision] + [str(n) for n in counts]
                         + [cell(result.planted.get(bug, [])) for bug in rk.BUGS])
             times.append(f"{kernel} {precision}: {result.seconds:.0f} s "
                          f"(first call {result.first_call:.1f} s)")
@@ -77,9 +79,8 @@ def main():
           "FlashAttention's rule; planted bugs: caught by crosscheck | by FlashAttention's rule, of "
           "the cases the bug changes")
     print(table(["kernel", "dtype", "honest", "1 row/key", "xc fail", "FA fail"] + list(rk.BUGS), rows))
-    print(f"all: {sum(int(row[2]) for row in rows)} honest, {sum(int(row[3]) for row in rows)} with one "
-          f"row or key, {sum(int(row[4]) for row in rows)} failed by crosscheck, "
-          f"{sum(int(row[5]) for row in rows)} by FlashAttention's rule")
+    print("all: {} honest, {} with one row or key, {} failed by crosscheck, {} by FlashAttention's "
+          "rule".format(*totals))
     print("\n".join(["", "time per campaign (the first call compiles where the kernel does):"] + times))
     for line in not_run:
         print(f"not run: {line}")

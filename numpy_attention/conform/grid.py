@@ -10,20 +10,20 @@ single key to the long sequences:
     short, unequal, equal, medium, long     N_q != N_k as well as equal, up to 2048
 
 so that the grid meets the lengths {1, 3, 64, 113, 128, 239, 256, 512, 799, 1024, 2048};
-cell c takes the pairs (c + seed + 2j) mod 5, j < PER_ROLE, of each role, and any 3 cells
-in a row take them all. The rest
-is drawn, deterministically from the seed: the batch (1-4), the heads (1-8; 2-8 with
-grouped-query heads, 2 to 4 query heads per kv head), the head width (32, 40, 64, 72, 96,
-128), and from the third role on, companions: up to MAX_COMPANIONS other supported options
-join the cell's, drawn at random among those that go with it (the shrinker then finds which
-one a failure needs). Batch and heads shrink until a case has at most MAX_SCORES scores
-B H N_q N_k (one head of 2048 x 2048 stays, two with grouped-query heads).
+cell c takes the pairs (c + seed + 2j) mod 5, j < PER_ROLE, of each role, and any 3 cells in
+a row take them all. The rest is drawn, deterministically from the seed: the batch (1-4),
+the heads (1-8; 2-8 with grouped-query heads, 2 to 4 query heads per kv head), the head
+width (32, 40, 64, 72, 96, 128), and from the third role on, companions: up to
+MAX_COMPANIONS other supported options join the cell's, drawn at random among those that go
+with it (the shrinker then finds which one a failure needs). Batch and heads shrink until a
+case has at most MAX_SCORES scores B H N_q N_k (one head of 2048 x 2048 stays, two with
+grouped-query heads).
 Fully masked rows come where the options make them: a mask masks one row of each sequence,
 a bottom-right diagonal with N_q > N_k, a narrow window, a packed sequence with no key.
 
 The sweep's order (cases()) is round-robin: round r holds role r of every cell, smallest
-first, so that a short budget still meets every cell; rounds 7 to 13 hold each role's second
-case (j = 1).
+first, so that a short budget still meets every cell; after the roles' first cases (j = 0)
+come their second ones (j = 1), in the same order.
 
 A ConformCase is a record of the shapes and option names; its arrays (draw) are drawn from
 the seed and the case's id, rounded to its dtype, and stored as crosscheck's case format

@@ -25,9 +25,9 @@ head), so its queries meet their kv heads by `grouped_matmul` as in the textbook
 Two details of the backward, each chosen for speed:
 - dk and dv are accumulated over the blocks as their transposes, dk^T += scale q^T dS and
   dv^T += dout^T P~: a wide [d, N_k] product, which BLAS runs faster than the tall [N_k, d]
-  one with a transposed operand. One task takes a kv head's blocks, in order,
-  then scales and transposes its sums into dk's and dv's rows; each block scales its own dq
-  and sums its own D = rowsum(dout * out): every pass on the threads, none left whole after.
+  one with a transposed operand. One task takes a kv head's blocks, in order, then scales
+  and transposes its sums into dk's and dv's rows; each block scales its own dq and sums its
+  own D = rowsum(dout * out): every pass on the threads, none left whole after.
 - softmax_backward shifts each row of dP at the row's largest P; the forward keeps that
   index (cache.top), so the backward does not search P for it again.
 """
