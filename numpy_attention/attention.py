@@ -44,14 +44,14 @@ engines that compute the same thing, each tested equal to the textbook:
 import numpy as np
 
 from ._checks import as_float_array, require_cache, require_choice, require_same_shape, result_dtype
-from ._layout import grouped_matmul, grouped_sum_matmul, scaled, unbroadcast, with_head_axis
+from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache
 from .engines.blocked import blocked_backward, blocked_forward
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
-from .options import (FULLY_MASKED_POLICIES, alibi_bias, alibi_row_gradient, alibi_slopes_gradient,
-                      attention_options, check_per_head, head_gradient, keep_mask, with_sink,
-                      with_sink_weight)
+from . import scores
+from .options import FULLY_MASKED_POLICIES, attention_options, check_per_head
+from .scores import ScoreGrads, head_gradient, with_sink, with_sink_weight
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
@@ -73,20 +73,8 @@ def attention_scores(q, k, options):
 
     Returns (S, tanh(scale q k^T / softcap)); the second is None without softcap.
     """
-    o = options
-    S = scaled(grouped_matmul(q, _t(k)), o.scale)   # 1. S = scale q k^T      [..., H, N_q, N_k]
-    softcap_tanh = None
-    if o.softcap is not None:                       # 2. S = softcap tanh(S / softcap)
-        softcap_tanh = np.tanh(S / o.softcap)
-        S = o.softcap * softcap_tanh
-    if o.bias is not None:                          # 3. S = S + bias
-        S = S + o.bias
-    if o.alibi_slopes is not None:                  #    S = S - slope_i |i + N_k - N_q - j|  (ALiBi)
-        S = S + alibi_bias(o, S.shape)
-    keep = keep_mask(o, S.shape)                    # 4. S = -inf where not kept
-    if keep is not None:
-        S = np.where(keep, S, -np.inf)
-    return S, softcap_tanh
+    S = scaled(grouped_matmul(q, _t(k)), options.scale)   # 1. S = scale q k^T   [..., H, N_q, N_k]
+    return scores.forward(S, options)               # 2-4. softcap, bias, ALiBi, -inf where not kept
 
 
 def textbook_forward(q, k, v, options):
@@ -127,22 +115,15 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     dS_row = _softmax_backward(method, dP, D, P_row, cache)   # dS = P * (dP - rowsum(P * dP))
     if dlse is not None:                            #    lse = log rowsum exp(S): dS += P * dlse
         dS_row = dS_row + P_row * dlse[..., None]
-    dS = dS_row[..., :P.shape[-1]]
-    keep = keep_mask(o, P.shape)                    # 4. masked scores are constants: dS = 0 there
-    if keep is not None:
-        dS = np.where(keep, dS, 0)
-    dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)   # 3. S = S + bias
-    dslopes = None if o.alibi_slopes is None else \
-        alibi_slopes_gradient(alibi_row_gradient(dS, o, P.shape), o)   # -sum_j dS_ij |..| summed per slope
+    dS = dS_row[..., :P.shape[-1]]                 #    (the sink's column: dsinks, summed per head)
     dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
-    dS_softcap = dS                                 # 2. S = c tanh(S / c):  dS = dS (1 - tanh^2)
-    if cache.softcap_tanh is not None:
-        dS_softcap = dS * (1 - cache.softcap_tanh ** 2)
+    params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; dbias, dalibi_slopes;
+    dS_softcap, dS = scores.backward(dS, o, softcap_tanh=cache.softcap_tanh, grads=params, stage=True)  # softcap
     dq = scaled(grouped_matmul(dS_softcap, k), o.scale)   # 1. S = scale q k^T:  dq = scale dS k
     dk = scaled(grouped_sum_matmul(dS_softcap, q, h_kv), o.scale)   #    dk = scale dS^T q
     stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None
-    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, stages=stages, dsinks=dsinks,
-                          dalibi_slopes=dslopes)
+    return AttentionGrads(dq=dq, dk=dk, dv=dv, stages=stages, dsinks=dsinks,
+                          **ScoreGrads.total([params], o, P.shape, dS.dtype))
 
 
 def _softmax_backward(method, dP, D, P_row, cache):

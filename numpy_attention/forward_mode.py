@@ -34,7 +34,9 @@ from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .attention import textbook_forward
 from .caches import AttentionGrads
 from .engines.tiled import tiled_jvp
-from .options import alibi_bias, attention_options, keep_mask, with_sink, with_sink_weight
+from . import scores
+from .options import attention_options
+from .scores import keep_mask, with_sink, with_sink_weight
 
 
 def _t(x):
@@ -54,14 +56,8 @@ def _tangent(x, like, name, dtype):
 def _scores_tangent(q, k, o, q_dot, k_dot, softcap_tanh, bias_dot, alibi_slopes_dot):
     """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k]."""
     S_dot = scaled(grouped_matmul(q_dot, _t(k)) + grouped_matmul(q, _t(k_dot)), o.scale)   # 1.
-    if softcap_tanh is not None:                                                      # 2.
-        S_dot = (1 - softcap_tanh ** 2) * S_dot
-    if bias_dot is not None:                                                          # 3.
-        S_dot = S_dot + bias_dot
-    if alibi_slopes_dot is not None:                                                  #    - slope_dot |..|
-        S_dot = S_dot + alibi_bias(o, S_dot.shape, slopes=alibi_slopes_dot)
-    keep = keep_mask(o, S_dot.shape)                                                  # 4.
-    return S_dot if keep is None else np.where(keep, S_dot, 0)
+    return scores.tangent(S_dot, o, softcap_tanh=softcap_tanh, bias_dot=bias_dot,           # 2-4.
+                          alibi_slopes_dot=alibi_slopes_dot)
 
 
 def _row_tangent(S_dot, o, sinks_dot):

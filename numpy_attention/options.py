@@ -7,13 +7,8 @@ computes. Shape legend (as in attention.py):
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
     N_q, N_k lengths;  d_k, d_v widths;  the scores S are [..., H, N_q, N_k]
 
-Which scores are kept (step 4 of the forward) depends on four options at once:
-    keep = mask & causal & window & (bias != -inf)        (True = attend)
-`keep_mask(options, score_shape, index)` gives that for any block of the scores, and
-`alibi_bias(options, score_shape, index)` ALiBi's bias for it: -slope * |i + N_k - N_q - j|,
-each row's slope its head's (alibi_slopes [H] or [..., H]) or, with packed sequences and
-alibi_slopes [B, H], its sequence's and head's. Its gradient is one per row and block
-(alibi_row_gradient), summed to each slope's rows by alibi_slopes_gradient.
+The score steps that these options describe (softcap, bias, ALiBi, the keep-mask, the sink)
+are scores.py's; `masked` says whether step 4 removes any score.
 """
 import math
 import os
@@ -24,8 +19,8 @@ import numpy as np
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
                       read_only_copy, require_positive_int, require_positive_real, require_probability,
                       result_dtype)
-from ._layout import check_window, resolve_alignment, unbroadcast
-from .positions import band_keep, distance, positions, sequence_lengths, sequence_of
+from ._layout import check_window, resolve_alignment
+from .positions import sequence_lengths
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
@@ -59,25 +54,6 @@ class AttentionOptions(NamedTuple):
     paged: Optional[object] = None      # paged.PagedLayout: q, k, v were packed from a paged KV cache
     workers: int = 1                    # threads of the blocked and tiled engines (engines/parallel.py)
     scheduler: object = None            # the tiled engine's Dask cluster: a Client or an address (or None)
-
-
-def keep_mask(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
-    """Which scores of S[index] are kept: mask & causal & window & (bias != -inf).
-
-    score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two
-    entries are the slices of rows and columns.
-    Returns a bool array broadcastable to S[index], or None when every score is kept.
-    """
-    o = options
-    if not o.masked:
-        return None
-    keep = band_keep(_positions(o, score_shape, index, o.align), o.causal, o.window)   # [rows, cols] or None
-    block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
-    parts = ([] if o.mask is None else [block(o.mask)]) + \
-            ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])
-    for part in parts:
-        keep = part if keep is None else keep & part
-    return keep
 
 
 def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
@@ -237,121 +213,6 @@ def check_per_head(q_shape, sinks, alibi_slopes, sequences=None):
                                  f"got {x.shape}")
         checked.append(x)
     return checked
-
-
-def heads_view(x, score_shape):
-    """A per-head array ([H], or [..., H]; [1] for [N, d] inputs) broadcast to score_shape[:-2]."""
-    lead = tuple(score_shape[:-2])
-    return np.broadcast_to(x.reshape(x.shape[len(x.shape) - len(lead):]) if x.ndim > len(lead) else x, lead)
-
-
-def _positions(options, score_shape, index, align):
-    """positions.Positions of the rows and columns of S[index] (index as for keep_mask)."""
-    n_q, n_k = score_shape[-2:]
-    return positions(n_q, n_k, np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]], align,
-                     options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
-
-
-def alibi_distance(options, score_shape, index=(Ellipsis, slice(None), slice(None))):
-    """|i + N_k - N_q - j| [rows, cols] for the rows and columns of S[index]: the distance from
-    the bottom-right-aligned diagonal, in each row's own sequence (FlashAttention's ALiBi;
-    N_q == N_k: the main diagonal)."""
-    return distance(_positions(options, score_shape, index, "bottom_right"))
-
-
-def _per_sequence(slopes, cu_seqlens_q):
-    """Whether slopes are [B, H], one row per packed sequence (else one slope per head)."""
-    return cu_seqlens_q is not None and np.ndim(slopes) == 2
-
-
-def _row_slopes(slopes, options, score_shape, index):
-    """The slope of each row of S[index], broadcastable to its block [..., heads, rows, cols]:
-    slope_h, [..., heads, 1, 1], for slopes [H] or [..., H]; slopes[b, h] of the row's sequence
-    b, [heads, rows, 1], for slopes [B, H] with packed sequences."""
-    if not _per_sequence(slopes, options.cu_seqlens_q):
-        return heads_view(slopes, score_shape)[index[:-2]][..., None, None]
-    rows = np.arange(score_shape[-2])[index[-2]]
-    by_row = np.swapaxes(slopes[sequence_of(options.cu_seqlens_q, rows)], 0, 1)    # [H, rows]
-    by_row = by_row.reshape(tuple(score_shape[:-2]) + rows.shape)     # ([rows] for one [N, d] head)
-    return by_row[index[:-2] + (slice(None),)][..., None]
-
-
-def alibi_bias(options, score_shape, index=(Ellipsis, slice(None), slice(None)), slopes=None,
-               rounded=None):
-    """ALiBi's bias of the scores S[index], -slope * alibi_distance, or None without
-    alibi_slopes: each row's slope its head's (slopes [H] or [..., H]) or, for slopes [B, H]
-    with packed sequences, that of its sequence b and head, slopes[b, h]. slopes:
-    options.alibi_slopes by default (a tangent of them has their shape). index as for keep_mask.
-    In the slopes' dtype (the distances are integers below 2^24, exact in float32): a float32
-    case's bias is float32, as a float32 kernel's is. rounded: applied to the distances first
-    (a kernel that turns them into its 16-bit dtype, as torch's int * bfloat16 does), or None."""
-    slopes = options.alibi_slopes if slopes is None else slopes
-    if slopes is None:
-        return None
-    rows = _row_slopes(slopes, options, score_shape, index)
-    distance = alibi_distance(options, score_shape, index).astype(rows.dtype)          # in the slopes' dtype
-    return -rows * (distance if rounded is None else rounded(distance))
-
-
-def alibi_row_gradient(dS, options, score_shape, index=(Ellipsis, slice(None), slice(None)),
-                       rounded=None):
-    """The gradient of each row's slope from the block dS = dS[index] [..., heads, rows, cols]
-    (the gradient of S where ALiBi adds to it): -sum_j dS_ij |i + N_k - N_q - j|, [..., heads,
-    rows]. A block of columns gives its part of the sum; alibi_slopes_gradient sums the rows.
-    rounded: applied to the distances and to each product before the sum (a 16-bit autograd
-    rounds them), or None."""
-    distance = alibi_distance(options, score_shape, index).astype(dS.dtype)
-    if rounded is None:
-        return -np.sum(dS * distance, axis=-1)
-    return -np.sum(rounded(dS * rounded(distance)), axis=-1)
-
-
-def alibi_slopes_gradient(row_gradient, options):
-    """dalibi_slopes, of alibi_slopes' shape, from every row's gradient [..., H, N_q]
-    (alibi_row_gradient): summed over each slope's rows (slopes_sum)."""
-    return slopes_sum(row_gradient, options.alibi_slopes, options.cu_seqlens_q)
-
-
-def slopes_sum(x, slopes, cu_seqlens_q=None):
-    """A value per row x [..., H, N_q] summed over each slope's rows, to the shape of slopes: for
-    slopes [H] or [..., H] every row of the slope's head (and the batch where [H] broadcasts
-    along it); for slopes [B, H] with packed sequences (cu_seqlens_q [B + 1]) the rows of
-    sequence b alone, dslopes[b, h] = sum_{i in b} x[h, i]."""
-    slopes = np.asarray(slopes)
-    if not _per_sequence(slopes, cu_seqlens_q):
-        return head_gradient(np.sum(x, axis=-1), slopes)
-    sums = np.zeros((len(cu_seqlens_q) - 1,) + x.shape[:-1], x.dtype)       # [B, H] (or [B])
-    for b, (start, stop) in enumerate(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])):
-        sums[b] = np.sum(x[..., start:stop], axis=-1)
-    return sums.reshape(slopes.shape)
-
-
-def head_gradient(g, x):
-    """A per-head gradient g [..., H] summed to the shape of x ([H] or [..., H]; [1] for a
-    single head's [N, d] inputs)."""
-    return unbroadcast(g, x.shape if x.ndim <= g.ndim else ()).reshape(x.shape)
-
-
-def with_sink(S, options, score_shape=None, index=(Ellipsis, slice(None), slice(None))):
-    """S[index] [..., rows, cols], with the sink as one more column [..., rows, cols + 1] when
-    the options have sinks: a logit per head in every row's softmax, with no value.
-    score_shape: the whole scores' shape (default S.shape: S is all of them)."""
-    if options.sinks is None:
-        return S
-    sinks = heads_view(options.sinks, S.shape if score_shape is None else score_shape)[index[:-2]]
-    column = np.broadcast_to(sinks[..., None, None], S.shape[:-1] + (1,))
-    return np.concatenate([S, column.astype(S.dtype)], axis=-1)
-
-
-def with_sink_weight(P, lse, options, score_shape=None, index=(Ellipsis, slice(None), slice(None))):
-    """The softmax's whole row: P [..., rows, cols] with the sink's weight exp(sink - lse) as one
-    more column [..., rows, cols + 1] when the options have sinks; P itself without.
-    lse [..., rows]; score_shape, index: as for with_sink."""
-    if options.sinks is None:
-        return P
-    sink = with_sink(np.zeros(P.shape[:-1] + (0,), P.dtype), options, score_shape, index)
-    with np.errstate(invalid="ignore"):              # a -inf sink in a dead row: -inf - (-inf)
-        return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
 
 
 def available_cores():

@@ -158,8 +158,8 @@ def _recomputed_stages(truth, inputs, options, block_rows):
     out = with_head_axis(truth["out"]).astype(np.float64)
     for r in blocks.row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, r, slice(None))
-        s, skip = tile_scores(record, q3[..., r, :], k3, score_shape, index)
-        if skip:                                        # nothing kept: no term
+        s, keep = tile_scores(record, q3[..., r, :], k3, score_shape, index)
+        if keep is False:                               # nothing kept: no term
             continue
         with np.errstate(invalid="ignore"):
             p = np.where(np.isneginf(lse[..., r, None]), 0, np.exp(s - lse[..., r, None]))

@@ -20,7 +20,7 @@ of packed sequences over the rows of its sequence alone; so do its terms.
 import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
-from ..options import slopes_sum
+from ..scores import slopes_sum
 
 
 def term_magnitudes(stage_blocks, inputs, options):

@@ -32,8 +32,8 @@ import math
 import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
-from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
-                       with_sink)
+from ..scores import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
+                      with_sink)
 from .blocks import block_of, row_slices
 
 

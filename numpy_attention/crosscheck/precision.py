@@ -45,8 +45,8 @@ import ml_dtypes
 import numpy as np
 
 from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
-from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
-                       with_sink)
+from ..scores import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
+                      with_sink)
 from .blocks import block_of, row_slices
 
 

@@ -35,10 +35,10 @@ import math
 
 import numpy as np
 
-from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, unbroadcast, with_head_axis
+from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
-from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
-                       with_sink, with_sink_weight)
+from .. import scores
+from ..scores import ScoreGrads, head_gradient, keep_mask, with_sink, with_sink_weight
 from .parallel import run_tasks
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 
@@ -118,21 +118,9 @@ def _diagonal(options):
 def _block_scores(q3, k3, options, score_shape, block, group, cols, keep, out=None):
     """Steps 1-4 on a block's columns `cols` (keep: their keep mask, _kept_columns): (S,
     tanh(S_1 / softcap) or None), S [..., heads, rows, cols] fresh, or written into `out`."""
-    o = options
-    index = block + (cols,)                                          # the block's scores
     k_cols = k3[kv_index(block[:-1], group)][..., cols, :]
-    s = grouped_matmul(scaled(q3[block], o.scale), np.swapaxes(k_cols, -1, -2), out=out)
-    softcap_tanh = None
-    if o.softcap is not None:
-        softcap_tanh = np.tanh(s / o.softcap)
-        s = np.multiply(softcap_tanh, o.softcap, out=s)
-    if o.bias is not None:
-        s += np.broadcast_to(o.bias, score_shape)[index]
-    if o.alibi_slopes is not None:
-        s += alibi_bias(o, score_shape, index)
-    if keep is not None:
-        np.copyto(s, -np.inf, where=~keep)
-    return s, softcap_tanh
+    s = grouped_matmul(scaled(q3[block], options.scale), np.swapaxes(k_cols, -1, -2), out=out)   # 1.
+    return scores.forward(s, options, score_shape, block + (cols,), keep)                        # 2-4.
 
 
 def blocked_forward(q, k, v, options):
@@ -195,10 +183,9 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dq, dk, dv = np.empty(q3.shape, dtype), np.empty(k3.shape, dtype), np.empty(v3.shape, dtype)
     D = np.empty(score_shape[:-1], dtype)                            # [..., H, N_q] rowsum(dout * out)
     dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], dtype)          # [..., H]
-    dslope_rows = None if o.alibi_slopes is None else np.empty(score_shape[:-1], dtype)   # [..., H, N_q]
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
-    dS = np.empty(score_shape, dtype) if return_stages or o.bias is not None else None   # or for dbias
-    def backward_block(block, dkT, dvT):                             # dk^T, dv^T: its kv heads' sums
+    dS = np.empty(score_shape, dtype) if return_stages else None
+    def backward_block(block, dkT, dvT, params):                     # dk^T, dv^T: its kv heads' sums
         kv = kv_index(block[:-1], group)                             # the block's k and v
         cols, keep = _kept_columns(o, score_shape, block, skip=dP is None)   # whole stages: every column
         index, n_kv = block + (cols,), kv[-1].stop - kv[-1].start    # its scores; outside: dS = 0
@@ -214,22 +201,19 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         # 5. dS = P * (dP - D), D = rowsum(P * dP) = rowsum(dout * out), on the softmax's whole
         #    row (with sinks, one more column)
         D[block] = np.sum(dout3[block] * out3[block], axis=-1)
-        scores = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group, cols, keep)[0], o,
-                                   score_shape, index)
+        recompute = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group, cols, keep)[0], o,
+                                      score_shape, index)
         ds = _row_backward(method, dp, p_cols, _top_in(top[block], cols, score_shape[-1]), D[block],
-                           lse[block], None if dlse is None else dlse3[block], o, score_shape, index, scores)
+                           lse[block], None if dlse is None else dlse3[block], o, score_shape, index, recompute)
         if o.sinks is not None:                                      #    the sink's column: dsinks
             dsinks[block[:-1]] += ds[..., -1].sum(axis=-1)
             ds = np.ascontiguousarray(ds[..., :-1])
-        if keep is not None:                                         # 4. dS = 0 where masked
-            np.copyto(ds, 0, where=~keep)
-        if dS is not None:                                           # 3. dbias (after the loop)
+        ds = scores.backward(ds, o, score_shape, index, None if softcap_tanh is None else   # 4-2.
+                             softcap_tanh[index], keep, params, stage=dS is not None)
+        if dS is not None:                                           # the whole stage dS
+            ds, ds3 = ds
             dS_block = dS[block]
-            dS_block[..., :cols.start], dS_block[..., cols], dS_block[..., cols.stop:] = 0, ds, 0
-        if o.alibi_slopes is not None:                               #    each row's -sum dS * distance
-            dslope_rows[block] = alibi_row_gradient(ds, o, score_shape, index)
-        if softcap_tanh is not None:                                 # 2. dS *= 1 - tanh^2
-            ds *= 1 - softcap_tanh[block] ** 2
+            dS_block[..., :cols.start], dS_block[..., cols], dS_block[..., cols.stop:] = 0, ds3, 0
         dq[block] = scaled(grouped_matmul(ds, k_cols), o.scale)      # 1. dq = scale dS k
         dkT[..., cols] += grouped_sum_matmul(q3[block], ds, n_kv)    #    dk^T = scale q^T dS
 
@@ -237,23 +221,23 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         kv = kv_index(blocks[0][:-1], group)
         dkT = np.zeros(dk[kv].shape[:-2] + dk.shape[:-3:-1], dtype)  # [..., n_kv, d_k, N_k]
         dvT = np.zeros(dv[kv].shape[:-2] + dv.shape[:-3:-1], dtype)  # [..., n_kv, d_v, N_k]
+        params = ScoreGrads(o, score_shape, dtype, region=blocks)     # its blocks' dbias, dslopes
         for block in blocks:
-            backward_block(block, dkT, dvT)
+            backward_block(block, dkT, dvT, params)
         dk[kv] = np.swapaxes(scaled(dkT, o.scale), -1, -2)
         dv[kv] = np.swapaxes(dvT, -1, -2)
+        return params
 
-    run_tasks(backward_kv, [(blocks,) for blocks in _by_kv_heads(
+    params = run_tasks(backward_kv, [(blocks,) for blocks in _by_kv_heads(
         row_blocks(score_shape, group, p.itemsize, _diagonal(o) and dP is None), group)], o.workers)
-    dbias = None if o.bias is None else unbroadcast(dS, o.bias.shape)
     stages = None
     if return_stages:
         stages = AttentionStages(dP=dP.reshape(cache.weights.shape), dS=dS.reshape(cache.weights.shape),
                                  D=D.reshape(cache.lse.shape))
     dsinks = None if dsinks is None else head_gradient(dsinks, o.sinks)
-    dslopes = None if dslope_rows is None else alibi_slopes_gradient(dslope_rows, o)   # summed per slope
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
-                          dv=dv.reshape(cache.v.shape), dbias=dbias, stages=stages, dsinks=dsinks,
-                          dalibi_slopes=dslopes)
+                          dv=dv.reshape(cache.v.shape), stages=stages, dsinks=dsinks,
+                          **ScoreGrads.total(params, o, score_shape, dtype))
 
 
 def _top_in(top, cols, n_k):

@@ -47,11 +47,10 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
-from .._layout import (bias_block, cut, grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices,
-                       unbroadcast, with_head_axis)
+from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices, with_head_axis
+from .. import scores
 from ..caches import AttentionGrads, TiledAttentionCache
-from ..options import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, heads_view,
-                       keep_mask)
+from ..scores import ScoreGrads, head_gradient, heads_view, keep_mask
 from .parallel import run_tasks
 
 
@@ -61,23 +60,17 @@ def _tiles(n, b):
 
 
 def tile_scores(options, q_i, k_j, score_shape, tile):
-    """S_ij = (scale q_i) k_j^T + bias_ij, -inf where not kept: [..., H, b_q, b_k], fresh.
+    """S_ij = (scale q_i) k_j^T + bias_ij (+ ALiBi), -inf where not kept: [..., H, b_q, b_k],
+    fresh (scores.py's steps on the tile).
 
-    q_i is the query tile, already scaled. Returns (S_ij, skip): skip is True when the
-    tile keeps nothing (then S_ij is None).
+    q_i is the query tile, already scaled. Returns (S_ij, keep): keep is the tile's keep
+    mask (None: every score kept), or False when the tile keeps nothing (then S_ij is None).
     """
-    o = options
-    keep = keep_mask(o, score_shape, tile)
+    keep = keep_mask(options, score_shape, tile)
     if keep is not None and not keep.any():
-        return None, True
-    s = grouped_matmul(q_i, np.swapaxes(k_j, -1, -2))
-    if o.bias is not None:
-        s += np.broadcast_to(o.bias, score_shape)[tile]
-    if o.alibi_slopes is not None:
-        s += alibi_bias(o, score_shape, tile)
-    if keep is not None:
-        np.copyto(s, -np.inf, where=~keep)
-    return s, False
+        return None, False
+    s = grouped_matmul(q_i, np.swapaxes(k_j, -1, -2))                  # 1.
+    return scores.forward(s, options, score_shape, tile, keep)[0], keep   # 2-4.
 
 
 # ----------------------------------------------------------------------------- forward / backward
@@ -117,8 +110,8 @@ def _forward_rows(q_i, rows, tangents=None, *, o, k3, v3, score_shape):
         if tangents is not None and tangents.sinks is not None:
             l_dot = l * heads_view(tangents.sinks, score_shape)[..., None]
     for cols in _tiles(score_shape[-1], o.block_size):
-        s, skip = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
-        if skip:
+        s, keep = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
+        if keep is False:
             continue
         m_new = np.maximum(m, s.real.max(axis=-1))
         shift = np.where(np.isneginf(m_new), 0.0, m_new)                # nothing kept yet: any shift
@@ -128,7 +121,7 @@ def _forward_rows(q_i, rows, tangents=None, *, o, k3, v3, score_shape):
         l = a * l + p.sum(axis=-1)
         acc = a[..., None] * acc + grouped_matmul(p, v3[..., cols, :])
         if tangents is not None:                                        # the same sums with S_dot
-            p_s_dot = p * tile_scores_tangent(o, q_i, k3[..., cols, :], tangents, score_shape, rows, cols)
+            p_s_dot = p * tile_scores_tangent(o, q_i, k3[..., cols, :], tangents, score_shape, rows, cols, keep)
             l_dot = a * l_dot + p_s_dot.sum(axis=-1)
             acc_dot = a[..., None] * acc_dot + grouped_matmul(p_s_dot, v3[..., cols, :]) \
                 + grouped_matmul(p, tangents.v[..., cols, :])
@@ -154,16 +147,13 @@ class Tangents(NamedTuple):
     sinks: object                   # sinks_dot or None
 
 
-def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols):
-    """S_dot_ij = scale (q_dot_i k_j^T + q_i k_dot_j^T) + bias_dot_ij - slope_dot |..| (q_i scaled)."""
+def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols, keep):
+    """S_dot_ij = scale (q_dot_i k_j^T + q_i k_dot_j^T) + bias_dot_ij - slope_dot |..|, 0 where
+    not kept (q_i, q_dot_i scaled; keep: the tile's, tile_scores)."""
     s_dot = grouped_matmul(tangents.q, np.swapaxes(k_j, -1, -2)) \
-        + grouped_matmul(q_i, np.swapaxes(tangents.k[..., cols, :], -1, -2))
-    tile = (Ellipsis, rows, cols)
-    if tangents.bias is not None:
-        s_dot = s_dot + np.broadcast_to(tangents.bias, score_shape)[tile]
-    if tangents.alibi_slopes is not None:
-        s_dot = s_dot + alibi_bias(o, score_shape, tile, tangents.alibi_slopes)
-    return s_dot
+        + grouped_matmul(q_i, np.swapaxes(tangents.k[..., cols, :], -1, -2))           # 1.
+    return scores.tangent(s_dot, o, score_shape, (Ellipsis, rows, cols), keep=keep,   # 2-4.
+                          bias_dot=tangents.bias, alibi_slopes_dot=tangents.alibi_slopes)
 
 
 def tiled_jvp(q, k, v, options, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes_dot=None, sinks_dot=None):
@@ -224,50 +214,39 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
         D = D - dlse.reshape(D.shape)
     lse = np.where(np.isneginf(cache.lse.real), np.inf, cache.lse).reshape(score_shape[:-1])  # dead row: P = 0
     dq, dk, dv = (np.empty(x.shape, dout3.dtype) for x in (q3, k3, v3))   # every slice writes its own
-    bias = None if o.bias is None else o.bias.reshape((1,) * (2 - o.bias.ndim) + o.bias.shape)
-    dbias = None if bias is None else np.empty(bias.shape, dout3.dtype)   # >= 2 axes (rows, cols)
-    dslopes = None if o.alibi_slopes is None else np.empty(score_shape[:-1], dout3.dtype)   # [..., H, N_q]
-    ndim = len(score_shape)
-    slices = kv_slices(score_shape, group, whole=bias is not None and spans_slices(bias, ndim, score_shape))
-    items = [(at, q3[at], dout3[at], D[at], lse[at], k3[kv_index(at, group)], v3[kv_index(at, group)],
-              None if dbias is None else cut(dbias, at, ndim).shape,
-              None if dslopes is None else dslopes[at].shape) for at in slices]
+    # one slice for all where the bias broadcasts across slices (its gradient sums over them)
+    slices = kv_slices(score_shape, group, whole=o.bias is not None and spans_slices(o.bias, len(score_shape),
+                                                                                      score_shape))
+    items = [(at, q3[at], dout3[at], D[at], lse[at], k3[kv_index(at, group)], v3[kv_index(at, group)])
+             for at in slices]
     results = run_tasks(_backward_slice, items, o.workers, _shared(o, score_shape=score_shape), o.scheduler)
-    for at, (dq_s, dk_s, dv_s, dbias_s, dslopes_s) in zip(slices, results):
+    for at, (dq_s, dk_s, dv_s, _) in zip(slices, results):
         dq[at], dk[kv_index(at, group)], dv[kv_index(at, group)] = dq_s, dk_s, dv_s
-        if dbias is not None:
-            cut(dbias, at, ndim)[...] = dbias_s
-        if dslopes is not None:
-            dslopes[at] = dslopes_s
-    dbias = None if dbias is None else dbias.reshape(o.bias.shape)
-    head_grads = {}
-    if dslopes is not None:
-        head_grads["dalibi_slopes"] = alibi_slopes_gradient(dslopes, o)
+    dsinks = None
     if o.sinks is not None:                                             # dsink = P_sink (dlse - D)
         with np.errstate(invalid="ignore"):
             p_sink = np.exp(_row_sinks(o, score_shape) - lse)           # [..., H, N_q]
-        head_grads["dsinks"] = head_gradient(-np.sum(p_sink * D, axis=-1), o.sinks)
+        dsinks = head_gradient(-np.sum(p_sink * D, axis=-1), o.sinks)
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
-                          dv=dv.reshape(cache.v.shape), dbias=dbias, **head_grads)
+                          dv=dv.reshape(cache.v.shape), dsinks=dsinks,
+                          **ScoreGrads.total([r[-1] for r in results], o, score_shape, dout3.dtype))
 
 
-def _backward_slice(at, q, dout, D, lse, k, v, dbias_shape, dslopes_shape, *, o, score_shape):
+def _backward_slice(at, q, dout, D, lse, k, v, *, o, score_shape):
     """One task of the backward: the scores' slice `at` (a batch index and the G query heads of
     one kv head; (Ellipsis,): all), its q, dout [.., G, N_q, d], D, lse [.., G, N_q] and its kv
-    head's k, v [.., 1, N_k, d]. Returns its (dq, dk, dv, dbias or None, dslopes or None), the
-    sums of its tiles: over key tiles j for dq (and dslopes [.., G, N_q], each row's slope's
-    gradient), over query tiles i, in order, for dk and dv."""
+    head's k, v [.., 1, N_k, d]. Returns its (dq, dk, dv, ScoreGrads of the slice), the sums of
+    its tiles: over key tiles j for dq, over query tiles i, in order, for dk and dv."""
     dq, dk, dv = np.zeros(q.shape, dout.dtype), np.zeros(k.shape, dout.dtype), np.zeros(v.shape, dout.dtype)
-    dbias = None if dbias_shape is None else np.zeros(dbias_shape, dout.dtype)
-    dslopes = None if dslopes_shape is None else np.zeros(dslopes_shape, dout.dtype)
+    params = ScoreGrads(o, score_shape, dout.dtype, region=at)          # dbias, dslopes of its tiles
     n_kv = k.shape[-3]
     for rows in _tiles(score_shape[-2], o.block_size):
         q_i, dout_i = scaled(q[..., rows, :], o.scale), dout[..., rows, :]
         D_i, lse_i = D[..., rows, None], lse[..., rows, None]
         for cols in _tiles(score_shape[-1], o.block_size):
             tile = at + (rows, cols)
-            s, skip = tile_scores(o, q_i, k[..., cols, :], score_shape, tile)
-            if skip:
+            s, keep = tile_scores(o, q_i, k[..., cols, :], score_shape, tile)
+            if keep is False:
                 continue
             s -= lse_i
             p = np.exp(s, out=s)                                        # P_ij = exp(S_ij - lse_i)
@@ -275,14 +254,10 @@ def _backward_slice(at, q, dout, D, lse, k, v, dbias_shape, dslopes_shape, *, o,
             ds = grouped_matmul(dout_i, np.swapaxes(v[..., cols, :], -1, -2))   # dP_ij = dout_i v_j^T
             ds -= D_i
             ds *= p                                                     # dS_ij = P_ij (dP_ij - D_i)
-            if dbias is not None:
-                block = bias_block(dbias, (Ellipsis, rows, cols))
-                block += unbroadcast(ds, block.shape)
-            if dslopes is not None:                                     # each row's -sum dS * distance
-                dslopes[..., rows] += alibi_row_gradient(ds, o, score_shape, tile)
+            ds = scores.backward(ds, o, score_shape, tile, keep=keep, grads=params)   # 4-3.
             dq[..., rows, :] += scaled(grouped_matmul(ds, k[..., cols, :]), o.scale)   # dq_i += scale dS k_j
             dk[..., cols, :] += grouped_sum_matmul(ds, q_i, n_kv)       # dk_j += dS^T (scale q_i)
-    return dq, dk, dv, dbias, dslopes
+    return dq, dk, dv, params
 
 
 def _shared(o, **arrays):

@@ -1,0 +1,323 @@
+"""The score pipeline: each step from scale q k^T to the softmax's row, defined once.
+
+Shape legend as in attention.py: the scores S are [..., H, N_q, N_k]. A block of them is
+S[index], index a tuple into the scores whose last two entries are the slices of the block's
+rows and columns (slices of the leading axes and heads before them, or an Ellipsis): the
+textbook's block is all of S, the blocked engine's a block of rows, the tiled engine's a tile.
+
+    1. S = scale q k^T                     the engine's product, on its own block of q and k
+    2. S = softcap tanh(S / softcap)       softcap
+    3. S = S + bias                        bias, broadcast to the scores
+       S = S - slope |i + N_k - N_q - j|   ALiBi: each row's slope, its distance from the diagonal
+    4. S = -inf where not kept             keep = mask & causal & window & packed sequences
+                                           & (bias != -inf)    (True = attend; positions.py)
+    5. [S, sink]                           sinks: one more logit per row, with no value
+
+Each step, on any block:
+    forward    `forward`: steps 2-4 on the block's scale q k^T
+    backward   `backward`: steps 4-2 in reverse, the gradient of scale q k^T from that of S;
+               the gradients of the steps' parameters (bias, ALiBi's slopes) go to a
+               `ScoreGrads`, which sums them block by block
+    tangent    `tangent`: steps 2-4 in forward mode, S_dot from (scale q k^T)_dot and the
+               parameters' tangents
+    keep       `keep_mask`: which scores of the block step 4 keeps
+The sink's column (5) is the softmax's: `with_sink`, `with_sink_weight`, and its gradient
+sums the column's dS per head (`head_gradient`).
+
+Backward and tangent, step by step (docs/derivations.md):
+    2. dS_1 = dS_2 (1 - t^2),  S_dot_2 = (1 - t^2) S_dot_1      t = tanh(S_1 / softcap)
+    3. dbias = dS_3 summed to bias's shape,  S_dot_3 = S_dot_2 + bias_dot
+       dslope = -sum dS_3 |i + N_k - N_q - j| over the slope's rows,  S_dot_3 -= slope_dot |..|
+    4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
+"""
+import numpy as np
+
+from ._layout import unbroadcast
+from .positions import band_keep, distance, positions, sequence_of
+
+WHOLE = (Ellipsis, slice(None), slice(None))     # the index of all of the scores
+UNKNOWN = object()                               # keep= not given: the step computes it
+
+
+# ----------------------------------------------------------------------------- 4. keep
+
+def keep_mask(options, score_shape, index=WHOLE):
+    """Which scores of S[index] are kept: mask & causal & window & packed & (bias != -inf).
+
+    score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two
+    entries are the slices of rows and columns.
+    Returns a bool array broadcastable to S[index], or None when every score is kept.
+    """
+    o = options
+    if not o.masked:
+        return None
+    keep = band_keep(_positions(o, score_shape, index, o.align), o.causal, o.window)   # [rows, cols] or None
+    block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
+    parts = ([] if o.mask is None else [block(o.mask)]) + \
+            ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])
+    for part in parts:
+        keep = part if keep is None else keep & part
+    return keep
+
+
+def _positions(options, score_shape, index, align):
+    """positions.Positions of the rows and columns of S[index]."""
+    n_q, n_k = score_shape[-2:]
+    return positions(n_q, n_k, np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]], align,
+                     options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
+
+
+# ----------------------------------------------------------------------------- 3. ALiBi
+
+def heads_view(x, score_shape):
+    """A per-head array ([H], or [..., H]; [1] for [N, d] inputs) broadcast to score_shape[:-2]."""
+    lead = tuple(score_shape[:-2])
+    return np.broadcast_to(x.reshape(x.shape[len(x.shape) - len(lead):]) if x.ndim > len(lead) else x, lead)
+
+
+def alibi_distance(options, score_shape, index=WHOLE):
+    """|i + N_k - N_q - j| [rows, cols] for the rows and columns of S[index]: the distance from
+    the bottom-right-aligned diagonal, in each row's own sequence (FlashAttention's ALiBi;
+    N_q == N_k: the main diagonal)."""
+    return distance(_positions(options, score_shape, index, "bottom_right"))
+
+
+def _per_sequence(slopes, cu_seqlens_q):
+    """Whether slopes are [B, H], one row per packed sequence (else one slope per head)."""
+    return cu_seqlens_q is not None and np.ndim(slopes) == 2
+
+
+def _row_slopes(slopes, options, score_shape, index):
+    """The slope of each row of S[index], broadcastable to its block [..., heads, rows, cols]:
+    slope_h, [..., heads, 1, 1], for slopes [H] or [..., H]; slopes[b, h] of the row's sequence
+    b, [heads, rows, 1], for slopes [B, H] with packed sequences."""
+    if not _per_sequence(slopes, options.cu_seqlens_q):
+        return heads_view(slopes, score_shape)[index[:-2]][..., None, None]
+    rows = np.arange(score_shape[-2])[index[-2]]
+    by_row = np.swapaxes(slopes[sequence_of(options.cu_seqlens_q, rows)], 0, 1)    # [H, rows]
+    by_row = by_row.reshape(tuple(score_shape[:-2]) + rows.shape)     # ([rows] for one [N, d] head)
+    return by_row[index[:-2] + (slice(None),)][..., None]
+
+
+def alibi_bias(options, score_shape, index=WHOLE, slopes=None, rounded=None):
+    """ALiBi's bias of the scores S[index], -slope * alibi_distance, or None without
+    alibi_slopes: each row's slope its head's (slopes [H] or [..., H]) or, for slopes [B, H]
+    with packed sequences, that of its sequence b and head, slopes[b, h]. slopes:
+    options.alibi_slopes by default (a tangent of them has their shape).
+    In the slopes' dtype (the distances are integers below 2^24, exact in float32): a float32
+    case's bias is float32, as a float32 kernel's is. rounded: applied to the distances first
+    (a kernel that turns them into its 16-bit dtype, as torch's int * bfloat16 does), or None."""
+    slopes = options.alibi_slopes if slopes is None else slopes
+    if slopes is None:
+        return None
+    rows = _row_slopes(slopes, options, score_shape, index)
+    distance = alibi_distance(options, score_shape, index).astype(rows.dtype)          # in the slopes' dtype
+    return -rows * (distance if rounded is None else rounded(distance))
+
+
+def alibi_row_gradient(dS, options, score_shape, index=WHOLE, rounded=None):
+    """The gradient of each row's slope from the block dS = dS[index] [..., heads, rows, cols]
+    (the gradient of S where ALiBi adds to it): -sum_j dS_ij |i + N_k - N_q - j|, [..., heads,
+    rows]. A block of columns gives its part of the sum; alibi_slopes_gradient sums the rows.
+    rounded: applied to the distances and to each product before the sum (a 16-bit autograd
+    rounds them), or None."""
+    distance = alibi_distance(options, score_shape, index).astype(dS.dtype)
+    if rounded is None:
+        return -np.sum(dS * distance, axis=-1)
+    return -np.sum(rounded(dS * rounded(distance)), axis=-1)
+
+
+def alibi_slopes_gradient(row_gradient, options):
+    """dalibi_slopes, of alibi_slopes' shape, from every row's gradient [..., H, N_q]
+    (alibi_row_gradient): summed over each slope's rows (slopes_sum)."""
+    return slopes_sum(row_gradient, options.alibi_slopes, options.cu_seqlens_q)
+
+
+def slopes_sum(x, slopes, cu_seqlens_q=None):
+    """A value per row x [..., H, N_q] summed over each slope's rows, to the shape of slopes: for
+    slopes [H] or [..., H] every row of the slope's head (and the batch where [H] broadcasts
+    along it); for slopes [B, H] with packed sequences (cu_seqlens_q [B + 1]) the rows of
+    sequence b alone, dslopes[b, h] = sum_{i in b} x[h, i]."""
+    slopes = np.asarray(slopes)
+    if not _per_sequence(slopes, cu_seqlens_q):
+        return head_gradient(np.sum(x, axis=-1), slopes)
+    sums = np.zeros((len(cu_seqlens_q) - 1,) + x.shape[:-1], x.dtype)       # [B, H] (or [B])
+    for b, (start, stop) in enumerate(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])):
+        sums[b] = np.sum(x[..., start:stop], axis=-1)
+    return sums.reshape(slopes.shape)
+
+
+def head_gradient(g, x):
+    """A per-head gradient g [..., H] summed to the shape of x ([H] or [..., H]; [1] for a
+    single head's [N, d] inputs)."""
+    return unbroadcast(g, x.shape if x.ndim <= g.ndim else ()).reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- 2-4. on a block
+
+def _block(x, score_shape, index):
+    """x (broadcastable to the scores) at S[index]: a view."""
+    return np.broadcast_to(x, score_shape)[index]
+
+
+def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN):
+    """Steps 2-4 on a block: S[index] from s = (scale q k^T)[index], which they overwrite
+    (the caller's own array; the result is s itself or takes its place).
+
+    score_shape: the whole scores' [..., H, N_q, N_k] (default s.shape: s is all of them).
+    keep: the block's keep_mask if the caller has it (None: every score kept).
+    Returns (S [..., heads, rows, cols], tanh(S_1 / softcap) or None: the backward's t).
+    """
+    o, shape = options, s.shape if score_shape is None else score_shape
+    softcap_tanh = None
+    if o.softcap is not None:                       # 2. S = softcap tanh(S / softcap)
+        softcap_tanh = np.tanh(s / o.softcap)
+        s = np.multiply(softcap_tanh, o.softcap, out=s)
+    if o.bias is not None:                          # 3. S = S + bias
+        s += _block(o.bias, shape, index)
+    if o.alibi_slopes is not None:                  #    S = S - slope |i + N_k - N_q - j|
+        s += alibi_bias(o, shape, index)
+    keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
+    if keep is not None:                            # 4. S = -inf where not kept
+        np.copyto(s, -np.inf, where=~keep)
+    return s, softcap_tanh
+
+
+def backward(ds, options, score_shape=None, index=WHOLE, softcap_tanh=None, keep=UNKNOWN, grads=None,
+             stage=False):
+    """Steps 4-2 in reverse on a block: the gradient of (scale q k^T)[index] from ds, the
+    gradient of S[index] (overwritten: the caller's own array).
+
+    softcap_tanh: the forward's t of the block (with softcap); keep: as for `forward`.
+    grads: a ScoreGrads that receives the block's bias and ALiBi gradients, or None.
+    stage=True: returns (dS_1, dS_3), dS_3 the gradient of S after step 3 (0 where masked:
+    AttentionStages.dS, of which dbias is the sum); else dS_1 [..., heads, rows, cols].
+    """
+    o, shape = options, ds.shape if score_shape is None else score_shape
+    keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
+    if keep is not None:                            # 4. dS = 0 where masked
+        np.copyto(ds, 0, where=~keep)
+    if grads is not None:                           # 3. dbias, dslopes
+        grads.add(ds, index)
+    ds3 = ds
+    if softcap_tanh is not None:                    # 2. dS = dS (1 - tanh^2)
+        ds = (ds * (1 - softcap_tanh ** 2)) if stage else np.multiply(ds, 1 - softcap_tanh ** 2, out=ds)
+    return (ds, ds3) if stage else ds
+
+
+def tangent(s_dot, options, score_shape=None, index=WHOLE, softcap_tanh=None, keep=UNKNOWN, bias_dot=None,
+            alibi_slopes_dot=None):
+    """Steps 2-4 in forward mode on a block: S_dot[index] from s_dot = (scale q k^T)_dot[index]
+    and the tangents of the bias (its shape) and of the ALiBi slopes (theirs), None: 0.
+    softcap_tanh and keep as for `backward`. Returns S_dot [..., heads, rows, cols], fresh."""
+    o, shape = options, s_dot.shape if score_shape is None else score_shape
+    if softcap_tanh is not None:                    # 2. (1 - tanh^2) S_dot
+        s_dot = (1 - softcap_tanh ** 2) * s_dot
+    if bias_dot is not None:                        # 3. + bias_dot
+        s_dot = s_dot + _block(bias_dot, shape, index)
+    if alibi_slopes_dot is not None:                #    - slope_dot |i + N_k - N_q - j|
+        s_dot = s_dot + alibi_bias(o, shape, index, slopes=alibi_slopes_dot)
+    keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
+    return s_dot if keep is None else np.where(keep, s_dot, 0)   # 4. 0 where masked
+
+
+# ----------------------------------------------------------------------------- the parameters' gradients
+
+def _ranges(index, shape):
+    """index (a tuple of slices, maybe with an Ellipsis, maybe short) as a slice of each axis
+    of an array of `shape`, explicit: slice(start, stop)."""
+    index = tuple(index)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    index = index + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*part.indices(n)[:2]) for part, n in zip(index, shape))
+
+
+def _bounds(indices, shape):
+    """The smallest slices of each axis of `shape` that hold every index of the list."""
+    ranges = [_ranges(index, shape) for index in indices]
+    return tuple(slice(min(r[a].start for r in ranges), max(r[a].stop for r in ranges)) for a in range(len(shape)))
+
+
+class ScoreGrads:
+    """The gradients of the score steps' parameters (bias, ALiBi slopes), summed block by
+    block over a region of the scores: an index, as a block's, or the list of the blocks to
+    come (every block added lies in it).
+
+    Each task of an engine sums its own region's blocks in its own ScoreGrads; `total` adds
+    the regions in a fixed order, so the bits do not depend on where or in which order the
+    tasks ran.
+        bias      dbias: each block's dS_3 summed to the bias's part it broadcast to
+        ALiBi     each row's -sum_j dS_3 |i + N_k - N_q - j| (alibi_row_gradient)
+    """
+
+    def __init__(self, options, score_shape, dtype, region=WHOLE):
+        o, self.options, self.score_shape = options, options, tuple(score_shape)
+        self.region = _bounds(region, score_shape) if isinstance(region, list) else _ranges(region, score_shape)
+        self.dbias = self.rows = None
+        if o.bias is not None:                      # the bias's part the region reads
+            self.bias_shape = (1,) * (len(score_shape) - o.bias.ndim) + o.bias.shape
+            self.bias_at = self._bias_part(self.region)
+            self.dbias = np.zeros([s.stop - s.start for s in self.bias_at], dtype)
+        if o.alibi_slopes is not None:              # its rows [..., H, N_q]
+            self.rows = np.zeros([s.stop - s.start for s in self.region[:-1]], dtype)
+
+    def _bias_part(self, ranges):
+        """The slices of the bias (padded to the scores' axes) that scores at `ranges` read."""
+        return tuple(slice(0, 1) if n == 1 else part for part, n in zip(ranges, self.bias_shape))
+
+    def add(self, ds, index):
+        """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there."""
+        ranges = _ranges(index, self.score_shape)
+        within = lambda parts, region: tuple(slice(p.start - r.start, p.stop - r.start)
+                                             for p, r in zip(parts, region))
+        if self.dbias is not None:
+            part = self.dbias[within(self._bias_part(ranges), self.bias_at)]
+            part += unbroadcast(ds, part.shape)
+        if self.rows is not None:
+            self.rows[within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
+                ds, self.options, self.score_shape, index)
+
+    def __getstate__(self):
+        """A region's sums, as a task on a cluster sends them back: without the options (and
+        their bias), which only `add` needs."""
+        return {**self.__dict__, "options": None}
+
+    @staticmethod
+    def total(parts, options, score_shape, dtype):
+        """{"dbias": ..., "dalibi_slopes": ...} (None without the option) from the regions'
+        ScoreGrads `parts`, added in their order."""
+        o = options
+        whole = ScoreGrads(o, score_shape, dtype)
+        for part in parts:
+            if whole.dbias is not None:
+                whole.dbias[part.bias_at] += part.dbias
+            if whole.rows is not None:
+                whole.rows[part.region[:-1]] += part.rows
+        return {"dbias": None if o.bias is None else whole.dbias.reshape(o.bias.shape),
+                "dalibi_slopes": None if o.alibi_slopes is None else alibi_slopes_gradient(whole.rows, o)}
+
+
+# ----------------------------------------------------------------------------- 5. the sink's column
+
+def with_sink(S, options, score_shape=None, index=WHOLE):
+    """S[index] [..., rows, cols], with the sink as one more column [..., rows, cols + 1] when
+    the options have sinks: a logit per head in every row's softmax, with no value.
+    score_shape: the whole scores' shape (default S.shape: S is all of them)."""
+    if options.sinks is None:
+        return S
+    sinks = heads_view(options.sinks, S.shape if score_shape is None else score_shape)[index[:-2]]
+    column = np.broadcast_to(sinks[..., None, None], S.shape[:-1] + (1,))
+    return np.concatenate([S, column.astype(S.dtype)], axis=-1)
+
+
+def with_sink_weight(P, lse, options, score_shape=None, index=WHOLE):
+    """The softmax's whole row: P [..., rows, cols] with the sink's weight exp(sink - lse) as one
+    more column [..., rows, cols + 1] when the options have sinks; P itself without.
+    lse [..., rows]; score_shape, index: as for with_sink."""
+    if options.sinks is None:
+        return P
+    sink = with_sink(np.zeros(P.shape[:-1] + (0,), P.dtype), options, score_shape, index)
+    with np.errstate(invalid="ignore"):              # a -inf sink in a dead row: -inf - (-inf)
+        return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
