@@ -71,7 +71,7 @@ def _t(x):
 def attention_scores(q, k, options):
     """Steps 1-4: the softmax's input S [..., H, N_q, N_k], -inf where not kept.
 
-    Returns (S, tanh(scale q k^T / softcap)); the second is None without softcap.
+    Returns (S, scores.Saved: tanh(scale q k^T / softcap) and score_mod's input, or Nones).
     """
     S = scaled(grouped_matmul(q, _t(k)), options.scale)   # 1. S = scale q k^T   [..., H, N_q, N_k]
     return scores.forward(S, options)               # 2-4. softcap, bias, ALiBi, -inf where not kept
@@ -84,7 +84,7 @@ def textbook_forward(q, k, v, options):
     Returns out [..., H, N_q, d_v] and an AttentionCache.
     """
     o = options
-    S, softcap_tanh = attention_scores(q, k, o)     # 1-4.                    [..., H, N_q, N_k]
+    S, saved = attention_scores(q, k, o)            # 1-4.                    [..., H, N_q, N_k]
     S_row = with_sink(S, o)                         # 5. (sinks: one more logit per row, no value)
     P, softmax_cache = softmax_forward(S_row)       #    P = softmax(S); a row of all -inf gives 0
     lse = logsumexp(S_row)                          #    lse = log sum_j exp(S_j)  [..., H, N_q]
@@ -94,7 +94,8 @@ def textbook_forward(q, k, v, options):
     P_drop = P if o.dropout_scale is None else P * o.dropout_scale   # 6. dropout
     out = grouped_matmul(P_drop, v)                 # 7. out = P~ v           [..., H, N_q, d_v]
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=P, lse=lse,
-                               top=softmax_cache.top[..., 0], softcap_tanh=softcap_tanh)
+                               top=softmax_cache.top[..., 0], softcap_tanh=saved.softcap_tanh,
+                               score_mod_input=saved.mod_input)
 
 
 def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -117,8 +118,9 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
         dS_row = dS_row + P_row * dlse[..., None]
     dS = dS_row[..., :P.shape[-1]]                 #    (the sink's column: dsinks, summed per head)
     dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
-    params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; dbias, dalibi_slopes;
-    dS_softcap, dS = scores.backward(dS, o, softcap_tanh=cache.softcap_tanh, grads=params, stage=True)  # softcap
+    params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; score_mod, bias, ALiBi
+    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   #      (their parameters'), softcap
+    dS_softcap, dS = scores.backward(dS, o, saved=saved, grads=params, stage=True)
     dq = scaled(grouped_matmul(dS_softcap, k), o.scale)   # 1. S = scale q k^T:  dq = scale dS k
     dk = scaled(grouped_sum_matmul(dS_softcap, q, h_kv), o.scale)   #    dk = scale dS^T q
     stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None
@@ -159,7 +161,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
                       seqused_k=None, page_table=None, cache_seqlens=None, workers=None,
-                      scheduler=None):
+                      scheduler=None, score_mod=None, mask_mod=None, score_mod_params=None):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -182,6 +184,16 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             sequences or a paged KV cache: [H], or [B, H] with one row per sequence (as
             FlashAttention's varlen and kvcache functions take them), whose gradient's row b
             sums over sequence b's rows only.
+        score_mod: FlexAttention's score_mod(score, b, h, q_idx, kv_idx) -> score, applied
+            after bias and ALiBi, before the masks (scores.py): called on NumPy arrays, the
+            block's scores and its index arrays broadcastable to them (b the batch index,
+            h the query head, q_idx and kv_idx the row and column). Its derivative in the
+            score comes by complex step on it (docs/variants.md).
+        mask_mod: FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool (True = attend),
+            called on a block's index arrays; a block it removes entirely is skipped.
+        score_mod_params: {name: array}: parameters of score_mod, passed to it as a sixth
+            argument; their gradients come back in grads.dscore_mod_params. score_mod may
+            index one (params["rel"][h, q_idx - kv_idx]) or use a 0-d one as a scalar.
         sinks: [H]: one more logit per query head in every row's softmax, with no value
             (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the
             sink's weight exp(sink_h - lse) multiplies nothing. A row whose keys are all
@@ -241,7 +253,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, implementation=implementation,
         block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, workers=workers, scheduler=scheduler)
+        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, workers=workers, scheduler=scheduler,
+        score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
     forward, _ = ENGINES[options.implementation]
     if paged is None:
         return forward(q, k, v, options)

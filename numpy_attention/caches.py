@@ -24,6 +24,7 @@ class AttentionCache(NamedTuple):
     top: Optional[np.ndarray] = None         # [..., H, N_q] index of each row's largest S, so of its
                                              # largest P (None: tiled)
     softcap_tanh: Optional[np.ndarray] = None   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
+    score_mod_input: Optional[np.ndarray] = None   # [..., H, N_q, N_k] score_mod's input, or None
 
     @property
     def scores(self):
@@ -54,3 +55,4 @@ class AttentionGrads(NamedTuple):
     stages: Optional[AttentionStages] = None   # with return_stages=True
     dsinks: Optional[np.ndarray] = None        # sinks' shape, with sinks
     dalibi_slopes: Optional[np.ndarray] = None   # alibi_slopes' shape, with ALiBi
+    dscore_mod_params: Optional[dict] = None     # {name: gradient} of score_mod_params, with them

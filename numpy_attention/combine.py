@@ -22,6 +22,7 @@ c = 1 for base e and ln 2 for base 2:
     dlse_s = c w_s (<dout, out_s> - <dout, out>) + w_s dlse
 """
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -69,11 +70,17 @@ def combine_forward(outs, lses, base="e"):
     return out, lse, CombineCache(outs=outs, weights=weights, out=out.copy(), base=base)
 
 
-def combine_backward(dout, dlse, cache):
+def combine_backward(dout, cache, dlse=None):
     """(douts [S, ..., N, d], dlses [S, ..., N]): the gradients of the partials.
 
-    dout [..., N, d]; dlse [..., N] or None (0).
+    dout [..., N, d]; cache: combine_forward's; dlse [..., N] or None (0), in the order
+    attention_backward takes them. The older order (dout, dlse, cache) still works, with a
+    DeprecationWarning.
     """
+    if isinstance(dlse, CombineCache) and not isinstance(cache, CombineCache):
+        warnings.warn("combine_backward(dout, dlse, cache) is deprecated: pass (dout, cache, dlse), the "
+                      "order of attention_backward", DeprecationWarning, stacklevel=2)
+        cache, dlse = dlse, cache
     require_cache(cache, CombineCache, "combine_backward", arrays=("outs", "weights", "out"))
     require_same_shape(dout, cache.out.shape, "dout")
     dout = as_float_array(dout, "dout")

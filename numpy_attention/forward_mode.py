@@ -53,11 +53,10 @@ def _tangent(x, like, name, dtype):
     return x.astype(np.result_type(dtype, x.dtype), copy=False)
 
 
-def _scores_tangent(q, k, o, q_dot, k_dot, softcap_tanh, bias_dot, alibi_slopes_dot):
-    """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k]."""
+def _scores_tangent(q, k, o, q_dot, k_dot, saved, bias_dot, alibi_slopes_dot):
+    """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k] (saved: the forward's scores.Saved)."""
     S_dot = scaled(grouped_matmul(q_dot, _t(k)) + grouped_matmul(q, _t(k_dot)), o.scale)   # 1.
-    return scores.tangent(S_dot, o, softcap_tanh=softcap_tanh, bias_dot=bias_dot,           # 2-4.
-                          alibi_slopes_dot=alibi_slopes_dot)
+    return scores.tangent(S_dot, o, saved=saved, bias_dot=bias_dot, alibi_slopes_dot=alibi_slopes_dot)   # 2-4.
 
 
 def _row_tangent(S_dot, o, sinks_dot):
@@ -119,8 +118,9 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
     if cache is None:                                  # the tiled engine: O(N) memory
         return tiled_jvp(q, k, v, o, dot["q_dot"], dot["k_dot"], dot["v_dot"], dot["bias_dot"],
                          dot["alibi_slopes_dot"], dot["sinks_dot"])
-    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.softcap_tanh,          # 1-4.
-                            dot["bias_dot"], dot["alibi_slopes_dot"])
+    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)
+    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], saved, dot["bias_dot"],      # 1-4.
+                            dot["alibi_slopes_dot"])
     P_row = with_sink_weight(cache.weights, cache.lse, o)                                # 5.
     P_dot, lse_dot = _softmax_tangent(P_row, _row_tangent(S_dot, o, dot["sinks_dot"]))
     P_dot = P_dot[..., :S_dot.shape[-1]]
@@ -136,8 +136,12 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     tangents along (q_dot, k_dot, v_dot): AttentionGrads of dq_dot, dk_dot, dv_dot, the
     Hessian of <dout, out> times the tangent (forward over reverse; module docstring).
 
-    options as attention_jvp's (bias, sinks and ALiBi slopes are constants here).
+    options as attention_jvp's (bias, sinks and ALiBi slopes are constants here), but no
+    score_mod: its second derivative would be needed.
     """
+    if options.get("score_mod") is not None:
+        raise ValueError("attention_hvp takes no score_mod: the Hessian needs its second derivative, which "
+                         "the oracle does not take; mask_mod is accepted")
     q, k, v, o, cache, dot = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot, v_dot=v_dot),
                                                   options)
     if dout is None:
@@ -145,7 +149,8 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     dout = _tangent(dout, cache.out, "dout", q.dtype)
     h_kv, n_k = with_head_axis(k).shape[-3], cache.weights.shape[-1]
     drop = 1 if o.dropout_scale is None else o.dropout_scale
-    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.softcap_tanh, None, None)
+    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"],
+                            scores.Saved(cache.softcap_tanh, cache.score_mod_input), None, None)
     P_row = with_sink_weight(cache.weights, cache.lse, o)
     P_dot_row = _softmax_tangent(P_row, _row_tangent(S_dot, o, None))[0]
     pad = lambda x: x if o.sinks is None else np.concatenate([x, np.zeros(x.shape[:-1] + (1,), x.dtype)], -1)

@@ -54,13 +54,17 @@ class AttentionOptions(NamedTuple):
     paged: Optional[object] = None      # paged.PagedLayout: q, k, v were packed from a paged KV cache
     workers: int = 1                    # threads of the blocked and tiled engines (engines/parallel.py)
     scheduler: object = None            # the tiled engine's Dask cluster: a Client or an address (or None)
+    score_mod: object = None            # FlexAttention's score_mod(score, b, h, q_idx, kv_idx[, params]), or None
+    mask_mod: object = None             # FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool, or None
+    score_mod_params: Optional[dict] = None   # {name: read-only array}: score_mod's parameters
 
 
 def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                      seqused_k=None, workers=None, scheduler=None):
+                      seqused_k=None, workers=None, scheduler=None, score_mod=None, mask_mod=None,
+                      score_mod_params=None):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
@@ -109,8 +113,9 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     if packed[0] is not None and fully_masked == "uniform":
         raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
+    score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
     masked = (keep is not None or causal or window is not None or packed[0] is not None
-              or (bias is not None and bool(np.isneginf(bias.real).any())))
+              or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
         causal=causal, align=align, window=window, dropout_scale=read_only_copy(dropout_scale),
@@ -120,7 +125,8 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         seqused_k=read_only_copy(packed[2]),
         masked=masked, implementation=implementation, block_size=block_size,
         workers=resolve_workers(workers, implementation, score_count(q.shape, k.shape[-2], packed)),
-        scheduler=check_scheduler(scheduler, implementation))
+        scheduler=check_scheduler(scheduler, implementation),
+        score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
 
 
 def score_count(q_shape, n_k, packed=(None, None)):
@@ -282,6 +288,23 @@ def _check_qkv(q, k, v):
                          f"[..., H, N, d] (torch's and FlashAttention's [B, N, H, d] need a transpose)")
     dtype = result_dtype(q, k, v)
     return tuple(x.astype(dtype, order="C") for x in (q, k, v))         # copies, row-major
+
+
+def _check_mods(score_mod, mask_mod, score_mod_params):
+    """score_mod and mask_mod callables (or None); score_mod_params {str: float array} as
+    read-only copies (or None), only with a score_mod."""
+    for name, f in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be a function or None, got {type(f).__name__}")
+    if score_mod_params is None:
+        return None
+    if score_mod is None:
+        raise ValueError("score_mod_params are score_mod's parameters: pass a score_mod too")
+    if not isinstance(score_mod_params, dict) or not all(isinstance(n, str) for n in score_mod_params):
+        raise TypeError(f"score_mod_params must be a dict of name -> array, got "
+                        f"{type(score_mod_params).__name__}")
+    return {name: read_only_copy(as_float_array(x, f"score_mod_params[{name!r}]"))
+            for name, x in score_mod_params.items()}
 
 
 def _require_finite(name, x, allow_neginf=False):

@@ -30,6 +30,9 @@ Backward and tangent, step by step (docs/derivations.md):
        dslope = -sum dS_3 |i + N_k - N_q - j| over the slope's rows,  S_dot_3 -= slope_dot |..|
     4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
 """
+import warnings
+from typing import NamedTuple, Optional
+
 import numpy as np
 
 from ._layout import unbroadcast
@@ -55,6 +58,8 @@ def keep_mask(options, score_shape, index=WHOLE):
     block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
     parts = ([] if o.mask is None else [block(o.mask)]) + \
             ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])
+    if o.mask_mod is not None:
+        parts.append(mask_mod_keep(o.mask_mod, score_shape, index))
     for part in parts:
         keep = part if keep is None else keep & part
     return keep
@@ -153,11 +158,171 @@ def head_gradient(g, x):
     return unbroadcast(g, x.shape if x.ndim <= g.ndim else ()).reshape(x.shape)
 
 
+# ----------------------------------------------------------------------------- FlexAttention's mods
+
+def block_indices(score_shape, index=WHOLE):
+    """(b, h, q_idx, kv_idx) of the block S[index]: int arrays of as many axes as the scores,
+    broadcastable to the block, as FlexAttention's score_mod and mask_mod see them: b the
+    batch index (the flat index over the leading axes; 0 without any), h the query head,
+    q_idx and kv_idx the row and the column (in the packed axes, with packed sequences)."""
+    ranges, ndim = _ranges(index, score_shape), len(score_shape)
+    along = lambda axis, values: values.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
+    lead = tuple(score_shape[:-3])
+    b = np.arange(int(np.prod(lead, dtype=np.int64))).reshape(lead)[ranges[:-3]]
+    b = b.reshape(b.shape + (1, 1, 1))
+    h, q_idx, kv_idx = (along(a, np.arange(score_shape[a])[ranges[a]]) for a in (ndim - 3, ndim - 2, ndim - 1))
+    return b, h, q_idx, kv_idx
+
+
+def _broadcasts(shape, to):
+    """Whether an array of `shape` broadcasts to the shape `to`."""
+    try:
+        return np.broadcast_shapes(shape, to) == tuple(to)
+    except ValueError:
+        return False
+
+
+def mask_mod_keep(mask_mod, score_shape, index=WHOLE):
+    """mask_mod(b, h, q_idx, kv_idx) on the block S[index]: a bool array broadcastable to it."""
+    block = tuple(r.stop - r.start for r in _ranges(index, score_shape))
+    keep = np.asarray(mask_mod(*block_indices(score_shape, index)))
+    if keep.dtype != bool:
+        raise TypeError(f"mask_mod must return booleans (True = attend), got dtype {keep.dtype}")
+    if not _broadcasts(keep.shape, block):
+        raise ValueError(f"mask_mod returned shape {keep.shape}, not broadcastable to the block of "
+                         f"scores {block} its index arrays broadcast to")
+    return keep
+
+
+COMPLEX_STEP = 1e-30            # the complex step of score_mod's derivatives: Im f(s + i h) / h
+
+
+class ScoreModDerivativeWarning(UserWarning):
+    """score_mod's complex-step derivative disagrees with central differences (score_mod is not
+    analytic in the score there: abs, a branch on it): central differences are used instead."""
+
+
+class _Read(NamedTuple):
+    index: tuple                # what score_mod indexed a parameter with
+    shape: tuple                # the shape of what it got
+
+
+class _Reads:
+    """A score_mod parameter as score_mod sees it: it can be indexed (each read is recorded, and
+    one read can be given an imaginary step), not used whole."""
+
+    def __init__(self, name, value, step_read=None):
+        self.name, self.value, self.reads, self.step_read = name, value, [], step_read
+        self.shape, self.ndim, self.dtype = value.shape, value.ndim, value.dtype
+
+    def __len__(self):
+        return len(self.value)
+
+    def __getitem__(self, index):
+        got = self.value[index]
+        if len(self.reads) == self.step_read:
+            got = got + 1j * COMPLEX_STEP
+        self.reads.append(_Read(index if isinstance(index, tuple) else (index,), np.shape(got)))
+        return got
+
+    def _whole(self, *args, **kwargs):
+        raise TypeError(f"score_mod used score_mod_params[{self.name!r}] whole: the oracle differentiates "
+                        f"a parameter that score_mod indexes (params[{self.name!r}][h, q_idx - kv_idx]) or "
+                        f"a scalar (0-d) one")
+
+    __array__ = __array_ufunc__ = __array_function__ = _whole     # numpy's operators and functions
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _whole
+
+
+def _params(o, reads=None, stepped=None):
+    """The score_mod_params as score_mod gets them: a 0-d one as a scalar (+ i h when it is
+    `stepped`), any other as _Reads (reads: {name: step_read}, -1: none)."""
+    params = {}
+    for name, value in o.score_mod_params.items():
+        if value.ndim == 0:
+            params[name] = value[()] + (1j * COMPLEX_STEP if name == stepped else 0)
+        else:
+            params[name] = _Reads(name, value, (reads or {}).get(name, -1))
+    return params
+
+
+def _call_score_mod(o, s, indices, params=None):
+    """score_mod(score, b, h, q_idx, kv_idx[, params]) as an array of s's shape."""
+    args = (s,) + tuple(indices) + (() if o.score_mod_params is None else (_params(o) if params is None else params,))
+    out = np.asarray(o.score_mod(*args))
+    if not _broadcasts(out.shape, s.shape):
+        raise ValueError(f"score_mod returned shape {out.shape} for scores of shape {s.shape}")
+    return np.broadcast_to(out, s.shape)
+
+
+def _score_mod_slope(o, s, indices):
+    """d score_mod / d score on the block s (real), by complex step, checked against central
+    differences on a sample of its finite entries (ScoreModDerivativeWarning: those instead)."""
+    if np.iscomplexobj(s):
+        raise ValueError("score_mod's derivative is taken by complex step on real scores: a backward or "
+                         "tangent of complex scores (a complex-step check through score_mod) needs a "
+                         "real one; check score_mod's attention with central differences instead")
+    finite = np.isfinite(s)
+    with np.errstate(all="ignore"):
+        slope = np.where(finite, _call_score_mod(o, s + 1j * COMPLEX_STEP, indices).imag / COMPLEX_STEP, 0)
+    flat = np.flatnonzero(np.broadcast_to(finite, s.shape))
+    sample = flat[np.linspace(0, flat.size - 1, min(flat.size, 16)).astype(np.int64)] if flat.size else flat
+    if sample.size:
+        at = np.unravel_index(sample, s.shape)
+        pick = lambda x: np.broadcast_to(x, s.shape)[at]
+        x, picked = pick(s), tuple(pick(i) for i in indices)
+        h = 1e-6 * np.maximum(1, np.abs(x))
+        with np.errstate(all="ignore"):
+            central = (_call_score_mod(o, x + h, picked) - _call_score_mod(o, x - h, picked)) / (2 * h)
+        if not np.allclose(pick(slope), central, rtol=1e-4, atol=1e-4):
+            warnings.warn("score_mod's complex-step derivative disagrees with central differences (it is "
+                          "not analytic in the score: abs, a branch on it?); central differences are used",
+                          ScoreModDerivativeWarning, stacklevel=4)
+            h = 1e-6 * np.maximum(1, np.abs(s))
+            with np.errstate(all="ignore"):
+                slope = np.where(finite, (_call_score_mod(o, s + h, indices)
+                                          - _call_score_mod(o, s - h, indices)) / (2 * h), 0)
+    return slope
+
+
+def _score_mod_param_grads(o, s, indices, ds):
+    """{name: gradient} of the score_mod_params from the block's dS (of score_mod's output):
+    by complex step through each read (scattered back to the entries read) or each scalar."""
+    grads = {}
+    finite = np.isfinite(s)
+    recorded = _params(o)
+    _call_score_mod(o, s, indices, recorded)                    # which reads score_mod makes
+    for name, value in o.score_mod_params.items():
+        g = np.zeros(value.shape, ds.dtype)
+        steps = [None] if value.ndim == 0 else range(len(recorded[name].reads))
+        for read in steps:
+            params = _params(o, {name: read}, stepped=name if value.ndim == 0 else None)
+            with np.errstate(all="ignore"):
+                d = np.where(finite, _call_score_mod(o, s, indices, params).imag / COMPLEX_STEP, 0) * ds
+            if read is None:
+                g = g + np.sum(d)
+            else:
+                r = recorded[name].reads[read]
+                np.add.at(g, r.index, unbroadcast(d, r.shape) if r.shape else np.sum(d))
+        grads[name] = g
+    return grads
+
+
 # ----------------------------------------------------------------------------- 2-4. on a block
 
 def _block(x, score_shape, index):
     """x (broadcastable to the scores) at S[index]: a view."""
     return np.broadcast_to(x, score_shape)[index]
+
+
+class Saved(NamedTuple):
+    """What a block's forward keeps for its backward and tangent (None: the step is off)."""
+    softcap_tanh: Optional[np.ndarray] = None   # t = tanh(S_1 / softcap)
+    mod_input: Optional[np.ndarray] = None      # S_3, score_mod's input
+
+    def at(self, index):
+        """The block S[index] of a whole forward's Saved."""
+        return Saved(*(None if x is None else x[index] for x in self))
 
 
 def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN):
@@ -166,10 +331,10 @@ def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN):
 
     score_shape: the whole scores' [..., H, N_q, N_k] (default s.shape: s is all of them).
     keep: the block's keep_mask if the caller has it (None: every score kept).
-    Returns (S [..., heads, rows, cols], tanh(S_1 / softcap) or None: the backward's t).
+    Returns (S [..., heads, rows, cols], Saved: what the backward and tangent need).
     """
     o, shape = options, s.shape if score_shape is None else score_shape
-    softcap_tanh = None
+    softcap_tanh = mod_input = None
     if o.softcap is not None:                       # 2. S = softcap tanh(S / softcap)
         softcap_tanh = np.tanh(s / o.softcap)
         s = np.multiply(softcap_tanh, o.softcap, out=s)
@@ -177,46 +342,58 @@ def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN):
         s += _block(o.bias, shape, index)
     if o.alibi_slopes is not None:                  #    S = S - slope |i + N_k - N_q - j|
         s += alibi_bias(o, shape, index)
+    if o.score_mod is not None:                     #    S = score_mod(S, b, h, q_idx, kv_idx)
+        mod_input = s.copy()
+        s[...] = _call_score_mod(o, mod_input, block_indices(shape, index))
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     if keep is not None:                            # 4. S = -inf where not kept
         np.copyto(s, -np.inf, where=~keep)
-    return s, softcap_tanh
+    return s, Saved(softcap_tanh, mod_input)
 
 
-def backward(ds, options, score_shape=None, index=WHOLE, softcap_tanh=None, keep=UNKNOWN, grads=None,
+def backward(ds, options, score_shape=None, index=WHOLE, saved=Saved(), keep=UNKNOWN, grads=None,
              stage=False):
     """Steps 4-2 in reverse on a block: the gradient of (scale q k^T)[index] from ds, the
     gradient of S[index] (overwritten: the caller's own array).
 
-    softcap_tanh: the forward's t of the block (with softcap); keep: as for `forward`.
-    grads: a ScoreGrads that receives the block's bias and ALiBi gradients, or None.
-    stage=True: returns (dS_1, dS_3), dS_3 the gradient of S after step 3 (0 where masked:
-    AttentionStages.dS, of which dbias is the sum); else dS_1 [..., heads, rows, cols].
+    saved: the block's Saved (its forward's); keep: as for `forward`.
+    grads: a ScoreGrads that receives the block's parameters' gradients (bias, ALiBi slopes,
+    score_mod_params), or None.
+    stage=True: returns (dS_1, dS_4), dS_4 the gradient of the softmax's input S, 0 where
+    masked (AttentionStages.dS); else dS_1 [..., heads, rows, cols].
     """
     o, shape = options, ds.shape if score_shape is None else score_shape
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     if keep is not None:                            # 4. dS = 0 where masked
         np.copyto(ds, 0, where=~keep)
-    if grads is not None:                           # 3. dbias, dslopes
+    ds4 = ds
+    if o.score_mod is not None:                     # 3. dS = dS score_mod'(S_3); its parameters'
+        indices = block_indices(shape, index)
+        if grads is not None and o.score_mod_params is not None:
+            grads.add_mod(_score_mod_param_grads(o, saved.mod_input, indices, ds))
+        ds = ds * _score_mod_slope(o, saved.mod_input, indices)
+    if grads is not None:                           #    dbias, dslopes
         grads.add(ds, index)
-    ds3 = ds
-    if softcap_tanh is not None:                    # 2. dS = dS (1 - tanh^2)
-        ds = (ds * (1 - softcap_tanh ** 2)) if stage else np.multiply(ds, 1 - softcap_tanh ** 2, out=ds)
-    return (ds, ds3) if stage else ds
+    if saved.softcap_tanh is not None:              # 2. dS = dS (1 - tanh^2)
+        ds = ds * (1 - saved.softcap_tanh ** 2) if stage and ds is ds4 else \
+            np.multiply(ds, 1 - saved.softcap_tanh ** 2, out=ds)
+    return (ds, ds4) if stage else ds
 
 
-def tangent(s_dot, options, score_shape=None, index=WHOLE, softcap_tanh=None, keep=UNKNOWN, bias_dot=None,
+def tangent(s_dot, options, score_shape=None, index=WHOLE, saved=Saved(), keep=UNKNOWN, bias_dot=None,
             alibi_slopes_dot=None):
     """Steps 2-4 in forward mode on a block: S_dot[index] from s_dot = (scale q k^T)_dot[index]
     and the tangents of the bias (its shape) and of the ALiBi slopes (theirs), None: 0.
-    softcap_tanh and keep as for `backward`. Returns S_dot [..., heads, rows, cols], fresh."""
+    saved and keep as for `backward`. Returns S_dot [..., heads, rows, cols], fresh."""
     o, shape = options, s_dot.shape if score_shape is None else score_shape
-    if softcap_tanh is not None:                    # 2. (1 - tanh^2) S_dot
-        s_dot = (1 - softcap_tanh ** 2) * s_dot
+    if saved.softcap_tanh is not None:              # 2. (1 - tanh^2) S_dot
+        s_dot = (1 - saved.softcap_tanh ** 2) * s_dot
     if bias_dot is not None:                        # 3. + bias_dot
         s_dot = s_dot + _block(bias_dot, shape, index)
     if alibi_slopes_dot is not None:                #    - slope_dot |i + N_k - N_q - j|
         s_dot = s_dot + alibi_bias(o, shape, index, slopes=alibi_slopes_dot)
+    if o.score_mod is not None:                     #    score_mod'(S_3) S_dot
+        s_dot = _score_mod_slope(o, saved.mod_input, block_indices(shape, index)) * s_dot
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     return s_dot if keep is None else np.where(keep, s_dot, 0)   # 4. 0 where masked
 
@@ -262,6 +439,8 @@ class ScoreGrads:
             self.dbias = np.zeros([s.stop - s.start for s in self.bias_at], dtype)
         if o.alibi_slopes is not None:              # its rows [..., H, N_q]
             self.rows = np.zeros([s.stop - s.start for s in self.region[:-1]], dtype)
+        self.mod = None if o.score_mod_params is None else \
+            {name: np.zeros(x.shape, np.result_type(dtype, x.real.dtype)) for name, x in o.score_mod_params.items()}
 
     def _bias_part(self, ranges):
         """The slices of the bias (padded to the scores' axes) that scores at `ranges` read."""
@@ -279,6 +458,11 @@ class ScoreGrads:
             self.rows[within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
                 ds, self.options, self.score_shape, index)
 
+    def add_mod(self, grads):
+        """Add a block's score_mod_params gradients {name: gradient}."""
+        for name, g in grads.items():
+            self.mod[name] += g
+
     def __getstate__(self):
         """A region's sums, as a task on a cluster sends them back: without the options (and
         their bias), which only `add` needs."""
@@ -286,8 +470,8 @@ class ScoreGrads:
 
     @staticmethod
     def total(parts, options, score_shape, dtype):
-        """{"dbias": ..., "dalibi_slopes": ...} (None without the option) from the regions'
-        ScoreGrads `parts`, added in their order."""
+        """{"dbias": ..., "dalibi_slopes": ..., "dscore_mod_params": ...} (each None without its
+        option) from the regions' ScoreGrads `parts`, added in their order."""
         o = options
         whole = ScoreGrads(o, score_shape, dtype)
         for part in parts:
@@ -295,8 +479,11 @@ class ScoreGrads:
                 whole.dbias[part.bias_at] += part.dbias
             if whole.rows is not None:
                 whole.rows[part.region[:-1]] += part.rows
+            if whole.mod is not None:
+                whole.add_mod(part.mod)
         return {"dbias": None if o.bias is None else whole.dbias.reshape(o.bias.shape),
-                "dalibi_slopes": None if o.alibi_slopes is None else alibi_slopes_gradient(whole.rows, o)}
+                "dalibi_slopes": None if o.alibi_slopes is None else alibi_slopes_gradient(whole.rows, o),
+                "dscore_mod_params": whole.mod}
 
 
 # ----------------------------------------------------------------------------- 5. the sink's column

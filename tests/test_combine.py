@@ -36,7 +36,7 @@ def test_combine_equals_attention_over_all_keys_forward_and_backward(base):
     np.testing.assert_allclose(lse, want_cache.lse * to_base, rtol=1e-13, atol=1e-14)
     assert np.isneginf(lse[..., 3]).all() and (out[..., 3, :] == 0).all()
     # backward: through the combine, then each split's attention, = the whole attention's
-    douts, dlses = na.combine_backward(dout, dlse, cache)
+    douts, dlses = na.combine_backward(dout, cache, dlse)
     grads = [na.attention_backward(douts[i], parts[i][2], dlses[i] * to_base) for i in range(len(SPLITS))]
     want = na.attention_backward(dout, want_cache, dlse * to_base)
     np.testing.assert_allclose(sum(g.dq for g in grads), want.dq, rtol=1e-12, atol=1e-13)
@@ -55,7 +55,7 @@ def test_combine_backward_equals_complex_step(base):
 
     def backward(d, cache):
         n = cache.out.size
-        return na.combine_backward(d[:n].reshape(cache.out.shape), d[n:].reshape(cache.weights.shape[1:]), cache)
+        return na.combine_backward(d[:n].reshape(cache.out.shape), cache, d[n:].reshape(cache.weights.shape[1:]))
     assert na.gradcheck(forward, backward, [outs, lses], method="complex")
 
 
@@ -69,7 +69,7 @@ def test_combine_against_torch_autograd():
     out = (torch.exp(tl - lse)[..., None] * to).sum(0)
     ((out * torch.tensor(dout)).sum() + (lse * torch.tensor(dlse)).sum()).backward()
     ours_out, ours_lse, cache = na.combine_forward(outs, lses)
-    douts, dlses = na.combine_backward(dout, dlse, cache)
+    douts, dlses = na.combine_backward(dout, cache, dlse)
     np.testing.assert_allclose(ours_out, out.detach().numpy(), rtol=1e-13)
     np.testing.assert_allclose(douts, to.grad.numpy(), rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(dlses, tl.grad.numpy(), rtol=1e-12, atol=1e-14)
@@ -85,3 +85,16 @@ def test_combine_against_torch_autograd():
 def test_bad_partials_are_refused(outs, lses, base, message):
     with pytest.raises(ValueError, match=message):
         na.combine_forward(outs, lses, base=base)
+
+
+def test_the_older_argument_order_works_with_a_deprecation_warning():
+    rng = np.random.default_rng(3)
+    outs, lses = rng.standard_normal((3, 2, 4, 5)), rng.standard_normal((3, 2, 4))
+    out, lse, cache = na.combine_forward(outs, lses)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    expected = na.combine_backward(dout, cache, dlse)
+    for dl in (dlse, None):
+        with pytest.warns(DeprecationWarning, match=r"pass \(dout, cache, dlse\)"):
+            got = na.combine_backward(dout, dl, cache)
+        want = expected if dl is not None else na.combine_backward(dout, cache)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))

@@ -118,9 +118,9 @@ def test_causal_skips_blocks_above_the_diagonal(monkeypatch):
     original = tiled.tile_scores
 
     def counted(*args):
-        s, keep = original(*args)
+        s, keep, saved = original(*args)
         calls.extend([] if keep is False else [1])
-        return s, keep
+        return s, keep, saved
     monkeypatch.setattr(tiled, "tile_scores", counted)
     x = np.random.default_rng(0).standard_normal((1, 1, 16, 4))
     out, cache = na.attention_forward(x, x, x, causal=True, block_size=4)

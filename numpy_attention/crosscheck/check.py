@@ -158,7 +158,7 @@ def _recomputed_stages(truth, inputs, options, block_rows):
     out = with_head_axis(truth["out"]).astype(np.float64)
     for r in blocks.row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, r, slice(None))
-        s, keep = tile_scores(record, q3[..., r, :], k3, score_shape, index)
+        s, keep, _ = tile_scores(record, q3[..., r, :], k3, score_shape, index)
         if keep is False:                               # nothing kept: no term
             continue
         with np.errstate(invalid="ignore"):

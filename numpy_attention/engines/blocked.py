@@ -117,7 +117,7 @@ def _diagonal(options):
 
 def _block_scores(q3, k3, options, score_shape, block, group, cols, keep, out=None):
     """Steps 1-4 on a block's columns `cols` (keep: their keep mask, _kept_columns): (S,
-    tanh(S_1 / softcap) or None), S [..., heads, rows, cols] fresh, or written into `out`."""
+    scores.Saved), S [..., heads, rows, cols] fresh, or written into `out`."""
     k_cols = k3[kv_index(block[:-1], group)][..., cols, :]
     s = grouped_matmul(scaled(q3[block], options.scale), np.swapaxes(k_cols, -1, -2), out=out)   # 1.
     return scores.forward(s, options, score_shape, block + (cols,), keep)                        # 2-4.
@@ -130,7 +130,8 @@ def blocked_forward(q, k, v, options):
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                    # [..., H, N_q, N_k]
     group = q3.shape[-3] // k3.shape[-3]
     p = (np.zeros if o.masked else np.empty)(score_shape, q.dtype)   # skipped columns weigh 0
-    softcap_tanh = None if o.softcap is None else np.empty(score_shape, q.dtype)
+    saved = scores.Saved(*(np.zeros(score_shape, q.dtype) if on else None   # the steps' saved
+                           for on in (o.softcap is not None, o.score_mod is not None)))   # stages, whole
     lse = np.empty(score_shape[:-1], q.dtype)                        # [..., H, N_q]
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
@@ -138,10 +139,11 @@ def blocked_forward(q, k, v, options):
     def forward_block(block):                                        # writes only its own rows
         cols, keep = _kept_columns(o, score_shape, block)            # the columns computed; the
         p_block, index = p[block], block + (cols,)                   # rest keep P's zeros
-        s, tanh_block = _block_scores(q3, k3, o, score_shape, block, group, cols, keep,   # 1-4. S in
-                                      out=p_block[..., cols] if o.sinks is None else None)   # P's place
-        if tanh_block is not None:
-            softcap_tanh[block] = tanh_block
+        s, saved_block = _block_scores(q3, k3, o, score_shape, block, group, cols, keep,   # 1-4. S in
+                                       out=p_block[..., cols] if o.sinks is None else None)   # P's place
+        for whole, part in zip(saved, saved_block):
+            if part is not None:
+                whole[index] = part
         if o.sinks is None:                                          # 5. P = softmax(S), in place
             _, lse[block], top_cols = softmax_and_logsumexp(s, out=s, overwrite_z=True)
         else:                                                        #    the sink: one more logit
@@ -164,7 +166,7 @@ def blocked_forward(q, k, v, options):
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=shape(saved_out), weights=shape(p),
                                lse=lse.reshape(q.shape[:-1]), top=top.reshape(q.shape[:-1]),
-                               softcap_tanh=shape(softcap_tanh))
+                               softcap_tanh=shape(saved.softcap_tanh), score_mod_input=shape(saved.mod_input))
 
 
 def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -175,7 +177,8 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     score_shape = p.shape
     group = q3.shape[-3] // k3.shape[-3]
     dropout_scale = None if o.dropout_scale is None else np.broadcast_to(o.dropout_scale, score_shape)
-    softcap_tanh = None if cache.softcap_tanh is None else with_head_axis(cache.softcap_tanh)
+    saved = scores.Saved(*(None if x is None else with_head_axis(x) for x in (cache.softcap_tanh,
+                                                                               cache.score_mod_input)))
     out3 = with_head_axis(cache.out)
     lse, top = cache.lse.reshape(score_shape[:-1]), cache.top.reshape(score_shape[:-1] + (1,))
     dlse3 = None if dlse is None else dlse.reshape(score_shape[:-1])
@@ -208,8 +211,8 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         if o.sinks is not None:                                      #    the sink's column: dsinks
             dsinks[block[:-1]] += ds[..., -1].sum(axis=-1)
             ds = np.ascontiguousarray(ds[..., :-1])
-        ds = scores.backward(ds, o, score_shape, index, None if softcap_tanh is None else   # 4-2.
-                             softcap_tanh[index], keep, params, stage=dS is not None)
+        ds = scores.backward(ds, o, score_shape, index, saved.at(index), keep, params,   # 4-2.
+                             stage=dS is not None)
         if dS is not None:                                           # the whole stage dS
             ds, ds3 = ds
             dS_block = dS[block]

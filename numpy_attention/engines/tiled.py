@@ -63,14 +63,16 @@ def tile_scores(options, q_i, k_j, score_shape, tile):
     """S_ij = (scale q_i) k_j^T + bias_ij (+ ALiBi), -inf where not kept: [..., H, b_q, b_k],
     fresh (scores.py's steps on the tile).
 
-    q_i is the query tile, already scaled. Returns (S_ij, keep): keep is the tile's keep
-    mask (None: every score kept), or False when the tile keeps nothing (then S_ij is None).
+    q_i is the query tile, already scaled. Returns (S_ij, keep, scores.Saved): keep is the
+    tile's keep mask (None: every score kept), or False when the tile keeps nothing (then
+    S_ij and the Saved are None).
     """
     keep = keep_mask(options, score_shape, tile)
     if keep is not None and not keep.any():
-        return None, False
+        return None, False, None
     s = grouped_matmul(q_i, np.swapaxes(k_j, -1, -2))                  # 1.
-    return scores.forward(s, options, score_shape, tile, keep)[0], keep   # 2-4.
+    s, saved = scores.forward(s, options, score_shape, tile, keep)      # 2-4.
+    return s, keep, saved
 
 
 # ----------------------------------------------------------------------------- forward / backward
@@ -110,7 +112,7 @@ def _forward_rows(q_i, rows, tangents=None, *, o, k3, v3, score_shape):
         if tangents is not None and tangents.sinks is not None:
             l_dot = l * heads_view(tangents.sinks, score_shape)[..., None]
     for cols in _tiles(score_shape[-1], o.block_size):
-        s, keep = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
+        s, keep, saved = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
         if keep is False:
             continue
         m_new = np.maximum(m, s.real.max(axis=-1))
@@ -121,7 +123,8 @@ def _forward_rows(q_i, rows, tangents=None, *, o, k3, v3, score_shape):
         l = a * l + p.sum(axis=-1)
         acc = a[..., None] * acc + grouped_matmul(p, v3[..., cols, :])
         if tangents is not None:                                        # the same sums with S_dot
-            p_s_dot = p * tile_scores_tangent(o, q_i, k3[..., cols, :], tangents, score_shape, rows, cols, keep)
+            p_s_dot = p * tile_scores_tangent(o, q_i, k3[..., cols, :], tangents, score_shape, rows, cols,
+                                              keep, saved)
             l_dot = a * l_dot + p_s_dot.sum(axis=-1)
             acc_dot = a[..., None] * acc_dot + grouped_matmul(p_s_dot, v3[..., cols, :]) \
                 + grouped_matmul(p, tangents.v[..., cols, :])
@@ -147,12 +150,12 @@ class Tangents(NamedTuple):
     sinks: object                   # sinks_dot or None
 
 
-def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols, keep):
-    """S_dot_ij = scale (q_dot_i k_j^T + q_i k_dot_j^T) + bias_dot_ij - slope_dot |..|, 0 where
-    not kept (q_i, q_dot_i scaled; keep: the tile's, tile_scores)."""
+def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols, keep, saved):
+    """S_dot_ij = scale (q_dot_i k_j^T + q_i k_dot_j^T) + bias_dot_ij - slope_dot |..|, through
+    score_mod, 0 where not kept (q_i, q_dot_i scaled; keep, saved: the tile's, tile_scores)."""
     s_dot = grouped_matmul(tangents.q, np.swapaxes(k_j, -1, -2)) \
         + grouped_matmul(q_i, np.swapaxes(tangents.k[..., cols, :], -1, -2))           # 1.
-    return scores.tangent(s_dot, o, score_shape, (Ellipsis, rows, cols), keep=keep,   # 2-4.
+    return scores.tangent(s_dot, o, score_shape, (Ellipsis, rows, cols), saved, keep,   # 2-4.
                           bias_dot=tangents.bias, alibi_slopes_dot=tangents.alibi_slopes)
 
 
@@ -245,7 +248,7 @@ def _backward_slice(at, q, dout, D, lse, k, v, *, o, score_shape):
         D_i, lse_i = D[..., rows, None], lse[..., rows, None]
         for cols in _tiles(score_shape[-1], o.block_size):
             tile = at + (rows, cols)
-            s, keep = tile_scores(o, q_i, k[..., cols, :], score_shape, tile)
+            s, keep, saved = tile_scores(o, q_i, k[..., cols, :], score_shape, tile)
             if keep is False:
                 continue
             s -= lse_i
@@ -254,7 +257,7 @@ def _backward_slice(at, q, dout, D, lse, k, v, *, o, score_shape):
             ds = grouped_matmul(dout_i, np.swapaxes(v[..., cols, :], -1, -2))   # dP_ij = dout_i v_j^T
             ds -= D_i
             ds *= p                                                     # dS_ij = P_ij (dP_ij - D_i)
-            ds = scores.backward(ds, o, score_shape, tile, keep=keep, grads=params)   # 4-3.
+            ds = scores.backward(ds, o, score_shape, tile, saved, keep, params)   # 4-3.
             dq[..., rows, :] += scaled(grouped_matmul(ds, k[..., cols, :]), o.scale)   # dq_i += scale dS k_j
             dk[..., cols, :] += grouped_sum_matmul(ds, q_i, n_kv)       # dk_j += dS^T (scale q_i)
     return dq, dk, dv, params

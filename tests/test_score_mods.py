@@ -1,0 +1,313 @@
+"""FlexAttention's score_mod and mask_mod (scores.py): every built-in variant written as one
+equals the built-in option on every engine, forward, backward and tangent; the parameters'
+gradients by complex step through what score_mod reads; against flex_attention's own eager
+math in float64 under torch's autograd."""
+import math
+import warnings
+
+import numpy as np
+import pytest
+from optional import TORCH_REASON
+
+import numpy_attention as na
+from numpy_attention.scores import ScoreModDerivativeWarning
+
+B, H, N_Q, N_K, D = 2, 3, 7, 9, 5
+ENGINES = [{"implementation": "textbook"}, {"implementation": "blocked"}, {"implementation": "tiled", "block_size": 4}]
+ENGINE_IDS = ["textbook", "blocked", "tiled"]
+TOL = 1e-13
+
+
+def qkv(seed=0, shape=(B, H)):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape + (N_Q, D)), rng.standard_normal(shape + (N_K, D)),
+            rng.standard_normal(shape + (N_K, D)), rng.standard_normal(shape + (N_Q, D)))
+
+
+RNG = np.random.default_rng(1)
+SLOPES, BIAS = RNG.uniform(0.1, 1, H), RNG.standard_normal((H, N_Q, N_K))
+OFFSET = N_K - N_Q                                              # the bottom-right diagonal's
+PREFIX = 3
+PREFIX_MASK = (np.arange(N_K)[None, :] <= np.arange(N_Q)[:, None]) | (np.arange(N_K)[None, :] < PREFIX)
+
+# name -> (built-in options, the same as score_mod / mask_mod options, {built-in gradient: its param})
+VARIANTS = {
+    "alibi": ({"alibi_slopes": SLOPES},
+              {"score_mod": lambda s, b, h, i, j, p: s - p["slopes"][h] * np.abs(i + OFFSET - j),
+               "score_mod_params": {"slopes": SLOPES}}, {"dalibi_slopes": "slopes"}),
+    "softcap": ({"softcap": 1.5}, {"score_mod": lambda s, b, h, i, j: 1.5 * np.tanh(s / 1.5)}, {}),
+    "bias": ({"bias": BIAS}, {"score_mod": lambda s, b, h, i, j, p: s + p["bias"][h, i, j],
+                              "score_mod_params": {"bias": BIAS}}, {"dbias": "bias"}),
+    "causal": ({"causal": True}, {"mask_mod": lambda b, h, i, j: j <= i}, {}),
+    "causal_bottom_right": ({"causal": "bottom_right"}, {"mask_mod": lambda b, h, i, j: j <= i + OFFSET}, {}),
+    "window": ({"window": (2, 1), "align": "bottom_right"},
+               {"mask_mod": lambda b, h, i, j: (j >= i + OFFSET - 2) & (j <= i + OFFSET + 1)}, {}),
+    "prefix_lm": ({"mask": PREFIX_MASK}, {"mask_mod": lambda b, h, i, j: (j <= i) | (j < PREFIX)}, {}),
+}
+
+
+def assert_close(actual, expected, what):
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=TOL, err_msg=what)
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_built_in_variant_as_a_mod_is_the_built_in(name, engine):
+    builtin, mod, params = VARIANTS[name]
+    q, k, v, dout = qkv()
+    reference = engine                                    # the tiled engine has no softcap option
+    if "softcap" in builtin and engine["implementation"] == "tiled":
+        reference = {"implementation": "textbook"}
+    out, cache = na.attention_forward(q, k, v, **reference, **builtin)
+    out_mod, cache_mod = na.attention_forward(q, k, v, **engine, **mod)
+    assert_close(out_mod, out, "out")
+    assert_close(cache_mod.lse, cache.lse, "lse")
+    dlse = np.random.default_rng(2).standard_normal(cache.lse.shape)
+    grads, grads_mod = na.attention_backward(dout, cache, dlse), na.attention_backward(dout, cache_mod, dlse)
+    for field in ("dq", "dk", "dv"):
+        assert_close(getattr(grads_mod, field), getattr(grads, field), field)
+    for field, param in params.items():
+        assert_close(grads_mod.dscore_mod_params[param], getattr(grads, field), field)
+    forward_mode = lambda e: {"implementation": "textbook"} if e["implementation"] == "blocked" else e
+    tangents = qkv(3)[:3]
+    for a, b in zip(na.attention_jvp(q, k, v, *tangents, **forward_mode(engine), **mod),
+                    na.attention_jvp(q, k, v, *tangents, **forward_mode(reference), **builtin)):
+        assert_close(a, b, "jvp")
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+def test_a_document_mask_is_packed_sequences(engine):
+    """mask_mod on a document id per row and key equals cu_seqlens (q [H, total, d])."""
+    rng = np.random.default_rng(4)
+    cu_q, cu_k = np.array([0, 3, 3, 8]), np.array([0, 4, 6, 11])
+    doc_q, doc_k = np.repeat(np.arange(3), np.diff(cu_q)), np.repeat(np.arange(3), np.diff(cu_k))
+    q, dout = rng.standard_normal((H, 8, D)), rng.standard_normal((H, 8, D))
+    k, v = rng.standard_normal((H, 11, D)), rng.standard_normal((H, 11, D))
+    out, cache = na.attention_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="bottom_right",
+                                      **engine)
+    local_q, local_k = np.arange(8) - cu_q[doc_q], np.arange(11) - cu_k[doc_k]
+    lengths = np.diff(cu_k) - np.diff(cu_q)
+    mask_mod = lambda b, h, i, j: (doc_q[i] == doc_k[j]) & (local_k[j] <= local_q[i] + lengths[doc_q[i]])
+    out_mod, cache_mod = na.attention_forward(q, k, v, mask_mod=mask_mod, **engine)
+    assert_close(out_mod, out, "out")
+    for a, b in zip(na.attention_backward(dout, cache_mod)[:3], na.attention_backward(dout, cache)[:3]):
+        assert_close(a, b, "grads")
+
+
+def rel_mod(s, b, h, i, j, p):
+    """A relative-position table and a learnable temperature: s / t + rel[h, i - j]."""
+    return s / p["t"] + p["rel"][h, i - j + N_K - 1]
+
+
+def rel_params(seed=5):
+    rng = np.random.default_rng(seed)
+    return {"rel": rng.standard_normal((H, N_Q + N_K - 1)), "t": np.array(1.3)}
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+def test_parameter_gradients_equal_complex_step_of_the_whole_attention(engine):
+    q, k, v, dout = qkv(6)
+    params = rel_params()
+    loss = lambda p: np.sum(dout * na.attention_forward(q, k, v, score_mod=rel_mod, score_mod_params=p,
+                                                          causal=True, **engine)[0]).real
+    grads = na.attention_backward(dout, na.attention_forward(q, k, v, score_mod=rel_mod, score_mod_params=params,
+                                                             causal=True, **engine)[1])
+    h = 1e-30
+    for name, value in params.items():
+        expected = np.zeros(value.shape)
+        for at in np.ndindex(value.shape):
+            stepped = value.astype(complex)
+            stepped[at] += 1j * h
+            expected[at] = np.sum(dout * na.attention_forward(
+                q.astype(complex), k, v, score_mod=rel_mod, score_mod_params={**params, name: stepped},
+                causal=True, **engine)[0]).imag / h
+        assert_close(grads.dscore_mod_params[name], expected, name)
+    assert np.isfinite(loss(params))
+
+
+def test_complex_step_gradcheck_through_a_score_mod():
+    q, k, v, _ = qkv(7)
+    params = rel_params()
+    forward = lambda q, k, v: na.attention_forward(q, k, v, score_mod=rel_mod, score_mod_params=params,
+                                                   mask_mod=lambda b, h, i, j: j <= i + 1)
+    report = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex")
+    assert report, report
+    assert max(row.max_rel_err for row in report.rows) < 1e-13, report
+
+
+def test_a_score_mod_not_analytic_in_the_score_warns_and_falls_back_to_central_differences():
+    q, k, v, _ = qkv(8)
+    forward = lambda q, k, v: na.attention_forward(q, k, v, score_mod=lambda s, b, h, i, j: np.abs(s))
+    with pytest.warns(ScoreModDerivativeWarning, match="not analytic"):
+        report = na.gradcheck(forward, na.attention_backward, [q, k, v])
+    assert report, report
+
+
+def test_an_analytic_score_mod_gives_no_warning():
+    q, k, v, dout = qkv(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScoreModDerivativeWarning)
+        na.attention_backward(dout, na.attention_forward(q, k, v, score_mod=rel_mod, score_mod_params=rel_params())[1])
+
+
+def test_the_tiled_engine_skips_the_tiles_a_mask_mod_removes(monkeypatch):
+    from numpy_attention.engines import tiled
+    calls = []
+    original = tiled.tile_scores
+
+    def counted(*args):
+        s, keep, saved = original(*args)
+        calls.extend([] if keep is False else [1])
+        return s, keep, saved
+    monkeypatch.setattr(tiled, "tile_scores", counted)
+    x = np.random.default_rng(0).standard_normal((1, 1, 16, 4))
+    na.attention_forward(x, x, x, mask_mod=lambda b, h, i, j: j <= i, block_size=4)
+    assert len(calls) == 10                                 # 4 + 3 + 2 + 1 of the 16 tiles
+
+
+def test_threads_give_the_same_bits():
+    q, k, v, dout = qkv(10)
+    results = []
+    for workers in (1, 2):
+        for engine in ENGINES[1:]:
+            out, cache = na.attention_forward(q, k, v, score_mod=rel_mod, score_mod_params=rel_params(),
+                                              mask_mod=lambda b, h, i, j: j <= i, workers=workers, **engine)
+            results.append((out, na.attention_backward(dout, cache).dscore_mod_params["rel"]))
+    for a, b in zip(results[:2], results[2:]):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_callables_see_index_arrays_broadcastable_to_the_block():
+    q, k, v, _ = qkv(11)
+    seen = []
+
+    def mask_mod(b, h, i, j):
+        seen.append((b.shape, h.shape, i.shape, j.shape))
+        return np.broadcast_to(True, np.broadcast_shapes(b.shape, h.shape, i.shape, j.shape))
+    na.attention_forward(q, k, v, mask_mod=mask_mod, implementation="textbook")
+    assert seen == [((B, 1, 1, 1), (1, H, 1, 1), (1, 1, N_Q, 1), (1, 1, 1, N_K))]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"score_mod": 3}, TypeError, "score_mod must be a function"),
+    ({"mask_mod": "causal"}, TypeError, "mask_mod must be a function"),
+    ({"score_mod_params": {"t": 1.0}}, ValueError, "pass a score_mod too"),
+    ({"score_mod": rel_mod, "score_mod_params": [1.0]}, TypeError, "dict of name -> array"),
+    ({"mask_mod": lambda b, h, i, j: (j <= i).astype(int)}, TypeError, "must return booleans"),
+    ({"mask_mod": lambda b, h, i, j: np.ones((2, 2), bool)}, ValueError, "not broadcastable"),
+    ({"score_mod": lambda s, b, h, i, j: s[..., :1, :1, :1]}, None, None),
+    ({"score_mod": lambda s, b, h, i, j: np.ones(3)}, ValueError, "score_mod returned shape"),
+    ({"score_mod": lambda s, b, h, i, j, p: s + p["rel"], "score_mod_params": {"rel": np.ones(N_K)}},
+     TypeError, "used score_mod_params\\['rel'\\] whole"),
+])
+def test_bad_mods_are_refused(kwargs, error, message):
+    q, k, v, _ = qkv()
+    if error is None:                                     # a broadcastable result is accepted
+        na.attention_forward(q, k, v, **kwargs)
+        return
+    with pytest.raises(error, match=message):
+        na.attention_forward(q, k, v, **kwargs)
+
+
+def test_the_hvp_refuses_a_score_mod_and_takes_a_mask_mod():
+    q, k, v, dout = qkv(13)
+    with pytest.raises(ValueError, match="takes no score_mod"):
+        na.attention_hvp(q, k, v, dout, q, k, v, score_mod=lambda s, b, h, i, j: s)
+    grads, grads_dot = na.attention_hvp(q, k, v, dout, q, k, v, mask_mod=lambda b, h, i, j: j <= i)
+    expected = na.attention_hvp(q, k, v, dout, q, k, v, causal=True)
+    for a, b in zip(grads_dot[:3], expected[1][:3]):
+        assert_close(a, b, "hvp")
+
+
+def test_the_callers_parameters_are_not_written():
+    q, k, v, dout = qkv(12)
+    params = rel_params()
+    before = {name: x.copy() for name, x in params.items()}
+    na.attention_backward(dout, na.attention_forward(q, k, v, score_mod=rel_mod, score_mod_params=params)[1])
+    assert all(np.array_equal(params[n], before[n]) for n in params)
+
+
+# ----------------------------------------------------------------------------- against torch
+
+def flex_math(q, k, v, score_mod, mask_mod, scale):
+    """flex_attention's eager math (torch's math_attention: the dense decomposition flex_attention
+    runs without compiling), called directly so that torch's autograd runs on CPU (flex_attention
+    itself refuses a CPU backward). Returns (out, lse) in natural log."""
+    from torch._higher_order_ops.flex_attention import math_attention
+    from torch.nn.attention.flex_attention import create_block_mask
+    block_mask = create_block_mask(mask_mod or (lambda b, h, i, j: j >= 0), q.shape[0], q.shape[1],
+                                   q.shape[2], k.shape[2], device="cpu")
+    out, lse, _ = math_attention(q, k, v, score_mod or (lambda s, b, h, i, j: s), block_mask.as_tuple(),
+                                 scale, {})
+    return out, lse * math.log(2)
+
+
+CHUNK, WINDOW = 3, 2
+
+
+def torch_variants(torch):
+    """name -> (params {name: array}, numpy score_mod, numpy mask_mod, torch score_mod(params),
+    torch mask_mod, sinks or None)."""
+    rng = np.random.default_rng(13)
+    doc = np.array([0, 0, 0, 1, 1, 1, 1, 2, 2])                   # a document id per key (and row)
+    start = np.array([0, 3, 7])                                    # each document's first index
+    doc_t, start_t = torch.from_numpy(doc), torch.from_numpy(start)
+    return {
+        "relative_position_table": (
+            {"rel": rng.standard_normal((H, N_Q + N_K - 1))},
+            lambda s, b, h, i, j, p: s + p["rel"][h, i - j + N_K - 1], None,
+            lambda p: lambda s, b, h, i, j: s + p["rel"][h, i - j + N_K - 1], None, None),
+        "learnable_temperature": (
+            {"t": np.array(0.7)}, lambda s, b, h, i, j, p: s / p["t"], lambda b, h, i, j: j <= i + OFFSET,
+            lambda p: lambda s, b, h, i, j: s / p["t"], lambda b, h, i, j: j <= i + OFFSET, None),
+        "tanh_softcap_with_a_learnable_cap": (
+            {"cap": np.array(1.2)}, lambda s, b, h, i, j, p: p["cap"] * np.tanh(s / p["cap"]), None,
+            lambda p: lambda s, b, h, i, j: p["cap"] * torch.tanh(s / p["cap"]), None, None),
+        "llama4_chunked": (
+            {}, None, lambda b, h, i, j: (i // CHUNK == j // CHUNK) & (j <= i),
+            None, lambda b, h, i, j: (i // CHUNK == j // CHUNK) & (j <= i), None),
+        "document_mask_with_a_prefix": (
+            {}, None, lambda b, h, i, j: (doc[i] == doc[j]) & ((j <= i) | (j - start[doc[j]] < 2)),
+            None, lambda b, h, i, j: (doc_t[i] == doc_t[j]) & ((j <= i) | (j - start_t[doc_t[j]] < 2)), None),
+        "sliding_window_and_sinks": (
+            {}, None, lambda b, h, i, j: (j <= i) & (j > i - WINDOW),
+            None, lambda b, h, i, j: (j <= i) & (j > i - WINDOW), rng.standard_normal(H)),
+    }
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+@pytest.mark.parametrize("name", ["relative_position_table", "learnable_temperature",
+                                  "tanh_softcap_with_a_learnable_cap", "llama4_chunked",
+                                  "document_mask_with_a_prefix", "sliding_window_and_sinks"])
+def test_against_flex_attentions_math_in_float64(name, engine):
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    params, score_mod, mask_mod, torch_score_mod, torch_mask_mod, sinks = torch_variants(torch)[name]
+    n = N_K if name.startswith(("llama4", "document", "sliding")) else N_Q   # square for the masks by index
+    rng = np.random.default_rng(14)
+    q, k, v = rng.standard_normal((B, H, n, D)), rng.standard_normal((B, H, N_K, D)), rng.standard_normal((B, H, N_K, D))
+    dout, dlse = rng.standard_normal((B, H, n, D)), rng.standard_normal((B, H, n))
+    q_t, k_t, v_t = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    p_t = {key: torch.tensor(x, requires_grad=True) for key, x in params.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out_t, lse_t = flex_math(q_t, k_t, v_t, torch_score_mod and torch_score_mod(p_t), torch_mask_mod,
+                                 1 / math.sqrt(D))
+    sink_t = None
+    if sinks is not None:                                  # one more logit per row, no value
+        sink_t = torch.tensor(sinks, requires_grad=True)
+        total = torch.logaddexp(lse_t, sink_t[None, :, None])
+        out_t, lse_t = out_t * torch.exp(lse_t - total)[..., None], total
+    (torch.sum(out_t * torch.from_numpy(dout)) + torch.sum(lse_t * torch.from_numpy(dlse))).backward()
+    options = dict(engine, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                   score_mod_params=params or None)
+    out, cache = na.attention_forward(q, k, v, **options)
+    grads = na.attention_backward(dout, cache, dlse)
+    tol = dict(rtol=0, atol=1e-12)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **tol)
+    np.testing.assert_allclose(cache.lse, lse_t.detach().numpy(), **tol)
+    for ours, x in zip(grads[:3], (q_t, k_t, v_t)):
+        np.testing.assert_allclose(ours, x.grad.numpy(), **tol)
+    for key, x in p_t.items():
+        np.testing.assert_allclose(grads.dscore_mod_params[key], x.grad.numpy(), **tol)
+    if sinks is not None:
+        np.testing.assert_allclose(grads.dsinks, sink_t.grad.numpy(), **tol)
