@@ -184,7 +184,7 @@ def _broadcasts(shape, to):
 
 def mask_mod_keep(mask_mod, score_shape, index=WHOLE):
     """mask_mod(b, h, q_idx, kv_idx) on the block S[index]: a bool array broadcastable to it."""
-    block = tuple(r.stop - r.start for r in _ranges(index, score_shape))
+    block = tuple(len(range(r.start, r.stop, r.step)) for r in _ranges(index, score_shape))
     keep = np.asarray(mask_mod(*block_indices(score_shape, index)))
     if keep.dtype != bool:
         raise TypeError(f"mask_mod must return booleans (True = attend), got dtype {keep.dtype}")
@@ -402,17 +402,17 @@ def tangent(s_dot, options, score_shape=None, index=WHOLE, saved=Saved(), keep=U
 
 def _ranges(index, shape):
     """index (a tuple of slices, maybe with an Ellipsis, maybe short) as a slice of each axis
-    of an array of `shape`, explicit: slice(start, stop)."""
+    of an array of `shape`, explicit: slice(start, stop, step)."""
     index = tuple(index)
     if Ellipsis in index:
         at = index.index(Ellipsis)
         index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
     index = index + (slice(None),) * (len(shape) - len(index))
-    return tuple(slice(*part.indices(n)[:2]) for part, n in zip(index, shape))
+    return tuple(slice(*part.indices(n)) for part, n in zip(index, shape))
 
 
 def _bounds(indices, shape):
-    """The smallest slices of each axis of `shape` that hold every index of the list."""
+    """The smallest slices (of step 1) of each axis of `shape` that hold every index of the list."""
     ranges = [_ranges(index, shape) for index in indices]
     return tuple(slice(min(r[a].start for r in ranges), max(r[a].stop for r in ranges)) for a in range(len(shape)))
 
@@ -431,7 +431,7 @@ class ScoreGrads:
 
     def __init__(self, options, score_shape, dtype, region=WHOLE):
         o, self.options, self.score_shape = options, options, tuple(score_shape)
-        self.region = _bounds(region, score_shape) if isinstance(region, list) else _ranges(region, score_shape)
+        self.region = _bounds(region if isinstance(region, list) else [region], score_shape)
         self.dbias = self.rows = None
         if o.bias is not None:                      # the bias's part the region reads
             self.bias_shape = (1,) * (len(score_shape) - o.bias.ndim) + o.bias.shape
@@ -449,7 +449,7 @@ class ScoreGrads:
     def add(self, ds, index):
         """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there."""
         ranges = _ranges(index, self.score_shape)
-        within = lambda parts, region: tuple(slice(p.start - r.start, p.stop - r.start)
+        within = lambda parts, region: tuple(slice(p.start - r.start, p.stop - r.start, p.step)
                                              for p, r in zip(parts, region))
         if self.dbias is not None:
             part = self.dbias[within(self._bias_part(ranges), self.bias_at)]

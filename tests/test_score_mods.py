@@ -311,3 +311,33 @@ def test_against_flex_attentions_math_in_float64(name, engine):
         np.testing.assert_allclose(grads.dscore_mod_params[key], x.grad.numpy(), **tol)
     if sinks is not None:
         np.testing.assert_allclose(grads.dsinks, sink_t.grad.numpy(), **tol)
+
+
+def test_the_pipeline_on_blocks_of_strided_heads_is_the_pipeline_on_the_whole():
+    """Blocks of every G-th head and of rows (the naive baseline's) give the whole's bits for S
+    and the same parameters' gradients (to rounding: their sums split over the blocks)."""
+    from numpy_attention import scores
+    from numpy_attention.options import attention_options
+    rng = np.random.default_rng(15)
+    q, k, v = rng.standard_normal((B, 4, N_Q, D)), rng.standard_normal((B, 2, N_K, D)), rng.standard_normal((B, 2, N_K, D))
+    params = {"rel": rng.standard_normal((4, N_Q + N_K - 1)), "t": np.array(0.9)}
+    _, _, _, o = attention_options(q, k, v, bias=rng.standard_normal((1, N_Q, N_K)), alibi_slopes=rng.uniform(0, 1, 4),
+                                   score_mod=lambda s, b, h, i, j, p: s / p["t"] + p["rel"][h, i - j + N_K - 1],
+                                   score_mod_params=params, mask_mod=lambda b, h, i, j: (i + j) % 3 != 0)
+    shape = (B, 4, N_Q, N_K)
+    s1, ds = rng.standard_normal(shape), rng.standard_normal(shape)
+    whole_s, saved = scores.forward(s1.copy(), o, shape)
+    whole = scores.ScoreGrads(o, shape, np.float64)
+    whole_ds = scores.backward(ds.copy(), o, shape, saved=saved, grads=whole)
+    blocks = [(Ellipsis, slice(g, None, 2), rows, slice(None)) for g in range(2) for rows in (slice(0, 3), slice(3, N_Q))]
+    parts = [scores.ScoreGrads(o, shape, np.float64, region=[block]) for block in blocks]
+    for block, part in zip(blocks, parts):
+        s_block, saved_block = scores.forward(s1[block].copy(), o, shape, block)
+        np.testing.assert_array_equal(s_block, whole_s[block])
+        np.testing.assert_array_equal(scores.backward(ds[block].copy(), o, shape, block, saved_block, grads=part),
+                                      whole_ds[block])
+    total, expected = scores.ScoreGrads.total(parts, o, shape, np.float64), scores.ScoreGrads.total([whole], o, shape, np.float64)
+    for name in ("dbias", "dalibi_slopes"):
+        assert_close(total[name], expected[name], name)
+    for name in params:
+        assert_close(total["dscore_mod_params"][name], expected["dscore_mod_params"][name], name)
