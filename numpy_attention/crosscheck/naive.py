@@ -31,9 +31,9 @@ import math
 
 import numpy as np
 
-from .._layout import bias_block, unbroadcast, with_head_axis
-from ..scores import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
-                      with_sink)
+from .. import scores
+from .._layout import with_head_axis
+from ..scores import ScoreGrads, head_gradient, with_sink
 from .blocks import block_of, row_slices
 
 
@@ -90,10 +90,8 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype)
     lse = np.empty(q3.shape[:-1], q3.dtype)
     dq, dk, dv = np.empty(q3.shape, q3.dtype), None, None       # dk, dv: running sums (None: start)
-    dbias = None if o.bias is None else np.zeros(o.bias.shape, q3.dtype)
-    per_head = {f"d{name}": np.zeros(score_shape[:-2], q3.dtype) for name in ("sinks",)
-                if getattr(o, name) is not None}                    # [..., H]
-    dslope_rows = None if o.alibi_slopes is None else np.empty(score_shape[:-1], q3.dtype)   # [..., H, N_q]
+    params = ScoreGrads(o, score_shape, q3.dtype)                   # dbias, dslopes, dscore_mod_params
+    dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], q3.dtype)   # [..., H]
     for g in range(groups):
         for rows in row_slices(score_shape[-2], block_rows):
             index = (Ellipsis, slice(g, None, groups), rows, slice(None))
@@ -103,42 +101,27 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
             if dout3 is None:
                 continue
             dout_b = dout3[..., g::groups, rows, :]
-            dq[..., g::groups, rows, :], ds, dk, dv = _backward_block(dout_b, q_b, k3, v3, o, f, dk, dv)
-            if dbias is not None:
-                block = bias_block(dbias, index)
-                block += unbroadcast(ds, block.shape)
+            dq[..., g::groups, rows, :], dk, dv = _backward_block(dout_b, q_b, k3, v3, o, f, dk, dv, score_shape,
+                                                                  index, params)
             if o.sinks is not None:
-                per_head["dsinks"][..., g::groups] += f["dsink"]
-            if dslope_rows is not None:                             # S -= slope |i + N_k - N_q - j|
-                dslope_rows[index[:-1]] = alibi_row_gradient(ds, o, score_shape, index)
+                dsinks[..., g::groups] += f["dsink"]
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     if dout3 is not None:
         result.update(dq=dq.reshape(q.shape), dk=(o.scale * dk).reshape(k.shape),
                       dv=dv.reshape(v.shape))
-        if dbias is not None:
-            result["dbias"] = dbias
-        result.update({name: head_gradient(g, getattr(o, name[1:])) for name, g in per_head.items()})
-        if dslope_rows is not None:
-            result["dalibi_slopes"] = alibi_slopes_gradient(dslope_rows, o)
+        if dsinks is not None:
+            result["dsinks"] = head_gradient(dsinks, o.sinks)
+        result.update({name: g for name, g in ScoreGrads.total([params], o, score_shape, q3.dtype).items()
+                       if g is not None})
     return result
 
 
 def _forward_block(q, k, v, o, score_shape, index):
     """The forward of one block, q [..., H_kv, b, d_k]: dict out [..., H_kv, b, d_v], lse
-    [..., H_kv, b] and, for the backward, S, tanh(S / softcap), dead rows and the dropout."""
+    [..., H_kv, b] and, for the backward, S, the score steps' Saved, dead rows and the dropout."""
     n_k = k.shape[-2]
-    s = recursive_matmul(q * o.scale, _swap(k))                      # [..., H_kv, b, N_k]
-    softcap_tanh = None
-    if o.softcap is not None:
-        softcap_tanh = np.tanh(s / o.softcap)
-        s = o.softcap * softcap_tanh
-    if o.bias is not None:
-        s = s + block_of(o.bias, score_shape, index)
-    if o.alibi_slopes is not None:
-        s = s + alibi_bias(o, score_shape, index)
-    keep = keep_mask(o, score_shape, index)
-    if keep is not None:
-        s = np.where(keep, s, -np.inf)
+    s = recursive_matmul(q * o.scale, _swap(k))                      # 1.  [..., H_kv, b, N_k]
+    s, saved = scores.forward(s, o, score_shape, index)              # 2-4. (scores.py)
     s_row = with_sink(s, o, score_shape, index)                     # sinks: one more logit, no value
     m = np.max(s_row, axis=-1, keepdims=True, initial=-np.inf)      # -inf: no key (N_k = 0) or all masked
     m = np.where(np.isneginf(m), 0, m)
@@ -153,13 +136,13 @@ def _forward_block(q, k, v, o, score_shape, index):
     drop = block_of(o.dropout_scale, score_shape, index)
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
     return {"out": recursive_matmul(p_drop, v), "lse": lse, "s": s, "p": p, "dead": dead,
-            "drop": drop, "softcap_tanh": softcap_tanh, "p_sink": p_row[..., n_k:]}
+            "drop": drop, "saved": saved, "p_sink": p_row[..., n_k:]}
 
 
-def _backward_block(dout, q, k, v, o, f, dk, dv):
-    """The backward of one block (dout [..., H_kv, b, d_v]): dq [..., H_kv, b, d_k], dS before the
-    softcap (for dbias) [..., H_kv, b, N_k], and dk / scale and dv continued over the block's
-    rows (dk, dv None: the first block)."""
+def _backward_block(dout, q, k, v, o, f, dk, dv, score_shape, index, params):
+    """The backward of one block (dout [..., H_kv, b, d_v], the scores' S[index]): dq [..., H_kv,
+    b, d_k], and dk / scale and dv continued over the block's rows (dk, dv None: the first
+    block); the score steps' parameters' gradients go to the ScoreGrads `params`."""
     s, drop = f["s"], f["drop"]
     with np.errstate(invalid="ignore"):                            # -inf - (-inf) in dead rows
         p = np.where(f["dead"], f["p"], np.exp(s - f["lse"][..., None]))   # FlashAttention's recomputation
@@ -169,11 +152,8 @@ def _backward_block(dout, q, k, v, o, f, dk, dv):
     dp = dp if drop is None else (dp * drop).astype(s.dtype)
     D = recursive_rowsum(dout * f["out"])                          # [..., b, 1]
     ds = p * (dp - D)
-    ds = np.where(np.isneginf(s), 0, ds)
-    ds_bias = ds
     f["dsink"] = -np.sum(f["p_sink"] * D, axis=(-2, -1))          # the sink's column of dS, summed
-    if f["softcap_tanh"] is not None:
-        ds = ds * (1 - f["softcap_tanh"] ** 2)
+    ds = scores.backward(ds, o, score_shape, index, f["saved"], grads=params)   # 4-2. (scores.py)
     dq = o.scale * recursive_matmul(ds, k)
     dk = recursive_matmul(_swap(ds), q, start=dk)
-    return dq, ds_bias, dk, dv
+    return dq, dk, dv
