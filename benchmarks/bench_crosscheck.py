@@ -64,7 +64,7 @@ def step():
 MAKE_CASE = """
 import numpy as np, ml_dtypes
 from numpy_attention import attention_backward, attention_forward
-from numpy_attention.crosscheck import save_case
+from numpy_attention.oracle import save_case
 bf16 = ml_dtypes.bfloat16
 rng = np.random.default_rng(0)
 q, k, v, dout = (rng.standard_normal((1, {h}, {n}, {d})).astype(bf16) for _ in range(4))
@@ -78,8 +78,8 @@ save_case({path!r}, q=q, k=k, v=v, dout=dout, causal=np.array(True), out=out.ast
 
 CHECK = """
 import importlib, time
-from numpy_attention.crosscheck import crosscheck, load_case
-blocks = importlib.import_module("numpy_attention.crosscheck.blocks")
+from numpy_attention.oracle import crosscheck, load_case
+blocks = importlib.import_module("numpy_attention.oracle.blocks")
 blocks.SCORE_BUDGET = {budget}
 arrays = load_case({path!r})
 rows = blocks.block_rows((1, {h}, {n}, {n}), 32)

@@ -22,8 +22,6 @@ inside this package, gets control at once and handles a Ctrl-C during the heavy 
 and `from numpy_attention import *` work as with eager imports.
 """
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
@@ -38,10 +36,10 @@ _EXPORTS = {                                           # module of this package 
     "combine": ("combine_forward", "combine_backward", "CombineCache"),
     "multihead": ("MultiHeadAttention", "multihead_forward", "multihead_backward"),
     "forward_mode": ("attention_jvp", "attention_hvp"),
-    "gradcheck": ("gradcheck", "jvpcheck", "taylor_test", "directional_derivative", "GradcheckReport",
-                  "GradcheckError"),
-    "crosscheck": ("crosscheck", "CrosscheckReport", "from_torch"),
-    "conform": ("conform",),
+    "finite_differences": ("gradcheck", "jvpcheck", "taylor_test", "directional_derivative",
+                           "GradcheckReport", "GradcheckError"),
+    "oracle": ("crosscheck", "CrosscheckReport", "from_torch"),
+    "conformance": ("conform",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -61,22 +59,3 @@ def __getattr__(name):
 def __dir__():
     """The public names, loaded or not (for help() and tab completion), and the dunders."""
     return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])
-
-
-class _Package(types.ModuleType):
-    """This package's module type: na.crosscheck, na.gradcheck and na.conform stay the functions.
-
-    They are also the names of subpackages, and the import system, once it has loaded a
-    subpackage (whoever imports it: `from numpy_attention.crosscheck.rule import judge`, a
-    command), sets the parent's attribute of that name to the subpackage. Here that attribute
-    becomes the subpackage's function of the same name instead; the subpackage stays in
-    sys.modules, where `from numpy_attention.crosscheck import ...` finds it.
-    """
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _MODULE_OF.get(name) == name:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package             # Python's documented way to customize a module

@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from numpy_attention.conform import declare
-from numpy_attention.conform.examples import numpy_float32
+from numpy_attention.conformance import declare
+from numpy_attention.conformance.examples import numpy_float32
 
 SUPPORTS = ("causal", "gqa", "gradients")
 

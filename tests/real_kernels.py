@@ -58,8 +58,8 @@ import torch_kernels as tk
 
 from numpy_attention import crosscheck
 from numpy_attention._checks import to_numpy
-from numpy_attention.crosscheck import save_case
-from numpy_attention.crosscheck.rule import abs_errors
+from numpy_attention.oracle import save_case
+from numpy_attention.oracle.rule import abs_errors
 
 PRECISIONS = ("float16", "bfloat16", "float32")
 STORAGE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}

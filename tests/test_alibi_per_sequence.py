@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.crosscheck.magnitudes import term_sums
-from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
+from numpy_attention.oracle.magnitudes import term_sums
+from numpy_attention.oracle.precision import PRECISIONS, recipe_attention
 
 blocked = importlib.import_module("numpy_attention.engines.blocked")
-blocks = importlib.import_module("numpy_attention.crosscheck.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.blocks")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 LEN_Q, LEN_K, USED = [3, 0, 4, 2], [5, 2, 3, 6], [4, 1, 3, 6]        # sequence 1 has no query

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from optional import TORCH_REASON
 
-from numpy_attention.crosscheck import baselines, crosscheck, split_case
+from numpy_attention.oracle import baselines, crosscheck, split_case
 
 RNG = np.random.default_rng(0)
 Q, K, V = (RNG.standard_normal(shape) for shape in ((2, 4, 6, 8), (2, 2, 7, 8), (2, 2, 7, 8)))
@@ -95,7 +95,7 @@ def test_the_flex_way_is_flex_attentions_eager_forward(precision):
     torch = pytest.importorskip("torch", reason=TORCH_REASON)
     from torch.nn.attention.flex_attention import flex_attention
     from numpy_attention import attention_options
-    from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
+    from numpy_attention.oracle.precision import PRECISIONS, recipe_attention
     p, rng = PRECISIONS[precision], np.random.default_rng(1)
     q, k, v = (rng.standard_normal(shape).astype(p.storage).astype(np.float32)     # distances to 299:
                for shape in ((1, 2, 40, 32), (1, 2, 300, 32), (1, 2, 300, 32)))     # beyond bfloat16's 256

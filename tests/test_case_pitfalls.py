@@ -8,7 +8,7 @@ from optional import TORCH_REASON
 
 from numpy_attention import attention_forward
 from numpy_attention.commands.cli import main
-from numpy_attention.crosscheck import CaseError, crosscheck, write_example_case
+from numpy_attention.oracle import CaseError, crosscheck, write_example_case
 
 RNG = np.random.default_rng(0)
 Q, K, V = (RNG.standard_normal((1, 2, 100, 8)) for _ in range(3))

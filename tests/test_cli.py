@@ -10,7 +10,7 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
-from numpy_attention.gradcheck import METHODS
+from numpy_attention.finite_differences import METHODS
 
 
 def test_demo_prints_the_seeds_output_and_passes(capsys):
@@ -99,7 +99,7 @@ def test_gradcheck_help_names_every_method_it_accepts(capsys):
 
 
 def test_crosscheck_help_lists_the_case_keys_and_the_exit_codes(capsys):
-    from numpy_attention.crosscheck.case import KEYS
+    from numpy_attention.oracle.case import KEYS
     text = help_text(["crosscheck"], capsys)
     for key in KEYS:
         assert f" {key} " in text, key

@@ -8,9 +8,9 @@ from optional import DASK_REASON
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
-from numpy_attention.crosscheck import blocks, crosscheck, save_case, split_case
-from numpy_attention.crosscheck.check import _baseline, _ways
-from numpy_attention.crosscheck.slices import case_slices, put_together
+from numpy_attention.oracle import blocks, crosscheck, save_case, split_case
+from numpy_attention.oracle.check import _baseline, _ways
+from numpy_attention.oracle.slices import case_slices, put_together
 
 RNG = np.random.default_rng(3)
 # q [2, 4, 40, 8], k, v [2, 2, 56, 8|6]: grouped-query heads, 4 slices of the backward
@@ -23,7 +23,7 @@ OPTIONS = {
     "alibi and sinks": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
                         "sinks": np.array([0.3, -1.0, 0.0, 2.0])},
 }
-# crosscheck's baselines in slices (crosscheck/slices.py): options -> (batch size, slices)
+# crosscheck's baselines in slices (oracle/slices.py): options -> (batch size, slices)
 SLICED = {
     "plain": ({}, 2, 4),
     "mask, causal": ({"mask": RNG.random((2, 1, 40, 56)) < 0.7, "causal": True}, 2, 4),
@@ -147,7 +147,7 @@ def test_the_command_without_dask_exits_2_with_one_line(monkeypatch, tmp_path, c
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("option", SLICED)
 def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precision):
-    """crosscheck/slices.py: each (batch index, kv head) slice's baselines, put together, are
+    """oracle/slices.py: each (batch index, kv head) slice's baselines, put together, are
     bitwise the whole case's (or the case stays whole when a gradient sums over slices)."""
     options, batch, count = SLICED[option]
     storage = np.float32 if precision == "float32" else ml_dtypes.bfloat16

@@ -1,4 +1,4 @@
-"""The conformance run (numpy_attention/conform/): its grid, the kernels it calls (torch, JAX,
+"""The conformance run (numpy_attention/conformance/): its grid, the kernels it calls (torch, JAX,
 NumPy, a command line), its verdicts, the shrinking of planted bugs, its report and command."""
 import itertools
 import json
@@ -15,14 +15,14 @@ from optional import JAX_REASON, TORCH_REASON
 import conform_bugs
 import numpy_attention as na
 from numpy_attention.commands.cli import main
-from numpy_attention.conform import examples, judge, run
-from numpy_attention.conform.grid import LENGTHS, PER_ROLE, ROLES, WIDTHS, cases, draw
-from numpy_attention.conform.judge import evaluate
-from numpy_attention.conform.kernels import KernelError, as_kernel, command_args, kind_of
-from numpy_attention.conform.progress import LineBar, NoBar, progress_bar
-from numpy_attention.conform.shrink import shrink
-from numpy_attention.conform.supports import OPTIONS, OUTPUTS, declare
-from numpy_attention.crosscheck import load_case, split_case
+from numpy_attention.conformance import examples, judge, run
+from numpy_attention.conformance.grid import LENGTHS, PER_ROLE, ROLES, WIDTHS, cases, draw
+from numpy_attention.conformance.judge import evaluate
+from numpy_attention.conformance.kernels import KernelError, as_kernel, command_args, kind_of
+from numpy_attention.conformance.progress import LineBar, NoBar, progress_bar
+from numpy_attention.conformance.shrink import shrink
+from numpy_attention.conformance.supports import OPTIONS, OUTPUTS, declare
+from numpy_attention.oracle import load_case, split_case
 
 EVERYTHING = OPTIONS + OUTPUTS
 FEW_TOKENS = 36                         # "a few dozen": B (N_q + N_k) of a shrunk planted bug
@@ -230,7 +230,7 @@ if "fail" in sys.argv:
     print("cannot compute this case", file=sys.stderr)
     raise SystemExit(3)
 import numpy as np
-from numpy_attention.conform.examples import numpy_float32
+from numpy_attention.conformance.examples import numpy_float32
 case = dict(np.load(sys.argv[1]))
 options = {n: x.item() if x.ndim == 0 else x for n, x in case.items() if n not in ("q", "k", "v", "precision")}
 results = numpy_float32(case["q"], case["k"], case["v"], **options)
@@ -314,7 +314,7 @@ def test_without_the_picture_the_case_is_still_saved(tmp_path, clock, monkeypatc
 def test_the_budget_stops_new_cases_and_the_table_says_how_many_ran(clock):
     report = na.conform(examples.numpy_float32, dtypes=("float32",), supports=("causal",), budget=2.5)
     assert len(report.results) == 3 and report.grid_size == PER_ROLE * 14 and report    # clock: 0 | 1, 2, 3 | 4
-    assert str(report).startswith("conform: numpy_attention.conform.examples:numpy_float32 (numpy), seed 0: "
+    assert str(report).startswith("conform: numpy_attention.conformance.examples:numpy_float32 (numpy), seed 0: "
                                   f"3 of {PER_ROLE * 14} cases of the grid run in 4 s (budget 2.5 s) -> PASS")
 
 
@@ -349,7 +349,7 @@ def test_the_progress_bar():
 
 def test_command_exit_codes(tmp_path, clock, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    argv = ["conform", "numpy_attention.conform.examples:numpy_float32", "--quiet", "--budget", "2.5"]
+    argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--quiet", "--budget", "2.5"]
     assert main(argv + ["--dtypes", "float32,bfloat16", "--options", "causal", "lse"]) == 0
     assert f"3 of {PER_ROLE * 28} cases of the grid run" in capsys.readouterr().out
     assert main(["conform", "conform_bugs:scale_off", "--quiet", "--budget", "4.5", "--json", "--dtypes", "float32"]) == 1
@@ -360,8 +360,8 @@ def test_command_exit_codes(tmp_path, clock, capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["nope.nothing:fn"], "cannot import nope.nothing: ModuleNotFoundError: No module named 'nope'"),
-    (["numpy_attention.conform.examples:nothing"], "module numpy_attention.conform.examples has no 'nothing'"),
-    (["numpy_attention.conform.examples"], "the kernel is MODULE:FUNCTION"),
+    (["numpy_attention.conformance.examples:nothing"], "module numpy_attention.conformance.examples has no 'nothing'"),
+    (["numpy_attention.conformance.examples"], "the kernel is MODULE:FUNCTION"),
     (["raises_on_import:fn"], "cannot import raises_on_import: RuntimeError: not today"),
     (["conform_bugs:scale_off", "--options", "casual"], "--options has the unknown name 'casual': did you mean 'causal'"),
     (["conform_bugs:scale_off", "--dtypes", "fp16"], "--dtypes has the unknown name 'fp16': did you mean 'float16'"),
@@ -377,9 +377,9 @@ def test_command_bad_input_one_line_exit_2(argv, message, tmp_path, capsys, monk
 
 def test_na_conform_stays_the_function_whatever_is_imported_first():
     code = textwrap.dedent("""\
-        import numpy_attention.conform, numpy_attention.conform.run
+        import numpy_attention.conformance, numpy_attention.conformance.run
         import numpy_attention as na
-        from numpy_attention.conform import cases
+        from numpy_attention.conformance import cases
         print(callable(na.conform), na.conform.cases is cases, type(na.conform).__name__)
     """)
     run_ = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -10,11 +10,11 @@ import pytest
 
 from numpy_attention import attention_backward, attention_forward, attention_options
 from numpy_attention.commands.cli import main
-from numpy_attention.crosscheck import (CaseError, crosscheck, judge, load_case, save_case,
+from numpy_attention.oracle import (CaseError, crosscheck, judge, load_case, save_case,
                                         write_example_case)
-from numpy_attention.crosscheck.magnitudes import term_sums
-from numpy_attention.crosscheck.rule import CrosscheckReport
-from numpy_attention.crosscheck.naive import naive_attention, recursive_matmul
+from numpy_attention.oracle.magnitudes import term_sums
+from numpy_attention.oracle.rule import CrosscheckReport
+from numpy_attention.oracle.naive import naive_attention, recursive_matmul
 from test_cli import usage_error
 
 

@@ -1,4 +1,4 @@
-"""crosscheck of a large case in O(N) memory (crosscheck/blocks.py): the tiled oracle and the
+"""crosscheck of a large case in O(N) memory (oracle/blocks.py): the tiled oracle and the
 baselines in blocks of query rows give the results of whole arrays.
 
 The budget is forced small (blocks.SCORE_BUDGET = 1: every case is large, blocks of
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.crosscheck import CaseError, crosscheck
-from numpy_attention.crosscheck.naive import naive_attention
-from numpy_attention.crosscheck.precision import PRECISIONS, TILE_ROWS, recipe_attention
+from numpy_attention.oracle import CaseError, crosscheck
+from numpy_attention.oracle.naive import naive_attention
+from numpy_attention.oracle.precision import PRECISIONS, TILE_ROWS, recipe_attention
 
-blocks = importlib.import_module("numpy_attention.crosscheck.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.blocks")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,8 +214,8 @@ def test_block_rows_follow_the_budget(monkeypatch):
 MEDIUM = """
 import importlib, numpy as np, ml_dtypes
 import numpy_attention as na
-from numpy_attention.crosscheck import crosscheck
-blocks = importlib.import_module("numpy_attention.crosscheck.blocks")
+from numpy_attention.oracle import crosscheck
+blocks = importlib.import_module("numpy_attention.oracle.blocks")
 blocks.SCORE_BUDGET = {budget}
 def peak_mib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024

@@ -10,8 +10,8 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
-from numpy_attention.crosscheck import CaseError, crosscheck, judge, load_case, save_case, split_case
-from numpy_attention.crosscheck.precision import PRECISIONS, recipe_attention
+from numpy_attention.oracle import CaseError, crosscheck, judge, load_case, save_case, split_case
+from numpy_attention.oracle.precision import PRECISIONS, recipe_attention
 
 BF16, E4M3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -255,7 +255,7 @@ def test_the_diagnosis_names_softcap_after_the_bias():
     bias = np.random.default_rng(6).standard_normal((5, 7)) * 3
     rng = np.random.default_rng(5)
     q, k, v = rng.standard_normal((1, 4, 5, 8)), rng.standard_normal((1, 4, 7, 8)), rng.standard_normal((1, 4, 7, 8))
-    from numpy_attention.crosscheck.diagnosis import _softcap_after_bias
+    from numpy_attention.oracle.diagnosis import _softcap_after_bias
     wrong = _softcap_after_bias(q, k, v, {"softcap": 1.5, "bias": bias})
     report = crosscheck(q=q, k=k, v=v, bias=bias, softcap=np.array(1.5), out=wrong["out"], lse=wrong["lse"])
     assert not report and "softcap applied after the bias" in " ".join(report.diagnosis)

@@ -11,7 +11,7 @@ import pytest
 from test_crosscheck_precisions import bf16_case
 
 import numpy_attention as na
-from numpy_attention.crosscheck import CrosscheckReport, crosscheck, judge, write_example_case
+from numpy_attention.oracle import CrosscheckReport, crosscheck, judge, write_example_case
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

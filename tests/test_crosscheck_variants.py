@@ -7,7 +7,7 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
-from numpy_attention.crosscheck import CaseError
+from numpy_attention.oracle import CaseError
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 

@@ -1,4 +1,4 @@
-"""Error maps (crosscheck/errormap.py): each entry's |err| / bound, folded to [H, rows], and its PNG.
+"""Error maps (oracle/errormap.py): each entry's |err| / bound, folded to [H, rows], and its PNG.
 
 Planted bugs give their pattern: a causal mask off by one every query row but the last,
 one head's dk negated that head alone, one wrong row of out that row alone; honest
@@ -13,8 +13,8 @@ from test_cli import usage_error
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
-from numpy_attention.crosscheck import baseline, crosscheck, save_case, split_case, write_example_case
-from numpy_attention.crosscheck.errormap import (crosscheck_errors, draw_error_maps, error_maps,
+from numpy_attention.oracle import baseline, crosscheck, save_case, split_case, write_example_case
+from numpy_attention.oracle.errormap import (crosscheck_errors, draw_error_maps, error_maps,
                                                  plot_error_maps)
 
 B, H, N, D = 2, 3, 32, 8

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.gradcheck import block_functions
+from numpy_attention.finite_differences import block_functions
 
-GRADCHECK_PACKAGE = importlib.import_module("numpy_attention.gradcheck")   # na.gradcheck is the function
+GRADCHECK_PACKAGE = importlib.import_module("numpy_attention.finite_differences")   # na.gradcheck is the function
 
 
 def softmax_case(seed=0):
@@ -179,7 +179,7 @@ def test_a_nan_gradient_fails(method, mode):
 def test_compare_fails_an_inf_and_skips_nan_in_the_scale():
     """The report's comparison: NaN on both sides agrees, NaN on one side is an infinite error,
     inf on both sides is no agreement (inf - inf), and the scale counts NaN as 0."""
-    compare = importlib.import_module("numpy_attention.gradcheck.report").compare
+    compare = importlib.import_module("numpy_attention.finite_differences.report").compare
     index = lambda k: (k,)
     both_nan = compare("x", "jacobian", [1.0, np.nan], [1.0, np.nan], index, 1e-6, 0.0)
     assert both_nan.passed and both_nan.max_abs_err == 0 and both_nan.worst_index == (0,)
@@ -204,14 +204,14 @@ def test_an_exact_row_shows_its_largest_entry():
 
 
 def imported_modules(path):
-    """The absolute names of the modules `path` (a module of numpy_attention.gradcheck) imports."""
+    """The absolute names of the modules `path` (a module of numpy_attention.finite_differences) imports."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             yield node.module
-        elif isinstance(node, ast.ImportFrom):        # relative: from the package numpy_attention.gradcheck
-            base = ["numpy_attention", "gradcheck"][:3 - node.level]
+        elif isinstance(node, ast.ImportFrom):        # relative: from the package numpy_attention.finite_differences
+            base = ["numpy_attention", "finite_differences"][:3 - node.level]
             yield ".".join(base + ([node.module] if node.module else []))
 
 
@@ -225,9 +225,9 @@ def test_gradcheck_imports_nothing_of_the_package_but_its_checks():
         for module in imported_modules(path):
             seen.add(module)
             if module.startswith("numpy_attention"):
-                assert module.startswith("numpy_attention.gradcheck") or module == "numpy_attention._checks", \
+                assert module.startswith("numpy_attention.finite_differences") or module == "numpy_attention._checks", \
                     f"{path.name} imports {module}"
-    assert "numpy_attention._checks" in seen and "numpy_attention.gradcheck.report" in seen   # the walk works
+    assert "numpy_attention._checks" in seen and "numpy_attention.finite_differences.report" in seen   # the walk works
 
 
 def test_a_small_gradient_is_held_to_its_own_scale():

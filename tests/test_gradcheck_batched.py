@@ -6,7 +6,7 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention.examples import attention_case, cases
-from numpy_attention.gradcheck.jacobians import full_jacobians
+from numpy_attention.finite_differences.jacobians import full_jacobians
 
 FELL_BACK = (": a stacked call did not work, so the check ran slower, to the same numbers "
              "(batched=True says why)")

@@ -77,7 +77,7 @@ def test_a_scale_beyond_float32_still_computes_in_float32(implementation):
 
 def test_outputs_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     """A write that fails part-way leaves the old file as it was (and no temporary file)."""
-    from numpy_attention.crosscheck import save_case, write_example_case
+    from numpy_attention.oracle import save_case, write_example_case
     from numpy_attention.experiments import report
     target = tmp_path / "records.json"
     target.write_text("old")

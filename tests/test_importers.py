@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason=TORCH_REASON)      # every test here
 from seed_model import SeedMultiHeadAttention  # noqa: E402  (imports torch)
 
 from numpy_attention import MultiHeadAttention  # noqa: E402
-from numpy_attention.crosscheck.importers import from_torch  # noqa: E402
+from numpy_attention.oracle.importers import from_torch  # noqa: E402
 
 nn = torch.nn
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from report_cases import report_cases, report_record
-from numpy_attention.crosscheck import naive, precision
-from numpy_attention.crosscheck.precision import round_to
+from numpy_attention.oracle import naive, precision
+from numpy_attention.oracle.precision import round_to
 
 BF16, F16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
-CHECK = importlib.import_module("numpy_attention.crosscheck.check")      # the package's crosscheck is a function
+CHECK = importlib.import_module("numpy_attention.oracle.check")      # the package's crosscheck is a function
 
 
 def converted(x, dtype):

@@ -58,23 +58,25 @@ def test_an_unknown_name_is_an_attribute_error():
 
 @pytest.mark.parametrize("first", [
     "import numpy_attention",
-    "from numpy_attention.crosscheck.rule import judge",
-    "import numpy_attention.gradcheck.report",
-    "from numpy_attention.crosscheck import crosscheck",
-    "from numpy_attention.gradcheck import gradcheck",
+    "from numpy_attention.oracle.rule import judge",
+    "import numpy_attention.finite_differences.report",
+    "from numpy_attention.oracle import crosscheck",
+    "from numpy_attention.finite_differences import gradcheck",
     "import numpy_attention.commands.demo",
     "import numpy_attention.commands.crosscheck",
     "from numpy_attention import gradcheck, crosscheck",
 ])
 def test_crosscheck_and_gradcheck_stay_functions_whatever_is_imported_first(first):
-    """Loading a subpackage sets its parent's attribute of that name to the subpackage; here
-    na.crosscheck and na.gradcheck remain the functions, and the subpackages stay importable."""
+    """na.crosscheck, na.gradcheck and na.conform are the functions, and their subpackages,
+    named otherwise (oracle, finite_differences, conformance), import as attributes too:
+    `import numpy_attention.oracle.rule` gives numpy_attention.oracle.rule."""
     code = (f"{first}\n"
-            "import sys, types, numpy_attention as na\n"
-            "for name in ('crosscheck', 'gradcheck'):\n"
-            "    function = getattr(na, name)\n"
-            "    package = __import__(f'numpy_attention.{name}', fromlist=[name])\n"
-            "    print(name, type(function).__name__, type(package).__name__,\n"
-            "          function is getattr(na, name) is package.__dict__[name])\n")
-    assert fresh(code).splitlines() == ["crosscheck function module True",
-                                        "gradcheck function module True"]
+            "import numpy_attention as na, numpy_attention.oracle.rule\n"
+            "import numpy_attention.finite_differences.check, numpy_attention.conformance.run\n"
+            "for name, package in (('crosscheck', 'oracle'), ('gradcheck', 'finite_differences'),\n"
+            "                      ('conform', 'conformance')):\n"
+            "    function, module = getattr(na, name), getattr(na, package)\n"
+            "    print(name, type(function).__name__, type(module).__name__, function is module.__dict__[name])\n"
+            "print(numpy_attention.oracle.rule.__name__)\n")
+    assert fresh(code).splitlines() == ["crosscheck function module True", "gradcheck function module True",
+                                        "conform function module True", "numpy_attention.oracle.rule"]

@@ -6,7 +6,7 @@ import pytest
 from optional import TORCH_REASON
 
 from numpy_attention import attention_backward, attention_forward
-from numpy_attention.crosscheck import crosscheck
+from numpy_attention.oracle import crosscheck
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)      # every test here needs it: skip the file
 F = torch.nn.functional

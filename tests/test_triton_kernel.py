@@ -34,7 +34,7 @@ import pytest
 from optional import TORCH_REASON, TRITON_REASON
 from threadpoolctl import threadpool_limits
 
-from numpy_attention.crosscheck import crosscheck, reference, save_case
+from numpy_attention.oracle import crosscheck, reference, save_case
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 

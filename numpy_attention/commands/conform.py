@@ -2,8 +2,8 @@
 [--out DIR] [--seed N] [--quiet] [--kind KIND] [--fully-masked POLICY]`: a kernel's conformance run.
 
 Imports MODULE (from the current directory first, as `python -m` does), takes its FUNCTION (a
-torch, JAX or NumPy callable, or a command line as a str: conform/kernels.py), sweeps the case
-grid (conform/run.py), prints the option x dtype table (or --json) and saves each shrunk failing
+torch, JAX or NumPy callable, or a command line as a str: conformance/kernels.py), sweeps the case
+grid (conformance/run.py), prints the option x dtype table (or --json) and saves each shrunk failing
 case in --out. Exit 0: every case run passed; 1: a case failed or raised; 2: bad arguments,
 or a MODULE:FUNCTION that cannot be imported (one line on stderr).
 """
@@ -13,8 +13,8 @@ import math
 import os
 import sys
 
-from ..conform import conform
-from ..conform.supports import DTYPES, FULLY_MASKED, KINDS, OPTIONS, OUTPUTS, check_dtypes, check_supports
+from ..conformance import conform
+from ..conformance.supports import DTYPES, FULLY_MASKED, KINDS, OPTIONS, OUTPUTS, check_dtypes, check_supports
 from .cli import UsageError, integer
 
 HELP = "sweep a kernel over the case grid, judge each case, shrink each failure"
@@ -29,7 +29,7 @@ the kernel, MODULE:FUNCTION:
   a callable fn(q, k, v, **options) of torch tensors or JAX arrays -> out or (out, lse),
   or of NumPy arrays (with dout=) -> dict of out, lse, dq, dk, dv; or a str, a command line
   with {{in}} and {{out}} (the case .npz it reads, the results .npz it writes); a kernel
-  declared with numpy_attention.conform.declare brings its dtypes and options
+  declared with numpy_attention.conformance.declare brings its dtypes and options
 dtypes:   {' '.join(DTYPES)}
 options:  {' '.join(OPTIONS)}
 outputs:  {' '.join(OUTPUTS)} (named among --options)
@@ -54,7 +54,7 @@ def _seconds(text):
 
 def add_arguments(parser):
     parser.add_argument("kernel", metavar="MODULE:FUNCTION",
-                        help="the kernel, e.g. numpy_attention.conform.examples:torch_sdpa")
+                        help="the kernel, e.g. numpy_attention.conformance.examples:torch_sdpa")
     parser.add_argument("--budget", type=_seconds, metavar="SECONDS",
                         help="start no case after this many seconds (default: the whole grid)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -82,7 +82,7 @@ def load_kernel(spec):
     module_name, colon, attribute = spec.partition(":")
     if not (colon and module_name and attribute):
         raise UsageError(f"{spec!r}: the kernel is MODULE:FUNCTION, e.g. "
-                         f"numpy_attention.conform.examples:torch_sdpa")
+                         f"numpy_attention.conformance.examples:torch_sdpa")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

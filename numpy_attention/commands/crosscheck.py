@@ -2,10 +2,10 @@
 [--own-forward] [--k out=2,dq=3] [--atol A] [--scheduler ADDRESS] [--workers N] [--plot FILE.png]`: judge
 another attention's results.
 
-Reads a case (crosscheck/case.py), computes the oracle and the baseline, prints one row per
-candidate tensor (crosscheck/rule.py) and exits 0 if every tensor passes, 1 if any fails,
+Reads a case (oracle/case.py), computes the oracle and the baseline, prints one row per
+candidate tensor (oracle/rule.py) and exits 0 if every tensor passes, 1 if any fails,
 2 for a malformed case (one line on stderr naming the key or the shape). `--plot` also writes
-each tensor's error over its bound by head and row (crosscheck/errormap.py), the exit code
+each tensor's error over its bound by head and row (oracle/errormap.py), the exit code
 the same; no matplotlib, or a figure that cannot be written, is bad input (2).
 `--write-example CASE.npz` writes an example case instead.
 """
@@ -13,10 +13,10 @@ import argparse
 import importlib.util
 import math
 
-from ..crosscheck import CaseError, crosscheck, load_case, write_example_case
-from ..crosscheck.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
-from ..crosscheck.errormap import crosscheck_errors, draw_error_maps, require_matplotlib
-from ..crosscheck.precision import PRECISIONS
+from ..oracle import CaseError, crosscheck, load_case, write_example_case
+from ..oracle.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
+from ..oracle.errormap import crosscheck_errors, draw_error_maps, require_matplotlib
+from ..oracle.precision import PRECISIONS
 from .cli import UsageError, integer
 
 HELP = "judge another attention's results against the oracle"
@@ -35,7 +35,7 @@ case keys (a .npz written by numpy.savez; shapes [..., H, N, d] as in attention_
              the candidate's, each judged in its own dtype; out is required
   settings   {' '.join(key for key in KEYS if key not in INPUTS + OPTIONS + CANDIDATES) or '(none)'}
              how to read the candidate's tensors
-  (see numpy_attention/crosscheck/case.py, or --write-example for a complete case)
+  (see numpy_attention/oracle/case.py, or --write-example for a complete case)
 exit codes:
   0  every tensor passed
   1  a tensor failed

@@ -11,7 +11,7 @@ the gradient of every input and parameter by complex step:
 import numpy as np
 
 from ..examples import MHA_INPUTS, mha_functions
-from ..gradcheck import block_functions, gradcheck
+from ..finite_differences import block_functions, gradcheck
 from ..multihead import MultiHeadAttention
 from .cli import integer
 

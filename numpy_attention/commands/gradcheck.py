@@ -8,7 +8,7 @@ identities between derivatives (the JVP is the VJP's adjoint; the Hessian is sym
 import numpy as np
 
 from ..examples import cases, identity_gaps, jvp_cases
-from ..gradcheck import METHODS, gradcheck, jvpcheck, taylor_test
+from ..finite_differences import METHODS, gradcheck, jvpcheck, taylor_test
 from .cli import integer
 
 HELP = "check every op's backward against finite differences"

@@ -30,7 +30,7 @@ from scipy.special import entr
 
 from .._checks import require_positive_int
 from ..attention import attention_backward, attention_forward
-from ..gradcheck import DEFAULTS, directional_derivative
+from ..finite_differences import DEFAULTS, directional_derivative
 from ..softmax import softmax_jacobian
 
 D_V = 16

@@ -10,7 +10,7 @@ import math
 import time
 from typing import NamedTuple
 
-from ..crosscheck import CaseError, crosscheck
+from ..oracle import CaseError, crosscheck
 from .grid import ConformCase
 from .kernels import as_kernel
 

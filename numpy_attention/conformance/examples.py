@@ -1,6 +1,6 @@
 """Example kernels for the conformance run, each declared with what it supports.
 
-    numpy-attention conform numpy_attention.conform.examples:torch_sdpa --budget 600
+    numpy-attention conform numpy_attention.conformance.examples:torch_sdpa --budget 600
 
     torch_sdpa        torch.nn.functional.scaled_dot_product_attention, torch's own dispatch
     torch_sdpa_math   the same under sdpa_kernel(SDPBackend.MATH)
@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 
 from ..attention import attention_backward, attention_forward
-from ..crosscheck.case import FLOAT_OPTIONS
+from ..oracle.case import FLOAT_OPTIONS
 from ..paged import unpack_rows
 from .kernels import GRADIENT_OF
 from .supports import OPTIONS, OUTPUTS, declare

@@ -18,8 +18,8 @@ import os
 from time import monotonic
 
 from .._checks import require_positive_real
-from ..crosscheck import save_case
-from ..crosscheck.errormap import plot_error_maps
+from ..oracle import save_case
+from ..oracle.errormap import plot_error_maps
 from .grid import cases
 from .judge import check, evaluate
 from .kernels import as_kernel
@@ -102,7 +102,7 @@ def _save(shrunk, out_dir):
 
 
 def _picture(path, arrays):
-    """The case's error maps written to path (crosscheck/errormap.py); None where matplotlib
+    """The case's error maps written to path (oracle/errormap.py); None where matplotlib
     is not installed."""
     try:
         plot_error_maps(path, **arrays)

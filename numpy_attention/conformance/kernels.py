@@ -13,7 +13,7 @@
              placeholders, the two paths are appended): reads the
              case .npz at {in}, writes its results .npz at {out}
 
-The options are crosscheck's case keys (crosscheck/case.py), as Python values where they are
+The options are crosscheck's case keys (oracle/case.py), as Python values where they are
 scalars (causal True or 'bottom_right', scale, softcap, dropout_p), window as a tuple
 (left, right), and arrays or tensors otherwise: mask and dropout_mask bool, bias, sinks and
 alibi_slopes in the dtype (with gradients, torch tensors that require grad: their .grad is
@@ -42,8 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import to_numpy
-from ..crosscheck.case import FLOAT_OPTIONS, load_case
-from ..crosscheck.precision import PRECISIONS
+from ..oracle.case import FLOAT_OPTIONS, load_case
+from ..oracle.precision import PRECISIONS
 from .supports import check_kind, declaration_of
 
 GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks",

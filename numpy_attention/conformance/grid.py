@@ -27,7 +27,7 @@ come their second ones (j = 1), in the same order.
 
 A ConformCase is a record of the shapes and option names; its arrays (draw) are drawn from
 the seed and the case's id, rounded to its dtype, and stored as crosscheck's case format
-(crosscheck/case.py): q, k, v, dout as float32 arrays holding the dtype's values, with the
+(oracle/case.py): q, k, v, dout as float32 arrays holding the dtype's values, with the
 `precision` key.
 """
 import math
@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_positive_int
-from ..crosscheck.precision import PRECISIONS
+from ..oracle.precision import PRECISIONS
 from .supports import (DEFAULT_SUPPORTS, DTYPES, EXCLUSIVE, PLAIN, check_dtypes, check_fully_masked,
                        check_supports)
 
