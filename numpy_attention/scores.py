@@ -31,7 +31,7 @@ Backward and tangent, step by step (docs/derivations.md):
     4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
 """
 import warnings
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -315,6 +315,23 @@ def _block(x, score_shape, index):
     return np.broadcast_to(x, score_shape)[index]
 
 
+def _same(x):
+    return x
+
+
+class Rounding(NamedTuple):
+    """How a low-precision recipe (oracle/precision.py) rounds the score steps: `step` each
+    step's result, `term` each term a step adds (the bias's, ALiBi's), `distance` ALiBi's
+    distances before they multiply the slopes (None: not rounded). The backward rounds each
+    of autograd's operations with `step`. NONE: nothing rounded (the engines, in their dtype)."""
+    step: Callable = _same
+    term: Callable = _same
+    distance: Optional[Callable] = None
+
+
+NONE = Rounding()
+
+
 class Saved(NamedTuple):
     """What a block's forward keeps for its backward and tangent (None: the step is off)."""
     softcap_tanh: Optional[np.ndarray] = None   # t = tanh(S_1 / softcap)
@@ -325,26 +342,29 @@ class Saved(NamedTuple):
         return Saved(*(None if x is None else x[index] for x in self))
 
 
-def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN):
+def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN, rounding=NONE):
     """Steps 2-4 on a block: S[index] from s = (scale q k^T)[index], which they overwrite
     (the caller's own array; the result is s itself or takes its place).
 
     score_shape: the whole scores' [..., H, N_q, N_k] (default s.shape: s is all of them).
     keep: the block's keep_mask if the caller has it (None: every score kept).
+    rounding: a recipe's Rounding (default NONE: each step in s's dtype).
     Returns (S [..., heads, rows, cols], Saved: what the backward and tangent need).
     """
-    o, shape = options, s.shape if score_shape is None else score_shape
+    o, shape, r = options, s.shape if score_shape is None else score_shape, rounding
     softcap_tanh = mod_input = None
     if o.softcap is not None:                       # 2. S = softcap tanh(S / softcap)
-        softcap_tanh = np.tanh(s / o.softcap)
-        s = np.multiply(softcap_tanh, o.softcap, out=s)
+        softcap_tanh = r.step(np.tanh(r.step(s / o.softcap)))
+        s = r.step(np.multiply(softcap_tanh, o.softcap, out=s))
     if o.bias is not None:                          # 3. S = S + bias
-        s += _block(o.bias, shape, index)
+        s += r.term(_block(o.bias, shape, index))
+        s = r.step(s)
     if o.alibi_slopes is not None:                  #    S = S - slope |i + N_k - N_q - j|
-        s += alibi_bias(o, shape, index)
+        s += r.term(alibi_bias(o, shape, index, rounded=r.distance))
+        s = r.step(s)
     if o.score_mod is not None:                     #    S = score_mod(S, b, h, q_idx, kv_idx)
         mod_input = s.copy()
-        s[...] = _call_score_mod(o, mod_input, block_indices(shape, index))
+        s[...] = r.step(_call_score_mod(o, mod_input, block_indices(shape, index)))
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     if keep is not None:                            # 4. S = -inf where not kept
         np.copyto(s, -np.inf, where=~keep)
@@ -352,7 +372,7 @@ def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN):
 
 
 def backward(ds, options, score_shape=None, index=WHOLE, saved=Saved(), keep=UNKNOWN, grads=None,
-             stage=False):
+             stage=False, rounding=None):
     """Steps 4-2 in reverse on a block: the gradient of (scale q k^T)[index] from ds, the
     gradient of S[index] (overwritten: the caller's own array).
 
@@ -361,6 +381,8 @@ def backward(ds, options, score_shape=None, index=WHOLE, saved=Saved(), keep=UNK
     score_mod_params), or None.
     stage=True: returns (dS_1, dS_4), dS_4 the gradient of the softmax's input S, 0 where
     masked (AttentionStages.dS); else dS_1 [..., heads, rows, cols].
+    rounding: a recipe's Rounding: each operation autograd would run, rounded by its step
+    (softcap: round(round(round(dS softcap) (1 - t^2)) / softcap)); None: dS (1 - t^2).
     """
     o, shape = options, ds.shape if score_shape is None else score_shape
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
@@ -374,9 +396,12 @@ def backward(ds, options, score_shape=None, index=WHOLE, saved=Saved(), keep=UNK
         ds = ds * _score_mod_slope(o, saved.mod_input, indices)
     if grads is not None:                           #    dbias, dslopes
         grads.add(ds, index)
-    if saved.softcap_tanh is not None:              # 2. dS = dS (1 - tanh^2)
-        ds = ds * (1 - saved.softcap_tanh ** 2) if stage and ds is ds4 else \
-            np.multiply(ds, 1 - saved.softcap_tanh ** 2, out=ds)
+    t = saved.softcap_tanh
+    if t is not None and rounding is not None:      # 2. autograd's ops on softcap tanh(S / softcap)
+        r = rounding.step
+        ds = r(r(r(ds * o.softcap) * (1 - t ** 2)) / o.softcap)
+    elif t is not None:                             # 2. dS = dS (1 - tanh^2)
+        ds = ds * (1 - t ** 2) if stage and ds is ds4 else np.multiply(ds, 1 - t ** 2, out=ds)
     return (ds, ds4) if stage else ds
 
 

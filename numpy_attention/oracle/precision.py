@@ -45,8 +45,8 @@ import ml_dtypes
 import numpy as np
 
 from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
-from ..scores import (alibi_bias, alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask,
-                      with_sink)
+from .. import scores
+from ..scores import alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask, with_sink
 from .blocks import block_of, row_slices
 
 
@@ -256,15 +256,16 @@ class _Forward(NamedTuple):
     v: np.ndarray
     used: _Used
     keep: object            # the keep-mask, or None
-    tanh: object            # tanh(S / softcap) rounded, or None
-    bias: object            # the bias's block, or None
+    saved: scores.Saved     # the score steps' (softcap's tanh, rounded)
     drop: object            # the dropout keep-mask as 0 / 1 (1 without dropout)
     p: np.ndarray           # P rounded
     p_drop: np.ndarray      # P~ as multiplied with used.v
     out: np.ndarray
     lse: np.ndarray
     reorder: bool
-    alibi: object           # ALiBi's bias block, or None
+    distance: object        # how the forward rounded ALiBi's distances (None: not)
+    index: tuple            # the block's index into the scores
+    score_shape: tuple      # the whole scores' shape
     p_sink: np.ndarray      # [..., H, b, 1] the sink's weight (float32), or [..., H, b, 0] without
 
 
@@ -277,19 +278,9 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
         s = srnd(_tile_matmul(q, np.swapaxes(used.k, -1, -2)))
     else:                                                                        # S = scale (q k^T)
         s = srnd(srnd(_tile_matmul(q, np.swapaxes(k, -1, -2))) * scale)
-    tanh = None
-    if o.softcap is not None:
-        tanh = srnd(np.tanh(srnd(s / np.float32(o.softcap))))
-        s = srnd(tanh * np.float32(o.softcap))
-    bias = block_of(o.bias, score_shape, index)
-    if bias is not None:
-        s = srnd(s + rnd(bias))
-    alibi = alibi_bias(o, score_shape, index, rounded=None if reorder else rnd)  # torch: distances in T
-    if alibi is not None:                                                        # S -= slope |i + N_k - N_q - j|
-        s = srnd(s + rnd(alibi))
     keep = keep_mask(o, score_shape, index)
-    if keep is not None:
-        s = np.where(keep, s, -np.inf)
+    rounding = scores.Rounding(step=srnd, term=rnd, distance=None if reorder else rnd)  # torch: distances in T
+    s, saved = scores.forward(s, o, score_shape, index, keep, rounding)          # 2-4. (scores.py), rounded
     p32, lse = _softmax32(with_sink(s, o, score_shape, index))                   # sinks: one more logit
     p, p_sink = rnd(p32[..., :s.shape[-1]]), p32[..., s.shape[-1]:]
     drop = _drop(block_of(o.dropout_scale, score_shape, index))
@@ -298,9 +289,9 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
     else:                                                                        # P~ = P mask / (1 - p)
         p_drop = rnd(rnd(p * drop) * inv_keep)
     p_drop = round_to(p_drop, precision.weights)
-    return _Forward(q=q, k=k, v=v, used=used, keep=keep, tanh=tanh, bias=bias, drop=drop, p=p,
-                    p_drop=p_drop, out=rnd(_tile_matmul(p_drop, used.v)), lse=lse, reorder=reorder,
-                    alibi=alibi, p_sink=p_sink)
+    return _Forward(q=q, k=k, v=v, used=used, keep=keep, saved=saved, drop=drop, p=p, p_drop=p_drop,
+                    out=rnd(_tile_matmul(p_drop, used.v)), lse=lse, reorder=reorder,
+                    distance=rounding.distance, index=index, score_shape=score_shape, p_sink=p_sink)
 
 
 def _tile_matmul(x, y):
@@ -339,12 +330,8 @@ def _eager_rows(rnd, dout, o, f, sums, mlx=False):
         ds = rnd(pdp - rnd(f.p * rnd(np.sum(pdp, axis=-1, keepdims=True))))
     else:
         ds = rnd(f.p * (dp - np.sum(f.p * dp, axis=-1, keepdims=True)))
-    if f.keep is not None:
-        ds = np.where(f.keep, ds, 0)
-    ds_bias = ds
-    if f.tanh is not None:
-        softcap = np.float32(o.softcap)
-        ds = rnd(rnd(rnd(ds * softcap) * (1 - f.tanh ** 2)) / softcap)
+    ds, ds_bias = scores.backward(ds, o, f.score_shape, f.index, f.saved, f.keep, stage=True,   # 4-2.
+                                  rounding=scores.Rounding(step=rnd))
     if f.reorder:
         dq = rnd(_tile_matmul(ds, f.used.k))
     else:
@@ -380,26 +367,14 @@ def _flash_rows(rnd, dout, o, f, sums):
     q, k, v = f.q, f.k, f.v
     h_kv = k.shape[-3]
     inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
-    s = _tile_matmul(q, np.swapaxes(k, -1, -2)) * scale
-    tanh32 = None
-    if o.softcap is not None:
-        tanh32 = np.tanh(s / np.float32(o.softcap))
-        s = tanh32 * np.float32(o.softcap)
-    if f.bias is not None:
-        s = s + f.bias.astype(np.float32)
-    if f.alibi is not None:
-        s = s + f.alibi.astype(np.float32)
-    if f.keep is not None:
-        s = np.where(f.keep, s, -np.inf)
+    s = _tile_matmul(q, np.swapaxes(k, -1, -2)) * scale                        # 1-4. in float32, the terms
+    s, saved32 = scores.forward(s, o, f.score_shape, f.index, f.keep, scores.Rounding(   # in float32
+        term=lambda x: x.astype(np.float32), distance=f.distance))
     with np.errstate(invalid="ignore"):
         p32 = np.where(np.isneginf(f.lse)[..., None], 0, np.exp(s - f.lse[..., None]))
     dp = _tile_matmul(dout, np.swapaxes(v, -1, -2)) * f.drop * inv_keep
     ds = p32 * (dp - np.sum(dout * f.out, axis=-1, keepdims=True))
-    if f.keep is not None:
-        ds = np.where(f.keep, ds, 0)
-    ds_bias = ds
-    if tanh32 is not None:
-        ds = ds * (1 - tanh32 ** 2)
+    ds, ds_bias = scores.backward(ds, o, f.score_shape, f.index, saved32, f.keep, stage=True)   # 4-2.
     p_T, ds_T = rnd(p32 * f.drop), rnd(ds)
     dq, dk, dv = np.zeros(q.shape, np.float32), sums["dk"], sums["dv"]
     for r in range(0, q.shape[-2], TILE_ROWS):
