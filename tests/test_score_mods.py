@@ -341,3 +341,38 @@ def test_the_pipeline_on_blocks_of_strided_heads_is_the_pipeline_on_the_whole():
         assert_close(total[name], expected[name], name)
     for name in params:
         assert_close(total["dscore_mod_params"][name], expected["dscore_mod_params"][name], name)
+
+
+MODS_MODULE = '''
+import numpy as np
+REL = np.random.default_rng(0).standard_normal((3, 2 * 9 - 1))
+
+def rel_bias(score, b, h, q_idx, kv_idx):
+    return score + REL[h, q_idx - kv_idx + 8]
+
+def causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+'''
+
+
+def test_the_command_takes_the_mods_by_module_and_name(tmp_path, monkeypatch, capsys):
+    from numpy_attention.commands.cli import main
+    (tmp_path / "mymods.py").write_text(MODS_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mymods
+    rng = np.random.default_rng(16)
+    q, k, v = (rng.standard_normal((1, 3, 9, 4)).astype(np.float32) for _ in range(3))
+    honest, _ = na.attention_forward(q, k, v, score_mod=mymods.rel_bias, mask_mod=mymods.causal)
+    plain, _ = na.attention_forward(q, k, v, causal=True)
+    for name, out in (("honest", honest), ("plain", plain)):
+        np.savez(tmp_path / f"{name}.npz", q=q, k=k, v=v, out=out)
+    mods = ["--score-mod", "mymods:rel_bias", "--mask-mod", "mymods:causal"]
+    assert main(["crosscheck", "honest.npz", *mods]) == 0
+    assert main(["crosscheck", "plain.npz", *mods]) == 1          # computed without the score_mod
+    capsys.readouterr()
+    assert main(["crosscheck", "honest.npz", "--score-mod", "mymods"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--score-mod is MODULE:FUNCTION" in err
+    assert main(["crosscheck", "honest.npz", "--mask-mod", "mymods:nope"]) == 2
+    assert "module mymods has no 'nope'" in capsys.readouterr().err

@@ -52,6 +52,25 @@ def integer(minimum, maximum=None):
     return parse
 
 
+def import_object(spec, what, example):
+    """MODULE:NAME's object, MODULE imported with the current directory on sys.path (as
+    `python -m` does); UsageError (one line) if it cannot be. what, example: for the message,
+    e.g. "the kernel", "numpy_attention.conformance.examples:torch_sdpa"."""
+    module_name, colon, attribute = spec.partition(":")
+    if not (colon and module_name and attribute):
+        raise UsageError(f"{spec!r}: {what} is MODULE:FUNCTION, e.g. {example}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:                  # whatever the module raises: one line, not a traceback
+        raise UsageError(f"cannot import {module_name}: {type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise UsageError(f"module {module_name} has no {attribute!r}") from None
+
+
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are UsageError('<prog>: <message>'), not an exit."""
 

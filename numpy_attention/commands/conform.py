@@ -8,14 +8,11 @@ case in --out. Exit 0: every case run passed; 1: a case failed or raised; 2: bad
 or a MODULE:FUNCTION that cannot be imported (one line on stderr).
 """
 import argparse
-import importlib
 import math
-import os
-import sys
 
 from ..conformance import conform
 from ..conformance.supports import DTYPES, FULLY_MASKED, KINDS, OPTIONS, OUTPUTS, check_dtypes, check_supports
-from .cli import UsageError, integer
+from .cli import UsageError, import_object, integer
 
 HELP = "sweep a kernel over the case grid, judge each case, shrink each failure"
 DESCRIPTION = """\
@@ -77,22 +74,8 @@ def _names(values):
 
 
 def load_kernel(spec):
-    """MODULE:FUNCTION's object, MODULE imported with the current directory on sys.path;
-    UsageError (one line) if it cannot be."""
-    module_name, colon, attribute = spec.partition(":")
-    if not (colon and module_name and attribute):
-        raise UsageError(f"{spec!r}: the kernel is MODULE:FUNCTION, e.g. "
-                         f"numpy_attention.conformance.examples:torch_sdpa")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:                  # whatever the module raises: one line, not a traceback
-        raise UsageError(f"cannot import {module_name}: {type(exc).__name__}: {exc}") from None
-    try:
-        return getattr(module, attribute)
-    except AttributeError:
-        raise UsageError(f"module {module_name} has no {attribute!r}") from None
+    """MODULE:FUNCTION's kernel (cli.import_object)."""
+    return import_object(spec, "the kernel", "numpy_attention.conformance.examples:torch_sdpa")
 
 
 def run(args):

@@ -17,7 +17,7 @@ from ..oracle import CaseError, crosscheck, load_case, write_example_case
 from ..oracle.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
 from ..oracle.errormap import crosscheck_errors, draw_error_maps, require_matplotlib
 from ..oracle.precision import PRECISIONS
-from .cli import UsageError, integer
+from .cli import UsageError, import_object, integer
 
 HELP = "judge another attention's results against the oracle"
 DESCRIPTION = """\
@@ -95,6 +95,12 @@ def add_arguments(parser):
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also write a PNG of each tensor's |err| / bound by head and row "
                              "(key rows for dk, dv), red where it fails (needs matplotlib)")
+    parser.add_argument("--score-mod", metavar="MODULE:NAME",
+                        help="the FlexAttention score_mod(score, b, h, q_idx, kv_idx) the candidate used, "
+                             "an importable Python function of NumPy arrays (a .npz holds no function)")
+    parser.add_argument("--mask-mod", metavar="MODULE:NAME",
+                        help="the FlexAttention mask_mod(b, h, q_idx, kv_idx) -> bool the candidate "
+                             "used, an importable Python function of NumPy arrays")
     parser.add_argument("--write-example", action="store_true",
                         help="write an example case to CASE.npz and exit")
 
@@ -133,6 +139,10 @@ def run(args):
                 arrays[name] = given
         settings = {"own_forward": args.own_forward, "k_factors": args.k, "atol": args.atol,
                     "scheduler": _cluster(args.scheduler), "workers": args.workers}
+        for name in ("score_mod", "mask_mod"):
+            spec = getattr(args, name)
+            if spec is not None:
+                settings[name] = import_object(spec, f"--{name.replace('_', '-')}", "mymods:rel_bias")
         if args.plot is None:
             report, ratios = crosscheck(**arrays, **settings), None
         else:                                          # the same verdicts, and each entry's ratio
