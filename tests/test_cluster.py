@@ -22,6 +22,9 @@ OPTIONS = {
     "bias broadcast (one task)": {"bias": RNG.standard_normal((40, 56))},
     "alibi and sinks": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
                         "sinks": np.array([0.3, -1.0, 0.0, 2.0])},
+    "score_mod and mask_mod": {"score_mod": lambda s, b, h, i, j, p: s / p["t"] + p["rel"][h, i - j + 55],
+                               "score_mod_params": {"t": np.array(1.1), "rel": RNG.standard_normal((4, 95))},
+                               "mask_mod": lambda b, h, i, j: (i + j) % 5 != 0},
 }
 # crosscheck's baselines in slices (oracle/slices.py): options -> (batch size, slices)
 SLICED = {
@@ -55,7 +58,8 @@ def results(scheduler, options):
     out, cache = na.attention_forward(q, k, v, block_size=16, workers=1, scheduler=scheduler, **options)
     grads = na.attention_backward(dout, cache)
     jvp = na.attention_jvp(q, k, v, *inputs(1)[:3], block_size=16, workers=1, scheduler=scheduler, **options)
-    return [out, cache.lse, grads.dq, grads.dk, grads.dv, grads.dbias, grads.dalibi_slopes, grads.dsinks, *jvp]
+    return [out, cache.lse, grads.dq, grads.dk, grads.dv, grads.dbias, grads.dalibi_slopes, grads.dsinks, *jvp,
+            *(grads.dscore_mod_params or {}).values()]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
