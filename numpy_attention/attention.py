@@ -15,7 +15,9 @@ Forward, in this order (the blog's, with every option in its place):
     3. S = S + bias + alibi                 bias broadcasts to [..., H, N_q, N_k];
                                             alibi = -slope |i + N_k - N_q - j|, each row's slope
                                             its head's, or its sequence's with [B, H] slopes
-    4. S = -inf where not kept              keep = mask & causal & window (True = attend)
+       S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's, when given
+    4. S = -inf where not kept              keep = mask & causal & window & mask_mod (True = attend)
+    (steps 2-4 are scores.py's, the score pipeline every engine applies to its blocks)
     5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy;
                                             sinks: one more logit per row, with no value
     6. P~ = P * dropout_mask / (1 - dropout_p)
@@ -27,7 +29,8 @@ Backward, the same steps in reverse (derivations in docs/derivations.md):
     5. dS = P * (dP - rowsum(P * dP))       = P * (dP - D),  D = rowsum(dout * out)
        (+ P * dlse for a gradient of lse;  dsink = P_sink * (dlse - D) summed over rows)
     4. dS = 0 where S = -inf                 (masked scores do not depend on anything)
-    3. dbias = dS summed to bias's shape;  dalibi_slopes = -sum dS * |i + N_k - N_q - j|
+    3. score_mod: dS = dS * score_mod'(S) (complex step), and its parameters' gradients;
+       dbias = dS summed to bias's shape;  dalibi_slopes = -sum dS * |i + N_k - N_q - j|
        over each slope's rows (its head's; with [B, H] slopes, its sequence's)
     2. dS = dS * (1 - tanh^2(S / softcap))
     1. dq = scale * dS k,  dk = scale * dS^T q   (dk, dv summed over each query group)

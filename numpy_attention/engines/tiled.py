@@ -35,7 +35,8 @@ forward's query tiles i, each reading all of k and v; the backward's slices, one
 index, kv head), each summing its own dk_j, dv_j over its query tiles in order, so the bits do
 not depend on where or on how many workers the tasks run.
 
-Supported: mask, bias, causal (both alignments), window, scale, GQA, ALiBi (part of S_ij),
+Supported: mask, bias, causal (both alignments), window, scale, GQA, ALiBi, score_mod and
+mask_mod (scores.py's steps on each tile; a tile that mask_mod removes is skipped),
 sinks (each row's online softmax starts from its sink: m = sink, l = 1), packed sequences and
 the paged KV cache (through keep_mask), fully_masked='zero'; options.py refuses softcap,
 dropout and the other policies. The backward is the 'flash' form ('vjp' names the same
