@@ -21,6 +21,7 @@ from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool,
                       result_dtype)
 from ._layout import check_window, resolve_alignment
 from .positions import sequence_lengths
+from .scores import numpy_mod
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
@@ -113,7 +114,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     if packed[0] is not None and fully_masked == "uniform":
         raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
-    score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
+    score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
     masked = (keep is not None or causal or window is not None or packed[0] is not None
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
@@ -291,20 +292,22 @@ def _check_qkv(q, k, v):
 
 
 def _check_mods(score_mod, mask_mod, score_mod_params):
-    """score_mod and mask_mod callables (or None); score_mod_params {str: float array} as
-    read-only copies (or None), only with a score_mod."""
+    """(score_mod, mask_mod, score_mod_params): the mods callables or None (one written with
+    torch's operations wrapped to take NumPy arrays: scores.numpy_mod); the parameters
+    {str: float array} as read-only copies, or None, only with a score_mod."""
     for name, f in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be a function or None, got {type(f).__name__}")
+    score_mod, mask_mod = (None if f is None else numpy_mod(f) for f in (score_mod, mask_mod))
     if score_mod_params is None:
-        return None
+        return score_mod, mask_mod, None
     if score_mod is None:
         raise ValueError("score_mod_params are score_mod's parameters: pass a score_mod too")
     if not isinstance(score_mod_params, dict) or not all(isinstance(n, str) for n in score_mod_params):
         raise TypeError(f"score_mod_params must be a dict of name -> array, got "
                         f"{type(score_mod_params).__name__}")
-    return {name: read_only_copy(as_float_array(x, f"score_mod_params[{name!r}]"))
-            for name, x in score_mod_params.items()}
+    return score_mod, mask_mod, {name: read_only_copy(as_float_array(x, f"score_mod_params[{name!r}]"))
+                                 for name, x in score_mod_params.items()}
 
 
 def _require_finite(name, x, allow_neginf=False):

@@ -30,6 +30,8 @@ Backward and tangent, step by step (docs/derivations.md):
        dslope = -sum dS_3 |i + N_k - N_q - j| over the slope's rows,  S_dot_3 -= slope_dot |..|
     4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
 """
+import sys
+import types
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -192,6 +194,58 @@ def mask_mod_keep(mask_mod, score_shape, index=WHOLE):
         raise ValueError(f"mask_mod returned shape {keep.shape}, not broadcastable to the block of "
                          f"scores {block} its index arrays broadcast to")
     return keep
+
+
+def numpy_mod(f):
+    """f itself, or, for a score_mod or mask_mod written with torch's operations (as for
+    flex_attention: it refers to torch or to a torch tensor, in its globals, closure or
+    defaults), a TorchMod that calls it on NumPy arrays."""
+    torch = sys.modules.get("torch")
+    code = getattr(f, "__code__", None)
+    if torch is None or code is None or isinstance(f, TorchMod):
+        return f
+    cells = []
+    for cell in f.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:                          # a cell not yet filled
+            pass
+    seen = [f.__globals__.get(name) for name in code.co_names] + cells + list(f.__defaults__ or ())
+    is_torch = lambda x: isinstance(x, torch.Tensor) or (isinstance(x, types.ModuleType)
+                                                         and x.__name__.split(".")[0] == "torch")
+    return TorchMod(f) if any(is_torch(x) for x in seen) else f
+
+
+class TorchMod:
+    """A mod written with torch's operations, called as the pipeline calls one: its scores as
+    float64 or complex128 CPU tensors (complex for the complex step), its index arrays as int64
+    tensors, a parameter's reads as tensors; its result back as an array."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, *args):
+        import torch
+        tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x))
+        params = args[5:]
+        if params:                                  # score_mod's parameters: reads give tensors
+            params = ({name: _TorchReads(x) if isinstance(x, _Reads) else torch.tensor(x)
+                       for name, x in params[0].items()},)
+        out = self.f(*(tensor(x) for x in args[:5]), *params)
+        return out.detach().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
+
+
+class _TorchReads:
+    """A parameter's _Reads for a TorchMod: indexed with tensors, it gives a tensor."""
+
+    def __init__(self, reads):
+        self.reads = reads
+
+    def __getitem__(self, index):
+        import torch
+        index = tuple(i.numpy() if isinstance(i, torch.Tensor) else i
+                      for i in (index if isinstance(index, tuple) else (index,)))
+        return torch.from_numpy(np.ascontiguousarray(self.reads[index]))
 
 
 COMPLEX_STEP = 1e-30            # the complex step of score_mod's derivatives: Im f(s + i h) / h

@@ -376,3 +376,36 @@ def test_the_command_takes_the_mods_by_module_and_name(tmp_path, monkeypatch, ca
     assert err.count("\n") == 1 and "--score-mod is MODULE:FUNCTION" in err
     assert main(["crosscheck", "honest.npz", "--mask-mod", "mymods:nope"]) == 2
     assert "module mymods has no 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+def test_mods_written_with_torch_are_taken_as_they_are(engine):
+    """flex_attention's mods, torch's operations on tensors (a captured table, torch.tanh, a
+    captured document id per position), give the NumPy-written mods' results."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    rng = np.random.default_rng(17)
+    q, k, v, dout = qkv(18)
+    rel, doc = rng.standard_normal((H, N_Q + N_K - 1)), np.sort(rng.integers(0, 3, N_K))
+    rel_t, doc_t = torch.tensor(rel, dtype=torch.float32), torch.from_numpy(doc)
+    pairs = [  # (torch-written, NumPy-written)
+        ({"score_mod": lambda s, b, h, i, j: s + rel_t[h, i - j + N_K - 1]},
+         {"score_mod": lambda s, b, h, i, j: s + rel.astype(np.float32).astype(np.float64)[h, i - j + N_K - 1]}),
+        ({"score_mod": lambda s, b, h, i, j, p: p["cap"] * torch.tanh(s / p["cap"]),
+          "score_mod_params": {"cap": np.array(1.4)}},
+         {"score_mod": lambda s, b, h, i, j, p: p["cap"] * np.tanh(s / p["cap"]),
+          "score_mod_params": {"cap": np.array(1.4)}}),
+        ({"mask_mod": lambda b, h, i, j: (doc_t[i.clamp(max=N_K - 1)] == doc_t[j]) & (j <= i + OFFSET)},
+         {"mask_mod": lambda b, h, i, j: (doc[np.minimum(i, N_K - 1)] == doc[j]) & (j <= i + OFFSET)}),
+    ]
+    for with_torch, with_numpy in pairs:
+        (out_t, cache_t), (out_n, cache_n) = (na.attention_forward(q, k, v, **engine, **mods)
+                                              for mods in (with_torch, with_numpy))
+        assert_close(out_t, out_n, "out")
+        grads_t, grads_n = na.attention_backward(dout, cache_t), na.attention_backward(dout, cache_n)
+        for a, b in zip(grads_t[:3], grads_n[:3]):
+            assert_close(a, b, "grads")
+        if "score_mod_params" in with_torch:
+            assert_close(grads_t.dscore_mod_params["cap"], grads_n.dscore_mod_params["cap"], "dcap")
+        jvp_engine = {"implementation": "textbook"} if engine["implementation"] == "blocked" else engine
+        for a, b in zip(*(na.attention_jvp(q, k, v, q, k, v, **jvp_engine, **mods) for mods in (with_torch, with_numpy))):
+            assert_close(a, b, "jvp")
