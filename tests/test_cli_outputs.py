@@ -211,6 +211,34 @@ def test_an_interrupt_python_could_not_raise_still_ends_in_130(where, monkeypatc
     assert sys.unraisablehook is hook
 
 
+def import_as_an_extension_would(name):
+    """An import that SIGINT interrupts where an extension module turns the KeyboardInterrupt
+    into its own ImportError (numpy's C extension, when the signal lands in its
+    PyCapsule_Import of datetime)."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10 ** 6):                              # Python runs its handler between
+            pass                                              # bytecodes, at once
+    except KeyboardInterrupt as exc:
+        raise ImportError(f'PyCapsule_Import could not import module "datetime" ({name})') from exc
+    raise AssertionError("SIGINT did not arrive")
+
+
+def test_an_interrupt_an_extension_turned_into_an_import_error_ends_in_130(monkeypatch, capsys):
+    monkeypatch.setattr(signal, "getsignal", lambda n: signal.default_int_handler)   # pytest's is its own
+    monkeypatch.setattr(cli.importlib, "import_module", import_as_an_extension_would)
+    assert cli.main(["demo"]) == 130
+    assert capsys.readouterr().err == f"{cli.PROG}: interrupted\n"
+
+
+def test_an_import_error_without_an_interrupt_is_not_one(monkeypatch):
+    def fails(name):
+        raise ImportError(f"no module {name}")
+    monkeypatch.setattr(cli.importlib, "import_module", fails)
+    with pytest.raises(ImportError, match="no module"):
+        cli.main(["demo"])
+
+
 def test_other_unraisable_exceptions_are_still_reported(monkeypatch):
     """Only KeyboardInterrupt is kept: another exception of a callback is reported as before."""
     seen = []

@@ -19,6 +19,7 @@ run(args) -> exit code; a command raises UsageError(message) for bad input.
 import argparse                                        # light imports only: a Ctrl-C before
 import importlib                                       # main runs is still the interpreter's
 import os
+import signal
 import sys
 
 from .. import __version__
@@ -177,9 +178,18 @@ def main(argv=None):
             _discard_stdout()                          # the shell's 128 + SIGPIPE
             return 141
         except KeyboardInterrupt:                      # Ctrl-C: one line, the shell's 128 + SIGINT
-            print(f"{PROG}: interrupted", file=sys.stderr)
-            _interrupt_handled()
-            return 130
+            return _interrupted()
+        except ImportError:                            # a Ctrl-C that an extension module's import
+            if not lost.signalled:                     # turned into its own ImportError (numpy's,
+                raise                                  # when it lands in PyCapsule_Import)
+            return _interrupted()
+
+
+def _interrupted():
+    """Ctrl-C's one line; its exit code, 130."""
+    print(f"{PROG}: interrupted", file=sys.stderr)
+    _interrupt_handled()
+    return 130
 
 
 class _LostInterrupts:
@@ -187,12 +197,24 @@ class _LostInterrupts:
     callback or a __del__ (the import system's module locks have one) is only reported, as
     'Exception ignored in: ...', and the program goes on. Within this context such a
     KeyboardInterrupt is kept quiet and remembered; check() raises it again where main can
-    handle it. Other unraisable exceptions go to the hook there was before."""
+    handle it. Other unraisable exceptions go to the hook there was before. SIGINT itself is
+    noted too (`signalled`), where Python's own handler would raise it, so that a
+    KeyboardInterrupt an extension's import turned into an ImportError is still known."""
 
     def __enter__(self):
-        self.previous, self.interrupted = sys.unraisablehook, False
+        self.previous, self.interrupted, self.signalled = sys.unraisablehook, False, False
         sys.unraisablehook = self._hook
+        self.sigint = None
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # not where it is ignored
+            try:
+                self.sigint = signal.signal(signal.SIGINT, self._noted)
+            except ValueError:                         # not the main thread
+                pass
         return self
+
+    def _noted(self, signum, frame):
+        self.signalled = True
+        raise KeyboardInterrupt
 
     def _hook(self, unraisable):
         if issubclass(unraisable.exc_type, KeyboardInterrupt):
@@ -207,6 +229,8 @@ class _LostInterrupts:
 
     def __exit__(self, *exc_info):
         sys.unraisablehook = self.previous
+        if self.sigint is not None:
+            signal.signal(signal.SIGINT, self.sigint)
 
 
 def _interrupt_handled():
