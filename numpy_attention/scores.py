@@ -9,24 +9,28 @@ textbook's block is all of S, the blocked engine's a block of rows, the tiled en
     2. S = softcap tanh(S / softcap)       softcap
     3. S = S + bias                        bias, broadcast to the scores
        S = S - slope |i + N_k - N_q - j|   ALiBi: each row's slope, its distance from the diagonal
+       S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's (its parameters: score_mod_params)
     4. S = -inf where not kept             keep = mask & causal & window & packed sequences
-                                           & (bias != -inf)    (True = attend; positions.py)
+                                           & mask_mod & (bias != -inf)  (True = attend; positions.py)
     5. [S, sink]                           sinks: one more logit per row, with no value
 
 Each step, on any block:
     forward    `forward`: steps 2-4 on the block's scale q k^T
     backward   `backward`: steps 4-2 in reverse, the gradient of scale q k^T from that of S;
-               the gradients of the steps' parameters (bias, ALiBi's slopes) go to a
-               `ScoreGrads`, which sums them block by block
+               the gradients of the steps' parameters (bias, ALiBi's slopes, score_mod's) go to
+               a `ScoreGrads`, which sums them block by block
     tangent    `tangent`: steps 2-4 in forward mode, S_dot from (scale q k^T)_dot and the
                parameters' tangents
     keep       `keep_mask`: which scores of the block step 4 keeps
 The sink's column (5) is the softmax's: `with_sink`, `with_sink_weight`, and its gradient
-sums the column's dS per head (`head_gradient`).
+sums the column's dS per head (`head_gradient`). A low-precision recipe (oracle/precision.py)
+runs the same steps with its roundings (`Rounding`).
 
 Backward and tangent, step by step (docs/derivations.md):
     2. dS_1 = dS_2 (1 - t^2),  S_dot_2 = (1 - t^2) S_dot_1      t = tanh(S_1 / softcap)
-    3. dbias = dS_3 summed to bias's shape,  S_dot_3 = S_dot_2 + bias_dot
+    3. dS = dS f'(S) for score_mod f, f' by complex step; a parameter it reads gets dS df/dp
+       scattered back to the entries read;  S_dot = f'(S) S_dot
+       dbias = dS_3 summed to bias's shape,  S_dot_3 = S_dot_2 + bias_dot
        dslope = -sum dS_3 |i + N_k - N_q - j| over the slope's rows,  S_dot_3 -= slope_dot |..|
     4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
 """
@@ -47,7 +51,8 @@ UNKNOWN = object()                               # keep= not given: the step com
 # ----------------------------------------------------------------------------- 4. keep
 
 def keep_mask(options, score_shape, index=WHOLE):
-    """Which scores of S[index] are kept: mask & causal & window & packed & (bias != -inf).
+    """Which scores of S[index] are kept: mask & causal & window & packed & mask_mod
+    & (bias != -inf).
 
     score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two
     entries are the slices of rows and columns.

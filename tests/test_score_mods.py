@@ -409,3 +409,16 @@ def test_mods_written_with_torch_are_taken_as_they_are(engine):
         jvp_engine = {"implementation": "textbook"} if engine["implementation"] == "blocked" else engine
         for a, b in zip(*(na.attention_jvp(q, k, v, q, k, v, **jvp_engine, **mods) for mods in (with_torch, with_numpy))):
             assert_close(a, b, "jvp")
+
+
+def test_crosscheck_of_a_large_case_with_mods_on_threads_is_its_report_on_one():
+    """A case of PARALLEL_SCORES scores runs its baselines on threads in (batch, kv head)
+    slices; with mods that index the heads it must stay whole (they see its b and h)."""
+    rng = np.random.default_rng(19)
+    q, k, v = (rng.standard_normal((2, 4, 256, 8)).astype(np.float32) for _ in range(3))
+    rel = rng.standard_normal((4, 511))
+    mods = dict(score_mod=lambda s, b, h, i, j, p: s + 3 * p["rel"][h, i - j + 255] * (b + 1),
+                score_mod_params={"rel": rel}, mask_mod=lambda b, h, i, j: (j <= i) | (h == b))
+    out, cache = na.attention_forward(q, k, v, **mods)
+    reports = [na.crosscheck(q=q, k=k, v=v, out=out, lse=cache.lse, workers=w, **mods) for w in (1, 2)]
+    assert reports[0] and str(reports[0]) == str(reports[1])

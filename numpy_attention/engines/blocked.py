@@ -224,14 +224,14 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         kv = kv_index(blocks[0][:-1], group)
         dkT = np.zeros(dk[kv].shape[:-2] + dk.shape[:-3:-1], dtype)  # [..., n_kv, d_k, N_k]
         dvT = np.zeros(dv[kv].shape[:-2] + dv.shape[:-3:-1], dtype)  # [..., n_kv, d_v, N_k]
-        params = ScoreGrads(o, score_shape, dtype, region=blocks)     # its blocks' dbias, dslopes
+        params = ScoreGrads(o, score_shape, dtype, region=blocks)     # its blocks' parameters' gradients
         for block in blocks:
             backward_block(block, dkT, dvT, params)
         dk[kv] = np.swapaxes(scaled(dkT, o.scale), -1, -2)
         dv[kv] = np.swapaxes(dvT, -1, -2)
         return params
 
-    params = run_tasks(backward_kv, [(blocks,) for blocks in _by_kv_heads(
+    regions = run_tasks(backward_kv, [(blocks,) for blocks in _by_kv_heads(
         row_blocks(score_shape, group, p.itemsize, _diagonal(o) and dP is None), group)], o.workers)
     stages = None
     if return_stages:
@@ -240,7 +240,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dsinks = None if dsinks is None else head_gradient(dsinks, o.sinks)
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
                           dv=dv.reshape(cache.v.shape), stages=stages, dsinks=dsinks,
-                          **ScoreGrads.total(params, o, score_shape, dtype))
+                          **ScoreGrads.total(regions, o, score_shape, dtype))
 
 
 def _top_in(top, cols, n_k):

@@ -23,10 +23,13 @@ BY_HEAD = ("sinks", "alibi_slopes")                 # broadcastable to [..., H]
 
 def case_slices(case):
     """[(at, the case of slice at)]: at an index prefix into the scores [..., H, N_q, N_k] (one
-    slice per leading axis and the G query heads of one kv head), or [((Ellipsis,), case)]."""
+    slice per leading axis and the G query heads of one kv head), or [((Ellipsis,), case)]
+    (also for a case with a score_mod or mask_mod: they see the whole case's indices)."""
     q = case.inputs["q"]
     if q.ndim < 3:                                   # one head, no leading axes: nothing to cut
         return [((Ellipsis,), case)]
+    if any(case.options.get(name) is not None for name in ("score_mod", "mask_mod")):
+        return [((Ellipsis,), case)]                 # the mods index the whole case's b and h
     k = with_head_axis(case.inputs["k"])
     score_shape = q.shape[:-1] + k.shape[-2:-1]
     group = q.shape[-3] // k.shape[-3]
