@@ -121,8 +121,8 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
         dS_row = dS_row + P_row * dlse[..., None]
     dS = dS_row[..., :P.shape[-1]]                 #    (the sink's column: dsinks, summed per head)
     dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
-    params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; score_mod, bias, ALiBi
-    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   #      (their parameters'), softcap
+    params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; score_mod, bias, ALiBi and
+    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   # their parameters'; softcap
     dS_softcap, dS = scores.backward(dS, o, saved=saved, grads=params, stage=True)
     dq = scaled(grouped_matmul(dS_softcap, k), o.scale)   # 1. S = scale q k^T:  dq = scale dS k
     dk = scaled(grouped_sum_matmul(dS_softcap, q, h_kv), o.scale)   #    dk = scale dS^T q

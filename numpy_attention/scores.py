@@ -270,7 +270,7 @@ class _Reads:
     """A score_mod parameter as score_mod sees it: it can be indexed (each read is recorded, and
     one read can be given an imaginary step), not used whole."""
 
-    def __init__(self, name, value, step_read=None):
+    def __init__(self, name, value, step_read):
         self.name, self.value, self.reads, self.step_read = name, value, [], step_read
         self.shape, self.ndim, self.dtype = value.shape, value.ndim, value.dtype
 
@@ -314,6 +314,13 @@ def _call_score_mod(o, s, indices, params=None):
     return np.broadcast_to(out, s.shape)
 
 
+def _imaginary_part(o, s, stepped, indices, params=None):
+    """Im score_mod(stepped) / h where the block's scores s are finite, 0 elsewhere: a complex
+    step's derivative (stepped: s + i h, or s with a parameter's read stepped in params)."""
+    with np.errstate(all="ignore"):
+        return np.where(np.isfinite(s), _call_score_mod(o, stepped, indices, params).imag / COMPLEX_STEP, 0)
+
+
 def _score_mod_slope(o, s, indices):
     """d score_mod / d score on the block s (real), by complex step, checked against central
     differences on a sample of its finite entries (ScoreModDerivativeWarning: those instead)."""
@@ -322,8 +329,7 @@ def _score_mod_slope(o, s, indices):
                          "tangent of complex scores (a complex-step check through score_mod) needs a "
                          "real one; check score_mod's attention with central differences instead")
     finite = np.isfinite(s)
-    with np.errstate(all="ignore"):
-        slope = np.where(finite, _call_score_mod(o, s + 1j * COMPLEX_STEP, indices).imag / COMPLEX_STEP, 0)
+    slope = _imaginary_part(o, s, s + 1j * COMPLEX_STEP, indices)
     flat = np.flatnonzero(np.broadcast_to(finite, s.shape))
     sample = flat[np.linspace(0, flat.size - 1, min(flat.size, 16)).astype(np.int64)] if flat.size else flat
     if sample.size:
@@ -348,7 +354,6 @@ def _score_mod_param_grads(o, s, indices, ds):
     """{name: gradient} of the score_mod_params from the block's dS (of score_mod's output):
     by complex step through each read (scattered back to the entries read) or each scalar."""
     grads = {}
-    finite = np.isfinite(s)
     recorded = _params(o)
     _call_score_mod(o, s, indices, recorded)                    # which reads score_mod makes
     for name, value in o.score_mod_params.items():
@@ -356,8 +361,7 @@ def _score_mod_param_grads(o, s, indices, ds):
         steps = [None] if value.ndim == 0 else range(len(recorded[name].reads))
         for read in steps:
             params = _params(o, {name: read}, stepped=name if value.ndim == 0 else None)
-            with np.errstate(all="ignore"):
-                d = np.where(finite, _call_score_mod(o, s, indices, params).imag / COMPLEX_STEP, 0) * ds
+            d = _imaginary_part(o, s, s, indices, params) * ds
             if read is None:
                 g = g + np.sum(d)
             else:

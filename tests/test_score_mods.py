@@ -150,21 +150,6 @@ def test_an_analytic_score_mod_gives_no_warning():
         na.attention_backward(dout, na.attention_forward(q, k, v, score_mod=rel_mod, score_mod_params=rel_params())[1])
 
 
-def test_the_tiled_engine_skips_the_tiles_a_mask_mod_removes(monkeypatch):
-    from numpy_attention.engines import tiled
-    calls = []
-    original = tiled.tile_scores
-
-    def counted(*args):
-        s, keep, saved = original(*args)
-        calls.extend([] if keep is False else [1])
-        return s, keep, saved
-    monkeypatch.setattr(tiled, "tile_scores", counted)
-    x = np.random.default_rng(0).standard_normal((1, 1, 16, 4))
-    na.attention_forward(x, x, x, mask_mod=lambda b, h, i, j: j <= i, block_size=4)
-    assert len(calls) == 10                                 # 4 + 3 + 2 + 1 of the 16 tiles
-
-
 def test_threads_give_the_same_bits():
     q, k, v, dout = qkv(10)
     results = []

@@ -111,8 +111,11 @@ def test_cache_is_linear_in_n_and_exposes_out_and_lse():
     assert max(sizes) <= 2 * 64 * 4                       # nothing of size N_q * N_k
 
 
-def test_causal_skips_blocks_above_the_diagonal(monkeypatch):
-    """Fully masked blocks are never computed: count the score blocks formed."""
+@pytest.mark.parametrize("causal", [{"causal": True}, {"mask_mod": lambda b, h, i, j: j <= i}],
+                         ids=["option", "mask_mod"])
+def test_causal_skips_blocks_above_the_diagonal(monkeypatch, causal):
+    """Fully masked blocks are never computed, whether causal=True or a mask_mod removes them:
+    count the score blocks formed."""
     from numpy_attention.engines import tiled
     calls = []
     original = tiled.tile_scores
@@ -123,7 +126,7 @@ def test_causal_skips_blocks_above_the_diagonal(monkeypatch):
         return s, keep, saved
     monkeypatch.setattr(tiled, "tile_scores", counted)
     x = np.random.default_rng(0).standard_normal((1, 1, 16, 4))
-    out, cache = na.attention_forward(x, x, x, causal=True, block_size=4)
+    out, cache = na.attention_forward(x, x, x, block_size=4, **causal)
     assert len(calls) == 10                                 # 4 + 3 + 2 + 1 of the 16 blocks
     calls.clear()
     na.attention_backward(np.ones_like(out), cache)

@@ -97,10 +97,11 @@ def add_arguments(parser):
                              "(key rows for dk, dv), red where it fails (needs matplotlib)")
     parser.add_argument("--score-mod", metavar="MODULE:NAME",
                         help="the FlexAttention score_mod(score, b, h, q_idx, kv_idx) the candidate used, "
-                             "an importable Python function of NumPy arrays (a .npz holds no function)")
+                             "an importable Python function (NumPy's or torch's operations; a .npz "
+                             "holds no function)")
     parser.add_argument("--mask-mod", metavar="MODULE:NAME",
                         help="the FlexAttention mask_mod(b, h, q_idx, kv_idx) -> bool the candidate "
-                             "used, an importable Python function of NumPy arrays")
+                             "used, an importable Python function (NumPy's or torch's operations)")
     parser.add_argument("--write-example", action="store_true",
                         help="write an example case to CASE.npz and exit")
 
