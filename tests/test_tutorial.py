@@ -1,0 +1,114 @@
+"""docs/tutorial.ipynb: the build of its source docs/tutorial.py, and it runs top to bottom in a
+fresh kernel with no warning, printing exactly what it stores (it is seeded); every figure has
+labelled axes and a legend (or a labelled colour bar)."""
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+from optional import LEARN_REASON
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs"))
+import make_tutorial  # noqa: E402  (docs/make_tutorial.py: the build)
+
+STORED = json.loads(make_tutorial.NOTEBOOK.read_text())
+learn = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
+                               ("nbformat", "nbclient", "ipykernel", "matplotlib")), reason=LEARN_REASON)
+
+# Run in the notebook's kernel around its own cells: pyplot's show() notes each figure's labels
+# before the inline backend draws and closes it; the last cell prints what it noted.
+INSPECT = """
+import json as _json, matplotlib.pyplot as _plt
+_figures, _show = [], _plt.show
+def _noting_show(*args, **kwargs):
+    for number in _plt.get_fignums():
+        figure = _plt.figure(number)
+        _figures.append({"legends": len(figure.legends) + sum(ax.get_legend() is not None for ax in figure.axes),
+                         "axes": [{"x": ax.get_xlabel(), "y": ax.get_ylabel(), "colorbar": hasattr(ax, "_colorbar")}
+                                  for ax in figure.axes]})
+    return _show(*args, **kwargs)
+_plt.show = _noting_show
+"""
+
+
+def texts(cell):
+    """A code cell's printed text and its outputs' kinds, in order."""
+    found = []
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "stream":
+            found.append((output["name"], "".join(output["text"])))
+        elif output["output_type"] in ("display_data", "execute_result"):
+            found.append((output["output_type"], "".join(output["data"].get("text/plain", "")),
+                          sorted(output["data"])))
+        else:
+            found.append((output["output_type"], output.get("ename"), output.get("evalue")))
+    return found
+
+
+def source(cell):
+    return "".join(cell["source"])
+
+
+def test_the_notebook_is_the_build_of_its_source():
+    built = make_tutorial.cells(make_tutorial.SOURCE.read_text())
+    assert [(c["cell_type"], source(c)) for c in STORED["cells"]] == built
+    assert len(built) >= 40 and {kind for kind, _ in built} == {"markdown", "code"}
+    assert STORED["metadata"] == {"kernelspec": make_tutorial.KERNEL, "language_info": {"name": "python"}}
+    assert all("execution" not in c.get("metadata", {}) for c in STORED["cells"])   # no timings kept
+
+
+def test_the_percent_format_is_read_as_jupytext_writes_it():
+    text = "import x\n# %% [markdown]\n# # Title\n# a line\n#\n# %%\nprint(1)\n\n\n# %%\ny = 2\n"
+    assert make_tutorial.cells(text) == [("markdown", "# Title\na line"), ("code", "print(1)"),
+                                         ("code", "y = 2")]
+
+
+def test_the_notebook_stores_its_outputs_and_explains_the_formulas():
+    code = [c for c in STORED["cells"] if c["cell_type"] == "code"]
+    assert sum(bool(c["outputs"]) for c in code) >= 20, "the notebook is stored with its outputs"
+    text = " ".join(source(c) for c in STORED["cells"] if c["cell_type"] == "markdown")
+    for formula in (r"Q = XW^Q", r"\frac{QK^\top}{\sqrt{d_k}}", r"\mathrm{softmax}", r"\text{Output} = SV",
+                    r"\text{MultiHead}", r"\mathrm{diag}(p) - pp^\top", r"\mathrm{rowsum}(P \odot dP)",
+                    r"\mathrm{Var}(q \cdot k) = d_k", "complex step", "not monotone"):
+        assert formula in text, formula
+    for module in ("linear.py", "softmax.py", "heads.py", "attention.py", "multihead.py"):
+        assert module in text, module
+    images = sum("image/png" in o.get("data", {}) for c in code for o in c["outputs"])
+    assert images == 3
+
+
+@learn
+def test_a_fresh_kernel_runs_it_and_prints_what_it_stores():
+    import matplotlib.pyplot  # noqa: F401  (a first import may build matplotlib's font cache, and say so)
+    import nbformat
+    nb = nbformat.reads(make_tutorial.NOTEBOOK.read_text(), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nb.cells.insert(0, nbformat.v4.new_code_cell(INSPECT))
+    nb.cells.append(nbformat.v4.new_code_cell("print(_json.dumps(_figures))"))
+    ran = make_tutorial.execute(nb)
+    figures = json.loads(ran.cells[-1].outputs[0]["text"])
+    ran.cells = ran.cells[1:-1]
+    stored = [c for c in STORED["cells"] if c["cell_type"] == "code"]
+    fresh = [c for c in ran.cells if c.cell_type == "code"]
+    for before, after in zip(stored, fresh):
+        assert texts(after) == texts(before), source(before)
+        assert not [o for o in after.outputs if o.get("name") == "stderr" or o.output_type == "error"]
+    assert len(figures) == 3
+    for figure in figures:
+        plots = [ax for ax in figure["axes"] if not ax["colorbar"]]
+        assert plots and all(ax["x"] and ax["y"] for ax in plots), figure
+        assert figure["legends"] or any(ax["colorbar"] and (ax["x"] or ax["y"]) for ax in figure["axes"]), figure
+
+
+def test_the_exercise_cells_are_skeletons_that_check_reports_as_not_written():
+    code = [source(c) for c in STORED["cells"] if c["cell_type"] == "code"]
+    outputs = "".join(t[1] for c in STORED["cells"] if c["cell_type"] == "code" for t in texts(c))
+    for name in ("linear_backward", "softmax_backward", "attention_backward", "split_heads",
+                 "merge_heads", "multihead_backward"):
+        assert any(f"def {name}(" in c and "raise NotImplementedError" in c and
+                   f'exercises.check("{name}", {name})' in c for c in code), name
+        assert f"{name}: not yet: not written yet" in outputs
