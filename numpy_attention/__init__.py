@@ -5,6 +5,7 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     linear_forward / linear_backward          Y = X W + b
     softmax_forward / softmax_backward         p = softmax(z), dz = p * (dp - sum(dp * p))
     softmax_jacobian, logsumexp                J = diag(p) - p p^T
+    plain_softmax                              exp(z - max z) / sum: the formula in two lines
     split_heads / merge_heads                  [B, N, D] <-> [B, H, N, D/H]
     attention_forward / attention_backward     softmax(scale * q k^T + ...) v (textbook, blocked, tiled)
     attention_options, AttentionOptions        the options, checked once, as one frozen record
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 _EXPORTS = {                                           # module of this package -> its public names
     "linear": ("linear_forward", "linear_backward", "linear_jvp", "LinearCache"),
     "softmax": ("softmax_forward", "softmax_backward", "softmax_jvp", "softmax_jacobian", "logsumexp",
-                "SoftmaxCache"),
+                "plain_softmax", "SoftmaxCache"),
     "heads": ("split_heads", "merge_heads"),
     "attention": ("attention_forward", "attention_backward", "AttentionCache", "AttentionGrads",
                   "AttentionStages", "TiledAttentionCache"),

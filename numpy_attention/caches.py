@@ -1,7 +1,8 @@
 """What attention's forward saves for its backward, and what the backward returns.
 
 Shape legend as in attention.py. A cache is the options record (options.py) plus the
-tensors the backward needs, all filled in by the forward that builds it.
+tensors the backward needs, all filled in by the forward that builds it; MultiHeadCache
+(multihead.py) holds its steps' caches.
 """
 from typing import NamedTuple, Optional
 
@@ -56,3 +57,14 @@ class AttentionGrads(NamedTuple):
     dsinks: Optional[np.ndarray] = None        # sinks' shape, with sinks
     dalibi_slopes: Optional[np.ndarray] = None   # alibi_slopes' shape, with ALiBi
     dscore_mod_params: Optional[dict] = None     # {name: gradient} of score_mod_params, with them
+
+
+class MultiHeadCache(NamedTuple):
+    """What multihead_backward needs: each step's cache (multihead.py)."""
+    q: tuple                        # LinearCache of each input projection
+    k: tuple
+    v: tuple
+    attention: tuple                # AttentionCache
+    o: tuple                        # LinearCache of the output projection
+    num_heads: int
+    workers: int                    # the projections' threads, resolved (1: the textbook engine)

@@ -6,7 +6,7 @@ Shape legend:  B batch,  N_q / N_k lengths,  D = d_model,  H = num_heads,  d_k =
     MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o,   head_i = Attention(Q W_q^i, K W_k^i, V W_v^i)
 
 Forward                                             Backward (reverse order, one line each)
-    1. Q = query W_q + b_q    [B, N_q, D]               5. linear_backward (W_o): dconcat*
+    1. Q = query W_q + b_q    [B, N_q, D]               5. linear_backward (W_o)
        K = key   W_k + b_k    [B, N_k, D]               4. split_heads (merge's backward)
        V = value W_v + b_v    [B, N_k, D]               3. attention_backward
        (query [B, N_q, D], key [B, N_k, kdim], value [B, N_k, vdim];
@@ -15,18 +15,14 @@ Forward                                             Backward (reverse order, one
     3. attention_forward      [B, H, N_q, d_k]          1. linear_backward (W_q, W_k, W_v)
     4. merge_heads            [B, N_q, D]
     5. out = concat W_o + b_o [B, N_q, D]
-                                                        * dW_o and db_o, which no later step
-                                                          needs, are computed in step 1, with
-                                                          its products on the same threads
 
-Threads (`workers`): the projections run on threads, by default every core for large
-projections or many scores (options.resolve_workers), each product in blocks of rows with
-BLAS on one thread (engines/projections.py), so the threads share them evenly; the blocks
-depend on the shapes alone, and the results are bitwise the same for any number of workers.
-The three splits and merges of heads (Q, K, V; dQ, dK, dV) run there too, one task each,
-when they are large (options.PARALLEL_HEAD_COPIES). The attention takes `workers` as given,
-so by default its own rule (many scores). BLAS is on one thread from the start of a forward or
-backward to its end (except around the textbook engine, which uses BLAS's own threads).
+`textbook_multihead_forward` / `textbook_multihead_backward` below are these steps with the
+ops' own functions, the spec. `multihead_forward` checks its arguments once, then runs an
+engine chosen as attention's is, by `implementation`: 'textbook' runs the textbook pair (and
+the textbook attention), the others (the default 'blocked') run the same steps on threads
+(engines/multihead.py: the projections in blocks of rows, the heads' copies, BLAS held to one
+thread; the results bitwise the same for any number of `workers`), tested equal to the
+textbook to rounding.
 
 Parameters are stored as torch's nn.Linear stores them (weight [out, in]), so
 `state_dict()` has the seed's keys and layouts (W_k.weight [D, kdim], W_v.weight
@@ -37,30 +33,53 @@ that load_state_dict also takes, are in params.py.
 Self-attention: when the same array is passed as query, key and value, the
 gradient w.r.t. that array is grads["query"] + grads["key"] + grads["value"].
 """
-from contextlib import nullcontext
-from typing import NamedTuple
-
 import numpy as np
 
 from ._checks import (as_float_array, read_only_copy, require_cache, require_choice, require_mapping,
                       require_positive_int, require_same_shape)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
-from .engines.parallel import blas_on_one_thread, run_tasks
-from .engines.projections import projections_backward, projections_forward
+from .caches import MultiHeadCache
+from .engines.multihead import threaded_multihead_backward, threaded_multihead_forward
 from .heads import merge_heads, split_heads
-from .options import PARALLEL_HEAD_COPIES, resolve_workers, score_count
-from .params import TORCH_WEIGHTS, check_params, param_shapes, torch_to_seed_keys
+from .linear import linear_backward, linear_forward
+from .options import resolve_workers, score_count
+from .params import TORCH_WEIGHTS, check_params, param_shapes, state_dict_grads, torch_to_seed_keys
 
 
-class MultiHeadCache(NamedTuple):
-    q: tuple                        # LinearCache of each input projection
-    k: tuple
-    v: tuple
-    attention: tuple                # AttentionCache
-    o: tuple                        # LinearCache of the output projection
-    num_heads: int
-    workers: int                    # the projections' threads, resolved
+# ----------------------------------------------------------------------------- the textbook
 
+def textbook_multihead_forward(query, key, value, params, num_heads, mask=None, attention_options=None):
+    """The five steps of the module docstring, whole arrays, the ops' own functions.
+
+    Arguments as multihead_forward's, checked by it. Returns (out [B, N_q, D], MultiHeadCache).
+    """
+    W = {name: params[f"W_{name}.weight"].T for name in "qkvo"}    # math layout [in, out]
+    b = {name: params[f"W_{name}.bias"] for name in "qkvo"}
+    (Q, cq), (K, ck), (V, cv) = (linear_forward(x, W[n], b[n])      # 1. Q = query W_q + b_q  [B, N, D]
+                                 for n, x in zip("qkv", (query, key, value)))
+    Qh, Kh, Vh = (split_heads(x, num_heads) for x in (Q, K, V))     # 2. [B, H, N, d_k]
+    heads, ca = attention_forward(Qh, Kh, Vh, mask=mask, **(attention_options or {}))   # 3. [B, H, N_q, d_k]
+    concat = merge_heads(heads)                                     # 4. [B, N_q, D]
+    out, co = linear_forward(concat, W["o"], b["o"])                # 5. out = concat W_o + b_o
+    return out, MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads, workers=1)
+
+
+def textbook_multihead_backward(dout, cache):
+    """Gradients of textbook_multihead_forward: its five steps in reverse, one line each.
+
+    Returns the dict multihead_backward describes.
+    """
+    dconcat, dW_o, db_o = linear_backward(dout, cache.o)            # 5. output projection
+    dheads = split_heads(dconcat, cache.num_heads)                  # 4. merge_heads' backward
+    g = attention_backward(dheads, cache.attention)                 # 3. attention
+    dQ, dK, dV = (merge_heads(d) for d in (g.dq, g.dk, g.dv))       # 2. split_heads' backward
+    (dquery, dW_q, db_q), (dkey, dW_k, db_k), (dvalue, dW_v, db_v) = (   # 1. input projections
+        linear_backward(d, c) for d, c in ((dQ, cache.q), (dK, cache.k), (dV, cache.v)))
+    return state_dict_grads((dquery, dkey, dvalue), ((dW_q, db_q), (dW_k, db_k), (dW_v, db_v), (dW_o, db_o)),
+                            g.dbias)
+
+
+# ----------------------------------------------------------------------------- the public pair
 
 def multihead_forward(query, key, value, params, num_heads, *, mask=None, **attention_options):
     """The seed's MultiHeadAttention.forward as a pure function.
@@ -74,7 +93,10 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
             to the array that owns the memory, like MultiHeadAttention's own).
         mask: keep-mask broadcastable to [B, H, N_q, N_k] (True/nonzero = attend).
         attention_options: passed to attention_forward (causal, bias, fully_masked, ...);
-            `workers` runs the projections too, where None gives every core for at least
+            `implementation` also picks the module's engine (module docstring): 'textbook'
+            runs the textbook pair, 'blocked' (default) the threaded one; 'tiled' is refused
+            (it never forms the attention weights this returns). `workers` runs the
+            projections too, where None gives every core for at least
             options.PARALLEL_PROJECTIONS multiply-adds in the four projections
             (B (2 N_q D + N_k (kdim + vdim)) D) or PARALLEL_SCORES scores, else 1.
     Returns:
@@ -110,35 +132,24 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
             raise ValueError(f"{name}'s width {x.shape[2]} is not the input width of params[{weight!r}] "
                              f"of shape {params[weight].shape} = [d_model, {width}]; got {shapes}")
     # the projections' threads: every core for large projections or many scores (the attention
-    # resolves its own from `workers` as given); the heads' splits and merges when they are large
+    # resolves its own from `workers` as given); checked here, before any work
     B, N_q, N_k = query.shape[0], query.shape[1], key.shape[1]
     projections = B * (2 * N_q * D + N_k * (key.shape[2] + value.shape[2])) * D      # multiply-adds
     scores = score_count((B, num_heads, N_q, D // num_heads), N_k)
     engine = attention_options.get("implementation") or "blocked"
     workers = resolve_workers(attention_options.get("workers"), engine, scores, projections)
-    with _blas_held(engine):
-        # 1. linear projections (math layout W = weight^T), on the projections' threads
-        (Q, cq), (K, ck), (V, cv) = projections_forward([
-            (query, params["W_q.weight"].T, params["W_q.bias"]),     # [B, N_q, D]
-            (key, params["W_k.weight"].T, params["W_k.bias"]),       # kdim -> [B, N_k, D]
-            (value, params["W_v.weight"].T, params["W_v.bias"])], workers)   # vdim -> [B, N_k, D]
-        # 2. split heads: [B, N, D] -> [B, H, N, d_k], on the threads too
-        Qh, Kh, Vh = run_tasks(split_heads, [(x, num_heads) for x in (Q, K, V)], _copying(workers, Q))
-        # 3. attention per head
-        attn, ca = attention_forward(Qh, Kh, Vh, mask=mask, **attention_options)   # [B, H, N_q, d_k]
-        # 4. merge heads: [B, H, N_q, d_k] -> [B, N_q, D]
-        concat = merge_heads(attn)
-        # 5. output projection
-        [(out, co)] = projections_forward([(concat, params["W_o.weight"].T, params["W_o.bias"])],
-                                          workers)                                   # [B, N_q, D]
-    cache = MultiHeadCache(q=cq, k=ck, v=cv, attention=ca, o=co, num_heads=num_heads, workers=workers)
-    weights = ca.weights.view()                       # read-only: the backward needs P unchanged,
+    if engine == "textbook":
+        out, cache = textbook_multihead_forward(query, key, value, params, num_heads, mask, attention_options)
+    else:
+        out, cache = threaded_multihead_forward(query, key, value, params, num_heads, workers, mask,
+                                                attention_options)
+    weights = cache.attention.weights.view()          # read-only: the backward needs P unchanged,
     weights.flags.writeable = False                   # and a copy would cost another [B, H, N_q, N_k]
     return out, weights, cache
 
 
 def multihead_backward(dout, cache):
-    """Gradients of `multihead_forward`: the children's backwards in reverse, one line each.
+    """Gradients of `multihead_forward`, by the forward's engine.
 
     Returns:
         dict with "query" [B, N_q, D], "key" [B, N_k, kdim], "value" [B, N_k, vdim] and one
@@ -148,22 +159,9 @@ def multihead_backward(dout, cache):
     require_cache(cache, MultiHeadCache, "multihead_backward")
     dout = as_float_array(dout, "dout")
     require_same_shape(dout, cache.o.out_shape, "dout")
-    H, workers = cache.num_heads, cache.workers                          # the forward's threads
-    with _blas_held(cache.attention.options.implementation):
-        [(dconcat, _, _)] = projections_backward([(dout, cache.o, "dx")], workers)  # 5. output projection
-        dattn = split_heads(dconcat, H)                                  # 4. merge_heads' backward
-        g = attention_backward(dattn, cache.attention)                   # 3. attention
-        dQ, dK, dV = run_tasks(merge_heads, [(g.dq,), (g.dk,), (g.dv,)],    # 2. split_heads' backward
-                               _copying(workers, g.dq))
-        (_, dWo, dbo), (dquery, dWq, dbq), (dkey, dWk, dbk), (dvalue, dWv, dbv) = projections_backward(
-            [(dout, cache.o, "dW"),                    # 5.'s dW_o, db_o: first, a large task early
-             (dQ, cache.q), (dK, cache.k), (dV, cache.v)], workers)            # 1. input projections
-    grads = {"query": dquery, "key": dkey, "value": dvalue,
-             "W_q.weight": dWq.T, "W_q.bias": dbq, "W_k.weight": dWk.T, "W_k.bias": dbk,
-             "W_v.weight": dWv.T, "W_v.bias": dbv, "W_o.weight": dWo.T, "W_o.bias": dbo}
-    if g.dbias is not None:                                              # an attention bias
-        grads["bias"] = g.dbias
-    return grads
+    if cache.attention.options.implementation == "textbook":
+        return textbook_multihead_backward(dout, cache)
+    return threaded_multihead_backward(dout, cache)
 
 
 class MultiHeadAttention:
@@ -277,17 +275,3 @@ class MultiHeadAttention:
                 raise TypeError(f"state_dict[{name!r}] is complex ({arr.dtype}); "
                                 f"the module's dtype is {self.dtype}")
         self.params = {name: read_only_copy(arr, self.dtype) for name, arr in params.items()}  # frozen
-
-
-def _blas_held(engine):
-    """BLAS on one thread for a whole forward or backward: the projections and the blocked engine
-    hold it for each of their steps anyway, and one hold costs less than one per step (each
-    is a setting and a restoring of BLAS's threads). Not with the textbook engine, whose
-    products run on BLAS's own threads."""
-    return nullcontext() if engine == "textbook" else blas_on_one_thread()
-
-
-def _copying(workers, heads):
-    """The threads for splitting or merging `heads` (an array of three alike): `workers` from
-    options.PARALLEL_HEAD_COPIES bytes up, else 1 (a thread's task there costs more than the copy)."""
-    return workers if heads.nbytes >= PARALLEL_HEAD_COPIES else 1

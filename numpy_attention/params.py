@@ -87,3 +87,16 @@ def _torch_shapes(packed, d_model, kdim, vdim):
         shapes = {f"{c}_proj_weight": (d_model, d_in) for c, d_in in zip("qkv", (d_model, kdim, vdim))}
     return {**shapes, "in_proj_bias": (3 * d_model,), "out_proj.weight": (d_model, d_model),
             "out_proj.bias": (d_model,)}
+
+
+def state_dict_grads(inputs, projections, dbias=None):
+    """The module's gradients as a dict: "query", "key", "value" from `inputs` (dquery, dkey,
+    dvalue), and each state_dict key from `projections`, the (dW, db) of W_q, W_k, W_v, W_o in the
+    math layout [in, out] (returned transposed, [out, in] as the weights are stored); "bias"
+    with an attention bias's gradient."""
+    grads = dict(zip(("query", "key", "value"), inputs))
+    for name, (dW, db) in zip(PROJECTIONS, projections):
+        grads[f"{name}.weight"], grads[f"{name}.bias"] = dW.T, db
+    if dbias is not None:
+        grads["bias"] = dbias
+    return grads

@@ -4,7 +4,8 @@ Shape legend:  ... any leading axes,  n the softmax axis (the last).
 
     z [..., n] -> p [..., n],   p_i = exp(z_i) / sum_j exp(z_j)
 
-Numerical choices:
+`plain_softmax` is the formula in two lines; `softmax_forward` computes the same p to
+rounding, with these numerical choices:
 - Max shift: every row is shifted by its top entry z_top (the largest real
   part), so exp never overflows; logits of +-1e4 (and beyond) give exact
   one-hot rows, never NaN.
@@ -93,6 +94,22 @@ def logsumexp(z, axis=-1, keepdims=False):
     require_ndim(z, "z", 1, "[..., n]")
     lse = softmax_and_logsumexp(z)[1]
     return lse[..., None] if keepdims else lse
+
+
+def plain_softmax(z):
+    """p = softmax(z) over the last axis in the blog's two lines: the formula to read first.
+
+        e = exp(z - max z)            the shift changes nothing (it cancels) and keeps exp <= 1
+        p = e / sum(e)
+
+    softmax_forward computes the same p to rounding (tests/test_softmax.py: within 2 ulps,
+    saturated rows too), with what this form lacks for a reference: a row of all -inf gives
+    0 / 0 = NaN here but zeros there, the row's logsumexp comes with it (log1p of the small
+    mass, accurate when the row is saturated), and the cache knows each row's largest p for
+    an exact backward of saturated rows. Complex input works (the shift uses real parts).
+    """
+    e = np.exp(z - np.max(np.real(z), axis=-1, keepdims=True))   # [..., n]
+    return e / np.sum(e, axis=-1, keepdims=True)                 # [..., n]
 
 
 def softmax_forward(z):

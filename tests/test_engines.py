@@ -254,12 +254,12 @@ def test_multihead_workers_default_to_every_core_for_large_projections_or_many_s
 def test_multihead_splits_and_merges_heads_on_threads_from_a_mebibyte(monkeypatch):
     """The splits of Q, K, V and merges of dQ, dK, dV run on the projections' threads from
     arrays of 2^20 bytes (options.PARALLEL_HEAD_COPIES), on the calling thread below."""
-    import numpy_attention.multihead as multihead
+    import numpy_attention.engines.multihead as threaded
     calls = []
     def recording(fn, items, workers=1, **kwargs):
         calls.append((fn.__name__, workers))
         return parallel.run_tasks(fn, items, workers, **kwargs)
-    monkeypatch.setattr(multihead, "run_tasks", recording)
+    monkeypatch.setattr(threaded, "run_tasks", recording)
     mha = na.MultiHeadAttention(512, 8, seed=0)
     for N, expected in ((256, 2), (255, 1)):                # Q [1, N, 512] float64: 2^20 bytes at 256
         calls.clear()
@@ -274,6 +274,7 @@ def test_multihead_holds_blas_on_one_thread_through_each_call(monkeypatch, engin
     """multihead_forward and multihead_backward hold BLAS on one thread from start to end (one
     setting instead of one per step), except around the textbook engine, whose products run
     on BLAS's own threads; BLAS gets its threads back after each call, and after a failure."""
+    import numpy_attention.engines.multihead as threaded
     import numpy_attention.multihead as multihead
     from threadpoolctl import threadpool_limits
     seen = {}
@@ -282,8 +283,9 @@ def test_multihead_holds_blas_on_one_thread_through_each_call(monkeypatch, engin
             seen.setdefault(name, []).append(blas_threads())
             return fn(*args, **kwargs)
         return record
-    for name in ("split_heads", "merge_heads", "attention_forward", "attention_backward"):
-        monkeypatch.setattr(multihead, name, recording(name, getattr(multihead, name)))
+    for module in (multihead, threaded):                       # the textbook pair's, the threads'
+        for name in ("split_heads", "merge_heads", "attention_forward", "attention_backward"):
+            monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
     mha = na.MultiHeadAttention(16, 2, seed=0)
     x = np.random.default_rng(4).standard_normal((2, 3, 16))
     with threadpool_limits(limits=2, user_api="blas"):        # BLAS's own: two threads
@@ -299,10 +301,13 @@ def test_multihead_holds_blas_on_one_thread_through_each_call(monkeypatch, engin
             mha(x, x, x, implementation=engine, causal="sideways")
         assert blas_threads() == before and "split_heads" in seen
     one = [1] * len(before)
-    held = before if engine == "textbook" else one               # what the module's own steps see
-    assert calls["split_heads"] == [one] * 3 + [held]           # 3 on run_tasks (forward), backward's
-    assert calls["merge_heads"] == [held] + [one] * 3           # forward's, 3 on run_tasks (backward)
-    assert calls["attention_forward"] == calls["attention_backward"] == [held]
+    if engine == "textbook":                                    # plain calls, BLAS's own threads
+        assert calls["split_heads"] == calls["merge_heads"] == [before] * 4
+        assert calls["attention_forward"] == calls["attention_backward"] == [before]
+    else:
+        assert calls["split_heads"] == [one] * 4                # 3 on run_tasks (forward), backward's
+        assert calls["merge_heads"] == [one] * 4                # forward's, 3 on run_tasks (backward)
+        assert calls["attention_forward"] == calls["attention_backward"] == [one]
 
 
 def test_a_bias_without_batch_axis_splits_a_batch_of_one_by_kv_head():
@@ -698,13 +703,13 @@ def test_projections_backward_computes_the_part_asked_for(monkeypatch):
 def test_multihead_backward_puts_dW_o_with_the_input_projections(monkeypatch):
     """The module's backward computes dconcat alone first, and dW_o, db_o (which no step before
     the input projections needs) in the input projections' call, on their threads."""
-    import numpy_attention.multihead as multihead
+    import numpy_attention.engines.multihead as threaded
     parts = []
     def recording(items, workers):
         parts.append([item[2] if len(item) > 2 else "all" for item in items])
         return projections_backward(items, workers)
-    projections_backward = multihead.projections_backward
-    monkeypatch.setattr(multihead, "projections_backward", recording)
+    projections_backward = threaded.projections_backward
+    monkeypatch.setattr(threaded, "projections_backward", recording)
     mha = na.MultiHeadAttention(16, 2, seed=0)
     x = np.random.default_rng(5).standard_normal((2, 3, 16))
     mha(x, x, x)

@@ -7,8 +7,10 @@ import pytest
 import numpy_attention as na
 
 
-def test_kdim_vdim_gradients_against_complex_step():
-    """multihead_forward with D = 6, kdim = 4, vdim = 3, a mask: the whole Jacobian of every input."""
+@pytest.mark.parametrize("implementation", ["textbook", "blocked"])
+def test_kdim_vdim_gradients_against_complex_step(implementation):
+    """multihead_forward with D = 6, kdim = 4, vdim = 3, a mask: the whole Jacobian of every
+    input, on the textbook pair and on the threaded engine."""
     rng = np.random.default_rng(11)
     mha = na.MultiHeadAttention(6, 2, kdim=4, vdim=3, seed=2)
     keys = list(mha.params)
@@ -16,7 +18,8 @@ def test_kdim_vdim_gradients_against_complex_step():
     mask[..., 0] = True
 
     def forward(query, key, value, *params):
-        out, _, cache = na.multihead_forward(query, key, value, dict(zip(keys, params)), 2, mask=mask)
+        out, _, cache = na.multihead_forward(query, key, value, dict(zip(keys, params)), 2, mask=mask,
+                                             implementation=implementation)
         return out, cache
 
     def backward(dout, cache):
@@ -29,6 +32,32 @@ def test_kdim_vdim_gradients_against_complex_step():
     assert report, report
     # W_k.bias's gradient is exactly zero (softmax ignores a per-row shift): rounding only
     assert max(r.max_rel_err for r in report.rows if r.name != "W_k.bias") <= 1e-12, report
+
+
+def test_the_textbook_pair_is_the_five_steps_and_the_threads_equal_it():
+    """textbook_multihead_forward / _backward are the ops' own functions in the docstring's order
+    (the same values as calling them by hand); the default engine, on threads, equals them to
+    rounding, with kdim / vdim, causal masking and a bias."""
+    rng = np.random.default_rng(13)
+    mha = na.MultiHeadAttention(8, 2, kdim=6, vdim=5, seed=4)
+    query, key, value = (rng.standard_normal(s) for s in ((2, 4, 8), (2, 7, 6), (2, 7, 5)))
+    bias, dout = rng.standard_normal((2, 4, 7)), rng.standard_normal((2, 4, 8))
+    options = dict(causal="bottom_right", bias=bias)
+    runs = {}
+    for implementation, workers in (("textbook", None), ("blocked", 1), ("blocked", 2)):
+        out, weights, cache = na.multihead_forward(query, key, value, mha.params, 2, implementation=implementation,
+                                                   workers=workers, **options)
+        runs[implementation, workers] = {"out": out, "weights": weights, **na.multihead_backward(dout, cache)}
+    W = {n: mha.params[f"W_{n}.weight"].T for n in "qkvo"}
+    b = {n: mha.params[f"W_{n}.bias"] for n in "qkvo"}
+    heads = [na.split_heads(x @ W[n] + b[n], 2) for n, x in zip("qkv", (query, key, value))]
+    by_hand = na.merge_heads(na.attention_forward(*heads, implementation="textbook", **options)[0]) @ W["o"] + b["o"]
+    textbook = runs["textbook", None]
+    np.testing.assert_allclose(textbook["out"], by_hand, rtol=1e-14, atol=1e-14)
+    for name, x in runs["blocked", 1].items():
+        assert np.array_equal(x, runs["blocked", 2][name]), name              # any workers: the same bits
+        assert np.linalg.norm(x - textbook[name]) <= 1e-13 * np.linalg.norm(textbook[name]), name
+    assert set(textbook) == set(runs["blocked", 1]) and "bias" in textbook
 
 
 def test_an_attention_bias_gets_its_gradient():

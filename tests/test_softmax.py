@@ -18,6 +18,24 @@ def test_forward_matches_scipy_and_rows_sum_to_one():
     np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-15)
 
 
+def test_the_two_line_softmax_is_softmax_forward_to_rounding():
+    """plain_softmax (exp(z - max z) / sum) and softmax_forward agree within 2 ulps entry by
+    entry, on ordinary, saturated, complex and partly masked rows; a fully masked row is NaN
+    in the two lines (0 / 0), zeros in softmax_forward."""
+    rng = np.random.default_rng(1)
+    rows = [3 * rng.standard_normal((4, 5, 7)), np.array([[40.0, 3.0, -1.0, 2.0, 0.5], [1e4, -1e4, 0, 1, 2]]),
+            rng.standard_normal((3, 6)) + 1j * 1e-20 * rng.standard_normal((3, 6)),
+            np.where(rng.random((3, 6)) < 0.5, -np.inf, rng.standard_normal((3, 6)))]
+    rows[3][:, 0] = 1.0
+    for z in rows:
+        plain, careful = na.plain_softmax(z), na.softmax_forward(z)[0]
+        assert np.all(np.abs(plain - careful) <= 2 * np.finfo(float).eps * np.abs(careful)), z
+    z = np.array([[-np.inf, -np.inf], [0.0, -np.inf]])
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(na.plain_softmax(z)[0]).all() and np.array_equal(na.softmax_forward(z)[0][0], [0, 0])
+    np.testing.assert_array_equal(na.plain_softmax(z[1:]), [[1.0, 0.0]])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("big", [1e4, 1e6, 1e30])
 def test_stable_at_huge_logits(dtype, big):

@@ -14,9 +14,11 @@ The forwards they differentiate (`FORWARDS` of check.py call these):
     multihead   the blog's five steps (multihead_forward below)
 
 Everything here accepts complex input (the checker differentiates the forwards by complex
-step), so the softmax shifts by the real part of each row's largest entry.
+step); the softmax is softmax.py's two-line plain_softmax.
 """
 import numpy as np
+
+from ..softmax import plain_softmax as softmax     # p = exp(z - max z) / sum_j exp(z_j - max z)
 
 
 def _t(x):
@@ -25,12 +27,6 @@ def _t(x):
 
 
 # ----------------------------------------------------------------------------- forwards
-
-def softmax(z):
-    """p = exp(z - max z) / sum_j exp(z_j - max z) over the last axis (the shift changes nothing)."""
-    e = np.exp(z - np.max(z.real, axis=-1, keepdims=True))
-    return e / np.sum(e, axis=-1, keepdims=True)
-
 
 def attention(q, k, v):
     """(out, P): S = q k^T / sqrt(d_k), P = softmax(S), out = P v."""
