@@ -112,3 +112,22 @@ def test_the_exercise_cells_are_skeletons_that_check_reports_as_not_written():
         assert any(f"def {name}(" in c and "raise NotImplementedError" in c and
                    f'exercises.check("{name}", {name})' in c for c in code), name
         assert f"{name}: not yet: not written yet" in outputs
+
+
+def test_the_data_flow_diagram_is_its_scripts_and_names_real_functions():
+    """docs/dataflow.svg is what docs/make_diagram.py draws (rerun it after a change), well-formed
+    SVG, and each `module.py: function` on it is defined in that module of the package."""
+    import re
+    import xml.etree.ElementTree as ElementTree
+    import make_diagram
+    stored = make_diagram.OUT.read_text()
+    assert stored == make_diagram.svg()
+    root = ElementTree.fromstring(stored)
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    refs = re.findall(r"(\w+\.py): (\w+)", stored)
+    assert len(refs) == len(make_diagram.FORWARD_STEPS) + len(make_diagram.BACKWARD_STEPS)
+    for module, name in refs:
+        text = (ROOT / "numpy_attention" / module).read_text()
+        assert re.search(rf"^def {name}\b", text, flags=re.M), (module, name)
+    for name, shape in make_diagram.FORWARD + make_diagram.BACKWARD:
+        assert name in stored and shape.replace("<", "&lt;") in stored
