@@ -54,7 +54,7 @@ from benchmarks._common import (OtherLoad, machine_line, matmul_gflops, median_t
 from numpy_attention import MultiHeadAttention  # noqa: E402
 from numpy_attention.engines import projections  # noqa: E402
 from numpy_attention.engines.parallel import blas_on_one_thread, run_tasks  # noqa: E402
-from numpy_attention.options import resolve_workers  # noqa: E402
+from numpy_attention.engines.plan import resolve_workers  # noqa: E402
 
 SHAPES = [(2, 10, 512, 8), (4, 256, 512, 8), (2, 1024, 512, 8), (1, 2048, 512, 8)]
 

@@ -14,7 +14,7 @@ one run's peak cannot hide another's. Time: the median of 3 calls after an untim
 where that call alone takes over 10 s. The textbook and blocked engines are skipped
 where one [8, N, N] array alone would pass --max-gib (default 2 GiB; at N=8192 it is
 4 GiB, and those engines hold several such arrays at once). --workers: the engines' threads
-(default: theirs, every core from 2^19 scores on, options.PARALLEL_SCORES). --causal-by: the
+(default: theirs, every core from 2^19 scores on, plan.PARALLEL_SCORES). --causal-by: the
 causal mask given as the option causal=True (default), as FlexAttention's
 mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx (scores.py), or both, each way timed in
 its own processes, with the ratios mask_mod / option of time and of peak memory.

@@ -26,7 +26,7 @@ BACKWARD = [("dquery, dkey, dvalue", "[B, N, D];  dW, db"), ("dQ, dK, dV", "[B, 
 # the step from row i to row i + 1: (formula, function) forward; backward from row i + 1 to row i
 FORWARD_STEPS = [("Q = query W_q + b_q  (K, V alike)", "linear.py: linear_forward"),
                  ("cut D into H heads of d_k", "heads.py: split_heads"),
-                 ("S = Qh Kh^T / sqrt(d_k)", "attention.py: attention_scores"),
+                 ("S = Qh Kh^T / sqrt(d_k)", "scores.py: attention_scores"),
                  ("P = softmax(S), row by row", "softmax.py: softmax_forward"),
                  ("heads = P Vh", "attention.py: textbook_forward"),
                  ("join the H heads into D", "heads.py: merge_heads"),

@@ -50,11 +50,12 @@ from ._checks import as_float_array, require_cache, require_choice, require_same
 from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache
 from .engines.blocked import blocked_backward, blocked_forward
+from .engines.plan import TEXTBOOK, attention_plan
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from . import scores
 from .options import FULLY_MASKED_POLICIES, attention_options, check_per_head
-from .scores import ScoreGrads, head_gradient, with_sink, with_sink_weight
+from .scores import ScoreGrads, attention_scores, head_gradient, with_sink, with_sink_weight
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
@@ -71,19 +72,10 @@ def _t(x):
 
 # ----------------------------------------------------------------------------- the textbook
 
-def attention_scores(q, k, options):
-    """Steps 1-4: the softmax's input S [..., H, N_q, N_k], -inf where not kept.
-
-    Returns (S, scores.Saved: tanh(scale q k^T / softcap) and score_mod's input, or Nones).
-    """
-    S = scaled(grouped_matmul(q, _t(k)), options.scale)   # 1. S = scale q k^T   [..., H, N_q, N_k]
-    return scores.forward(S, options)               # 2-4. softcap, bias, ALiBi, -inf where not kept
-
-
-def textbook_forward(q, k, v, options):
+def textbook_forward(q, k, v, options, plan=TEXTBOOK):
     """out = softmax(scale q k^T [+ options]) v on whole arrays, the steps of the module docstring.
 
-    q, k, v and options as `attention_options` returns them.
+    q, k, v and options as `attention_options` returns them; the plan is the textbook's.
     Returns out [..., H, N_q, d_v] and an AttentionCache.
     """
     o = options
@@ -98,7 +90,7 @@ def textbook_forward(q, k, v, options):
     out = grouped_matmul(P_drop, v)                 # 7. out = P~ v           [..., H, N_q, d_v]
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=P, lse=lse,
                                top=softmax_cache.top[..., 0], softcap_tanh=saved.softcap_tanh,
-                               score_mod_input=saved.mod_input)
+                               score_mod_input=saved.mod_input, plan=plan)
 
 
 def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -152,7 +144,7 @@ def _weights_from_lse(cache):
 
 # ----------------------------------------------------------------------------- the public pair
 
-# implementation -> (forward(q, k, v, options) -> (out, cache),
+# implementation -> (forward(q, k, v, options, plan) -> (out, cache),
 #                    backward(dout, cache, method, return_stages) -> AttentionGrads)
 ENGINES = {"textbook": (textbook_forward, textbook_backward),
            "blocked": (blocked_forward, blocked_backward),
@@ -225,12 +217,12 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             [N_q, N_k] array, O(N) memory; every option but softcap, dropout and the
             'uniform' / 'nan' policies, ValueError for those). None: 'tiled' if
             block_size is given, else 'blocked'.
-        block_size: the tiled engine's tile size (default options.TILE_SIZE = 256).
+        block_size: the tiled engine's tile size (default plan.TILE_SIZE = 256).
         workers: threads for the blocked and tiled engines: their independent slices (blocks
             of rows; the tiled backward's batch index and kv head) run on a thread pool with
             BLAS held to one thread (engines/parallel.py; for one worker too: `workers` threads
             in all); the results are bitwise the same for any number. None (default): every
-            core this process may use when the scores have at least options.PARALLEL_SCORES =
+            core this process may use when the scores have at least plan.PARALLEL_SCORES =
             2^19 entries (with packed sequences, counting each sequence's own scores only),
             else 1. The backward (and attention_jvp) uses the forward's.
         scheduler: the tiled engine's slices on a Dask cluster instead (the optional extra
@@ -251,18 +243,19 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         sinks, alibi_slopes = check_per_head(q.shape, sinks, alibi_slopes, q.shape[0])   # the caller's q
         q, k, v = pack(q, k, v, paged)
         cu_seqlens_q, cu_seqlens_k = cu_seqlens(paged)
-    q, k, v, options = attention_options(
+    q, k, v, options = attention_options(                           # the math, checked once
         q, k, v, mask=mask, bias=bias, causal=causal, align=align, window=window, scale=scale,
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
-        fully_masked=fully_masked, check_finite=check_finite, implementation=implementation,
-        block_size=block_size, sinks=sinks, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, workers=workers, scheduler=scheduler,
+        fully_masked=fully_masked, check_finite=check_finite, sinks=sinks, alibi_slopes=alibi_slopes,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
         score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
-    forward, _ = ENGINES[options.implementation]
+    plan = attention_plan(options, q.shape, k.shape, implementation=implementation,   # where and how
+                          block_size=block_size, workers=workers, scheduler=scheduler)
+    forward, _ = ENGINES[plan.implementation]
+    out, cache = forward(q, k, v, options, plan)
     if paged is None:
-        return forward(q, k, v, options)
-    out, cache = forward(q, k, v, options._replace(paged=paged))
-    return unpack_rows(out, paged), cache
+        return out, cache
+    return unpack_rows(out, paged), cache._replace(paged=paged)     # the backward returns to the pages
 
 
 def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -292,7 +285,7 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
     require_cache(cache, AttentionCache, "attention_backward",      # (a TiledAttentionCache is one)
                   arrays=("q", "k", "v", "out", "lse") + (() if isinstance(cache, TiledAttentionCache)
                                                           else ("weights", "top")))
-    paged = cache.options.paged
+    paged = cache.paged
     if paged is not None:                                           # the caller's layout -> packed
         require_same_shape(dout, paged.q_shape[:-1] + cache.v.shape[-1:], "dout")
         dout = pack_rows(np.asarray(dout))
@@ -306,7 +299,7 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
             raise ValueError(f"dlse must have lse's shape {cache.lse.shape} [..., H, N_q], "
                              f"got {np.shape(dlse)}")
         dlse = as_float_array(dlse, "dlse").astype(dout.dtype, copy=False)
-    _, backward = ENGINES[cache.options.implementation]
+    _, backward = ENGINES[cache.plan.implementation]
     grads = backward(dout, cache, dlse, method=method, return_stages=return_stages)
     if paged is None:
         return grads

@@ -8,7 +8,10 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .engines.plan import AttentionPlan
 from .options import AttentionOptions
+from .paged import PagedLayout
+from .scores import attention_scores
 
 
 class AttentionCache(NamedTuple):
@@ -26,6 +29,8 @@ class AttentionCache(NamedTuple):
                                              # largest P (None: tiled)
     softcap_tanh: Optional[np.ndarray] = None   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
     score_mod_input: Optional[np.ndarray] = None   # [..., H, N_q, N_k] score_mod's input, or None
+    plan: AttentionPlan = AttentionPlan("textbook")   # the engine that made it, and computes its backward
+    paged: Optional[PagedLayout] = None      # q, k, v were packed from a paged KV cache (paged.py)
 
     @property
     def scores(self):
@@ -33,7 +38,6 @@ class AttentionCache(NamedTuple):
 
         Not stored: the blocked engine only ever holds one block of it.
         """
-        from .attention import attention_scores       # (attention.py imports this module)
         return attention_scores(self.q, self.k, self.options)[0]
 
 

@@ -35,6 +35,7 @@ from .attention import textbook_forward
 from .caches import AttentionGrads
 from .engines.tiled import tiled_jvp
 from . import scores
+from .engines.plan import attention_plan
 from .options import attention_options
 from .scores import keep_mask, with_sink, with_sink_weight
 
@@ -63,7 +64,7 @@ def _row_tangent(S_dot, o, sinks_dot):
     """S_dot with the sink's column (sinks_dot, or 0) when the options have sinks."""
     if o.sinks is None:
         return S_dot
-    return with_sink(S_dot, o._replace(sinks=np.zeros_like(o.sinks) if sinks_dot is None else sinks_dot))
+    return with_sink(S_dot, o, sinks=np.zeros_like(o.sinks) if sinks_dot is None else sinks_dot)
 
 
 def _softmax_tangent(P_row, S_dot_row):
@@ -73,9 +74,10 @@ def _softmax_tangent(P_row, S_dot_row):
 
 
 def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
-    """(q, k, v, options record, textbook cache (None for the tiled engine), dict of tangents)
-    checked, the tangents in the computation's dtype (a tangent left None: zeros for q, k, v;
-    None for the others). engines: the implementations this call runs (default: textbook)."""
+    """(q, k, v, options record, plan, textbook cache (None for the tiled engine), dict of
+    tangents) checked, the tangents in the computation's dtype (a tangent left None: zeros for
+    q, k, v; None for the others). engines: the implementations this call runs (default:
+    textbook)."""
     if options.get("implementation") == "blocked" or (options.get("implementation") == "tiled"
                                                       and "tiled" not in engines):
         raise ValueError(f"this runs on the {' or '.join(engines)} engine, not "
@@ -86,8 +88,11 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
     tiled = options.get("implementation") == "tiled" or options.get("block_size") is not None
     if tiled and "tiled" not in engines:
         raise ValueError("this runs on the textbook engine; block_size selects the tiled one")
-    q, k, v, o = attention_options(q, k, v, **{**options, "implementation": "tiled" if tiled else "textbook"})
-    cache = None if tiled else textbook_forward(q, k, v, o)[1]
+    planned = {name: options.pop(name) for name in ("block_size", "workers", "scheduler") if name in options}
+    options.pop("implementation", None)
+    q, k, v, o = attention_options(q, k, v, **options)
+    plan = attention_plan(o, q.shape, k.shape, implementation="tiled" if tiled else "textbook", **planned)
+    cache = None if tiled else textbook_forward(q, k, v, o, plan)[1]
     primals = {"q_dot": q, "k_dot": k, "v_dot": v, "bias_dot": o.bias, "sinks_dot": o.sinks,
                "alibi_slopes_dot": o.alibi_slopes}
     checked = {}
@@ -100,7 +105,7 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
             checked[name] = _tangent(x, primals[name], name, q.dtype)
         else:
             checked[name] = None
-    return q, k, v, o, cache, checked
+    return q, k, v, o, plan, cache, checked
 
 
 def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None, sinks_dot=None,
@@ -112,11 +117,11 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
     block_size) by the tiled engine's online softmax carrying the tangents (engines/tiled.py,
     tiled_jvp: O(N) memory). A tangent left None is 0.
     """
-    q, k, v, o, cache, dot = _primal_and_tangents(q, k, v, dict(
+    q, k, v, o, plan, cache, dot = _primal_and_tangents(q, k, v, dict(
         q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,
         alibi_slopes_dot=alibi_slopes_dot), options, engines=("textbook", "tiled"))
     if cache is None:                                  # the tiled engine: O(N) memory
-        return tiled_jvp(q, k, v, o, dot["q_dot"], dot["k_dot"], dot["v_dot"], dot["bias_dot"],
+        return tiled_jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"], dot["bias_dot"],
                          dot["alibi_slopes_dot"], dot["sinks_dot"])
     saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], saved, dot["bias_dot"],      # 1-4.
@@ -142,7 +147,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     if options.get("score_mod") is not None:
         raise ValueError("attention_hvp takes no score_mod: the Hessian needs its second derivative, which "
                          "the oracle does not take; mask_mod is accepted")
-    q, k, v, o, cache, dot = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot, v_dot=v_dot),
+    q, k, v, o, _, cache, dot = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot, v_dot=v_dot),
                                                   options)
     if dout is None:
         raise TypeError("attention_hvp needs dout, the upstream gradient the Hessian is of <dout, out>")

@@ -42,7 +42,7 @@ from .caches import MultiHeadCache
 from .engines.multihead import threaded_multihead_backward, threaded_multihead_forward
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
-from .options import resolve_workers, score_count
+from .engines.plan import resolve_workers, score_count
 from .params import TORCH_WEIGHTS, check_params, param_shapes, state_dict_grads, torch_to_seed_keys
 
 
@@ -97,7 +97,7 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
             runs the textbook pair, 'blocked' (default) the threaded one; 'tiled' is refused
             (it never forms the attention weights this returns). `workers` runs the
             projections too, where None gives every core for at least
-            options.PARALLEL_PROJECTIONS multiply-adds in the four projections
+            plan.PARALLEL_PROJECTIONS multiply-adds in the four projections
             (B (2 N_q D + N_k (kdim + vdim)) D) or PARALLEL_SCORES scores, else 1.
     Returns:
         out [B, N_q, D], attn_weights [B, H, N_q, N_k], MultiHeadCache. attn_weights is a
@@ -159,7 +159,7 @@ def multihead_backward(dout, cache):
     require_cache(cache, MultiHeadCache, "multihead_backward")
     dout = as_float_array(dout, "dout")
     require_same_shape(dout, cache.o.out_shape, "dout")
-    if cache.attention.options.implementation == "textbook":
+    if cache.attention.plan.implementation == "textbook":
         return textbook_multihead_backward(dout, cache)
     return threaded_multihead_backward(dout, cache)
 

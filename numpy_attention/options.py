@@ -1,9 +1,11 @@
-"""Attention's options, checked once: the frozen record that every engine and crosscheck share.
+"""Attention's options, checked once: the frozen record of the math that every engine and
+crosscheck share.
 
     q, k, v, options = attention_options(q, k, v, mask=mask, causal=True, ...)
 
-`attention_options` runs every check of `attention_forward`'s arguments, so an engine only
-computes. Shape legend (as in attention.py):
+`attention_options` runs every check of `attention_forward`'s arguments that say what is
+computed, so an engine only computes; where and how (the engine, its tiles, threads, a
+cluster) is the plan's (engines/plan.py). Shape legend (as in attention.py):
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
     N_q, N_k lengths;  d_k, d_v widths;  the scores S are [..., H, N_q, N_k]
 
@@ -11,25 +13,18 @@ The score steps that these options describe (softcap, bias, ALiBi, the keep-mask
 are scores.py's; `masked` says whether step 4 removes any score.
 """
 import math
-import os
 from typing import NamedTuple, Optional
 
 import numpy as np
 
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
-                      read_only_copy, require_positive_int, require_positive_real, require_probability,
+                      read_only_copy, require_positive_real, require_probability,
                       result_dtype)
 from ._layout import check_window, resolve_alignment
 from .positions import sequence_lengths
 from .scores import numpy_mod
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
-IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
-TILE_SIZE = 256             # the tiled engine's default block size (rows and columns per tile)
-PARALLEL_SCORES = 1 << 19   # workers=None: every core from this many scores [..., H, N_q, N_k] up
-PARALLEL_PROJECTIONS = 1 << 24   # MultiHeadAttention's projections: every core also from this many
-                                 # multiply-adds in the forward's four projections up (B N D^2 each)
-PARALLEL_HEAD_COPIES = 1 << 20   # and its splits and merges of heads from arrays of this many bytes up
 
 
 class AttentionOptions(NamedTuple):
@@ -50,11 +45,6 @@ class AttentionOptions(NamedTuple):
     cu_seqlens_k: Optional[np.ndarray]  # [B + 1] along N_k
     seqused_k: Optional[np.ndarray]     # [B] keys used of each sequence (None: all)
     masked: bool                        # whether any score is set to -inf (step 4)
-    implementation: str                 # 'textbook', 'blocked' or 'tiled'
-    block_size: Optional[int]           # the tiled engine's tile size; None for the others
-    paged: Optional[object] = None      # paged.PagedLayout: q, k, v were packed from a paged KV cache
-    workers: int = 1                    # threads of the blocked and tiled engines (engines/parallel.py)
-    scheduler: object = None            # the tiled engine's Dask cluster: a Client or an address (or None)
     score_mod: object = None            # FlexAttention's score_mod(score, b, h, q_idx, kv_idx[, params]), or None
     mask_mod: object = None             # FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool, or None
     score_mod_params: Optional[dict] = None   # {name: read-only array}: score_mod's parameters
@@ -62,18 +52,17 @@ class AttentionOptions(NamedTuple):
 
 def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
-                      fully_masked="zero", check_finite=False, implementation=None, block_size=None,
-                      sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                      seqused_k=None, workers=None, scheduler=None, score_mod=None, mask_mod=None,
-                      score_mod_params=None):
+                      fully_masked="zero", check_finite=False, sinks=None, alibi_slopes=None,
+                      cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, score_mod=None,
+                      mask_mod=None, score_mod_params=None):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
     them then never shares memory with the caller's arrays, and each head's [N, d] matrix has
     unit stride for BLAS whatever the caller's layout: a transposed view, a broadcast stack);
-    mask, bias and the dropout scale are read-only copies. implementation None is 'tiled' when
-    block_size is given, else 'blocked'. Raises ValueError / TypeError naming the argument and
-    the shapes.
+    mask, bias and the dropout scale are read-only copies. Where and how it runs (the engine,
+    threads, a cluster) is engines/plan.py's attention_plan. Raises ValueError / TypeError
+    naming the argument and the shapes.
     """
     q, k, v = _check_qkv(q, k, v)
     causal, align = resolve_alignment(causal, align)
@@ -109,8 +98,6 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     sinks, alibi_slopes = (None if x is None else x.astype(dtype) for x in (sinks, alibi_slopes))
     if dropout_scale is not None:                                # keep / (1 - p) in the scores' dtype
         dropout_scale = dropout_scale.astype(q.real.dtype)
-    implementation, block_size = _engine(implementation, block_size, softcap, dropout_scale,
-                                         fully_masked)
     if packed[0] is not None and fully_masked == "uniform":
         raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
@@ -124,20 +111,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),
-        masked=masked, implementation=implementation, block_size=block_size,
-        workers=resolve_workers(workers, implementation, score_count(q.shape, k.shape[-2], packed)),
-        scheduler=check_scheduler(scheduler, implementation),
-        score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
-
-
-def score_count(q_shape, n_k, packed=(None, None)):
-    """The scores the engines work on for q [..., H, N_q, d_k] and N_k keys: [..., H, N_q, N_k];
-    with packed sequences (cu_seqlens_q, cu_seqlens_k) each sequence's own block,
-    H * sum_b n_q[b] * n_k[b] (the tiled engine skips the tiles between two sequences, the
-    blocked engine the columns outside a block's sequences)."""
-    if packed[0] is None:
-        return math.prod(q_shape[:-1]) * n_k
-    return math.prod(q_shape[:-2]) * int(np.dot(np.diff(packed[0]), np.diff(packed[1])))
+        masked=masked, score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -222,46 +196,6 @@ def check_per_head(q_shape, sinks, alibi_slopes, sequences=None):
     return checked
 
 
-def available_cores():
-    """The cores this process may use (os.sched_getaffinity; os.cpu_count where it has none)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def resolve_workers(workers, implementation, scores, projections=0):
-    """workers as an int >= 1; more than one runs the blocked or tiled engine on threads.
-    None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
-    engines when they compute at least PARALLEL_SCORES scores (score_count), or when
-    MultiHeadAttention's projections take at least PARALLEL_PROJECTIONS multiply-adds
-    (`projections`), where threads gained here (below both there is little work to share);
-    else 1."""
-    if workers is None:
-        if implementation == "textbook" or (scores < PARALLEL_SCORES and projections < PARALLEL_PROJECTIONS):
-            return 1
-        return available_cores()
-    workers = require_positive_int(workers, "workers")
-    if workers > 1 and implementation not in ("blocked", "tiled"):
-        raise ValueError(f"workers={workers} runs the blocked or tiled engine on threads; "
-                         f"implementation={implementation!r} runs on one")
-    return workers
-
-
-def check_scheduler(scheduler, implementation="tiled"):
-    """scheduler checked: None, a dask.distributed Client (anything with submit, scatter and
-    gather), or a scheduler's address string; it runs the tiled engine's slices."""
-    if scheduler is None:
-        return None
-    if not isinstance(scheduler, str) and not all(hasattr(scheduler, name) for name in
-                                                  ("submit", "scatter", "gather")):
-        raise TypeError(f"scheduler must be a dask.distributed Client or a scheduler's address such "
-                        f"as 'tcp://host:8786', got {type(scheduler).__name__}")
-    if isinstance(scheduler, str) and not scheduler.strip():
-        raise ValueError("scheduler must be a scheduler's address such as 'tcp://host:8786', got ''")
-    if implementation != "tiled":
-        raise ValueError(f"scheduler= runs the tiled engine's slices on a Dask cluster; "
-                         f"implementation={implementation!r} runs here (use implementation='tiled')")
-    return scheduler
-
-
 def _check_qkv(q, k, v):
     """q, k, v checked against each other; fresh row-major arrays of one dtype."""
     q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
@@ -326,24 +260,3 @@ def _dropout_scale(dropout_mask, dropout_p, score_shape, legend):
         return None
     keep = as_mask(dropout_mask, "dropout_mask", score_shape, legend)
     return keep / (1.0 - dropout_p)
-
-
-def _engine(implementation, block_size, softcap, dropout_scale, fully_masked):
-    """(implementation, block_size) checked: block_size belongs to the tiled engine, which
-    supports neither softcap, dropout nor the 'uniform' / 'nan' policies."""
-    if implementation is None:
-        implementation = "blocked" if block_size is None else "tiled"
-    require_choice(implementation, "implementation", IMPLEMENTATIONS)
-    if implementation != "tiled":
-        if block_size is not None:
-            raise ValueError(f"block_size={block_size!r} is the tiled engine's tile size; "
-                             f"implementation={implementation!r} takes none")
-        return implementation, None
-    block_size = TILE_SIZE if block_size is None else require_positive_int(block_size, "block_size")
-    unsupported = {"softcap": softcap is not None, "dropout_mask": dropout_scale is not None,
-                   f"fully_masked={fully_masked!r}": fully_masked != "zero"}
-    for name, used in unsupported.items():
-        if used:
-            raise ValueError(f"the tiled engine (implementation='tiled', block_size={block_size}) "
-                             f"does not support {name}; use implementation='blocked' or 'textbook'")
-    return implementation, block_size

@@ -41,11 +41,23 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ._layout import unbroadcast
+from ._layout import grouped_matmul, scaled, unbroadcast
 from .positions import band_keep, distance, positions, sequence_of
 
 WHOLE = (Ellipsis, slice(None), slice(None))     # the index of all of the scores
 UNKNOWN = object()                               # keep= not given: the step computes it
+
+
+# ----------------------------------------------------------------------------- 1-4. whole arrays
+
+def attention_scores(q, k, options):
+    """Steps 1-4 on whole arrays: the softmax's input S [..., H, N_q, N_k], -inf where not kept.
+
+    q [..., H, N_q, d_k], k [..., H_kv, N_k, d_k] and options as attention_options returns them.
+    Returns (S, Saved: tanh(scale q k^T / softcap) and score_mod's input, or Nones).
+    """
+    S = scaled(grouped_matmul(q, np.swapaxes(k, -1, -2)), options.scale)   # 1. S = scale q k^T
+    return forward(S, options)                      # 2-4. softcap, bias, ALiBi, -inf where not kept
 
 
 # ----------------------------------------------------------------------------- 4. keep
@@ -576,13 +588,15 @@ class ScoreGrads:
 
 # ----------------------------------------------------------------------------- 5. the sink's column
 
-def with_sink(S, options, score_shape=None, index=WHOLE):
+def with_sink(S, options, score_shape=None, index=WHOLE, sinks=None):
     """S[index] [..., rows, cols], with the sink as one more column [..., rows, cols + 1] when
     the options have sinks: a logit per head in every row's softmax, with no value.
-    score_shape: the whole scores' shape (default S.shape: S is all of them)."""
+    score_shape: the whole scores' shape (default S.shape: S is all of them). sinks: the
+    column's values in the sinks' place (their tangent), default options.sinks."""
     if options.sinks is None:
         return S
-    sinks = heads_view(options.sinks, S.shape if score_shape is None else score_shape)[index[:-2]]
+    sinks = options.sinks if sinks is None else sinks
+    sinks = heads_view(sinks, S.shape if score_shape is None else score_shape)[index[:-2]]
     column = np.broadcast_to(sinks[..., None, None], S.shape[:-1] + (1,))
     return np.concatenate([S, column.astype(S.dtype)], axis=-1)
 

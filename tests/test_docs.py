@@ -371,5 +371,5 @@ def test_code_references_name_functions_that_exist():
 def test_readme_table_points_at_the_textbook():
     table = README.read_text().split("## Learner")[1].split("```")[0]
     for name in ("attention.py: textbook_forward", "attention.py: textbook_backward",
-                 "attention.py: attention_scores", "softmax.py: softmax_forward", "softmax.py: softmax_backward"):
+                 "scores.py: attention_scores", "softmax.py: softmax_forward", "softmax.py: softmax_backward"):
         assert name in table

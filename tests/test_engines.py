@@ -140,9 +140,9 @@ def test_gradients_come_back_contiguous(implementation):
 
 def test_the_default_engine_is_blocked_and_block_size_selects_tiled():
     q, k, v, _ = inputs()
-    assert na.attention_forward(q, k, v)[1].options.implementation == "blocked"
-    assert na.attention_forward(q, k, v, block_size=4)[1].options.implementation == "tiled"
-    assert na.attention_forward(q, k, v, implementation="tiled")[1].options.block_size == 256
+    assert na.attention_forward(q, k, v)[1].plan.implementation == "blocked"
+    assert na.attention_forward(q, k, v, block_size=4)[1].plan.implementation == "tiled"
+    assert na.attention_forward(q, k, v, implementation="tiled")[1].plan.block_size == 256
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -214,20 +214,26 @@ def test_tiled_workers_give_bitwise_the_same_results(option):
 
 
 def test_workers_default_to_every_core_from_2_to_the_19_scores():
+    from numpy_attention.engines.plan import attention_plan
     cores = len(os.sched_getaffinity(0))
+    def workers(q, k, **kwargs):
+        planned = {n: kwargs.pop(n) for n in ("implementation", "block_size", "workers") if n in kwargs}
+        q, k, _, options = na.attention_options(q, k, k, **kwargs)
+        return attention_plan(options, q.shape, k.shape, **planned).workers
     small, large = np.zeros((1, 2, 255, 1)), np.zeros((1, 2, 1024, 1))   # 2 * 255 * 1024 < 2^19 scores
-    assert na.attention_options(small, large, large)[3].workers == 1
-    assert na.attention_options(large, large, large)[3].workers == cores  # 2 * 1024^2 = 2^21
-    assert na.attention_options(large, large, large, block_size=64)[3].workers == cores
-    assert na.attention_options(large, large, large, implementation="textbook")[3].workers == 1
-    assert na.attention_options(large, large, large, workers=1)[3].workers == 1
+    assert workers(small, large) == 1
+    assert workers(large, large) == cores                  # 2 * 1024^2 = 2^21
+    assert workers(large, large, block_size=64) == cores
+    assert workers(large, large, implementation="textbook") == 1
+    assert workers(large, large, workers=1) == 1
+    assert na.attention_forward(large, large, large)[1].plan.workers == cores   # what the call runs on
     packed = np.zeros((2, 2048, 1))                        # 2 * 2048^2 = 2^23 scores in the array,
     cu = np.arange(0, 2049, 256)                           # but 2 * 8 * 256^2 = 2^20 in its 8 sequences
-    assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == cores
+    assert workers(packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu) == cores
     cu = np.arange(0, 2049, 128)                           # 2 * 16 * 128^2 = 2^19
-    assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == cores
+    assert workers(packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu) == cores
     cu = np.arange(0, 2049, 64)                            # 2 * 32 * 64^2 = 2^18
-    assert na.attention_options(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)[3].workers == 1
+    assert workers(packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu) == 1
 
 
 def test_multihead_workers_default_to_every_core_for_large_projections_or_many_scores():
@@ -239,7 +245,7 @@ def test_multihead_workers_default_to_every_core_for_large_projections_or_many_s
     def workers(B, N_q, N_k, D=512, **options):
         query, key = np.zeros((B, N_q, D)), np.zeros((B, N_k, D))
         cache = na.multihead_forward(query, key, key, modules[D], 8, **options)[2]
-        return cache.workers, cache.attention.options.workers
+        return cache.workers, cache.attention.plan.workers
     assert workers(2, 10, 10) == (cores, 1)                # the blog's shape: 40 2^19; 1600 scores
     assert workers(2, 8, 8) == (cores, 1)                  # 32 2^19 = 2^24
     assert workers(2, 8, 7) == (1, 1)                      # just below
@@ -253,7 +259,7 @@ def test_multihead_workers_default_to_every_core_for_large_projections_or_many_s
 
 def test_multihead_splits_and_merges_heads_on_threads_from_a_mebibyte(monkeypatch):
     """The splits of Q, K, V and merges of dQ, dK, dV run on the projections' threads from
-    arrays of 2^20 bytes (options.PARALLEL_HEAD_COPIES), on the calling thread below."""
+    arrays of 2^20 bytes (plan.PARALLEL_HEAD_COPIES), on the calling thread below."""
     import numpy_attention.engines.multihead as threaded
     calls = []
     def recording(fn, items, workers=1, **kwargs):
@@ -563,7 +569,7 @@ def test_multihead_attention_on_threads_has_the_bits_of_one_thread(d_model):
     runs = []
     for workers in (1, 2, 3):
         out, weights, cache = na.multihead_forward(query, key, value, params, 4, workers=workers, causal=True)
-        assert cache.workers == cache.attention.options.workers == workers
+        assert cache.workers == cache.attention.plan.workers == workers
         runs.append([out, weights, *na.multihead_backward(dout, cache).values()])
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):

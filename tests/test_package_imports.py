@@ -80,3 +80,47 @@ def test_crosscheck_and_gradcheck_stay_functions_whatever_is_imported_first(firs
             "print(numpy_attention.oracle.rule.__name__)\n")
     assert fresh(code).splitlines() == ["crosscheck function module True", "gradcheck function module True",
                                         "conform function module True", "numpy_attention.oracle.rule"]
+
+
+def imports_between_modules(root):
+    """{module: the package's modules it imports (at any depth of its code, lazy ones too)}."""
+    import ast
+    modules = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    edges = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                edges[name] |= {m for m in [target] + [f"{target}.{a.name}" for a in node.names] if m in modules}
+    return edges
+
+
+def test_imports_run_one_way():
+    """No module imports one that imports it, directly or through others (a package's
+    __init__ importing its own submodules aside): layers import down, never up."""
+    import pathlib
+    edges = imports_between_modules(pathlib.Path(na.__file__).parent)
+    related = lambda a, b: a.startswith(b + ".") or b.startswith(a + ".")
+    state, path, cycles = {}, [], []
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for other in sorted(edges[module]):
+            if related(module, other) or other == "numpy_attention":
+                continue
+            if state.get(other) == "open":
+                cycles.append(path[path.index(other):] + [other])
+            elif other not in state:
+                visit(other)
+        path.pop()
+        state[module] = "done"
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    assert len(edges) > 50 and not cycles, cycles

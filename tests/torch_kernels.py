@@ -18,7 +18,7 @@ import threadpoolctl
 import torch
 
 from numpy_attention import crosscheck
-from numpy_attention.options import available_cores
+from numpy_attention.engines.plan import available_cores
 
 F = torch.nn.functional
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

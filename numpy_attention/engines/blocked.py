@@ -123,8 +123,9 @@ def _block_scores(q3, k3, options, score_shape, block, group, cols, keep, out=No
     return scores.forward(s, options, score_shape, block + (cols,), keep)                        # 2-4.
 
 
-def blocked_forward(q, k, v, options):
-    """The textbook forward, block by block; returns out [..., H, N_q, d_v] and an AttentionCache."""
+def blocked_forward(q, k, v, options, plan):
+    """The textbook forward, block by block, on plan.workers threads; returns out [..., H, N_q, d_v]
+    and an AttentionCache."""
     o = options
     q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                    # [..., H, N_q, N_k]
@@ -161,12 +162,13 @@ def blocked_forward(q, k, v, options):
         out[block] = grouped_matmul(p_drop, v3[kv_index(block[:-1], group)][..., cols, :])   # 7. out = P~ v
         saved_out[block] = out[block]
     blocks = row_blocks(score_shape, group, p.itemsize, _diagonal(o))
-    run_tasks(forward_block, [(block,) for block in blocks], o.workers)
+    run_tasks(forward_block, [(block,) for block in blocks], plan.workers)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=shape(saved_out), weights=shape(p),
                                lse=lse.reshape(q.shape[:-1]), top=top.reshape(q.shape[:-1]),
-                               softcap_tanh=shape(saved.softcap_tanh), score_mod_input=shape(saved.mod_input))
+                               softcap_tanh=shape(saved.softcap_tanh), score_mod_input=shape(saved.mod_input),
+                               plan=plan)
 
 
 def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -232,7 +234,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
         return params
 
     regions = run_tasks(backward_kv, [(blocks,) for blocks in _by_kv_heads(
-        row_blocks(score_shape, group, p.itemsize, _diagonal(o) and dP is None), group)], o.workers)
+        row_blocks(score_shape, group, p.itemsize, _diagonal(o) and dP is None), group)], cache.plan.workers)
     stages = None
     if return_stages:
         stages = AttentionStages(dP=dP.reshape(cache.weights.shape), dS=dS.reshape(cache.weights.shape),

@@ -6,7 +6,7 @@ The same steps as multihead.py's textbook_multihead_forward / textbook_multihead
   thread (projections.py), so the threads share them evenly; the blocks depend on the shapes
   alone, and the results are bitwise the same for any number of workers;
 - the three splits and merges of heads (Q, K, V; dQ, dK, dV) on those threads too, one task
-  each, when they are large (options.PARALLEL_HEAD_COPIES);
+  each, when they are large (plan.PARALLEL_HEAD_COPIES);
 - BLAS on one thread from the start of a forward or backward to its end (one setting of its
   threads instead of one per step);
 - in the backward, dW_o and db_o (which no later step needs) computed with the input
@@ -16,7 +16,7 @@ The attention takes `workers` as given, so by default its own rule (many scores)
 from ..attention import attention_backward, attention_forward
 from ..caches import MultiHeadCache
 from ..heads import merge_heads, split_heads
-from ..options import PARALLEL_HEAD_COPIES
+from .plan import PARALLEL_HEAD_COPIES
 from ..params import state_dict_grads
 from .parallel import blas_on_one_thread, run_tasks
 from .projections import projections_backward, projections_forward
@@ -60,5 +60,5 @@ def threaded_multihead_backward(dout, cache):
 
 def _copying(workers, heads):
     """The threads for splitting or merging `heads` (an array of three alike): `workers` from
-    options.PARALLEL_HEAD_COPIES bytes up, else 1 (a thread's task there costs more than the copy)."""
+    plan.PARALLEL_HEAD_COPIES bytes up, else 1 (a thread's task there costs more than the copy)."""
     return workers if heads.nbytes >= PARALLEL_HEAD_COPIES else 1

@@ -38,8 +38,8 @@ not depend on where or on how many workers the tasks run.
 Supported: mask, bias, causal (both alignments), window, scale, GQA, ALiBi, score_mod and
 mask_mod (scores.py's steps on each tile; a tile that mask_mod removes is skipped),
 sinks (each row's online softmax starts from its sink: m = sink, l = 1), packed sequences and
-the paged KV cache (through keep_mask), fully_masked='zero'; options.py refuses softcap,
-dropout and the other policies. The backward is the 'flash' form ('vjp' names the same
+the paged KV cache (through keep_mask), fully_masked='zero'; its plan refuses softcap,
+dropout and the other policies (engines/plan.py). The backward is the 'flash' form ('vjp' names the same
 computation here); method='jacobian' and return_stages need the [N_q, N_k] weights:
 ValueError.
 """
@@ -78,10 +78,11 @@ def tile_scores(options, q_i, k_j, score_shape, tile):
 
 # ----------------------------------------------------------------------------- forward / backward
 
-def tiled_forward(q, k, v, options):
+def tiled_forward(q, k, v, options, plan):
     """out = softmax(S) v by online softmax over key tiles; O(N) memory (module docstring).
 
-    q, k, v and options as `attention_options` returns them.
+    q, k, v and options as `attention_options` returns them; the plan's block_size, workers and
+    scheduler (engines/plan.py).
     Returns out [..., H, N_q, d_v] and a TiledAttentionCache (out and lse inside).
     """
     o = options
@@ -89,16 +90,16 @@ def tiled_forward(q, k, v, options):
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                      # [..., H, N_q, N_k]
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype=q3.dtype)     # [..., H, N_q, d_v]
     lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                      # [..., H, N_q]
-    tiles = _tiles(score_shape[-2], o.block_size)
+    tiles = _tiles(score_shape[-2], plan.block_size)
     items = [(scaled(q3[..., rows, :], o.scale), rows) for rows in tiles]
-    shared = _shared(o, k3=k3, v3=v3, score_shape=score_shape)
-    for rows, result in zip(tiles, run_tasks(_forward_rows, items, o.workers, shared, o.scheduler)):
+    shared = _shared(o, plan, k3=k3, v3=v3, score_shape=score_shape)
+    for rows, result in zip(tiles, run_tasks(_forward_rows, items, plan.workers, shared, plan.scheduler)):
         out[..., rows, :], lse[..., rows] = result
     out, lse = out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
-    return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse)
+    return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse, plan=plan)
 
 
-def _forward_rows(q_i, rows, tangents=None, *, o, k3, v3, score_shape):
+def _forward_rows(q_i, rows, tangents=None, *, o, block_size, k3, v3, score_shape):
     """(out_i, lse_i) of one query tile (q_i scaled) by the online softmax over key tiles j;
     with tangents (Tangents of the tile), also (out_dot_i, lse_dot_i) (tiled_jvp)."""
     lead = q_i.shape[:-1]                                               # [..., H, b_q]
@@ -112,7 +113,7 @@ def _forward_rows(q_i, rows, tangents=None, *, o, k3, v3, score_shape):
         m, l = np.broadcast_to(sink.real, lead).copy(), np.exp(sink - shift) * np.ones(lead)
         if tangents is not None and tangents.sinks is not None:
             l_dot = l * heads_view(tangents.sinks, score_shape)[..., None]
-    for cols in _tiles(score_shape[-1], o.block_size):
+    for cols in _tiles(score_shape[-1], block_size):
         s, keep, saved = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
         if keep is False:
             continue
@@ -160,14 +161,16 @@ def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols, keep, sa
                           bias_dot=tangents.bias, alibi_slopes_dot=tangents.alibi_slopes)
 
 
-def tiled_jvp(q, k, v, options, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes_dot=None, sinks_dot=None):
+def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes_dot=None,
+              sinks_dot=None):
     """(out, out_dot, lse, lse_dot) by the online softmax carrying its tangents, O(N) memory.
 
     With e_j = exp(S_j - m) over a row's kept keys j (and the sink):
         out_dot = (sum_j e_j (S_dot_j v_j + v_dot_j) - out sum_j e_j S_dot_j) / sum_j e_j
         lse_dot = sum_j e_j S_dot_j / sum_j e_j
     both sums rescaled with the running max exactly as out's (module docstring).
-    q, k, v, options as `attention_options` returns them; tangents of their primals' shapes.
+    q, k, v, options as `attention_options` returns them, the plan as tiled_forward's;
+    tangents of their primals' shapes.
     """
     o = options
     q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
@@ -175,11 +178,11 @@ def tiled_jvp(q, k, v, options, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes
     score_shape = q3.shape[:-1] + (k3.shape[-2],)
     out, out_dot = (np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype) for _ in range(2))
     lse, lse_dot = (np.empty(q3.shape[:-1], q3.dtype) for _ in range(2))
-    tiles = _tiles(score_shape[-2], o.block_size)
+    tiles = _tiles(score_shape[-2], plan.block_size)
     items = [(scaled(q3[..., rows, :], o.scale), rows, scaled(q_dot3[..., rows, :], o.scale)) for rows in tiles]
-    shared = _shared(o, k3=k3, v3=v3, score_shape=score_shape, k_dot=k_dot3, v_dot=v_dot3, bias_dot=bias_dot,
-                     alibi_slopes_dot=alibi_slopes_dot, sinks_dot=sinks_dot)
-    for rows, result in zip(tiles, run_tasks(_jvp_rows, items, o.workers, shared, o.scheduler)):
+    shared = _shared(o, plan, k3=k3, v3=v3, score_shape=score_shape, k_dot=k_dot3, v_dot=v_dot3,
+                     bias_dot=bias_dot, alibi_slopes_dot=alibi_slopes_dot, sinks_dot=sinks_dot)
+    for rows, result in zip(tiles, run_tasks(_jvp_rows, items, plan.workers, shared, plan.scheduler)):
         out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = result
     shape = q.shape[:-1]
     return (out.reshape(shape + v.shape[-1:]), out_dot.reshape(shape + v.shape[-1:]), lse.reshape(shape),
@@ -209,7 +212,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
     if return_stages:
         raise ValueError("return_stages=True needs the [N_q, N_k] stages, which the tiled engine "
                          "(block_size) never forms; use implementation='blocked' or 'textbook'")
-    o = cache.options
+    o, plan = cache.options, cache.plan
     q3, k3, v3, dout3 = (with_head_axis(x) for x in (cache.q, cache.k, cache.v, dout))
     group = q3.shape[-3] // k3.shape[-3]
     score_shape = q3.shape[:-1] + (k3.shape[-2],)
@@ -223,7 +226,8 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
                                                                                       score_shape))
     items = [(at, q3[at], dout3[at], D[at], lse[at], k3[kv_index(at, group)], v3[kv_index(at, group)])
              for at in slices]
-    results = run_tasks(_backward_slice, items, o.workers, _shared(o, score_shape=score_shape), o.scheduler)
+    results = run_tasks(_backward_slice, items, plan.workers, _shared(o, plan, score_shape=score_shape),
+                        plan.scheduler)
     for at, (dq_s, dk_s, dv_s, _) in zip(slices, results):
         dq[at], dk[kv_index(at, group)], dv[kv_index(at, group)] = dq_s, dk_s, dv_s
     dsinks = None
@@ -236,7 +240,7 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
                           **ScoreGrads.total([r[-1] for r in results], o, score_shape, dout3.dtype))
 
 
-def _backward_slice(at, q, dout, D, lse, k, v, *, o, score_shape):
+def _backward_slice(at, q, dout, D, lse, k, v, *, o, block_size, score_shape):
     """One task of the backward: the scores' slice `at` (a batch index and the G query heads of
     one kv head; (Ellipsis,): all), its q, dout [.., G, N_q, d], D, lse [.., G, N_q] and its kv
     head's k, v [.., 1, N_k, d]. Returns its (dq, dk, dv, ScoreGrads of the slice), the sums of
@@ -244,10 +248,10 @@ def _backward_slice(at, q, dout, D, lse, k, v, *, o, score_shape):
     dq, dk, dv = np.zeros(q.shape, dout.dtype), np.zeros(k.shape, dout.dtype), np.zeros(v.shape, dout.dtype)
     params = ScoreGrads(o, score_shape, dout.dtype, region=at)          # dbias, dslopes of its tiles
     n_kv = k.shape[-3]
-    for rows in _tiles(score_shape[-2], o.block_size):
+    for rows in _tiles(score_shape[-2], block_size):
         q_i, dout_i = scaled(q[..., rows, :], o.scale), dout[..., rows, :]
         D_i, lse_i = D[..., rows, None], lse[..., rows, None]
-        for cols in _tiles(score_shape[-1], o.block_size):
+        for cols in _tiles(score_shape[-1], block_size):
             tile = at + (rows, cols)
             s, keep, saved = tile_scores(o, q_i, k[..., cols, :], score_shape, tile)
             if keep is False:
@@ -264,7 +268,7 @@ def _backward_slice(at, q, dout, D, lse, k, v, *, o, score_shape):
     return dq, dk, dv, params
 
 
-def _shared(o, **arrays):
-    """The keyword arguments every task of a call shares: the options (without the scheduler,
-    which stays with the caller) and `arrays`."""
-    return {"o": o._replace(scheduler=None, workers=1), **arrays}
+def _shared(o, plan, **arrays):
+    """The keyword arguments every task of a call shares: the options, the plan's tile size and
+    `arrays` (where the tasks run, workers and scheduler, stays with the caller)."""
+    return {"o": o, "block_size": plan.block_size, **arrays}

@@ -31,7 +31,8 @@ from .._layout import grouped_matmul, with_head_axis
 from ..attention import ENGINES, TiledAttentionCache, attention_backward
 from ..engines.parallel import cluster, run_tasks
 from ..engines.tiled import tile_scores
-from ..options import PARALLEL_SCORES, attention_options, check_scheduler, resolve_workers
+from ..engines.plan import PARALLEL_SCORES, TEXTBOOK, attention_plan, check_scheduler, resolve_workers
+from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
 from . import blocks
 from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, split_case
@@ -92,9 +93,10 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
         stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
     """
     engine = {} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE, "scheduler": scheduler}
-    q, k, v, dout, record, scale = _case_in(inputs, {**options, **engine}, dtype, scale_factor)
-    forward, _ = ENGINES[record.implementation]
-    out, cache = forward(q, k, v, record)
+    q, k, v, dout, record, scale = _case_in(inputs, options, dtype, scale_factor)
+    plan = attention_plan(record, q.shape, k.shape, **engine)
+    forward, _ = ENGINES[plan.implementation]
+    out, cache = forward(q, k, v, record, plan)
     result = {"out": out, "lse": cache.lse}
     if stages:
         dropout_scale = record.dropout_scale
@@ -126,8 +128,7 @@ def _from_candidate_forward(cache, forward_of, dtype):
     with np.errstate(invalid="ignore"):
         weights = np.where(np.isneginf(scores) | np.isneginf(lse)[..., None], 0,
                            np.exp(scores - lse[..., None]))
-    return cache._replace(out=out, lse=lse, weights=weights,
-                          options=cache.options._replace(implementation="textbook"))
+    return cache._replace(out=out, lse=lse, weights=weights, plan=TEXTBOOK)
 
 
 def baseline(inputs, options, dtype, gradients=True, block_rows=None):
@@ -357,7 +358,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             report); a case small enough to form its scores whole runs here.
         workers: threads for the oracle's runs, the baselines' ways and a large case's slices
             (an int >= 1); default every core this process may use from PARALLEL_SCORES
-            scores up (options.resolve_workers), else 1. The report is bitwise the same for
+            scores up (plan.resolve_workers), else 1. The report is bitwise the same for
             any number.
         judge: what judges each tensor, called as rule.judge (the default) is; errormap.py
             passes one that also keeps each entry's error over its bound.
