@@ -156,7 +156,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
                       seqused_k=None, page_table=None, cache_seqlens=None, workers=None,
-                      scheduler=None, score_mod=None, mask_mod=None, score_mod_params=None):
+                      scheduler=None, score_mod=None, mask_mod=None, score_mod_params=None, **keep_steps):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -184,6 +184,9 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             block's scores and its index arrays broadcastable to them (b the batch index,
             h the query head, q_idx and kv_idx the row and column). Its derivative in the
             score comes by complex step on it (docs/variants.md).
+        keep_steps: the steps that drop keys by position beyond causal and window, each a
+            keyword of its name (scores.py's KEEP_STEPS; docs/variants.md lists them). Any
+            other name is a TypeError.
         mask_mod: FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool (True = attend),
             called on a block's index arrays; a block it removes entirely is skipped.
         score_mod_params: {name: array}: parameters of score_mod, passed to it as a sixth
@@ -248,7 +251,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, sinks=sinks, alibi_slopes=alibi_slopes,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
+        score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params, **keep_steps)
     plan = attention_plan(options, q.shape, k.shape, implementation=implementation,   # where and how
                           block_size=block_size, workers=workers, scheduler=scheduler)
     forward, _ = ENGINES[plan.implementation]

@@ -22,7 +22,7 @@ from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool,
                       result_dtype)
 from ._layout import check_window, resolve_alignment
 from .positions import sequence_lengths
-from .scores import numpy_mod
+from .scores import check_keep_steps, numpy_mod
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 
@@ -45,6 +45,7 @@ class AttentionOptions(NamedTuple):
     cu_seqlens_k: Optional[np.ndarray]  # [B + 1] along N_k
     seqused_k: Optional[np.ndarray]     # [B] keys used of each sequence (None: all)
     masked: bool                        # whether any score is set to -inf (step 4)
+    keep_steps: tuple = ()              # ((name, value), ...) of scores.KEEP_STEPS given
     score_mod: object = None            # FlexAttention's score_mod(score, b, h, q_idx, kv_idx[, params]), or None
     mask_mod: object = None             # FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool, or None
     score_mod_params: Optional[dict] = None   # {name: read-only array}: score_mod's parameters
@@ -54,7 +55,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, sinks=None, alibi_slopes=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, score_mod=None,
-                      mask_mod=None, score_mod_params=None):
+                      mask_mod=None, score_mod_params=None, **keep_steps):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
@@ -102,7 +103,8 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
     score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
-    masked = (keep is not None or causal or window is not None or packed[0] is not None
+    keep_steps = check_keep_steps(keep_steps)                    # scores.KEEP_STEPS, by name
+    masked = (keep is not None or causal or window is not None or packed[0] is not None or keep_steps
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
@@ -111,7 +113,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),
-        masked=masked, score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
+        masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):

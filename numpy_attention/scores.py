@@ -11,7 +11,8 @@ textbook's block is all of S, the blocked engine's a block of rows, the tiled en
        S = S - slope |i + N_k - N_q - j|   ALiBi: each row's slope, its distance from the diagonal
        S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's (its parameters: score_mod_params)
     4. S = -inf where not kept             keep = mask & causal & window & packed sequences
-                                           & mask_mod & (bias != -inf)  (True = attend; positions.py)
+                                           & KEEP_STEPS & mask_mod & (bias != -inf)
+                                           (True = attend; positions.py)
     5. [S, sink]                           sinks: one more logit per row, with no value
 
 Each step, on any block:
@@ -41,6 +42,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
+from ._checks import as_scalar
 from ._layout import grouped_matmul, scaled, unbroadcast
 from .positions import band_keep, distance, positions, sequence_of
 
@@ -62,9 +64,31 @@ def attention_scores(q, k, options):
 
 # ----------------------------------------------------------------------------- 4. keep
 
+class KeepStep(NamedTuple):
+    """A way of dropping keys by their position, defined here alone: attention_forward takes it
+    as a keyword argument of its name (attention_options checks it with `check`), and every
+    engine, baseline and crosscheck applies it through keep_mask."""
+    check: Callable                 # (value, name) -> the checked value; ValueError / TypeError naming it
+    keep: Callable                  # (value, positions.Positions) -> bool [rows, cols]: the pairs kept
+
+
+# name -> KeepStep: the steps that drop keys by position, beside causal and window
+KEEP_STEPS = {}
+
+
+def check_keep_steps(steps):
+    """attention_forward's keyword arguments beyond its own, as ((name, checked value), ...) of
+    the KEEP_STEPS given (None: not given); TypeError for any other name, as Python says it."""
+    for name in steps:
+        if name not in KEEP_STEPS:
+            raise TypeError(f"attention_forward() got an unexpected keyword argument {name!r}")
+    return tuple((name, KEEP_STEPS[name].check(as_scalar(value), name))
+                 for name, value in steps.items() if value is not None)
+
+
 def keep_mask(options, score_shape, index=WHOLE):
-    """Which scores of S[index] are kept: mask & causal & window & packed & mask_mod
-    & (bias != -inf).
+    """Which scores of S[index] are kept: mask & causal & window & packed & KEEP_STEPS
+    & mask_mod & (bias != -inf).
 
     score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two
     entries are the slices of rows and columns.
@@ -73,7 +97,10 @@ def keep_mask(options, score_shape, index=WHOLE):
     o = options
     if not o.masked:
         return None
-    keep = band_keep(_positions(o, score_shape, index, o.align), o.causal, o.window)   # [rows, cols] or None
+    at = _positions(o, score_shape, index, o.align)
+    keep = band_keep(at, o.causal, o.window)                          # [rows, cols] or None
+    for name, value in o.keep_steps:                                  # [rows, cols] each
+        keep = KEEP_STEPS[name].keep(value, at) if keep is None else keep & KEEP_STEPS[name].keep(value, at)
     block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
     parts = ([] if o.mask is None else [block(o.mask)]) + \
             ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])

@@ -110,9 +110,10 @@ def _every_score_counts(options):
 
 def _diagonal(options):
     """Whether the columns a block skips (_kept_columns) move with its rows: causal masking, a
-    window or packed sequences, where columns are skipped at all."""
+    window, packed sequences or a step of scores.KEEP_STEPS, where columns are skipped at all."""
     o = options
-    return bool(o.causal or o.window is not None or o.cu_seqlens_q is not None) and not _every_score_counts(o)
+    return (bool(o.causal or o.window is not None or o.cu_seqlens_q is not None or o.keep_steps)
+            and not _every_score_counts(o))
 
 
 def _block_scores(q3, k3, options, score_shape, block, group, cols, keep, out=None):

@@ -36,6 +36,7 @@ from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
+from ..scores import KEEP_STEPS
 from .precision import PRECISIONS, Precision
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
@@ -43,7 +44,7 @@ from .storage import StorageError, decode, infer_precision
 INPUTS = ("q", "k", "v", "dout", "q_dot", "k_dot", "v_dot")      # the tangents: forward mode
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
            "dropout_p", "fully_masked", "sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
-           "seqused_k", "page_table", "cache_seqlens")
+           "seqused_k", "page_table", "cache_seqlens") + tuple(KEEP_STEPS)   # + scores.py's, by name
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot")
 FORWARD_MODE = ("out_dot", "lse_dot")
 PAGED = ("page_table", "cache_seqlens")
