@@ -11,7 +11,7 @@ textbook's block is all of S, the blocked engine's a block of rows, the tiled en
        S = S - slope |i + N_k - N_q - j|   ALiBi: each row's slope, its distance from the diagonal
        S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's (its parameters: score_mod_params)
     4. S = -inf where not kept             keep = mask & causal & window & packed sequences
-                                           & KEEP_STEPS & mask_mod & (bias != -inf)
+                                           & KEEP_STEPS (attention_chunk) & mask_mod & (bias != -inf)
                                            (True = attend; positions.py)
     5. [S, sink]                           sinks: one more logit per row, with no value
 
@@ -42,7 +42,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import as_scalar
+from ._checks import as_scalar, require_positive_int
 from ._layout import grouped_matmul, scaled, unbroadcast
 from .positions import band_keep, distance, positions, sequence_of
 
@@ -72,8 +72,16 @@ class KeepStep(NamedTuple):
     keep: Callable                  # (value, positions.Positions) -> bool [rows, cols]: the pairs kept
 
 
+def _attention_chunk(chunk, at):
+    """Llama 4's chunked attention (FlashAttention 3's attention_chunk): row i keeps the keys of
+    its diagonal's chunk, j // chunk == diagonal_i // chunk, in its own sequence (with causal,
+    the keys of that chunk up to the diagonal). The diagonal is align's: bottom_right is
+    FlashAttention's, i + N_k - N_q."""
+    return at.cols[None, :] // chunk == at.diagonal[:, None] // chunk
+
+
 # name -> KeepStep: the steps that drop keys by position, beside causal and window
-KEEP_STEPS = {}
+KEEP_STEPS = {"attention_chunk": KeepStep(require_positive_int, _attention_chunk)}
 
 
 def check_keep_steps(steps):

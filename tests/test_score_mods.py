@@ -43,6 +43,8 @@ VARIANTS = {
     "window": ({"window": (2, 1), "align": "bottom_right"},
                {"mask_mod": lambda b, h, i, j: (j >= i + OFFSET - 2) & (j <= i + OFFSET + 1)}, {}),
     "prefix_lm": ({"mask": PREFIX_MASK}, {"mask_mod": lambda b, h, i, j: (j <= i) | (j < PREFIX)}, {}),
+    "llama4_chunked": ({"causal": "bottom_right", "attention_chunk": 3},
+                       {"mask_mod": lambda b, h, i, j: (j <= i + OFFSET) & ((i + OFFSET) // 3 == j // 3)}, {}),
 }
 
 
