@@ -251,14 +251,32 @@ def test_the_diagnosis_names_interleaved_gqa_heads():
     assert "interleaved grouped-query heads" in _diagnosis({}, gqa=True, interleave=True)
 
 
-def test_the_diagnosis_names_softcap_after_the_bias():
+@pytest.mark.parametrize("judged", [("out", "lse"), ("out", "dq", "dk", "dv")])
+def test_the_diagnosis_names_softcap_after_the_bias(judged):
+    """A kernel that caps S after adding the bias: its results written out here, in float64,
+    the forward by hand and the gradients of <dout, out> by complex step where judged."""
     bias = np.random.default_rng(6).standard_normal((5, 7)) * 3
     rng = np.random.default_rng(5)
     q, k, v = rng.standard_normal((1, 4, 5, 8)), rng.standard_normal((1, 4, 7, 8)), rng.standard_normal((1, 4, 7, 8))
-    from numpy_attention.oracle.diagnosis import _softcap_after_bias
-    wrong = _softcap_after_bias(q, k, v, {"softcap": 1.5, "bias": bias})
-    report = crosscheck(q=q, k=k, v=v, bias=bias, softcap=np.array(1.5), out=wrong["out"], lse=wrong["lse"])
-    assert not report and "softcap applied after the bias" in " ".join(report.diagnosis)
+    dout = rng.standard_normal((1, 4, 5, 8))
+    def forward(q, k, v):                                   # S = 1.5 tanh((q k^T / sqrt(8) + bias) / 1.5)
+        s = 1.5 * np.tanh((q @ np.swapaxes(k, -1, -2) / np.sqrt(8) + bias) / 1.5)
+        e = np.exp(s - s.real.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True) @ v, np.log(np.exp(s).sum(axis=-1))
+    out, lse = forward(q, k, v)
+    wrong = {"out": out, "lse": lse}
+    if "dq" in judged:                                      # <dout, out>'s gradients by complex step
+        for name, x in zip("qkv", (q, k, v)):
+            grad = np.zeros(x.shape)
+            for j in np.ndindex(x.shape):
+                z = x.astype(complex)
+                z[j] += 1e-30j
+                args = [z if n == name else y for n, y in zip("qkv", (q, k, v))]
+                grad[j] = np.sum(dout * forward(*args)[0]).imag / 1e-30
+            wrong["d" + name] = grad
+    report = crosscheck(q=q, k=k, v=v, bias=bias, softcap=np.array(1.5), dout=dout,
+                        **{name: wrong[name] for name in judged})
+    assert not report and "softcap applied after the bias" in " ".join(report.diagnosis), report
 
 
 def test_the_diagnosis_names_an_lse_in_base_2():

@@ -28,10 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._layout import grouped_matmul
-from ..attention import attention_backward, attention_forward, attention_scores
-from ..options import attention_options
-from ..softmax import softmax_and_logsumexp
+from ..attention import attention_backward, attention_forward
+from ..scores import numpy_mod
 from .case import GRADIENTS
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
@@ -51,7 +49,6 @@ class Mixup(NamedTuple):
     said: str
     change: dict
     interleaved: bool = False           # query head h meets kv head h % H_kv
-    softcap_after_bias: bool = False    # S = softcap tanh((scale q k^T + bias) / softcap)
 
 
 def rel_l2(x, ref):
@@ -67,11 +64,9 @@ def rel_l2(x, ref):
 
 def _rerun(inputs, options, gradients, mixup):
     """The float64 oracle's results for these inputs and the options changed by `mixup` (a
-    dict like check.reference's; out and lse only for softcap after the bias)."""
+    dict like check.reference's)."""
     options = {name: x for name, x in {**options, **mixup.change}.items() if x is not None}
     q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
-    if mixup.softcap_after_bias:
-        return _softcap_after_bias(q, k, v, options)
     groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     if mixup.interleaved:
         k, v = (np.concatenate([x] * groups, axis=-3) for x in (k, v))
@@ -88,14 +83,14 @@ def _rerun(inputs, options, gradients, mixup):
     return result
 
 
-def _softcap_after_bias(q, k, v, options):
-    """out and lse with S = softcap tanh((scale q k^T + bias) / softcap) (forward only)."""
-    softcap = options.pop("softcap")
-    q, k, v, record = attention_options(q, k, v, **options)
-    s = attention_scores(q, k, record)[0]            # scale q k^T + bias, -inf where masked
-    s = np.where(np.isneginf(s), -np.inf, softcap * np.tanh(s / softcap))
-    p, lse, _ = softmax_and_logsumexp(s)
-    return {"out": grouped_matmul(p, v), "lse": lse}
+def _softcap_last(softcap, score_mod=None):
+    """A score_mod that applies the softcap after the bias and ALiBi (and after the case's own
+    score_mod): S = softcap tanh(S / softcap) as the pipeline's last step before the masks."""
+    inner = None if score_mod is None else numpy_mod(score_mod)
+    def mod(score, *indices):
+        s = score if inner is None else inner(score, *indices)
+        return softcap * np.tanh(s / softcap)
+    return mod
 
 
 def _mixups(case):
@@ -130,8 +125,8 @@ def _mixups(case):
     if "softcap" in o:
         yield Mixup("no softcap", f"the case's softcap is {o['softcap']:g}", {"softcap": None})
         if "bias" in o:
-            yield Mixup("softcap applied after the bias", "the case applies it before", {},
-                        softcap_after_bias=True)
+            yield Mixup("softcap applied after the bias", "the case applies it before",
+                        {"softcap": None, "score_mod": _softcap_last(o["softcap"], o.get("score_mod"))})
     if "mask" in o:
         yield Mixup("the mask inverted (True = ignore)", "the case's mask is True = attend",
                     {"mask": np.asarray(o["mask"]) == 0})
@@ -159,8 +154,7 @@ def _causal_keep(n_q, n_k, align, shift):
 
 def _both(first, second):
     """The two mix-ups at once, or None where they change one option (or both regroup heads)."""
-    if set(first.change) & set(second.change) or (first.interleaved and second.interleaved) \
-            or first.softcap_after_bias or second.softcap_after_bias:
+    if set(first.change) & set(second.change) or (first.interleaved and second.interleaved):
         return None
     return Mixup(f"{first.did} and {second.did}", f"{first.said}; {second.said}",
                  {**first.change, **second.change}, first.interleaved or second.interleaved)
