@@ -156,7 +156,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       fully_masked="zero", check_finite=False, implementation=None, block_size=None,
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
                       seqused_k=None, page_table=None, cache_seqlens=None, workers=None,
-                      scheduler=None, score_mod=None, mask_mod=None, score_mod_params=None, **keep_steps):
+                      scheduler=None, score_mod=None, mask_mod=None, score_mod_params=None,
+                      score_mod_vjps=None, **keep_steps):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -192,6 +193,10 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         score_mod_params: {name: array}: parameters of score_mod, passed to it as a sixth
             argument; their gradients come back in grads.dscore_mod_params. score_mod may
             index one (params["rel"][h, q_idx - kv_idx]) or use a 0-d one as a scalar.
+        score_mod_vjps: {name: vjp} for a parameter score_mod uses whole in any other way:
+            vjp(ds, score, b, h, q_idx, kv_idx, params) -> the gradient of <ds, score_mod> on
+            a block w.r.t. params[name], params[name]'s shape; checked by complex step along
+            a random direction before it is trusted (ValueError naming it).
         sinks: [H]: one more logit per query head in every row's softmax, with no value
             (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the
             sink's weight exp(sink_h - lse) multiplies nothing. A row whose keys are all
@@ -251,7 +256,8 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         softcap=softcap, dropout_mask=dropout_mask, dropout_p=dropout_p,
         fully_masked=fully_masked, check_finite=check_finite, sinks=sinks, alibi_slopes=alibi_slopes,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params, **keep_steps)
+        score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params,
+        score_mod_vjps=score_mod_vjps, **keep_steps)
     plan = attention_plan(options, q.shape, k.shape, implementation=implementation,   # where and how
                           block_size=block_size, workers=workers, scheduler=scheduler)
     forward, _ = ENGINES[plan.implementation]

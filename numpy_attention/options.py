@@ -49,13 +49,14 @@ class AttentionOptions(NamedTuple):
     score_mod: object = None            # FlexAttention's score_mod(score, b, h, q_idx, kv_idx[, params]), or None
     mask_mod: object = None             # FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool, or None
     score_mod_params: Optional[dict] = None   # {name: read-only array}: score_mod's parameters
+    score_mod_vjps: Optional[dict] = None     # {name: vjp}: the user's VJPs of parameters used whole
 
 
 def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, sinks=None, alibi_slopes=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, score_mod=None,
-                      mask_mod=None, score_mod_params=None, **keep_steps):
+                      mask_mod=None, score_mod_params=None, score_mod_vjps=None, **keep_steps):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
@@ -103,6 +104,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
     score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
+    score_mod_vjps = _check_vjps(score_mod_vjps, score_mod_params)
     keep_steps = check_keep_steps(keep_steps)                    # scores.KEEP_STEPS, by name
     masked = (keep is not None or causal or window is not None or packed[0] is not None or keep_steps
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
@@ -113,7 +115,8 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),
-        masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params)
+        masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params,
+        score_mod_vjps=score_mod_vjps)
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -244,6 +247,22 @@ def _check_mods(score_mod, mask_mod, score_mod_params):
                         f"{type(score_mod_params).__name__}")
     return score_mod, mask_mod, {name: read_only_copy(as_float_array(x, f"score_mod_params[{name!r}]"))
                                  for name, x in score_mod_params.items()}
+
+
+def _check_vjps(score_mod_vjps, score_mod_params):
+    """{name: callable} for parameters among score_mod_params, or None."""
+    if score_mod_vjps is None:
+        return None
+    if not isinstance(score_mod_vjps, dict):
+        raise TypeError(f"score_mod_vjps must be a dict of parameter name -> function, got "
+                        f"{type(score_mod_vjps).__name__}")
+    for name, vjp in score_mod_vjps.items():
+        if name not in (score_mod_params or {}):
+            raise ValueError(f"score_mod_vjps[{name!r}] is a VJP of a parameter score_mod_params does not "
+                             f"have (it has {sorted(score_mod_params or {})})")
+        if not callable(vjp):
+            raise TypeError(f"score_mod_vjps[{name!r}] must be a function, got {type(vjp).__name__}")
+    return dict(score_mod_vjps)
 
 
 def _require_finite(name, x, allow_neginf=False):

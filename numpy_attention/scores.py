@@ -301,6 +301,7 @@ class _TorchReads:
 
 
 COMPLEX_STEP = 1e-30            # the complex step of score_mod's derivatives: Im f(s + i h) / h
+VJP_SEED = 0                    # the random direction along which a user's VJP is checked
 
 
 class ScoreModDerivativeWarning(UserWarning):
@@ -334,18 +335,22 @@ class _Reads:
     def _whole(self, *args, **kwargs):
         raise TypeError(f"score_mod used score_mod_params[{self.name!r}] whole: the oracle differentiates "
                         f"a parameter that score_mod indexes (params[{self.name!r}][h, q_idx - kv_idx]) or "
-                        f"a scalar (0-d) one")
+                        f"a scalar (0-d) one; for any other use, pass its VJP in "
+                        f"score_mod_vjps={{{self.name!r}: vjp}}")
 
     __array__ = __array_ufunc__ = __array_function__ = _whole     # numpy's operators and functions
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _whole
 
 
-def _params(o, reads=None, stepped=None):
-    """The score_mod_params as score_mod gets them: a 0-d one as a scalar (+ i h when it is
-    `stepped`), any other as _Reads (reads: {name: step_read}, -1: none)."""
+def _params(o, reads=None, stepped=None, direction=None):
+    """The score_mod_params as score_mod gets them: one with a VJP of the user's whole (+ i h
+    direction when it is `stepped`), a 0-d one as a scalar (+ i h when it is `stepped`), any
+    other as _Reads (reads: {name: step_read}, -1: none)."""
     params = {}
     for name, value in o.score_mod_params.items():
-        if value.ndim == 0:
+        if name in (o.score_mod_vjps or {}):
+            params[name] = value + 1j * COMPLEX_STEP * direction if name == stepped else value
+        elif value.ndim == 0:
             params[name] = value[()] + (1j * COMPLEX_STEP if name == stepped else 0)
         else:
             params[name] = _Reads(name, value, (reads or {}).get(name, -1))
@@ -404,6 +409,9 @@ def _score_mod_param_grads(o, s, indices, ds):
     recorded = _params(o)
     _call_score_mod(o, s, indices, recorded)                    # which reads score_mod makes
     for name, value in o.score_mod_params.items():
+        if name in (o.score_mod_vjps or {}):
+            grads[name] = _users_vjp(o, name, s, indices, ds)
+            continue
         g = np.zeros(value.shape, ds.dtype)
         steps = [None] if value.ndim == 0 else range(len(recorded[name].reads))
         for read in steps:
@@ -416,6 +424,28 @@ def _score_mod_param_grads(o, s, indices, ds):
                 np.add.at(g, r.index, unbroadcast(d, r.shape) if r.shape else np.sum(d))
         grads[name] = g
     return grads
+
+
+def _users_vjp(o, name, s, indices, ds):
+    """score_mod_vjps[name](ds, score, b, h, q_idx, kv_idx, params): the block's gradient of the
+    parameter `name`, which score_mod uses whole, checked before it is trusted: along a random
+    direction u, <vjp, u> must be the complex step's sum(ds Im score_mod(p + i h u)) / h to 1e-8
+    (ValueError naming the parameter otherwise)."""
+    value = o.score_mod_params[name]
+    with np.errstate(all="ignore"):
+        g = np.asarray(o.score_mod_vjps[name](ds, s, *indices, _params(o)))
+    if g.shape != value.shape:
+        raise ValueError(f"score_mod_vjps[{name!r}] returned shape {g.shape}; the gradient of "
+                         f"score_mod_params[{name!r}] has its shape {value.shape}")
+    u = np.random.default_rng(VJP_SEED).standard_normal(value.shape)   # the same direction every call
+    stepped = _params(o, stepped=name, direction=u)
+    along = float(np.sum(_imaginary_part(o, s, s, indices, stepped) * ds))
+    claimed = float(np.sum(g * u).real)
+    if not abs(claimed - along) <= 1e-8 * (float(np.sum(np.abs(g * u))) + abs(along)):
+        raise ValueError(f"score_mod_vjps[{name!r}] is not score_mod's VJP: along a random direction u of "
+                         f"the parameter, <vjp, u> = {claimed:.10g} while complex step on score_mod gives "
+                         f"{along:.10g}")
+    return g
 
 
 # ----------------------------------------------------------------------------- 2-4. on a block

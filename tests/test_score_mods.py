@@ -127,6 +127,48 @@ def test_parameter_gradients_equal_complex_step_of_the_whole_attention(engine):
     assert np.isfinite(loss(params))
 
 
+def polynomial_mod(s, b, h, i, j, p):
+    """A bias polynomial in the relative distance, its coefficients used whole (np.polyval)."""
+    return s + np.polyval(p["c"], (i - j) / N_K)
+
+
+def polynomial_vjp(ds, s, b, h, i, j, p):
+    """d <ds, polynomial_mod> / d c_m = sum ds d^(K - 1 - m), d = (i - j) / N_K."""
+    d = np.broadcast_to((i - j) / N_K, ds.shape)
+    return np.array([np.sum(ds * d ** power) for power in range(len(p["c"]) - 1, -1, -1)])
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+def test_a_parameter_used_whole_takes_the_users_vjp(engine):
+    """score_mod_vjps: the user's VJP of a parameter score_mod uses whole, checked by complex step
+    before it is trusted; the gradient equals complex step of the whole attention."""
+    q, k, v, dout = qkv(8)
+    c = np.random.default_rng(9).standard_normal(4)
+    mods = dict(score_mod=polynomial_mod, score_mod_params={"c": c}, score_mod_vjps={"c": polynomial_vjp},
+                causal=True)
+    grads = na.attention_backward(dout, na.attention_forward(q, k, v, **mods, **engine)[1])
+    expected = np.zeros(4)
+    for m in range(4):
+        stepped = c + 1j * 1e-30 * np.eye(4)[m]
+        out = na.attention_forward(q.astype(complex), k, v, causal=True, **engine,
+                                   score_mod=lambda s, b, h, i, j: s + np.polyval(stepped, (i - j) / N_K))[0]
+        expected[m] = np.sum(dout * out).imag / 1e-30
+    assert_close(grads.dscore_mod_params["c"], expected, "dc")
+
+
+def test_a_wrong_vjp_is_refused_naming_its_parameter():
+    q, k, v, dout = qkv(8)
+    reversed_vjp = lambda *args: polynomial_vjp(*args)[::-1]           # the powers in the wrong order
+    _, cache = na.attention_forward(q, k, v, score_mod=polynomial_mod, score_mod_params={"c": np.arange(4.0)},
+                                    score_mod_vjps={"c": reversed_vjp})
+    with pytest.raises(ValueError, match="score_mod_vjps\\['c'\\] is not score_mod's VJP: along a random"):
+        na.attention_backward(dout, cache)
+    _, cache = na.attention_forward(q, k, v, score_mod=polynomial_mod, score_mod_params={"c": np.arange(4.0)},
+                                    score_mod_vjps={"c": lambda *args: np.zeros(3)})
+    with pytest.raises(ValueError, match="returned shape \\(3,\\); the gradient of score_mod_params\\['c'\\]"):
+        na.attention_backward(dout, cache)
+
+
 def test_complex_step_gradcheck_through_a_score_mod():
     q, k, v, _ = qkv(7)
     params = rel_params()
@@ -185,7 +227,13 @@ def test_the_callables_see_index_arrays_broadcastable_to_the_block():
     ({"score_mod": lambda s, b, h, i, j: s[..., :1, :1, :1]}, None, None),
     ({"score_mod": lambda s, b, h, i, j: np.ones(3)}, ValueError, "score_mod returned shape"),
     ({"score_mod": lambda s, b, h, i, j, p: s + p["rel"], "score_mod_params": {"rel": np.ones(N_K)}},
-     TypeError, "used score_mod_params\\['rel'\\] whole"),
+     TypeError, "used score_mod_params\\['rel'\\] whole.*score_mod_vjps=\\{'rel': vjp\\}"),
+    ({"score_mod": rel_mod, "score_mod_params": {"rel": np.ones(N_K)}, "score_mod_vjps": {"c": len}},
+     ValueError, "score_mod_vjps\\['c'\\] is a VJP of a parameter score_mod_params does not have"),
+    ({"score_mod": rel_mod, "score_mod_params": {"rel": np.ones(N_K)}, "score_mod_vjps": {"rel": 3}},
+     TypeError, "score_mod_vjps\\['rel'\\] must be a function"),
+    ({"score_mod": rel_mod, "score_mod_params": {"rel": np.ones(N_K)}, "score_mod_vjps": [len]},
+     TypeError, "score_mod_vjps must be a dict"),
 ])
 def test_bad_mods_are_refused(kwargs, error, message):
     q, k, v, _ = qkv()

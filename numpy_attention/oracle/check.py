@@ -336,7 +336,7 @@ def _summed_in_t(case, name):
 
 def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
                atol=None, scheduler=None, workers=None, judge=judge, score_mod=None, mask_mod=None,
-               score_mod_params=None, **arrays):
+               score_mod_params=None, score_mod_vjps=None, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
@@ -362,7 +362,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             any number.
         judge: what judges each tensor, called as rule.judge (the default) is; errormap.py
             passes one that also keeps each entry's error over its bound.
-        score_mod, mask_mod, score_mod_params: FlexAttention's mods the candidate computed
+        score_mod, mask_mod, score_mod_params, score_mod_vjps: FlexAttention's mods the candidate computed
             with (attention_forward's; scores.py), applied by the oracle and by every
             baseline in its own precision's way (a .npz case cannot hold a function).
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
@@ -379,7 +379,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     scheduler = check_scheduler(scheduler)
     arrays = _as_arrays(arrays)
     case = split_case(arrays, precision=precision, layout=layout, lse_base=lse_base)
-    mods = {"score_mod": score_mod, "mask_mod": mask_mod, "score_mod_params": score_mod_params}
+    mods = {"score_mod": score_mod, "mask_mod": mask_mod, "score_mod_params": score_mod_params,
+            "score_mod_vjps": score_mod_vjps}
     case = case._replace(options={**case.options, **{name: f for name, f in mods.items() if f is not None}})
     wide = np.dtype(np.longdouble if case.precision.name == "float64" else np.float64)
     want_grads = any(name in case.candidates for name in GRADIENTS)
