@@ -106,7 +106,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
     score_mod_vjps = _check_vjps(score_mod_vjps, score_mod_params)
     keep_steps = check_keep_steps(keep_steps)                    # scores.KEEP_STEPS, by name
-    masked = (keep is not None or causal or window is not None or packed[0] is not None or keep_steps
+    masked = (keep is not None or causal or window is not None or packed[0] is not None or bool(keep_steps)
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
@@ -115,8 +115,8 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),
-        masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params,
-        score_mod_vjps=score_mod_vjps)
+        masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod,
+        score_mod_params=score_mod_params, score_mod_vjps=score_mod_vjps)
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):

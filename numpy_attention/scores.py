@@ -107,8 +107,9 @@ def keep_mask(options, score_shape, index=WHOLE):
         return None
     at = _positions(o, score_shape, index, o.align)
     keep = band_keep(at, o.causal, o.window)                          # [rows, cols] or None
-    for name, value in o.keep_steps:                                  # [rows, cols] each
-        keep = KEEP_STEPS[name].keep(value, at) if keep is None else keep & KEEP_STEPS[name].keep(value, at)
+    for name, value in o.keep_steps:
+        part = KEEP_STEPS[name].keep(value, at)                       # [rows, cols]
+        keep = part if keep is None else keep & part
     block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
     parts = ([] if o.mask is None else [block(o.mask)]) + \
             ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])

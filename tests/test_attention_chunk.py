@@ -85,9 +85,10 @@ def test_crosscheck_reads_it_from_a_case_and_catches_a_kernel_without_it(tmp_pat
     assert na.crosscheck(**load_case(tmp_path / "case.npz"))
 
 
-@pytest.mark.parametrize("chunk, error, words", [(0, ValueError, "attention_chunk must be a positive integer, got 0"),
-                                                  (2.5, TypeError, "attention_chunk must be a positive integer"),
-                                                  (True, TypeError, "attention_chunk must be a positive integer")])
+@pytest.mark.parametrize("chunk, error, words", [
+    (0, ValueError, "attention_chunk must be a positive integer, got 0"),
+    (2.5, TypeError, "attention_chunk must be a positive integer"),
+    (True, TypeError, "attention_chunk must be a positive integer")])
 def test_a_bad_chunk_is_refused_by_name(chunk, error, words):
     x = np.zeros((1, 3, 2))
     with pytest.raises(error, match=words):

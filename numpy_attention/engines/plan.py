@@ -41,9 +41,9 @@ def attention_plan(options, q_shape, k_shape, *, implementation=None, block_size
     block_size is given, else 'blocked'; the tiled engine has no softcap, dropout or
     'uniform' / 'nan' policy (ValueError naming it)."""
     implementation, block_size = _engine(implementation, block_size, options)
-    packed = (options.cu_seqlens_q, options.cu_seqlens_k)
+    scores = score_count(q_shape, k_shape[-2], (options.cu_seqlens_q, options.cu_seqlens_k))
     return AttentionPlan(implementation=implementation, block_size=block_size,
-                         workers=resolve_workers(workers, implementation, score_count(q_shape, k_shape[-2], packed)),
+                         workers=resolve_workers(workers, implementation, scores),
                          scheduler=check_scheduler(scheduler, implementation))
 
 
