@@ -7,6 +7,7 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     softmax_jacobian, logsumexp                J = diag(p) - p p^T
     plain_softmax                              exp(z - max z) / sum: the formula in two lines
     split_heads / merge_heads                  [B, N, D] <-> [B, H, N, D/H]
+    rope_forward / rope_backward / rope_jvp    rotary position embeddings (two layouts, scalings)
     attention_forward / attention_backward     softmax(scale * q k^T + ...) v (textbook, blocked, tiled)
     attention_options, AttentionOptions        the options, checked once, as one frozen record
     combine_forward / combine_backward         split-KV merge of partial (out, lse)
@@ -31,6 +32,7 @@ _EXPORTS = {                                           # module of this package 
     "softmax": ("softmax_forward", "softmax_backward", "softmax_jvp", "softmax_jacobian", "logsumexp",
                 "plain_softmax", "SoftmaxCache"),
     "heads": ("split_heads", "merge_heads"),
+    "rope": ("rope_forward", "rope_backward", "rope_jvp", "RopeCache"),
     "attention": ("attention_forward", "attention_backward", "AttentionCache", "AttentionGrads",
                   "AttentionStages", "TiledAttentionCache"),
     "options": ("AttentionOptions", "attention_options"),

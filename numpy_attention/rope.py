@@ -1,0 +1,147 @@
+"""Rotary position embeddings (RoPE): each pair of a vector's entries turned by an angle that
+grows with the token's position, so that q . k depends on the positions' difference alone.
+
+Shape legend:  ... any leading axes (batch, heads),  N positions,  d the width,
+r = rotary_dim (even, <= d) the width that turns; the other d - r entries pass unchanged.
+
+    x [..., N, d],  positions broadcastable to [..., N]  ->  y [..., N, d]
+
+Angles: theta[p, i] = positions[p] * inv_freq[i],  inv_freq[i] = base^(-2i / r),  i < r / 2
+(computed in float64); with scaling, inv_freq and the positions change (`frequencies`).
+
+Pairs, by layout (the convention a kernel must match):
+    'half'         (GPT-NeoX, Llama, HF's rotate_half; FlashAttention interleaved=False)
+                   entry i with entry i + r/2
+    'interleaved'  (GPT-J; FlashAttention interleaved=True) entry 2i with entry 2i + 1
+
+Forward, each pair (a, b) with its angle theta:
+    y_a = a cos(theta) - b sin(theta),   y_b = b cos(theta) + a sin(theta)
+Backward (a rotation's transpose is the rotation back):
+    da = dy_a cos(theta) + dy_b sin(theta),   db = -dy_a sin(theta) + dy_b cos(theta)
+Forward mode: rope is linear in x, so y_dot = rope(x_dot).
+"""
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ._checks import as_float_array, require_cache, require_choice, require_mapping, require_positive_real
+from ._checks import require_same_shape
+
+LAYOUTS = ("half", "interleaved")
+SCALINGS = ("linear", "yarn")
+
+
+class RopeCache(NamedTuple):
+    cos: np.ndarray             # [..., N, r/2] cos(theta), broadcastable to x's pairs (times YaRN's factor)
+    sin: np.ndarray             # [..., N, r/2] sin(theta), likewise
+    layout: str                 # 'half' or 'interleaved'
+    rotary_dim: int             # r
+    shape: tuple                # x's shape
+
+
+def frequencies(rotary_dim, base=10000.0, scaling=None):
+    """(inv_freq [r/2], position_factor, magnitude) in float64: theta = positions * position_factor
+    * inv_freq, and cos, sin times `magnitude`.
+
+    scaling, as Hugging Face's rope_scaling:
+        None                      inv_freq = base^(-2i / r)
+        {"type": "linear", "factor": f}            positions / f
+        {"type": "yarn", "factor": f, "original_max_position_embeddings": L,
+         "beta_fast": 32, "beta_slow": 1}           YaRN: low frequencies interpolated by f, high
+                                                    ones kept, a linear ramp between the dims of
+                                                    beta_fast and beta_slow rotations over L;
+                                                    cos and sin times 0.1 ln f + 1
+    """
+    half = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim      # 2i / r
+    inv_freq = base ** -half                                                # [r/2]
+    if scaling is None:
+        return inv_freq, 1.0, 1.0
+    require_mapping(scaling, "scaling")
+    kind = require_choice(scaling.get("type"), "scaling['type']", SCALINGS)
+    factor = require_positive_real(scaling.get("factor"), "scaling['factor']")
+    if kind == "linear":
+        return inv_freq, 1.0 / factor, 1.0
+    length = require_positive_real(scaling.get("original_max_position_embeddings"),
+                                   "scaling['original_max_position_embeddings']")
+    fast, slow = (require_positive_real(scaling.get(name, default), f"scaling[{name!r}]")
+                  for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)))
+    dim_of = lambda rotations: rotary_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), rotary_dim - 1)
+    ramp = np.clip((np.arange(rotary_dim // 2) - low) / ((high - low) or 0.001), 0, 1)
+    kept = 1 - ramp                                                         # 1: extrapolate (keep)
+    inv_freq = inv_freq / factor * (1 - kept) + inv_freq * kept
+    return inv_freq, 1.0, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
+
+
+def _pairs(x, layout, r):
+    """(a, b): the two entries of each turning pair, [..., N, r/2] views."""
+    if layout == "half":
+        return x[..., :r // 2], x[..., r // 2:r]
+    return x[..., 0:r:2], x[..., 1:r:2]
+
+
+def _turned(x, cos, sin, layout, r):
+    """x with each pair (a, b) turned: (a cos - b sin, b cos + a sin); the rest as it is."""
+    a, b = _pairs(x, layout, r)
+    y = np.array(x, dtype=np.result_type(x, cos), copy=True)
+    ya, yb = _pairs(y, layout, r)
+    ya[...], yb[...] = a * cos - b * sin, b * cos + a * sin
+    return y
+
+
+def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, scaling=None):
+    """y = x with each pair turned by positions * inv_freq (module docstring).
+
+    Args:
+        x: [..., N, d] (q or k, heads among the leading axes).
+        positions: broadcastable to [..., N]: each token's position (an offset for decoding;
+            restarting at 0 per sequence for packed ones); integers or floats.
+        rotary_dim: the width r that turns (even, <= d; default d): partial rotary.
+        layout: 'half' (GPT-NeoX, Llama) or 'interleaved' (GPT-J).
+        base: the frequencies' base (10000; Llama 3 uses 500000).
+        scaling: None, or a linear or YaRN scaling (`frequencies`).
+    Returns:
+        y [..., N, d] in x's dtype (cos and sin computed in float64, then in x's dtype), and
+        a RopeCache.
+    """
+    x = as_float_array(x, "x")
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 axes [..., N, d], got shape {x.shape}")
+    require_choice(layout, "layout", LAYOUTS)
+    base = require_positive_real(base, "base")
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or r <= 0 or r % 2 or r > x.shape[-1]:
+        raise ValueError(f"rotary_dim must be an even integer from 2 to d = {x.shape[-1]} (x {x.shape}), "
+                         f"got {rotary_dim!r}")
+    positions = np.asarray(positions)
+    if positions.dtype.kind not in "iuf":
+        raise TypeError(f"positions must be integers or floats, got dtype {positions.dtype}")
+    try:
+        np.broadcast_shapes(positions.shape, x.shape[:-1])
+    except ValueError:
+        raise ValueError(f"positions of shape {positions.shape} do not broadcast to x's [..., N] = "
+                         f"{x.shape[:-1]}") from None
+    inv_freq, position_factor, magnitude = frequencies(int(r), base, scaling)
+    theta = (positions.astype(np.float64) * position_factor)[..., None] * inv_freq   # [..., N, r/2]
+    real = x.real.dtype
+    cos, sin = ((magnitude * f(theta)).astype(real) for f in (np.cos, np.sin))
+    y = _turned(x, cos, sin, layout, int(r))
+    return y, RopeCache(cos=cos, sin=sin, layout=layout, rotary_dim=int(r), shape=x.shape)
+
+
+def rope_backward(dy, cache):
+    """dx = dy with each pair turned back (the transpose of the forward's rotation): [..., N, d]."""
+    require_cache(cache, RopeCache, "rope_backward", arrays=("cos", "sin"))
+    require_same_shape(dy, cache.shape, "dy")
+    dy = as_float_array(dy, "dy")
+    return _turned(dy, cache.cos, -cache.sin, cache.layout, cache.rotary_dim)
+
+
+def rope_jvp(x, positions, x_dot, **options):
+    """(y, y_dot): rope_forward's y and its tangent along x_dot (rope is linear in x: y_dot is
+    x_dot turned the same way). options as rope_forward's."""
+    y, cache = rope_forward(x, positions, **options)
+    x_dot = as_float_array(x_dot, "x_dot")
+    require_same_shape(x_dot, cache.shape, "x_dot")
+    return y, _turned(x_dot, cache.cos, cache.sin, cache.layout, cache.rotary_dim)

@@ -1,0 +1,155 @@
+"""rope_forward / rope_backward / rope_jvp: the two layouts, partial rotary, offsets and packed
+positions, linear and YaRN scaling; against an independent torch float64 implementation (the
+formulas of FlashAttention's apply_rotary_emb_torch and Hugging Face's YaRN frequencies, written
+here), complex step and the rotation's own properties."""
+import math
+
+import numpy as np
+import pytest
+from optional import TORCH_REASON
+
+import numpy_attention as na
+from numpy_attention.rope import frequencies
+
+RNG = np.random.default_rng(3)
+CASES = [dict(layout="half"), dict(layout="interleaved"), dict(layout="half", rotary_dim=4),
+         dict(layout="interleaved", rotary_dim=6, base=500000.0),
+         dict(layout="half", scaling={"type": "linear", "factor": 4.0}),
+         dict(layout="half", scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}),
+         dict(layout="interleaved", rotary_dim=6,
+              scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
+                       "beta_slow": 2.0})]
+IDS = ["half", "interleaved", "half-partial", "interleaved-partial-base", "linear", "yarn", "yarn-partial"]
+
+
+def torch_rope(x, positions, layout="half", rotary_dim=None, base=10000.0, scaling=None):
+    """The reference, in torch float64: FlashAttention's rotate_half and apply_rotary_emb_torch
+    (cos, sin [N, r/2] repeated over the pairs' layout), Hugging Face's linear and YaRN inverse
+    frequencies (_compute_yarn_parameters), written from their definitions."""
+    import torch
+    x = torch.from_numpy(x)
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / base ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+    t, attention_factor = torch.as_tensor(positions, dtype=torch.float64), 1.0
+    if scaling and scaling["type"] == "linear":
+        t = t / scaling["factor"]
+    elif scaling:
+        f, L = scaling["factor"], scaling["original_max_position_embeddings"]
+        fast, slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+        dim = lambda rot: (r * math.log(L / (rot * 2 * math.pi))) / (2 * math.log(base))
+        low, high = max(math.floor(dim(fast)), 0), min(math.ceil(dim(slow)), r - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(r // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = inv_freq / f * (1 - extrapolation) + inv_freq * extrapolation
+        attention_factor = 0.1 * math.log(f) + 1.0
+    freqs = t[..., None] * inv_freq                                   # [..., N, r/2]
+    cos, sin = torch.cos(freqs) * attention_factor, torch.sin(freqs) * attention_factor
+    if layout == "half":
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        x1, x2 = x[..., :r].chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], -1)
+    else:
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+        rotated = torch.stack([-x2, x1], -1).flatten(-2)
+    return torch.cat([x[..., :r] * cos + rotated * sin, x[..., r:]], -1).numpy()
+
+
+@pytest.mark.parametrize("options", CASES, ids=IDS)
+def test_against_an_independent_torch_float64_rope(options):
+    pytest.importorskip("torch", reason=TORCH_REASON)
+    x = RNG.standard_normal((2, 3, 7, 8))
+    positions = np.array([0, 1, 2, 5, 9, 40, 1000])
+    y, _ = na.rope_forward(x, positions, **options)
+    np.testing.assert_allclose(y, torch_rope(x, positions, **options), rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("options", CASES, ids=IDS)
+def test_backward_and_jvp_against_complex_step(options):
+    x, x_dot = RNG.standard_normal((2, 5, 8)), RNG.standard_normal((2, 5, 8))
+    positions = np.arange(3, 8)
+    forward = lambda x: na.rope_forward(x, positions, **options)
+    report = na.gradcheck(forward, lambda dy, cache: [na.rope_backward(dy, cache)], [x], method="complex")
+    assert report and report.rows[0].max_rel_err <= 1e-14, report
+    y, y_dot = na.rope_jvp(x, positions, x_dot, **options)
+    np.testing.assert_array_equal(y, forward(x)[0])
+    step = forward(x + 1e-30j * x_dot)[0].imag / 1e-30
+    np.testing.assert_allclose(y_dot, step, rtol=1e-14, atol=1e-15)
+
+
+def test_it_turns_pairs_keeps_norms_and_makes_scores_depend_on_the_offset_alone():
+    """Each pair keeps its length; q_m . k_n depends on m - n only (what RoPE is for); the entries
+    past rotary_dim pass unchanged; position 0 turns nothing."""
+    q, k = RNG.standard_normal((1, 16)), RNG.standard_normal((1, 16))
+    for layout in ("half", "interleaved"):
+        y, _ = na.rope_forward(q, [37], layout=layout, rotary_dim=12)
+        a, b = (y[0, :6], y[0, 6:12]) if layout == "half" else (y[0, 0:12:2], y[0, 1:12:2])
+        qa, qb = (q[0, :6], q[0, 6:12]) if layout == "half" else (q[0, 0:12:2], q[0, 1:12:2])
+        np.testing.assert_allclose(a ** 2 + b ** 2, qa ** 2 + qb ** 2, rtol=1e-13)
+        np.testing.assert_array_equal(y[0, 12:], q[0, 12:])
+        np.testing.assert_allclose(na.rope_forward(q, [0], layout=layout)[0], q, rtol=0, atol=0)
+        turned = lambda x, m: na.rope_forward(x, [m], layout=layout)[0][0]
+        score = lambda m, n: float(turned(q, m) @ turned(k, n))
+        assert math.isclose(score(10, 3), score(107, 100), rel_tol=1e-12)
+
+
+def test_packed_positions_restart_per_sequence_and_offsets_decode():
+    """Positions are the caller's: packed sequences pass each sequence's own 0, 1, ...; a decoding
+    step passes its offset; the rows equal the whole sequence's rows at those positions."""
+    x = RNG.standard_normal((4, 10, 8))
+    whole, _ = na.rope_forward(x, np.arange(10))
+    packed = np.concatenate([np.arange(6), np.arange(4)])
+    y, _ = na.rope_forward(np.concatenate([x[:, :6], x[:, :4]], axis=1), packed)
+    np.testing.assert_array_equal(y[:, 6:], whole[:, :4])
+    step, _ = na.rope_forward(x[:, 9:], [9])
+    np.testing.assert_array_equal(step, whole[:, 9:])
+    per_batch, _ = na.rope_forward(x[:2, :1], np.array([[3], [7]]))          # [B, 1] offsets
+    np.testing.assert_allclose(per_batch[1], na.rope_forward(x[1:2, :1], [7])[0][0], rtol=0, atol=0)
+
+
+def test_the_layouts_differ_and_float32_turns_in_float32():
+    x = RNG.standard_normal((3, 8))
+    half, interleaved = (na.rope_forward(x, np.arange(3), layout=layout)[0] for layout in ("half", "interleaved"))
+    assert not np.allclose(half, interleaved)
+    y, cache = na.rope_forward(x.astype(np.float32), np.arange(3))
+    assert y.dtype == np.float32 and cache.cos.dtype == np.float32
+    np.testing.assert_allclose(y, na.rope_forward(x.astype(np.float32).astype(np.float64), np.arange(3))[0], rtol=1e-6)
+
+
+def test_yarn_keeps_the_high_frequencies_and_interpolates_the_low_ones():
+    plain = frequencies(64)[0]
+    yarn, position_factor, magnitude = frequencies(64, scaling={"type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 2048})
+    assert yarn[0] == plain[0] and np.isclose(yarn[-1], plain[-1] / 4) and position_factor == 1.0
+    assert math.isclose(magnitude, 0.1 * math.log(4) + 1)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x: na.rope_forward(x, np.arange(5), rotary_dim=3), ValueError,
+     "rotary_dim must be an even integer from 2 to d = 8"),
+    (lambda x: na.rope_forward(x, np.arange(5), rotary_dim=10), ValueError, "rotary_dim must be an even integer"),
+    (lambda x: na.rope_forward(x, np.arange(4)), ValueError,
+     r"positions of shape \(4,\) do not broadcast to x's \[..., N\] = \(2, 5\)"),
+    (lambda x: na.rope_forward(x, np.arange(5), layout="neox"), ValueError, "layout"),
+    (lambda x: na.rope_forward(x, np.array(["a"] * 5)), TypeError, "positions must be integers or floats"),
+    (lambda x: na.rope_forward(x, np.arange(5), scaling={"type": "ntk", "factor": 2.0}), ValueError,
+     "scaling\\['type'\\]"),
+    (lambda x: na.rope_forward(x, np.arange(5), scaling={"type": "yarn", "factor": 2.0}), TypeError,
+     "original_max_position_embeddings"),
+    (lambda x: na.rope_backward(np.ones((2, 5, 7)), na.rope_forward(x, np.arange(5))[1]), ValueError, "dy"),
+])
+def test_bad_arguments_are_refused_by_name(call, error, words):
+    with pytest.raises(error, match=words):
+        call(RNG.standard_normal((2, 5, 8)))
+
+
+def test_does_not_write_into_its_arguments():
+    x, positions, dy = RNG.standard_normal((2, 5, 8)), np.arange(5), RNG.standard_normal((2, 5, 8))
+    copies = [a.copy() for a in (x, positions, dy)]
+    _, cache = na.rope_forward(x, positions)
+    na.rope_backward(dy, cache)
+    na.rope_jvp(x, positions, dy)
+    for a, b in zip((x, positions, dy), copies):
+        np.testing.assert_array_equal(a, b)
