@@ -70,6 +70,15 @@ def test_a_function_that_writes_into_its_argument():
     assert not result and result.message.startswith("it wrote into its argument dp")
 
 
+def test_a_module_backward_that_writes_into_the_cache_is_named():
+    def multihead_backward(dout, cache):
+        cache["P"] *= 1.0                                     # in place, even without changing a value
+        cache["params"]["W_o"][0, 0] += 1.0
+        return solutions.multihead_backward(dout, cache)
+    result = exercises.check("multihead_backward", multihead_backward)
+    assert not result and result.message.startswith("it wrote into its argument cache['params']['W_o']")
+
+
 def test_a_function_that_ignores_the_upstream_gradient():
     result = exercises.check("softmax_backward", lambda dp, p: p * (1 - p))
     assert not result

@@ -179,14 +179,14 @@ def check(name, function):
 def _run(function, case, exercise, args=None):
     """(outputs as a list of arrays in the exercise's order, None) or (None, what went wrong)."""
     args = case.args if args is None else args
-    before = {n: np.copy(x) for n, x in args.items() if isinstance(x, np.ndarray)}
+    before = {n: np.copy(x) for n, x in _arrays(args).items()}
     try:
         returned = function(*args.values())
     except NotImplementedError:
         return None, "not written yet (it raises NotImplementedError): write its body, then check again"
     except Exception as exc:            # the learner's code: any error is reported, not raised
         return None, f"it raised {type(exc).__name__}: {exc}"
-    changed = [n for n, x in before.items() if not np.array_equal(x, args[n], equal_nan=True)]
+    changed = [n for n, x in _arrays(args).items() if not np.array_equal(x, before[n], equal_nan=True)]
     if changed:
         return None, (f"it wrote into its argument {changed[0]}: a backward returns new arrays and leaves "
                       f"its inputs unchanged (x -= ... writes into the caller's array; x = x - ... does not)")
@@ -211,6 +211,19 @@ def _relative_error(got, truth):
     if got.shape != truth.shape:
         return np.inf
     return float(np.max(np.abs(got - truth), initial=0) / max(np.max(np.abs(truth), initial=0), 1e-300))
+
+
+def _arrays(args, prefix=""):
+    """{name: array} of the arguments' arrays, inside dicts too (the module's cache and its
+    params): cache['P'] names the cache's P."""
+    found = {}
+    for name, x in args.items():
+        label = f"{prefix}[{name!r}]" if prefix else name
+        if isinstance(x, np.ndarray):
+            found[label] = x
+        elif isinstance(x, dict):
+            found.update(_arrays(x, label))
+    return found
 
 
 def _same(got, other, truth):
