@@ -53,12 +53,15 @@ from .engines.blocked import blocked_backward, blocked_forward
 from .engines.plan import TEXTBOOK, attention_plan
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
+from .positions import positions
+from .rope import rope_backward, rope_forward
 from . import scores
 from .options import FULLY_MASKED_POLICIES, attention_options, check_per_head
 from .scores import ScoreGrads, attention_scores, head_gradient, with_sink, with_sink_weight
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
+ROPE_KEYS = ("layout", "rotary_dim", "base", "scaling", "positions_q", "positions_k")
 
 __all__ = ["attention_forward", "attention_backward", "attention_scores", "textbook_forward", "ENGINES",
            "textbook_backward", "AttentionCache", "AttentionGrads", "AttentionStages",
@@ -157,7 +160,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
                       seqused_k=None, page_table=None, cache_seqlens=None, workers=None,
                       scheduler=None, score_mod=None, mask_mod=None, score_mod_params=None,
-                      score_mod_vjps=None, **keep_steps):
+                      score_mod_vjps=None, rope=None, **keep_steps):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -197,6 +200,12 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             vjp(ds, score, b, h, q_idx, kv_idx, params) -> the gradient of <ds, score_mod> on
             a block w.r.t. params[name], params[name]'s shape; checked by complex step along
             a random direction before it is trusted (ValueError naming it).
+        rope: rotary position embeddings applied to q and k inside, as fused kernels do: a
+            dict of rope_forward's options (layout, rotary_dim, base, scaling) and optionally
+            positions_q [N_q], positions_k [N_k]; by default key j is at its position in its
+            sequence and query i at i + N_k - N_q in its own (the last N_q tokens, bottom-right
+            as in decoding; per packed sequence with cu_seqlens). The gradients come back to
+            the unturned q and k; the cache holds the turned ones.
         sinks: [H]: one more logit per query head in every row's softmax, with no value
             (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the
             sink's weight exp(sink_h - lse) multiplies nothing. A row whose keys are all
@@ -260,11 +269,28 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         score_mod_vjps=score_mod_vjps, **keep_steps)
     plan = attention_plan(options, q.shape, k.shape, implementation=implementation,   # where and how
                           block_size=block_size, workers=workers, scheduler=scheduler)
+    turned = None
+    if rope is not None:                                            # q, k turned by their positions
+        q, k, turned = _rope(q, k, rope, options)
     forward, _ = ENGINES[plan.implementation]
     out, cache = forward(q, k, v, options, plan)
-    if paged is None:
-        return out, cache
-    return unpack_rows(out, paged), cache._replace(paged=paged)     # the backward returns to the pages
+    cache = cache._replace(rope=turned, paged=paged)                # for the backward
+    return (out if paged is None else unpack_rows(out, paged)), cache
+
+
+def _rope(q, k, rope, options):
+    """(q, k turned by rope_forward, (q's RopeCache, k's)): rope is attention_forward's dict."""
+    if not isinstance(rope, dict):
+        raise TypeError(f"rope must be a dict of rope_forward's options, got {type(rope).__name__}")
+    unknown = sorted(set(rope) - set(ROPE_KEYS))
+    if unknown:
+        raise TypeError(f"rope has the key {unknown[0]!r}; it takes {', '.join(ROPE_KEYS)}")
+    settings = {name: x for name, x in rope.items() if not name.startswith("positions")}
+    at = positions(q.shape[-2], k.shape[-2], np.arange(q.shape[-2]), np.arange(k.shape[-2]), "bottom_right",
+                   options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
+    q, q_cache = rope_forward(q, rope.get("positions_q", at.diagonal), **settings)
+    k, k_cache = rope_forward(k, rope.get("positions_k", at.cols), **settings)
+    return q, k, (q_cache, k_cache)
 
 
 def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -310,6 +336,9 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
         dlse = as_float_array(dlse, "dlse").astype(dout.dtype, copy=False)
     _, backward = ENGINES[cache.plan.implementation]
     grads = backward(dout, cache, dlse, method=method, return_stages=return_stages)
+    if cache.rope is not None:                                      # back to the unturned q and k
+        q_turn, k_turn = cache.rope
+        grads = grads._replace(dq=rope_backward(grads.dq, q_turn), dk=rope_backward(grads.dk, k_turn))
     if paged is None:
         return grads
     return grads._replace(dq=unpack_rows(grads.dq, paged), dk=scatter_keys(grads.dk, paged.k_cache_shape, paged),

@@ -31,6 +31,7 @@ class AttentionCache(NamedTuple):
     score_mod_input: Optional[np.ndarray] = None   # [..., H, N_q, N_k] score_mod's input, or None
     plan: AttentionPlan = AttentionPlan("textbook")   # the engine that made it, and computes its backward
     paged: Optional[PagedLayout] = None      # q, k, v were packed from a paged KV cache (paged.py)
+    rope: Optional[tuple] = None             # (RopeCache of q, of k): q and k were turned (rope.py)
 
     @property
     def scores(self):

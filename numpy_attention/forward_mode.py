@@ -82,6 +82,8 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
                                                       and "tiled" not in engines):
         raise ValueError(f"this runs on the {' or '.join(engines)} engine, not "
                          f"implementation={options['implementation']!r}")
+    if options.get("rope") is not None:
+        raise ValueError("forward mode takes no rope: turn q and k (and their tangents) with rope_jvp first")
     if options.get("page_table") is not None or options.get("cache_seqlens") is not None:
         raise ValueError("forward mode takes packed sequences (cu_seqlens), not a paged KV cache")
     options = {name: x for name, x in options.items() if name not in ("page_table", "cache_seqlens")}

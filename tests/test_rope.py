@@ -25,9 +25,9 @@ IDS = ["half", "interleaved", "half-partial", "interleaved-partial-base", "linea
 def torch_rope(x, positions, layout="half", rotary_dim=None, base=10000.0, scaling=None):
     """The reference, in torch float64: FlashAttention's rotate_half and apply_rotary_emb_torch
     (cos, sin [N, r/2] repeated over the pairs' layout), Hugging Face's linear and YaRN inverse
-    frequencies (_compute_yarn_parameters), written from their definitions."""
+    frequencies (_compute_yarn_parameters), written from their definitions. x: a float64 tensor
+    (autograd flows through)."""
     import torch
-    x = torch.from_numpy(x)
     r = x.shape[-1] if rotary_dim is None else rotary_dim
     inv_freq = 1.0 / base ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
     t, attention_factor = torch.as_tensor(positions, dtype=torch.float64), 1.0
@@ -54,16 +54,17 @@ def torch_rope(x, positions, layout="half", rotary_dim=None, base=10000.0, scali
         cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
         x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
         rotated = torch.stack([-x2, x1], -1).flatten(-2)
-    return torch.cat([x[..., :r] * cos + rotated * sin, x[..., r:]], -1).numpy()
+    return torch.cat([x[..., :r] * cos + rotated * sin, x[..., r:]], -1)
 
 
 @pytest.mark.parametrize("options", CASES, ids=IDS)
 def test_against_an_independent_torch_float64_rope(options):
-    pytest.importorskip("torch", reason=TORCH_REASON)
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     x = RNG.standard_normal((2, 3, 7, 8))
     positions = np.array([0, 1, 2, 5, 9, 40, 1000])
     y, _ = na.rope_forward(x, positions, **options)
-    np.testing.assert_allclose(y, torch_rope(x, positions, **options), rtol=1e-14, atol=1e-14)
+    reference = torch_rope(torch.from_numpy(x), positions, **options).numpy()
+    np.testing.assert_allclose(y, reference, rtol=1e-14, atol=1e-14)
 
 
 @pytest.mark.parametrize("options", CASES, ids=IDS)
@@ -153,3 +154,88 @@ def test_does_not_write_into_its_arguments():
     na.rope_jvp(x, positions, dy)
     for a, b in zip((x, positions, dy), copies):
         np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- inside attention
+
+ENGINES = [{"implementation": "textbook"}, {"implementation": "blocked"}, {"implementation": "tiled", "block_size": 3}]
+ENGINE_IDS = ["textbook", "blocked", "tiled"]
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+@pytest.mark.parametrize("rope", [{"layout": "half"}, {"layout": "interleaved", "rotary_dim": 4, "base": 500000.0}],
+                         ids=["half", "interleaved-partial"])
+def test_attention_turns_q_and_k_inside_and_returns_the_gradients_of_the_unturned(engine, rope):
+    """attention_forward(..., rope=...) is attention on rope_forward's q and k at the bottom-right
+    positions (query i at i + N_k - N_q, as the last N_q tokens); dq, dk are turned back."""
+    q, k, v = RNG.standard_normal((2, 4, 5, 8)), RNG.standard_normal((2, 2, 9, 8)), RNG.standard_normal((2, 2, 9, 8))
+    dout = RNG.standard_normal((2, 4, 5, 8))
+    out, cache = na.attention_forward(q, k, v, causal="bottom_right", rope=rope, **engine)
+    grads = na.attention_backward(dout, cache)
+    q_turned, q_cache = na.rope_forward(q, np.arange(4, 9), **rope)
+    k_turned, k_cache = na.rope_forward(k, np.arange(9), **rope)
+    plain, plain_cache = na.attention_forward(q_turned, k_turned, v, causal="bottom_right", **engine)
+    plain_grads = na.attention_backward(dout, plain_cache)
+    np.testing.assert_allclose(out, plain, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(grads.dq, na.rope_backward(plain_grads.dq, q_cache), rtol=0, atol=1e-14)
+    np.testing.assert_allclose(grads.dk, na.rope_backward(plain_grads.dk, k_cache), rtol=0, atol=1e-14)
+    np.testing.assert_allclose(grads.dv, plain_grads.dv, rtol=0, atol=1e-14)
+
+
+def test_attention_with_rope_against_torch_float64_autograd():
+    """An independent reference: torch turns q and k (torch_rope), SDPA attends (causal, grouped
+    heads), autograd differentiates, all in float64."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    q, k, v = RNG.standard_normal((1, 4, 6, 8)), RNG.standard_normal((1, 2, 6, 8)), RNG.standard_normal((1, 2, 6, 8))
+    dout = RNG.standard_normal((1, 4, 6, 8))
+    rope = {"layout": "interleaved", "scaling": {"type": "linear", "factor": 2.0}}
+    out, cache = na.attention_forward(q, k, v, causal=True, rope=rope)
+    grads = na.attention_backward(dout, cache)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    turned = lambda x: torch_rope(x, np.arange(6), **rope)
+    t_out = torch.nn.functional.scaled_dot_product_attention(turned(tq), turned(tk), tv, is_causal=True,
+                                                             enable_gqa=True)
+    t_out.backward(torch.from_numpy(dout))
+    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=0, atol=1e-13)
+    for ours, theirs in ((grads.dq, tq.grad), (grads.dk, tk.grad), (grads.dv, tv.grad)):
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=0, atol=1e-13)
+
+
+def test_rope_positions_restart_in_each_packed_sequence():
+    lengths = [4, 6]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    q, k, v = (RNG.standard_normal((2, cu[-1], 8)) for _ in range(3))
+    dout = RNG.standard_normal((2, cu[-1], 8))
+    out, cache = na.attention_forward(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, rope={})
+    grads = na.attention_backward(dout, cache)
+    for start, stop in zip(cu[:-1], cu[1:]):
+        part = slice(start, stop)
+        alone, alone_cache = na.attention_forward(q[:, part], k[:, part], v[:, part], causal=True, rope={})
+        alone_grads = na.attention_backward(dout[:, part], alone_cache)
+        np.testing.assert_allclose(out[:, part], alone, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(grads.dq[:, part], alone_grads.dq, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(grads.dk[:, part], alone_grads.dk, rtol=0, atol=1e-14)
+
+
+def test_complex_step_gradcheck_through_attention_with_rope():
+    q, k, v = RNG.standard_normal((1, 2, 4, 6)), RNG.standard_normal((1, 2, 7, 6)), RNG.standard_normal((1, 2, 7, 6))
+    forward = lambda q, k, v: na.attention_forward(q, k, v, causal="bottom_right", rope={"rotary_dim": 4})
+    report = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex")
+    assert report and max(row.max_rel_err for row in report.rows) <= 1e-13, report
+
+
+@pytest.mark.parametrize("rope, error, words", [
+    ({"layot": "half"}, TypeError, "rope has the key 'layot'; it takes layout, rotary_dim"),
+    ([("layout", "half")], TypeError, "rope must be a dict"),
+    ({"layout": "neox"}, ValueError, "layout"),
+])
+def test_a_bad_rope_is_refused_by_name(rope, error, words):
+    x = RNG.standard_normal((1, 3, 4))
+    with pytest.raises(error, match=words):
+        na.attention_forward(x, x, x, rope=rope)
+
+
+def test_forward_mode_refuses_rope_and_says_what_to_do():
+    x = RNG.standard_normal((1, 3, 4))
+    with pytest.raises(ValueError, match="forward mode takes no rope: turn q and k .* with rope_jvp first"):
+        na.attention_jvp(x, x, x, x, rope={})
