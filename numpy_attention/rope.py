@@ -29,7 +29,8 @@ from ._checks import as_float_array, require_cache, require_choice, require_mapp
 from ._checks import require_same_shape
 
 LAYOUTS = ("half", "interleaved")
-SCALINGS = ("linear", "yarn")
+SCALINGS = {"linear": ("type", "factor"),             # type -> the keys it takes
+            "yarn": ("type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}
 
 
 class RopeCache(NamedTuple):
@@ -58,7 +59,10 @@ def frequencies(rotary_dim, base=10000.0, scaling=None):
     if scaling is None:
         return inv_freq, 1.0, 1.0
     require_mapping(scaling, "scaling")
-    kind = require_choice(scaling.get("type"), "scaling['type']", SCALINGS)
+    kind = require_choice(scaling.get("type"), "scaling['type']", tuple(SCALINGS))
+    unknown = sorted(set(scaling) - set(SCALINGS[kind]))
+    if unknown:
+        raise ValueError(f"scaling has the key {unknown[0]!r}; a {kind} scaling takes {', '.join(SCALINGS[kind])}")
     factor = require_positive_real(scaling.get("factor"), "scaling['factor']")
     if kind == "linear":
         return inv_freq, 1.0 / factor, 1.0

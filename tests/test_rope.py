@@ -139,6 +139,8 @@ def test_yarn_keeps_the_high_frequencies_and_interpolates_the_low_ones():
      "scaling\\['type'\\]"),
     (lambda x: na.rope_forward(x, np.arange(5), scaling={"type": "yarn", "factor": 2.0}), TypeError,
      "original_max_position_embeddings"),
+    (lambda x: na.rope_forward(x, np.arange(5), scaling={"type": "linear", "factor": 2.0, "mscale": 0.7}),
+     ValueError, "scaling has the key 'mscale'; a linear scaling takes type, factor"),
     (lambda x: na.rope_backward(np.ones((2, 5, 7)), na.rope_forward(x, np.arange(5))[1]), ValueError, "dy"),
 ])
 def test_bad_arguments_are_refused_by_name(call, error, words):
