@@ -33,9 +33,9 @@ from ._checks import as_float_array
 from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .attention import textbook_forward
 from .caches import AttentionGrads
+from .engines.plan import attention_plan
 from .engines.tiled import tiled_jvp
 from . import scores
-from .engines.plan import attention_plan
 from .options import attention_options
 from .scores import keep_mask, with_sink, with_sink_weight
 

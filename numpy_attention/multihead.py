@@ -40,9 +40,9 @@ from ._checks import (as_float_array, read_only_copy, require_cache, require_cho
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .caches import MultiHeadCache
 from .engines.multihead import threaded_multihead_backward, threaded_multihead_forward
+from .engines.plan import resolve_workers, score_count
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward
-from .engines.plan import resolve_workers, score_count
 from .params import TORCH_WEIGHTS, check_params, param_shapes, state_dict_grads, torch_to_seed_keys
 
 

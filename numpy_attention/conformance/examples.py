@@ -156,7 +156,7 @@ def numpy_float32(q, k, v, dout=None, **options):
     wide = lambda x: x.astype(np.float32)
     options = {name: wide(x) if name in FLOAT_OPTIONS else x for name, x in options.items()}
     out, cache = attention_forward(wide(q), wide(k), wide(v), **options)
-    paged = cache.paged                         # lse of a paged cache's rows: packed
+    paged = cache.paged                                 # lse of a paged cache's rows: packed
     results = {"out": out.astype(dtype), "lse": cache.lse if paged is None else unpack_rows(cache.lse, paged)}
     if dout is not None:
         grads = attention_backward(wide(dout), cache)._asdict()

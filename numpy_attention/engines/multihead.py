@@ -16,15 +16,15 @@ The attention takes `workers` as given, so by default its own rule (many scores)
 from ..attention import attention_backward, attention_forward
 from ..caches import MultiHeadCache
 from ..heads import merge_heads, split_heads
-from .plan import PARALLEL_HEAD_COPIES
 from ..params import state_dict_grads
 from .parallel import blas_on_one_thread, run_tasks
+from .plan import PARALLEL_HEAD_COPIES
 from .projections import projections_backward, projections_forward
 
 
 def threaded_multihead_forward(query, key, value, params, num_heads, workers, mask, attention_options):
     """multihead.py's five steps with the projections and the heads' copies on `workers`
-    threads; arguments checked by multihead_forward. Returns (out, attention cache, cache)."""
+    threads; arguments checked by multihead_forward. Returns (out [B, N_q, D], MultiHeadCache)."""
     with blas_on_one_thread():
         # 1. linear projections (math layout W = weight^T)
         (Q, cq), (K, ck), (V, cv) = projections_forward([

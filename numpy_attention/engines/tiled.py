@@ -38,10 +38,10 @@ not depend on where or on how many workers the tasks run.
 Supported: mask, bias, causal (both alignments), window, scale, GQA, ALiBi, score_mod and
 mask_mod (scores.py's steps on each tile; a tile that mask_mod removes is skipped),
 sinks (each row's online softmax starts from its sink: m = sink, l = 1), packed sequences and
-the paged KV cache (through keep_mask), fully_masked='zero'; its plan refuses softcap,
-dropout and the other policies (engines/plan.py). The backward is the 'flash' form ('vjp' names the same
-computation here); method='jacobian' and return_stages need the [N_q, N_k] weights:
-ValueError.
+the paged KV cache (through keep_mask), fully_masked='zero'; its plan (engines/plan.py)
+refuses softcap, dropout and the other policies. The backward is the 'flash' form ('vjp'
+names the same computation here); method='jacobian' and return_stages need the [N_q, N_k]
+weights: ValueError.
 """
 from typing import NamedTuple
 

@@ -77,7 +77,8 @@ def _case_in(inputs, options, dtype, scale_factor=1.0):
 
 def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=True,
               scale_factor=1.0, scheduler=None):
-    """The oracle: attention.py with every input cast to `dtype`, on the record's engine.
+    """The oracle: attention.py with every input cast to `dtype`, on the blocked engine (stages)
+    or the tiled one.
 
     forward_of: None, or a candidate's own {"out", "lse"} (natural log): the gradients are
     then those of FlashAttention's backward from that forward, P = exp(S - lse) and
