@@ -53,15 +53,13 @@ from .engines.blocked import blocked_backward, blocked_forward
 from .engines.plan import TEXTBOOK, attention_plan
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
-from .positions import positions
-from .rope import rope_backward, rope_forward
+from .rope import rope_backward, rope_qk
 from . import scores
 from .options import FULLY_MASKED_POLICIES, attention_options, check_per_head
 from .scores import ScoreGrads, attention_scores, head_gradient, with_sink, with_sink_weight
 from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
-ROPE_KEYS = ("layout", "rotary_dim", "base", "scaling", "positions_q", "positions_k")
 
 __all__ = ["attention_forward", "attention_backward", "attention_scores", "textbook_forward", "ENGINES",
            "textbook_backward", "AttentionCache", "AttentionGrads", "AttentionStages",
@@ -271,26 +269,11 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                           block_size=block_size, workers=workers, scheduler=scheduler)
     turned = None
     if rope is not None:                                            # q, k turned by their positions
-        q, k, turned = _rope(q, k, rope, options)
+        q, k, turned = rope_qk(q, k, rope, options)
     forward, _ = ENGINES[plan.implementation]
     out, cache = forward(q, k, v, options, plan)
     cache = cache._replace(rope=turned, paged=paged)                # for the backward
     return (out if paged is None else unpack_rows(out, paged)), cache
-
-
-def _rope(q, k, rope, options):
-    """(q, k turned by rope_forward, (q's RopeCache, k's)): rope is attention_forward's dict."""
-    if not isinstance(rope, dict):
-        raise TypeError(f"rope must be a dict of rope_forward's options, got {type(rope).__name__}")
-    unknown = sorted(set(rope) - set(ROPE_KEYS))
-    if unknown:
-        raise TypeError(f"rope has the key {unknown[0]!r}; it takes {', '.join(ROPE_KEYS)}")
-    settings = {name: x for name, x in rope.items() if not name.startswith("positions")}
-    at = positions(q.shape[-2], k.shape[-2], np.arange(q.shape[-2]), np.arange(k.shape[-2]), "bottom_right",
-                   options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
-    q, q_cache = rope_forward(q, rope.get("positions_q", at.diagonal), **settings)
-    k, k_cache = rope_forward(k, rope.get("positions_k", at.cols), **settings)
-    return q, k, (q_cache, k_cache)
 
 
 def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):

@@ -13,6 +13,8 @@ bias_dot, sinks_dot, alibi_slopes_dot), the forward's steps differentiated in or
     5. P_dot = P * (S_dot - <P, S_dot>),  lse_dot = <P, S_dot>     rows with the sink's column
     6. P~_dot = P_dot * dropout_mask / (1 - p)
     7. out_dot = P~_dot v + P~ v_dot
+With rope, q and k are turned first (rope.py) and so are their tangents, rope being linear:
+q_dot <- R_q q_dot, k_dot <- R_k k_dot.
 
 attention_hvp: forward over reverse. The backward's steps (attention.py) differentiated along
 the same tangents give the tangents of (dq, dk, dv) for a fixed dout: Hessian-vector
@@ -24,6 +26,7 @@ products of <dout, out> (torch's double backward, JAX's jvp of grad):
     4. 0 where masked
     2. dS0 = dS (1 - t^2):  dS0_dot = dS_dot (1 - t^2) - 2 dS t t_dot,  t_dot = (1 - t^2) S0_dot / softcap
     1. dq_dot = scale (dS0_dot k + dS0 k_dot),  dk_dot = scale (dS0_dot^T q + dS0^T q_dot)
+    (rope: the turned q, k and tangents above; dq, dq_dot turned back by R_q^T, dk, dk_dot by R_k^T)
 
 Derivations: docs/derivations.md, "Forward mode and second order".
 """
@@ -37,6 +40,7 @@ from .engines.plan import attention_plan
 from .engines.tiled import tiled_jvp
 from . import scores
 from .options import attention_options
+from .rope import rope_apply, rope_backward, rope_qk
 from .scores import keep_mask, with_sink, with_sink_weight
 
 
@@ -75,18 +79,17 @@ def _softmax_tangent(P_row, S_dot_row):
 
 def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
     """(q, k, v, options record, plan, textbook cache (None for the tiled engine), dict of
-    tangents) checked, the tangents in the computation's dtype (a tangent left None: zeros for
-    q, k, v; None for the others). engines: the implementations this call runs (default:
-    textbook)."""
+    tangents, rope caches or None) checked, the tangents in the computation's dtype (a tangent
+    left None: zeros for q, k, v; None for the others); with rope, q, k and their tangents
+    turned. engines: the implementations this call runs (default: textbook)."""
     if options.get("implementation") == "blocked" or (options.get("implementation") == "tiled"
                                                       and "tiled" not in engines):
         raise ValueError(f"this runs on the {' or '.join(engines)} engine, not "
                          f"implementation={options['implementation']!r}")
-    if options.get("rope") is not None:
-        raise ValueError("forward mode takes no rope: turn q and k (and their tangents) with rope_jvp first")
     if options.get("page_table") is not None or options.get("cache_seqlens") is not None:
         raise ValueError("forward mode takes packed sequences (cu_seqlens), not a paged KV cache")
-    options = {name: x for name, x in options.items() if name not in ("page_table", "cache_seqlens")}
+    rope = options.get("rope")
+    options = {name: x for name, x in options.items() if name not in ("page_table", "cache_seqlens", "rope")}
     tiled = options.get("implementation") == "tiled" or options.get("block_size") is not None
     if tiled and "tiled" not in engines:
         raise ValueError("this runs on the textbook engine; block_size selects the tiled one")
@@ -94,6 +97,9 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
     options.pop("implementation", None)
     q, k, v, o = attention_options(q, k, v, **options)
     plan = attention_plan(o, q.shape, k.shape, implementation="tiled" if tiled else "textbook", **planned)
+    turned = None
+    if rope is not None:                               # q, k turned by their positions
+        q, k, turned = rope_qk(q, k, rope, o)
     cache = None if tiled else textbook_forward(q, k, v, o, plan)[1]
     primals = {"q_dot": q, "k_dot": k, "v_dot": v, "bias_dot": o.bias, "sinks_dot": o.sinks,
                "alibi_slopes_dot": o.alibi_slopes}
@@ -107,7 +113,10 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
             checked[name] = _tangent(x, primals[name], name, q.dtype)
         else:
             checked[name] = None
-    return q, k, v, o, plan, cache, checked
+    if turned is not None:                             # rope is linear: the tangents turn alike
+        checked["q_dot"], checked["k_dot"] = (rope_apply(checked[name], at)
+                                              for name, at in zip(("q_dot", "k_dot"), turned))
+    return q, k, v, o, plan, cache, checked, turned
 
 
 def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None, sinks_dot=None,
@@ -115,11 +124,11 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
     """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
 
     options: attention_forward's (mask, bias, causal, window, softcap, dropout, sinks, ALiBi,
-    packed sequences, ...); computed by the textbook, or with implementation='tiled' (or a
+    packed sequences, rope, ...); computed by the textbook, or with implementation='tiled' (or a
     block_size) by the tiled engine's online softmax carrying the tangents (engines/tiled.py,
     tiled_jvp: O(N) memory). A tangent left None is 0.
     """
-    q, k, v, o, plan, cache, dot = _primal_and_tangents(q, k, v, dict(
+    q, k, v, o, plan, cache, dot, _ = _primal_and_tangents(q, k, v, dict(
         q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,
         alibi_slopes_dot=alibi_slopes_dot), options, engines=("textbook", "tiled"))
     if cache is None:                                  # the tiled engine: O(N) memory
@@ -149,8 +158,8 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     if options.get("score_mod") is not None:
         raise ValueError("attention_hvp takes no score_mod: the Hessian needs its second derivative, which "
                          "the oracle does not take; mask_mod is accepted")
-    q, k, v, o, _, cache, dot = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot, v_dot=v_dot),
-                                                  options)
+    q, k, v, o, _, cache, dot, turned = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot,
+                                                                           v_dot=v_dot), options)
     if dout is None:
         raise TypeError("attention_hvp needs dout, the upstream gradient the Hessian is of <dout, out>")
     dout = _tangent(dout, cache.out, "dout", q.dtype)
@@ -181,4 +190,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
         dq=scaled(grouped_matmul(dS_dot, k) + grouped_matmul(dS, k_dot), o.scale),
         dk=scaled(grouped_sum_matmul(dS_dot, q, h_kv) + grouped_sum_matmul(dS, q_dot, h_kv), o.scale),
         dv=dv_dot, dbias=None)
+    if turned is not None:                                                               # rope: back
+        back = lambda g: g._replace(dq=rope_backward(g.dq, turned[0]), dk=rope_backward(g.dk, turned[1]))
+        grads, grads_dot = back(grads), back(grads_dot)
     return grads, grads_dot

@@ -7,7 +7,8 @@ r = rotary_dim (even, <= d) the width that turns; the other d - r entries pass u
     x [..., N, d],  positions broadcastable to [..., N]  ->  y [..., N, d]
 
 Angles: theta[p, i] = positions[p] * inv_freq[i],  inv_freq[i] = base^(-2i / r),  i < r / 2
-(computed in float64); with scaling, inv_freq and the positions change (`frequencies`).
+(computed in float64, or in x's dtype where it is wider); with scaling, inv_freq and the
+positions change (`frequencies`).
 
 Pairs, by layout (the convention a kernel must match):
     'half'         (GPT-NeoX, Llama, HF's rotate_half; FlashAttention interleaved=False)
@@ -19,6 +20,9 @@ Forward, each pair (a, b) with its angle theta:
 Backward (a rotation's transpose is the rotation back):
     da = dy_a cos(theta) + dy_b sin(theta),   db = -dy_a sin(theta) + dy_b cos(theta)
 Forward mode: rope is linear in x, so y_dot = rope(x_dot).
+
+Inside attention (`rope_qk`, attention_forward's rope=): q and k turned by their tokens'
+positions, by default bottom-right (query i at i + N_k - N_q) in each packed sequence.
 """
 import math
 from typing import NamedTuple
@@ -27,8 +31,10 @@ import numpy as np
 
 from ._checks import as_float_array, require_cache, require_choice, require_mapping, require_positive_real
 from ._checks import require_same_shape
+from .positions import positions as score_positions
 
 LAYOUTS = ("half", "interleaved")
+ROPE_KEYS = ("layout", "rotary_dim", "base", "scaling", "positions_q", "positions_k")   # rope_qk's dict
 SCALINGS = {"linear": ("type", "factor"),             # type -> the keys it takes
             "yarn": ("type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}
 
@@ -41,9 +47,9 @@ class RopeCache(NamedTuple):
     shape: tuple                # x's shape
 
 
-def frequencies(rotary_dim, base=10000.0, scaling=None):
-    """(inv_freq [r/2], position_factor, magnitude) in float64: theta = positions * position_factor
-    * inv_freq, and cos, sin times `magnitude`.
+def frequencies(rotary_dim, base=10000.0, scaling=None, dtype=np.float64):
+    """(inv_freq [r/2] in `dtype`, position_factor, magnitude): theta = positions *
+    position_factor * inv_freq, and cos, sin times `magnitude`.
 
     scaling, as Hugging Face's rope_scaling:
         None                      inv_freq = base^(-2i / r)
@@ -54,8 +60,10 @@ def frequencies(rotary_dim, base=10000.0, scaling=None):
                                                     beta_fast and beta_slow rotations over L;
                                                     cos and sin times 0.1 ln f + 1
     """
-    half = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim      # 2i / r
-    inv_freq = base ** -half                                                # [r/2]
+    dtype = np.dtype(dtype)
+    half = np.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim            # 2i / r
+    powers = np.asarray(base, dtype) ** half                                # [r/2]
+    inv_freq = 1 / powers                                                   # (the peers' order of ops)
     if scaling is None:
         return inv_freq, 1.0, 1.0
     require_mapping(scaling, "scaling")
@@ -72,13 +80,13 @@ def frequencies(rotary_dim, base=10000.0, scaling=None):
                   for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)))
     dim_of = lambda rotations: rotary_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
     low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), rotary_dim - 1)
-    ramp = np.clip((np.arange(rotary_dim // 2) - low) / ((high - low) or 0.001), 0, 1)
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=dtype) - low) / dtype.type((high - low) or 0.001), 0, 1)
     kept = 1 - ramp                                                         # 1: extrapolate (keep)
-    inv_freq = inv_freq / factor * (1 - kept) + inv_freq * kept
+    inv_freq = 1 / (dtype.type(factor) * powers) * (1 - kept) + inv_freq * kept
     return inv_freq, 1.0, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
 
 
-def _pairs(x, layout, r):
+def pairs(x, layout, r):
     """(a, b): the two entries of each turning pair, [..., N, r/2] views."""
     if layout == "half":
         return x[..., :r // 2], x[..., r // 2:r]
@@ -87,9 +95,9 @@ def _pairs(x, layout, r):
 
 def _turned(x, cos, sin, layout, r):
     """x with each pair (a, b) turned: (a cos - b sin, b cos + a sin); the rest as it is."""
-    a, b = _pairs(x, layout, r)
+    a, b = pairs(x, layout, r)
     y = np.array(x, dtype=np.result_type(x, cos), copy=True)
-    ya, yb = _pairs(y, layout, r)
+    ya, yb = pairs(y, layout, r)
     ya[...], yb[...] = a * cos - b * sin, b * cos + a * sin
     return y
 
@@ -126,9 +134,10 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
     except ValueError:
         raise ValueError(f"positions of shape {positions.shape} do not broadcast to x's [..., N] = "
                          f"{x.shape[:-1]}") from None
-    inv_freq, position_factor, magnitude = frequencies(int(r), base, scaling)
-    theta = (positions.astype(np.float64) * position_factor)[..., None] * inv_freq   # [..., N, r/2]
     real = x.real.dtype
+    angles = np.result_type(np.float64, real)                               # longdouble stays wide
+    inv_freq, position_factor, magnitude = frequencies(int(r), base, scaling, angles)
+    theta = (positions.astype(angles) * position_factor)[..., None] * inv_freq   # [..., N, r/2]
     cos, sin = ((magnitude * f(theta)).astype(real) for f in (np.cos, np.sin))
     y = _turned(x, cos, sin, layout, int(r))
     return y, RopeCache(cos=cos, sin=sin, layout=layout, rotary_dim=int(r), shape=x.shape)
@@ -142,10 +151,49 @@ def rope_backward(dy, cache):
     return _turned(dy, cache.cos, -cache.sin, cache.layout, cache.rotary_dim)
 
 
+def rope_apply(x, cache):
+    """x [..., N, d] turned as the forward that made the cache turned its input (rope is
+    linear in x: this is also the forward's tangent along x)."""
+    require_cache(cache, RopeCache, "rope_apply", arrays=("cos", "sin"))
+    require_same_shape(x, cache.shape, "x")
+    x = as_float_array(x, "x")
+    return _turned(x, cache.cos, cache.sin, cache.layout, cache.rotary_dim)
+
+
 def rope_jvp(x, positions, x_dot, **options):
     """(y, y_dot): rope_forward's y and its tangent along x_dot (rope is linear in x: y_dot is
     x_dot turned the same way). options as rope_forward's."""
     y, cache = rope_forward(x, positions, **options)
-    x_dot = as_float_array(x_dot, "x_dot")
-    require_same_shape(x_dot, cache.shape, "x_dot")
-    return y, _turned(x_dot, cache.cos, cache.sin, cache.layout, cache.rotary_dim)
+    return y, rope_apply(x_dot, cache)
+
+
+def rope_settings(rope):
+    """(rope_forward's options, positions_q or None, positions_k or None) from attention's rope
+    dict (ROPE_KEYS); TypeError for another type or key."""
+    if not isinstance(rope, dict):
+        raise TypeError(f"rope must be a dict of rope_forward's options, got {type(rope).__name__}")
+    unknown = sorted(set(rope) - set(ROPE_KEYS))
+    if unknown:
+        raise TypeError(f"rope has the key {unknown[0]!r}; it takes {', '.join(ROPE_KEYS)}")
+    settings = {name: x for name, x in rope.items() if not name.startswith("positions")}
+    return settings, rope.get("positions_q"), rope.get("positions_k")
+
+
+def rope_positions(rope, n_q, n_k, options):
+    """(positions_q [N_q], positions_k [N_k]) of attention's rope dict: its own, or key j at its
+    place in its sequence and query i at i + N_k - N_q in its own (bottom-right; each packed
+    sequence's from options' cu_seqlens and seqused_k, an AttentionOptions record)."""
+    _, given_q, given_k = rope_settings(rope)
+    at = score_positions(n_q, n_k, np.arange(n_q), np.arange(n_k), "bottom_right",
+                         options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
+    return (at.diagonal if given_q is None else given_q), (at.cols if given_k is None else given_k)
+
+
+def rope_qk(q, k, rope, options):
+    """(q, k turned by rope_forward, (q's RopeCache, k's)) for attention: rope is
+    attention_forward's dict (rope_settings), options its AttentionOptions record."""
+    settings, _, _ = rope_settings(rope)
+    positions_q, positions_k = rope_positions(rope, q.shape[-2], k.shape[-2], options)
+    q, q_cache = rope_forward(q, positions_q, **settings)
+    k, k_cache = rope_forward(k, positions_k, **settings)
+    return q, k, (q_cache, k_cache)

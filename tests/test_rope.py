@@ -237,7 +237,49 @@ def test_a_bad_rope_is_refused_by_name(rope, error, words):
         na.attention_forward(x, x, x, rope=rope)
 
 
-def test_forward_mode_refuses_rope_and_says_what_to_do():
-    x = RNG.standard_normal((1, 3, 4))
-    with pytest.raises(ValueError, match="forward mode takes no rope: turn q and k .* with rope_jvp first"):
-        na.attention_jvp(x, x, x, x, rope={})
+def _torch_attention_with_rope(torch, rope, positions_q, positions_k):
+    """(q, k, v) -> out: torch_rope on q and k, then attention in torch ops (bottom-right causal,
+    grouped heads), in float64: the independent reference for forward mode."""
+    def attend(tq, tk, tv):
+        n_q, n_k, groups = tq.shape[-2], tk.shape[-2], tq.shape[-3] // tk.shape[-3]
+        tk, tv = (x.repeat_interleave(groups, dim=-3) for x in (torch_rope(tk, positions_k, **rope), tv))
+        scores = torch_rope(tq, positions_q, **rope) @ tk.transpose(-1, -2) / math.sqrt(tq.shape[-1])
+        keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q
+        return torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1) @ tv
+    return attend
+
+
+@pytest.mark.parametrize("engine", [{}, {"implementation": "tiled", "block_size": 3}], ids=["textbook", "tiled"])
+def test_attention_jvp_with_rope_against_torch_func_jvp(engine):
+    """The tangents of q and k turn with them (rope is linear): out_dot against torch.func.jvp of
+    an independent rope + SDPA, float64."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    rope = {"layout": "interleaved", "rotary_dim": 6, "scaling": {"type": "linear", "factor": 2.0}}
+    q, k, v = RNG.standard_normal((2, 4, 5, 8)), RNG.standard_normal((2, 2, 9, 8)), RNG.standard_normal((2, 2, 9, 8))
+    q_dot, k_dot, v_dot = (RNG.standard_normal(x.shape) for x in (q, k, v))
+    out, out_dot, _, _ = na.attention_jvp(q, k, v, q_dot, k_dot, v_dot, causal="bottom_right", rope=rope, **engine)
+    attend = _torch_attention_with_rope(torch, rope, np.arange(4, 9), np.arange(9))
+    t_out, t_dot = torch.func.jvp(attend, tuple(map(torch.from_numpy, (q, k, v))),
+                                  tuple(map(torch.from_numpy, (q_dot, k_dot, v_dot))))
+    np.testing.assert_allclose(out, t_out.numpy(), rtol=0, atol=1e-13)
+    np.testing.assert_allclose(out_dot, t_dot.numpy(), rtol=0, atol=1e-12)
+
+
+def test_attention_hvp_with_rope_against_torch_double_backward():
+    """Hessian-vector products with rope: the gradients' tangents turned back like the gradients,
+    against torch's double backward (the Hessian is symmetric) of the same independent reference."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    rope = {"layout": "half", "base": 500000.0, "positions_q": np.array([3, 7, 8]), "positions_k": np.arange(10)}
+    causal = "bottom_right"
+    q, k, v = RNG.standard_normal((1, 2, 3, 6)), RNG.standard_normal((1, 2, 10, 6)), RNG.standard_normal((1, 2, 10, 6))
+    dout = RNG.standard_normal((1, 2, 3, 6))
+    tangents = [RNG.standard_normal(x.shape) for x in (q, k, v)]
+    grads, grads_dot = na.attention_hvp(q, k, v, dout, *tangents, causal=causal, rope=rope)
+    settings = {name: x for name, x in rope.items() if not name.startswith("positions")}
+    attend = _torch_attention_with_rope(torch, settings, rope["positions_q"], rope["positions_k"])
+    leaves = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]    # d/dt grad(x + t x_dot)
+    t_grads = torch.autograd.grad(attend(*leaves), leaves, torch.from_numpy(dout), create_graph=True)
+    t_dots = torch.autograd.grad(t_grads, leaves, [torch.from_numpy(t) for t in tangents])
+    for ours, theirs in zip((grads.dq, grads.dk, grads.dv, grads_dot.dq, grads_dot.dk, grads_dot.dv),
+                            tuple(t_grads) + tuple(t_dots)):
+        np.testing.assert_allclose(ours, theirs.detach().numpy(), rtol=0, atol=1e-12)
