@@ -15,6 +15,12 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
                 softcap       0-d float > 0, finite
                 dropout_mask  keep-mask broadcastable like mask;  dropout_p  0-d float in [0, 1)
                 fully_masked  0-d 'zero' / 'uniform' / 'nan' (default 'zero')
+                rope_layout   0-d 'half' / 'interleaved': q and k are turned inside (rope.py; q, k,
+                              dq, dk are the unturned ones); with it, optionally
+                              rope_rotary_dim (0-d int), rope_base (0-d float), rope_positions_q
+                              [N_q] and rope_positions_k [N_k] (default bottom-right per sequence),
+                              rope_scaling 0-d 'linear' / 'yarn' with rope_factor and for YaRN
+                              rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow
     candidate   out [..., H, N_q, d_v]   (required)
                 lse [..., H, N_q]        dq, dk, dv (the shapes of q, k, v)   dbias (bias's shape)
                 (lse of a fully masked row: -inf, or FlashAttention's +inf; rule.py)
@@ -36,6 +42,7 @@ from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
+from ..rope import LAYOUTS as ROPE_LAYOUTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
 from .precision import PRECISIONS, Precision
 from .npz import read_npz
@@ -47,6 +54,9 @@ OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dro
            "seqused_k", "page_table", "cache_seqlens") + tuple(KEEP_STEPS)   # + scores.py's, by name
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot")
 FORWARD_MODE = ("out_dot", "lse_dot")
+ROPE = ("rope_layout", "rope_rotary_dim", "rope_base", "rope_positions_q", "rope_positions_k", "rope_scaling",
+        "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow")
+OPTIONS = OPTIONS + ROPE                              # gathered into attention_forward's rope={...}
 PAGED = ("page_table", "cache_seqlens")
 FLOAT_OPTIONS = ("bias", "sinks", "alibi_slopes")     # float arrays: rounded to the candidate's dtype              # read by _packed_if_paged, not options
 GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
@@ -69,6 +79,9 @@ NEAR_MISSES = {
     "window_size": "FlashAttention's window_size is window= with align='bottom_right' (its diagonal)",
     "alibi": "ALiBi's slopes are alibi_slopes= ([H] or [B, H])",
     "dropout": "dropout is dropout_p= with the kernel's dropout_mask= (the oracle needs the kept entries)",
+    "interleaved": "FlashAttention's rotary interleaved=True is rope_layout='interleaved' (False: 'half')",
+    "rotary_dim": "the rotary width is rope_rotary_dim= (with rope_layout=)",
+    "rope_theta": "Hugging Face's rope_theta is rope_base=",
 }
 # tensors with a head axis and a length axis, in [..., H, N, d] (or FlashAttention's [..., N, H, d])
 _LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot")
@@ -140,15 +153,58 @@ _DECODE = {"mask": _mask, "causal": _causal, "window": _window, "align": _word(A
            "dropout_p": _real(require_probability), "fully_masked": _word(FULLY_MASKED_POLICIES)}
 
 
+def _positions(arrays, name):
+    x = np.asarray(arrays[name])
+    if x.ndim != 1 or x.dtype.kind not in "iuf":
+        raise CaseError(f"{name} must be a 1-d array of positions, got dtype {x.dtype} with shape {x.shape}")
+    return x
+
+
+def _integer(arrays, name):
+    x = np.asarray(arrays[name])
+    if x.ndim != 0 or x.dtype.kind not in "iu":
+        raise CaseError(f"{name} must be a 0-d integer, got dtype {x.dtype} with shape {x.shape}")
+    return int(x)
+
+
+_ROPE_DECODE = {"rope_layout": _word(ROPE_LAYOUTS), "rope_rotary_dim": _integer,
+                "rope_base": _real(require_positive_real), "rope_positions_q": _positions,
+                "rope_positions_k": _positions, "rope_scaling": _word(tuple(SCALINGS))}
+
+
+def _rope(arrays):
+    """attention_forward's rope dict from the case's rope_* keys, or None without rope_layout."""
+    given = [name for name in ROPE if name in arrays]
+    if not given:
+        return None
+    if "rope_layout" not in arrays:
+        raise CaseError(f"{given[0]} is given but rope_layout is not: a case with rope names its layout "
+                        f"('half' or 'interleaved')")
+    rope, scaling = {}, {}
+    for name in given:
+        value = _ROPE_DECODE.get(name, _real(require_positive_real))(arrays, name)
+        key = name[len("rope_"):]
+        if key in ("layout", "rotary_dim", "base", "positions_q", "positions_k"):
+            rope[key] = value
+        else:
+            scaling["type" if key == "scaling" else key] = value
+    if scaling:
+        if "type" not in scaling:
+            raise CaseError(f"rope_{next(iter(scaling))} is given but rope_scaling is not ('linear' or 'yarn')")
+        rope["scaling"] = scaling
+    return rope
+
+
 def _decode_options(arrays):
     """attention_forward's keyword arguments from the case; CaseError naming a bad option."""
     try:
         options = {name: _DECODE[name](arrays, name) if name in _DECODE else arrays[name]
-                   for name in OPTIONS if name in arrays and name not in PAGED}
+                   for name in OPTIONS if name in arrays and name not in PAGED and name not in ROPE}
         resolve_alignment(options.get("causal", False), options.get("align"))
+        rope = _rope(arrays)
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
-    return options
+    return options if rope is None else {**options, "rope": rope}
 
 
 def _require_shape(arrays, name, shape):
@@ -264,9 +320,15 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     inputs, options, paged = _packed_if_paged(arrays, inputs, options)
     try:
         attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
-        attention_options(inputs["q"], inputs["k"], inputs["v"], **options)
+        plain = {name: x for name, x in options.items() if name != "rope"}
+        record = attention_options(inputs["q"], inputs["k"], inputs["v"], **plain)[3]
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
+    try:                                                             # rope's settings and positions
+        if "rope" in options:
+            rope_qk(inputs["q"], inputs["k"], options["rope"], record)
+    except (ValueError, TypeError) as exc:
+        raise CaseError(f"the case's rope_* keys: {exc}") from None
     out_shape = q.shape[:-1] + v.shape[-1:]
     tangents = [n for n in FORWARD_MODE if n in tensors]
     if tangents and not {"q_dot", "k_dot", "v_dot"} & set(tensors):
@@ -276,6 +338,9 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
                         f"{chosen.name!r}")
     if tangents and paged is not None:
         raise CaseError("tangents are judged without a paged KV cache (page_table)")
+    if tangents and "rope" in options:
+        raise CaseError(f"tangents are judged without rope (rope_layout); turn q, k and their tangents "
+                        f"first (rope_jvp) and give the turned ones")
     for n, shape in (("q_dot", q.shape), ("k_dot", k.shape), ("v_dot", v.shape),
                      ("out_dot", out_shape), ("lse_dot", q.shape[:-1]),
                      ("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),

@@ -39,6 +39,7 @@ from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError,
 from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
 from .naive import naive_attention
+from .rotary import turn_qk, turned_case
 from .tangents import add_tangents
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
 from .rule import K_L2, CrosscheckReport, atol_for, judge
@@ -51,28 +52,32 @@ HINT_VALUES = 8             # nonzero values a result must hold for the hint (ch
 
 
 def _case_in(inputs, options, dtype, scale_factor=1.0):
-    """(q, k, v, dout, record, scale): the case in `dtype` (inputs rounded to it, then held in
-    its compute dtype; float16 computes in float32) and its AttentionOptions record.
+    """(q, k, v, dout, record, scale, back): the case in `dtype` (inputs rounded to it, then
+    held in its compute dtype; float16 computes in float32) and its AttentionOptions record.
 
     The scale (times scale_factor) multiplies q here and the record's scale is 1.0: the
     record keeps a scale as a Python float, and a default 1/sqrt(d_k) rounded to float64
     would cost an np.longdouble oracle its extra digits. dq is then `scale` times the
-    gradient w.r.t. the scaled q.
+    gradient w.r.t. the scaled q. With rope, q and k are turned in `dtype`'s way (rotary.py)
+    before the scale, and back(dq, dk) turns their gradients back (else back is None).
     """
     work = np.result_type(dtype, np.float32)
     cast = lambda x: None if x is None else x.astype(dtype).astype(work)
     options = {name: cast(x) if name in FLOAT_OPTIONS else x for name, x in options.items()}
     q, k, v, dout = (cast(inputs.get(name)) for name in ("q", "k", "v", "dout"))
-    given = options.pop("scale", None)
+    given, rope = options.pop("scale", None), options.pop("rope", None)
     scale = 1 / np.sqrt(work.type(q.shape[-1])) if given is None else work.type(given)
     if given is not None and not np.isfinite(scale):
         raise CaseError(f"scale={given:g} is not finite in the candidate's compute dtype {work}")
     scale = scale * work.type(scale_factor)
     try:
-        q, k, v, record = attention_options(q * scale, k, v, scale=1.0, **options)
+        q, k, v, record = attention_options(q, k, v, scale=1.0, **options)
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
-    return q, k, v, dout, record, scale
+    back = None
+    if rope is not None:
+        q, k, back = turn_qk(q, k, rope, record, work)
+    return q * scale, k, v, dout, record, scale, back
 
 
 def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=True,
@@ -94,7 +99,7 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
         stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
     """
     engine = {} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE, "scheduler": scheduler}
-    q, k, v, dout, record, scale = _case_in(inputs, options, dtype, scale_factor)
+    q, k, v, dout, record, scale, back = _case_in(inputs, options, dtype, scale_factor)
     plan = attention_plan(record, q.shape, k.shape, **engine)
     forward, _ = ENGINES[plan.implementation]
     out, cache = forward(q, k, v, record, plan)
@@ -108,7 +113,8 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
             cache = _from_candidate_forward(cache, forward_of, dtype)
         g = attention_backward(dout, cache, method="flash" if forward_of else "vjp",
                                return_stages=stages)
-        result.update(dq=scale * g.dq, dk=g.dk, dv=g.dv)
+        dq, dk = scale * g.dq, g.dk
+        result.update(zip(("dq", "dk"), (dq, dk) if back is None else back(dq, dk)), dv=g.dv)
         if stages:
             result.update(dP=g.stages.dP, dS=g.stages.dS, D=g.stages.D)
         result.update({name: value for name, value in (("dbias", g.dbias), ("dsinks", g.dsinks),
@@ -141,11 +147,13 @@ def baseline(inputs, options, dtype, gradients=True, block_rows=None):
     the result is most sensitive to. block_rows: query rows per block (blocks.py), None: all.
     """
     work = np.result_type(dtype, np.float32)
-    q, k, v, dout, record, scale = _case_in(inputs, options, dtype, 1 + np.finfo(work).eps)
+    q, k, v, dout, record, scale, back = _case_in(inputs, options, dtype, 1 + np.finfo(work).eps)
     result = naive_attention(q, k, v, record, dout=dout if gradients else None,
                              block_rows=block_rows)
     if "dq" in result:
         result["dq"] = scale * result["dq"]
+        if back is not None:
+            result["dq"], result["dk"] = back(result["dq"], result["dk"])
     return result
 
 
@@ -153,7 +161,7 @@ def _recomputed_stages(truth, inputs, options, block_rows):
     """The tiled oracle's stages block by block (for term_magnitudes on a large case): S of
     the block's rows in float64, P = exp(S - lse) from the oracle's lse (P~ = P: no dropout),
     dP = dout v^T and D = rowsum(dout * out) from the oracle's out. Yields (index, stages)."""
-    q, k, v, dout, record, _ = _case_in(inputs, options, np.float64)
+    q, k, v, dout, record, _, _ = _case_in(inputs, options, np.float64)
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
     score_shape = q3.shape[:-1] + k3.shape[-2:-1]
     lse = truth["lse"].astype(np.float64).reshape(score_shape[:-1])
@@ -231,12 +239,19 @@ def _baseline(case, way, gradients, block_rows):
     rounded = lambda x: None if x is None else round_to(x, p.compute)
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
+    rope = options.pop("rope", None)
     q, k, v, record = attention_options(q, k, v, **options)
+    back = None
+    if rope is not None:                               # turned in T (rotary.py)
+        q, k, back = turn_qk(q, k, rope, record, p.compute)
     backward, reorder, reads, mlx, scores32 = _ways(case, gradients)[way][1]
     saved = rounded(case.candidates["out"]) if reads else None
-    return recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
-                            reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx,
-                            scores32=scores32)
+    result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
+                              reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx,
+                              scores32=scores32)
+    if back is not None and "dq" in result:
+        result["dq"], result["dk"] = back(result["dq"], result["dk"])
+    return result
 
 
 def _ways(case, gradients):
@@ -450,7 +465,12 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
 def _magnitudes(case, truth, whole, block_rows, scheduler, workers):
     """The case's term magnitudes (magnitudes.py): from the oracle's stages when whole, else
     recomputed block by block, on a cluster or on threads in (batch index, kv head) slices
-    (slices.py)."""
+    (slices.py). With rope, those of the turned q and k, dq's and dk's times the largest sum
+    |cos| + |sin| of the turn back (rotary.turned_case)."""
+    if "rope" in case.options:
+        turned, factor = turned_case(case)
+        mags = _magnitudes(turned, truth, whole, block_rows, scheduler, workers)
+        return {name: x * factor if name in ("dq", "dk") else x for name, x in mags.items()}
     if whole:
         return term_magnitudes(whole_stages(truth), case.inputs, case.options)
     items = [(piece, {name: truth[name][at] for name in ("out", "lse", "dq") if name in truth})

@@ -3,10 +3,11 @@
 When a tensor fails, the oracle is run again (float64) under each mix-up that applies to
 the case, and the failing tensors are compared with each rerun; where no mix-up alone
 explains them, the pairs of the PAIRED that bring it nearest. A rerun explains
-the failing tensors when the candidate is near it in each, within NEAR (rel L2) and either
-CLOSER times nearer than to the oracle or as near as the rounding of the case's precision
-lets an honest kernel be (NOISE times the baseline's rel L2, and nearer than to the
-oracle), and CLEARLY nearer in one of them at least. A tensor may also be a known constant
+the failing tensors when the candidate is near it in each, either within NEAR (rel L2) and
+CLOSER times nearer than to the oracle, or as near as the rounding of the case's precision
+lets an honest kernel be (NOISE times the baseline's rel L2, at most NOISY, and nearer than
+to the oracle: a bfloat16 dk of one query row rounds to 10%), and CLEARLY nearer in one of
+them at least. A tensor may also be a known constant
 times the rerun's, over the whole tensor or head by head (a backward without the scale,
 one head's dk negated):
 
@@ -19,7 +20,9 @@ diagonal excluded, one key of the future kept); scale 1, sqrt(d_k) or 1/d_k (the
 applied twice) instead of 1/sqrt(d_k), or off by a few percent (the scale fitted to the
 candidate's out); softcap missing, or applied after the bias; mask polarity inverted; the
 window's alignment swapped, or each side off by one; grouped-query heads interleaved
-(query head h with kv head h % H_kv, not h // G); lse in base 2. The factors: -1, 2, 1/2,
+(query head h with kv head h % H_kv, not h // G); lse in base 2; rotary embeddings in the
+other layout (interleaved for half-split or the reverse), missing, over the whole head where
+they are partial, or with the queries' positions from 0. The factors: -1, 2, 1/2,
 1 / scale and scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one (check.py adds: the [..., N, H, d] layout
 read as [..., H, N, d]).
 """
@@ -35,6 +38,7 @@ from .case import GRADIENTS
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
 NEAR = 1e-2             # and within this rel L2 of it;
 NOISE = 3.0             # or within this many times the baseline's rel L2 (the rule's k),
+NOISY = 0.1             # up to this rel L2,
 CLEARLY = 2.0           # and this much nearer than the oracle
 PAIR_SCORES = 2 ** 20   # pairs of mix-ups are tried on cases of at most this many scores,
 PAIRED = 6              # of the mix-ups that bring the candidate nearest, this many
@@ -144,6 +148,31 @@ def _mixups(case):
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
         yield Mixup("interleaved grouped-query heads (query head h with kv head h % H_kv)",
                     "the case groups them (h // G)", {}, interleaved=True)
+    if "rope" in o:
+        yield from _rope_mixups(o["rope"], o, n_q, n_k, d_k)
+
+
+def _rope_mixups(rope, o, n_q, n_k, d_k):
+    """The rotary embeddings' mix-ups: the other layout (the one peers report most), no rope,
+    the rotary width the whole head's, the queries at the first N_q keys' positions (top-left,
+    from 0 without an offset) where they are not already."""
+    layout = rope.get("layout", "half")
+    other = {"half": "interleaved", "interleaved": "half"}[layout]
+    names = {"half": "half-split pairs (GPT-NeoX, rotate_half)", "interleaved": "interleaved pairs (GPT-J)"}
+    changed = lambda **change: {"rope": {**rope, **change}}
+    yield Mixup(f"rope_layout={other!r}, {names[other]}", f"the case says rope_layout={layout!r}",
+                changed(layout=other))
+    yield Mixup("no rotary embedding", f"the case turns q and k (rope_layout={layout!r})", {"rope": None})
+    if rope.get("rotary_dim") not in (None, d_k):
+        yield Mixup(f"rope_rotary_dim={d_k} (the whole head)", f"the case's is {rope['rotary_dim']}",
+                    changed(rotary_dim=None))
+    keys = np.asarray(rope.get("positions_k", np.arange(n_k)))
+    first, given = keys[:n_q], rope.get("positions_q")
+    now = np.arange(n_k - n_q, n_k) if given is None else given
+    if n_q < n_k and o.get("cu_seqlens_q") is None and not np.array_equal(first, now):
+        yield Mixup("the queries' rope positions from 0 (top-left: the first keys' positions)",
+                    "the case's queries have the last keys' positions" if given is None else
+                    "the case gives rope_positions_q", changed(positions_q=first))
 
 
 def _causal_keep(n_q, n_k, align, shift):
@@ -273,7 +302,8 @@ class _Judge:
         """Whether the candidate is as near a rerun as rounding lets it be, and nearer than
         to the oracle: one of the tensors a rerun explains, if another is clearly nearer."""
         dist = self.distance[name]
-        return err <= NEAR and (err * CLOSER <= dist or (err <= NOISE * self.noise[name] and err <= dist))
+        return (err <= NEAR and err * CLOSER <= dist) or (err <= min(NOISE * self.noise[name], NOISY)
+                                                          and err <= dist)
 
     def gain(self, alternative):
         """How many times nearer the rerun is than the oracle, in the tensor it brings nearest."""
