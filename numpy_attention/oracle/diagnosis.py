@@ -7,9 +7,8 @@ the failing tensors when the candidate is near it in each, either within NEAR (r
 CLOSER times nearer than to the oracle, or as near as the rounding of the case's precision
 lets an honest kernel be (NOISE times the baseline's rel L2, at most NOISY, and nearer than
 to the oracle: a bfloat16 dk of one query row rounds to 10%), and CLEARLY nearer in one of
-them at least. A tensor may also be a known constant
-times the rerun's, over the whole tensor or head by head (a backward without the scale,
-one head's dk negated):
+them at least. A tensor may also be a known constant times the rerun's, over the whole
+tensor or head by head (a backward without the scale, one head's dk negated):
 
     out, dq match causal='bottom_right' (rel L2 3.1e-08); the case says causal='top_left'
     dq, dk match the oracle times 8 = 1 / scale (rel L2 2.0e-16): a backward without the scale
@@ -20,11 +19,16 @@ diagonal excluded, one key of the future kept); scale 1, sqrt(d_k) or 1/d_k (the
 applied twice) instead of 1/sqrt(d_k), or off by a few percent (the scale fitted to the
 candidate's out); softcap missing, or applied after the bias; mask polarity inverted; the
 window's alignment swapped, or each side off by one; grouped-query heads interleaved
-(query head h with kv head h % H_kv, not h // G); lse in base 2; rotary embeddings in the
-other layout (interleaved for half-split or the reverse), missing, over the whole head where
-they are partial, or with the queries' positions from 0. The factors: -1, 2, 1/2,
-1 / scale and scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one (check.py adds: the [..., N, H, d] layout
-read as [..., H, N, d]).
+(query head h with kv head h % H_kv, not h // G); rotary embeddings in the other layout
+(interleaved for half-split or the reverse), missing, over the whole head where they are
+partial, or with the queries' positions from 0. The factors: -1, 2, 1/2, 1 / scale and
+scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one
+(check.py adds: the [..., N, H, d] layout read as [..., H, N, d]).
+
+Named from the candidate alone, before any rerun: lse in base 2 where the case says base e,
+or the reverse; and split-KV merges' mix-ups in the rows with no key (the oracle's lse
+-inf): NaN there and only there (two empty states merged), a finite lse there (an empty
+split's sentinel), or lse +inf in rows that have keys (an empty split's +inf merged).
 """
 import math
 from typing import NamedTuple
@@ -202,11 +206,9 @@ def diagnose(case, truth, failing, noise=None):
     noise = {n: (noise or {}).get(n, 0.0) for n in candidates}
     distance = {n: rel_l2(candidates[n], truth[n]) for n in candidates}
     judge = _Judge(candidates, distance, noise)
-    if "lse" in candidates and case.lse_base == "e":
-        base2 = rel_l2(candidates["lse"] * math.log(2), truth["lse"])
-        if judge.explains(base2, "lse"):
-            return [f"lse matches lse in base 2 (rel L2 {base2:.1e}); the case says base e "
-                    f"(lse_base='2' reads it)"]
+    found = _lse_base(candidates, truth, case, judge) or _empty_rows(candidates, truth)
+    if found:
+        return found
     gradients = any(n in candidates for n in GRADIENTS)
     rerun = lambda mixup: _rerun(case.inputs, case.options, gradients, mixup)
     helpful = []
@@ -235,6 +237,54 @@ def diagnose(case, truth, failing, noise=None):
                     if found:
                         return [found]
     return []
+
+
+def _lse_base(candidates, truth, case, judge):
+    """The line when the candidate's lse is in the other base than the case says: base 2 read
+    as base e (lse / ln 2), or base e read as base 2 (lse ln 2); else []."""
+    if "lse" not in candidates:
+        return []
+    other, factor = ("2", math.log(2)) if case.lse_base == "e" else ("e", 1 / math.log(2))
+    err = rel_l2(candidates["lse"] * factor, truth["lse"])
+    if not judge.explains(err, "lse"):
+        return []
+    said = {"e": "base e", "2": "base 2"}
+    return [f"lse matches lse in {said[other]} (rel L2 {err:.1e}); the case says {said[case.lse_base]} "
+            f"(lse_base={other!r} reads it)"]
+
+
+def _empty_rows(candidates, truth):
+    """Lines for the split-KV merges' mix-ups around rows with no key (the oracle's lse -inf),
+    which no rerun shows: NaN in those rows alone (two empty states merged, exp(-inf - (-inf)));
+    a finite lse there (an empty split's finite sentinel carried through); lse +inf in rows that
+    have keys (an empty split's +inf, FlashAttention's lse of a row with no key, merged as a
+    score). [] when none of them."""
+    lse = truth.get("lse")
+    if lse is None:
+        return []
+    dead = np.isneginf(lse)                                      # [..., H, N_q]
+    rows = lambda x: x if x.ndim == dead.ndim else np.any(x, axis=-1)   # out's entries -> rows
+    lines = []
+    nan = [n for n in ("out", "lse") if n in candidates and np.isnan(candidates[n]).any()]
+    if nan and dead.any() and all(not (rows(np.isnan(candidates[n])) & ~dead).any() for n in nan):
+        count = int(np.sum(np.any([rows(np.isnan(candidates[n])) for n in nan], axis=0)))
+        lines.append(f"{', '.join(nan)} {'is' if len(nan) == 1 else 'are'} NaN in {count} of the "
+                     f"{int(dead.sum())} query rows with no key, and only there: a merge of two empty "
+                     f"states (lse -inf each) computed exp(-inf - (-inf)); such a row's out is 0 and "
+                     f"its lse -inf (a merge takes a largest lse of -inf as empty)")
+    if "lse" in candidates:
+        cand = candidates["lse"]
+        finite = dead & np.isfinite(cand)
+        if finite.any():
+            lines.append(f"lse is finite ({float(cand[finite].min()):.3g}) in {int(finite.sum())} of the "
+                         f"{int(dead.sum())} query rows with no key, where -inf is expected (or "
+                         f"FlashAttention's +inf): an empty split's finite sentinel carried through a merge")
+        infinite = ~dead & np.isfinite(lse) & np.isposinf(cand)
+        if infinite.any():
+            lines.append(f"lse is +inf in {int(infinite.sum())} query rows that have keys: an empty "
+                         f"split's +inf (FlashAttention's lse of a row with no key) merged as a score, "
+                         f"where a merge must read it as -inf")
+    return lines
 
 
 def _tried(rerun, mixup):
