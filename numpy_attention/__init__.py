@@ -11,6 +11,8 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     attention_forward / attention_backward     softmax(scale * q k^T + ...) v (textbook, blocked, tiled)
     attention_options, AttentionOptions        the options, checked once, as one frozen record
     combine_forward / combine_backward         split-KV merge of partial (out, lse)
+    mla_forward / mla_backward / mla_jvp       Multi-head Latent Attention, absorbed (one latent kv head);
+    mla_unabsorbed_forward / _backward         and with per-head up-projections; mla_absorb
     MultiHeadAttention                         the seed's module
     linear_jvp, softmax_jvp, attention_jvp     forward mode; attention_hvp: second order
     gradcheck, jvpcheck, taylor_test           finite-difference checks (directional_derivative)
@@ -37,6 +39,8 @@ _EXPORTS = {                                           # module of this package 
                   "AttentionStages", "TiledAttentionCache"),
     "options": ("AttentionOptions", "attention_options"),
     "combine": ("combine_forward", "combine_backward", "CombineCache"),
+    "mla": ("mla_forward", "mla_backward", "mla_jvp", "mla_absorb", "mla_unabsorbed_forward",
+            "mla_unabsorbed_backward", "MlaCache", "MlaGrads", "MlaUnabsorbedCache", "MlaUnabsorbedGrads"),
     "multihead": ("MultiHeadAttention", "multihead_forward", "multihead_backward"),
     "forward_mode": ("attention_jvp", "attention_hvp"),
     "finite_differences": ("gradcheck", "jvpcheck", "taylor_test", "directional_derivative",

@@ -2,7 +2,9 @@
 grows with the token's position, so that q . k depends on the positions' difference alone.
 
 Shape legend:  ... any leading axes (batch, heads),  N positions,  d the width,
-r = rotary_dim (even, <= d) the width that turns; the other d - r entries pass unchanged.
+r = rotary_dim (even, <= d) the width that turns: the first r entries (part='first', Llama's
+and GPT-NeoX's partial rotary) or the last r (part='last', DeepSeek's MLA: [nope ; rope]); the
+other d - r entries pass unchanged.
 
     x [..., N, d],  positions broadcastable to [..., N]  ->  y [..., N, d]
 
@@ -34,7 +36,8 @@ from ._checks import require_same_shape
 from .positions import positions as score_positions
 
 LAYOUTS = ("half", "interleaved")
-ROPE_KEYS = ("layout", "rotary_dim", "base", "scaling", "positions_q", "positions_k")   # rope_qk's dict
+PARTS = ("first", "last")
+ROPE_KEYS = ("layout", "rotary_dim", "part", "base", "scaling", "positions_q", "positions_k")   # rope_qk's dict
 SCALINGS = {"linear": ("type", "factor"),             # type -> the keys it takes
             "yarn": ("type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}
 
@@ -44,6 +47,7 @@ class RopeCache(NamedTuple):
     sin: np.ndarray             # [..., N, r/2] sin(theta), likewise
     layout: str                 # 'half' or 'interleaved'
     rotary_dim: int             # r
+    part: str                   # 'first' or 'last': which r entries turn
     shape: tuple                # x's shape
 
 
@@ -86,23 +90,24 @@ def frequencies(rotary_dim, base=10000.0, scaling=None, dtype=np.float64):
     return inv_freq, 1.0, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
 
 
-def pairs(x, layout, r):
-    """(a, b): the two entries of each turning pair, [..., N, r/2] views."""
+def pairs(x, layout, r, part="first"):
+    """(a, b): the two entries of each turning pair among x's first or last r, [..., N, r/2] views."""
+    x = x[..., :r] if part == "first" else x[..., x.shape[-1] - r:]
     if layout == "half":
-        return x[..., :r // 2], x[..., r // 2:r]
-    return x[..., 0:r:2], x[..., 1:r:2]
+        return x[..., :r // 2], x[..., r // 2:]
+    return x[..., 0::2], x[..., 1::2]
 
 
-def _turned(x, cos, sin, layout, r):
+def _turned(x, cos, sin, layout, r, part):
     """x with each pair (a, b) turned: (a cos - b sin, b cos + a sin); the rest as it is."""
-    a, b = pairs(x, layout, r)
+    a, b = pairs(x, layout, r, part)
     y = np.array(x, dtype=np.result_type(x, cos), copy=True)
-    ya, yb = pairs(y, layout, r)
+    ya, yb = pairs(y, layout, r, part)
     ya[...], yb[...] = a * cos - b * sin, b * cos + a * sin
     return y
 
 
-def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, scaling=None):
+def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, scaling=None, part="first"):
     """y = x with each pair turned by positions * inv_freq (module docstring).
 
     Args:
@@ -110,6 +115,8 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
         positions: broadcastable to [..., N]: each token's position (an offset for decoding;
             restarting at 0 per sequence for packed ones); integers or floats.
         rotary_dim: the width r that turns (even, <= d; default d): partial rotary.
+        part: 'first' (default): x's first r entries turn; 'last': its last r (DeepSeek's MLA,
+            whose q and k are [nope ; rope]).
         layout: 'half' (GPT-NeoX, Llama) or 'interleaved' (GPT-J).
         base: the frequencies' base (10000; Llama 3 uses 500000).
         scaling: None, or a linear or YaRN scaling (`frequencies`).
@@ -121,6 +128,7 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
     if x.ndim < 2:
         raise ValueError(f"x must have at least 2 axes [..., N, d], got shape {x.shape}")
     require_choice(layout, "layout", LAYOUTS)
+    require_choice(part, "part", PARTS)
     base = require_positive_real(base, "base")
     r = x.shape[-1] if rotary_dim is None else rotary_dim
     if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or r <= 0 or r % 2 or r > x.shape[-1]:
@@ -139,8 +147,8 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
     inv_freq, position_factor, magnitude = frequencies(int(r), base, scaling, angles)
     theta = (positions.astype(angles) * position_factor)[..., None] * inv_freq   # [..., N, r/2]
     cos, sin = ((magnitude * f(theta)).astype(real) for f in (np.cos, np.sin))
-    y = _turned(x, cos, sin, layout, int(r))
-    return y, RopeCache(cos=cos, sin=sin, layout=layout, rotary_dim=int(r), shape=x.shape)
+    y = _turned(x, cos, sin, layout, int(r), part)
+    return y, RopeCache(cos=cos, sin=sin, layout=layout, rotary_dim=int(r), part=part, shape=x.shape)
 
 
 def rope_backward(dy, cache):
@@ -148,7 +156,7 @@ def rope_backward(dy, cache):
     require_cache(cache, RopeCache, "rope_backward", arrays=("cos", "sin"))
     require_same_shape(dy, cache.shape, "dy")
     dy = as_float_array(dy, "dy")
-    return _turned(dy, cache.cos, -cache.sin, cache.layout, cache.rotary_dim)
+    return _turned(dy, cache.cos, -cache.sin, cache.layout, cache.rotary_dim, cache.part)
 
 
 def rope_apply(x, cache):
@@ -157,7 +165,7 @@ def rope_apply(x, cache):
     require_cache(cache, RopeCache, "rope_apply", arrays=("cos", "sin"))
     require_same_shape(x, cache.shape, "x")
     x = as_float_array(x, "x")
-    return _turned(x, cache.cos, cache.sin, cache.layout, cache.rotary_dim)
+    return _turned(x, cache.cos, cache.sin, cache.layout, cache.rotary_dim, cache.part)
 
 
 def rope_jvp(x, positions, x_dot, **options):

@@ -17,7 +17,8 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
                 fully_masked  0-d 'zero' / 'uniform' / 'nan' (default 'zero')
                 rope_layout   0-d 'half' / 'interleaved': q and k are turned inside (rope.py; q, k,
                               dq, dk are the unturned ones); with it, optionally
-                              rope_rotary_dim (0-d int), rope_base (0-d float), rope_positions_q
+                              rope_rotary_dim (0-d int), rope_part (0-d 'first' / 'last': which
+                              rope_rotary_dim entries turn), rope_base (0-d float), rope_positions_q
                               [N_q] and rope_positions_k [N_k] (default bottom-right per sequence),
                               rope_scaling 0-d 'linear' / 'yarn' with rope_factor and for YaRN
                               rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow
@@ -42,7 +43,7 @@ from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
-from ..rope import LAYOUTS as ROPE_LAYOUTS, SCALINGS, rope_qk
+from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
 from .precision import PRECISIONS, Precision
 from .npz import read_npz
@@ -54,7 +55,7 @@ OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dro
            "seqused_k", "page_table", "cache_seqlens") + tuple(KEEP_STEPS)   # + scores.py's, by name
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot")
 FORWARD_MODE = ("out_dot", "lse_dot")
-ROPE = ("rope_layout", "rope_rotary_dim", "rope_base", "rope_positions_q", "rope_positions_k", "rope_scaling",
+ROPE = ("rope_layout", "rope_rotary_dim", "rope_part", "rope_base", "rope_positions_q", "rope_positions_k", "rope_scaling",
         "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow")
 OPTIONS = OPTIONS + ROPE                              # gathered into attention_forward's rope={...}
 PAGED = ("page_table", "cache_seqlens")
@@ -167,7 +168,7 @@ def _integer(arrays, name):
     return int(x)
 
 
-_ROPE_DECODE = {"rope_layout": _word(ROPE_LAYOUTS), "rope_rotary_dim": _integer,
+_ROPE_DECODE = {"rope_layout": _word(ROPE_LAYOUTS), "rope_rotary_dim": _integer, "rope_part": _word(PARTS),
                 "rope_base": _real(require_positive_real), "rope_positions_q": _positions,
                 "rope_positions_k": _positions, "rope_scaling": _word(tuple(SCALINGS))}
 
@@ -184,7 +185,7 @@ def _rope(arrays):
     for name in given:
         value = _ROPE_DECODE.get(name, _real(require_positive_real))(arrays, name)
         key = name[len("rope_"):]
-        if key in ("layout", "rotary_dim", "base", "positions_q", "positions_k"):
+        if key in ("layout", "rotary_dim", "part", "base", "positions_q", "positions_k"):
             rope[key] = value
         else:
             scaling["type" if key == "scaling" else key] = value

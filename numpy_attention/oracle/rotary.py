@@ -40,7 +40,7 @@ def turn_qk(q, k, rope, options, compute):
     positions_q, positions_k = rope_positions(rope, q.shape[-2], k.shape[-2], options)
     layout, r = settings.get("layout", "half"), settings.get("rotary_dim") or q.shape[-1]
     angles = [_cos_sin(at, r, settings, compute) for at in (positions_q, positions_k)]
-    turn = lambda x, cos, sin: _turn(x, cos, sin, layout, r, compute)
+    turn = lambda x, cos, sin: _turn(x, cos, sin, layout, r, settings.get("part", "first"), compute)
     back = lambda dq, dk: (turn(dq, angles[0][0], -angles[0][1]), turn(dk, angles[1][0], -angles[1][1]))
     return turn(q, *angles[0]), turn(k, *angles[1]), back
 
@@ -53,12 +53,12 @@ def _cos_sin(positions, r, settings, compute):
     return tuple(_round(f32(magnitude) * f(theta), compute) for f in (np.cos, np.sin))
 
 
-def _turn(x, cos, sin, layout, r, compute):
+def _turn(x, cos, sin, layout, r, part, compute):
     """x with each pair (a, b) turned to (a cos - b sin, b cos + a sin), every step rounded."""
     x = np.asarray(x, np.float32)
     y = x.copy()
-    a, b = pairs(x, layout, r)
-    ya, yb = pairs(y, layout, r)
+    a, b = pairs(x, layout, r, part)
+    ya, yb = pairs(y, layout, r, part)
     ya[...] = _round(_round(a * cos, compute) - _round(b * sin, compute), compute)
     yb[...] = _round(_round(b * cos, compute) + _round(a * sin, compute), compute)
     return y
