@@ -1,6 +1,6 @@
 """Honest candidates with rotary embeddings, in torch float32 and bfloat16, the way the peers order
 the work, with planted bugs, and a sweep of them through crosscheck (tests/test_crosscheck_rope.py;
-the longer one, benchmarks/rope_sweep.py).
+the longer one, benchmarks/variant_sweeps.py --variant rope).
 
 Two turns, written from the peers' code:
     'hf'     Hugging Face's apply_rotary_pos_emb: inv_freq and the angles in float32, cos and sin
@@ -17,11 +17,11 @@ import math
 import numpy as np
 import torch
 
-import numpy_attention as na
+import variant_sweeps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TURNS = ("hf", "flash")
-BUGS = ("layout", "positions_from_0")
+BUGS = {"layout": "rope_layout=", "positions_from_0": "rope positions from 0"}   # bug: its diagnosis's words
 
 
 def inverse_frequencies(r, base, scaling):
@@ -114,28 +114,9 @@ def case(rng, dtype, bug=None):
     return arrays, s
 
 
-def planted(bug, settings):
-    """Whether the bug changes the case at all: from-0 positions only where N_q < N_k."""
-    return bug != "positions_from_0" or settings["n_q"] < settings["n_k"]
-
-
 def sweep(cases, seed=0, dtypes=tuple(DTYPES)):
-    """{(dtype, bug or "honest"): (cases, failed, diagnosed)} over `cases` cases per dtype, each
-    honest and with each bug that changes it; diagnosed: failing cases whose diagnosis names the
-    bug's mix-up."""
-    words = {"layout": "rope_layout=", "positions_from_0": "rope positions from 0"}
-    counts = {}
-    for dtype in dtypes:
-        rng = np.random.default_rng([seed, list(DTYPES).index(dtype)])
-        for _ in range(cases):
-            state = rng.integers(2 ** 31)
-            for bug in (None,) + BUGS:
-                arrays, settings = case(np.random.default_rng(state), dtype, bug)
-                if bug is not None and not planted(bug, settings):
-                    continue
-                report = na.crosscheck(**arrays)
-                key = (dtype, bug or "honest")
-                judged, failed, named = counts.get(key, (0, 0, 0))
-                said = bug is not None and any(words[bug] in line for line in report.diagnosis)
-                counts[key] = (judged + 1, failed + (not report), named + said)
-    return counts
+    """variant_sweeps.sweep over this module's cases and bugs (the positions bug only where N_q < N_k)."""
+    def changed(rng, dtype, bug):
+        arrays, s = case(rng, dtype, bug)
+        return None if bug == "positions_from_0" and s["n_q"] == s["n_k"] else arrays
+    return variant_sweeps.sweep(changed, BUGS, cases, seed, dtypes)

@@ -1,6 +1,6 @@
 """crosscheck with rotary embeddings: the case's rope_* keys, the oracle and the baselines turning q
 and k in their precisions (oracle/rotary.py), torch candidates honest and with planted bugs
-(tests/rope_kernels.py; the longer sweep: benchmarks/rope_sweep.py), the diagnosis's rope
+(tests/rope_kernels.py; the longer sweep: benchmarks/variant_sweeps.py --variant rope), the diagnosis's rope
 mix-ups, and bad keys refused by name."""
 import math
 
@@ -27,14 +27,14 @@ def counts():
 
 @pytest.mark.parametrize("dtype", rope_kernels.DTYPES)
 def test_honest_torch_candidates_pass(counts, dtype):
-    judged, failed, _ = counts[(dtype, "honest")]
+    judged, failed, _, _ = counts[(dtype, "honest")]
     assert judged == CASES and failed == 0, counts
 
 
 @pytest.mark.parametrize("bug", rope_kernels.BUGS)
 @pytest.mark.parametrize("dtype", rope_kernels.DTYPES)
 def test_each_planted_bug_is_caught_and_named(counts, dtype, bug):
-    judged, failed, named = counts[(dtype, bug)]
+    judged, failed, named, _ = counts[(dtype, bug)]
     assert judged >= 5 and failed == judged and named == judged, counts
 
 

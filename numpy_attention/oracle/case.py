@@ -22,8 +22,11 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
                               [N_q] and rope_positions_k [N_k] (default bottom-right per sequence),
                               rope_scaling 0-d 'linear' / 'yarn' with rope_factor and for YaRN
                               rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow
+                kv            MLA's latent keys [..., 1, N_k, r + p] in place of k and v, with
+                              head_dim_v (0-d int r): the values are kv[..., :r] (mla.py)
     candidate   out [..., H, N_q, d_v]   (required)
                 lse [..., H, N_q]        dq, dk, dv (the shapes of q, k, v)   dbias (bias's shape)
+                dkv (kv's shape, with kv: the keys' and the values' gradients summed)
                 (lse of a fully masked row: -inf, or FlashAttention's +inf; rule.py)
 
 The candidate's dtype is that of its tensors (float16, float32 or float64; each
@@ -45,28 +48,29 @@ from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
-from .precision import PRECISIONS, Precision
+from .precision import PRECISIONS, Precision, round_to
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
 
-INPUTS = ("q", "k", "v", "dout", "q_dot", "k_dot", "v_dot")      # the tangents: forward mode
+INPUTS = ("q", "k", "v", "dout", "q_dot", "k_dot", "v_dot", "kv")   # the tangents: forward mode; kv: MLA
 OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
            "dropout_p", "fully_masked", "sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
            "seqused_k", "page_table", "cache_seqlens") + tuple(KEEP_STEPS)   # + scores.py's, by name
-CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot")
+CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot", "dkv")
 FORWARD_MODE = ("out_dot", "lse_dot")
 ROPE = ("rope_layout", "rope_rotary_dim", "rope_part", "rope_base", "rope_positions_q", "rope_positions_k", "rope_scaling",
         "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow")
 OPTIONS = OPTIONS + ROPE                              # gathered into attention_forward's rope={...}
 PAGED = ("page_table", "cache_seqlens")
 FLOAT_OPTIONS = ("bias", "sinks", "alibi_slopes")     # float arrays: rounded to the candidate's dtype              # read by _packed_if_paged, not options
-GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes")
+GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "dkv")
 _PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
 DESCALES = ("q_descale", "k_descale", "v_descale")
 SETTINGS = ("precision", "layout", "lse_base")        # how to read the case (also keywords)
+LATENT = ("head_dim_v",)                              # MLA: the values are kv's first head_dim_v columns
 LAYOUTS = ("bhnd", "bnhd")
 LSE_BASES = ("e", "2")
-KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + SETTINGS
+KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + SETTINGS + LATENT
 # other libraries' names for a key: how to pass each (unknown keys otherwise get difflib's guess)
 NEAR_MISSES = {
     "attn_mask": "a boolean attn_mask is mask= (True = attend), a float one is bias=",
@@ -85,7 +89,7 @@ NEAR_MISSES = {
     "rope_theta": "Hugging Face's rope_theta is rope_base=",
 }
 # tensors with a head axis and a length axis, in [..., H, N, d] (or FlashAttention's [..., N, H, d])
-_LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot")
+_LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot", "kv", "dkv")
 
 
 class Case(NamedTuple):
@@ -97,6 +101,7 @@ class Case(NamedTuple):
     layout: str             # 'bhnd' or 'bnhd': how the tensors were stored (now all [..., H, N, d])
     lse_base: str           # 'e' or '2': the base of the candidate's lse
     paged: object = None    # paged.PagedLayout: inputs packed from a paged KV cache (page_table)
+    latent: object = None   # MLA's head_dim_v r: k is the case's kv, v = kv[..., :r], dkv judged
 
 
 class CaseError(ValueError):
@@ -242,7 +247,7 @@ def _setting(arrays, name, given, choices):
 
 def _read_tensors(arrays, precision, layout):
     """(inputs as stored, candidates): decoded under the precision, in [..., H, N, d]."""
-    roles = {"q": "input", "k": "input", "v": "input", "dout": "gradient input", "q_dot": "gradient input",
+    roles = {"q": "input", "k": "input", "v": "input", "kv": "input", "dout": "gradient input", "q_dot": "gradient input",
              "k_dot": "gradient input", "v_dot": "gradient input"}
     tensors = {}
     for name in INPUTS + CANDIDATES + ("bias", "sinks", "alibi_slopes") + DESCALES:
@@ -294,7 +299,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     unknown = sorted(set(arrays) - set(KEYS))
     if unknown:
         raise CaseError(_unknown_key(unknown[0]))
-    for name in ("q", "k", "v", "out"):
+    for name in ("q", "out") + (("k", "v") if "kv" not in arrays else ()):
         if name not in arrays:
             raise CaseError(f"missing key {name!r}")
     try:
@@ -306,6 +311,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
         tensors = _read_tensors(arrays, chosen, layout)
     except (StorageError, ValueError) as exc:
         raise CaseError(str(exc)) from None
+    latent = _latent_kv(arrays, tensors)
     gradients = [n for n in GRADIENTS if n in tensors]
     if gradients and chosen.forward_only:
         raise CaseError(f"precision {chosen.name!r} is checked forward only; the case has {gradients[0]}")
@@ -345,7 +351,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     for n, shape in (("q_dot", q.shape), ("k_dot", k.shape), ("v_dot", v.shape),
                      ("out_dot", out_shape), ("lse_dot", q.shape[:-1]),
                      ("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),
-                     ("dq", q.shape), ("dk", k.shape), ("dv", v.shape),
+                     ("dq", q.shape), ("dk", k.shape), ("dv", v.shape), ("dkv", k.shape),
                      ("dbias", np.shape(tensors.get("bias"))),
                      *((g, np.shape(tensors.get(o))) for g, o in _PER_HEAD.items())):
         if n in tensors:
@@ -354,7 +360,44 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
             _require_shape(tensors, n, shape)
     return Case(inputs=inputs, options=options,
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
-                precision=chosen, layout=layout, lse_base=lse_base, paged=paged)
+                precision=chosen, layout=layout, lse_base=lse_base, paged=paged, latent=latent)
+
+
+def _latent_kv(arrays, tensors):
+    """MLA's absorbed form: with the key kv [..., 1, N_k, r + p] (and head_dim_v = r), the keys
+    are kv and the values its first r columns; the candidate's gradient is dkv, the two summed.
+    Sets tensors' k and v; returns r, or None for a case without kv."""
+    if "kv" not in tensors:
+        for name in ("head_dim_v", "dkv"):
+            if name in arrays:
+                raise CaseError(f"{name} is given but kv is not: {name} belongs to an MLA case, whose keys "
+                                f"and values are the one tensor kv")
+        return None
+    kv = tensors["kv"]
+    mixed = [name for name in ("k", "v", "dk", "dv") if name in arrays]
+    if mixed:
+        raise CaseError(f"a case with kv (MLA: k = kv, v = kv[..., :head_dim_v]) takes no {mixed[0]}; its "
+                        f"gradient is dkv, the keys' and the values' summed")
+    if "head_dim_v" not in arrays:
+        raise CaseError(f"a case with kv {kv.shape} needs head_dim_v, the width of the values (kv's first "
+                        f"columns; 512 in DeepSeek-V3)")
+    r = _integer(arrays, "head_dim_v")
+    if not 0 < r <= kv.shape[-1]:
+        raise CaseError(f"head_dim_v must be from 1 to kv's width {kv.shape[-1]} (kv {kv.shape}), got {r}")
+    tensors["k"], tensors["v"] = kv, kv[..., :r]
+    del tensors["kv"]
+    return r
+
+
+def latent_sum(results, latent, dtype=None):
+    """results with dkv = dk + [dv ; 0] added (MLA: kv serves as k and its first `latent`
+    columns as v), rounded to `dtype` when given (a 16- or 8-bit precision's output: a kernel
+    adds the two in it); results unchanged without latent or without dk."""
+    if latent is None or results is None or "dk" not in results:
+        return results
+    dkv = np.array(results["dk"], copy=True)
+    dkv[..., :latent] += results["dv"]
+    return {**results, "dkv": dkv if dtype is None else round_to(dkv, dtype)}
 
 
 def _packed_if_paged(arrays, inputs, options):

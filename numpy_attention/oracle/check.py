@@ -35,7 +35,7 @@ from ..engines.plan import PARALLEL_SCORES, TEXTBOOK, attention_plan, check_sche
 from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
 from . import blocks
-from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, split_case
+from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, latent_sum, split_case
 from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
 from .naive import naive_attention
@@ -415,16 +415,19 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             jobs["own"] = partial(oracle, True, forward_of)
         if low:                                          # the scale check's oracle at another scale
             jobs["shifted"] = partial(oracle, want_grads, scale_factor=1 + SCALE_STEP)
-        done = _concurrently(jobs, workers)
+        done = {name: latent_sum(x, case.latent) for name, x in _concurrently(jobs, workers).items()}
         truth = done["truth"]
         against = dict(truth)                              # what each candidate tensor is judged against
         if forward_of is not None:
             against.update({name: value for name, value in done["own"].items() if name in GRADIENTS})
         bases = baselines(case, want_grads, block_rows, client, workers)
+        bases = [latent_sum(b, case.latent, case.precision.output if low else None) for b in bases]
         if tangents:
             add_tangents(case, truth, bases, wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
         mags = _magnitudes(case, truth, whole, block_rows, client, workers)
+        if case.latent is not None and "dk" in mags:     # MLA's dkv: the terms of dk and of dv
+            mags["dkv"] = mags["dk"] + mags["dv"]
         directions = _scale_directions(truth, done["shifted"]) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
@@ -513,6 +516,7 @@ def _unpaged(results, paged):
     [B, H, N_q, ...], dk, dv scattered into the pages (paged.py)."""
     back = {"out": unpack_rows, "lse": unpack_rows, "dq": unpack_rows,
             "dk": lambda x, p: scatter_keys(x, p.k_cache_shape, p),
+            "dkv": lambda x, p: scatter_keys(x, p.k_cache_shape, p),
             "dv": lambda x, p: scatter_keys(x, p.v_cache_shape, p)}
     return {name: back[name](x, paged) if name in back else x for name, x in results.items()}
 
@@ -540,14 +544,16 @@ def _in_base_e(case, name, cand):
 def _diagnosis(arrays, case, truth, bases, failing, whole):
     """The diagnosis lines of a failing case: the mix-up it matches (diagnosis.py, given the
     rounding of the case's precision: the baselines' rel L2 errors; or the other layout);
-    none for a large case (not whole), whose reruns would be whole arrays."""
+    none for a large case (not whole), whose reruns would be whole arrays, and on a paged
+    cache only what the candidate shows alone."""
     if not whole:
         return ["not run: the case is too large to rerun the oracle under each mix-up "
                 f"(more than {blocks.SCORE_BUDGET:,} scores)"]
-    if case.paged is not None:
-        return ["not run: the mix-ups are not tried on a paged KV cache's case"]
     noise = {name: max(rel_l2(b[name], truth[name]) for b in bases) for name in failing
              if all(name in b for b in bases)}
+    if case.paged is not None:                           # what the candidate shows alone, no rerun
+        return diagnose(case, truth, failing, noise, reruns=False) or [
+            "not run: the mix-ups are not tried on a paged KV cache's case"]
     return diagnose(case, truth, failing, noise) or _layout_mixup(arrays, case, failing)
 
 

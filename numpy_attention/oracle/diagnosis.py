@@ -57,6 +57,8 @@ class Mixup(NamedTuple):
     said: str
     change: dict
     interleaved: bool = False           # query head h meets kv head h % H_kv
+    latent: str = None                  # MLA: 'values_last' (v = kv's last r columns) or
+                                        # 'rope_unscaled' (q's rotary columns times 1 / scale)
 
 
 def rel_l2(x, ref):
@@ -70,14 +72,20 @@ def rel_l2(x, ref):
     return err / norm if norm > 0 else (0.0 if err == 0 else math.inf)
 
 
-def _rerun(inputs, options, gradients, mixup):
+def _rerun(inputs, options, gradients, mixup, latent=None):
     """The float64 oracle's results for these inputs and the options changed by `mixup` (a
-    dict like check.reference's)."""
+    dict like check.reference's); with MLA's latent r, also dkv."""
     options = {name: x for name, x in {**options, **mixup.change}.items() if x is not None}
     q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
     groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     if mixup.interleaved:
         k, v = (np.concatenate([x] * groups, axis=-3) for x in (k, v))
+    unscaled = 1.0
+    if mixup.latent == "values_last":
+        v = k[..., k.shape[-1] - latent:]
+    elif mixup.latent == "rope_unscaled":                # the rotary columns' scores without the scale
+        unscaled = options.get("scale") or 1 / math.sqrt(q.shape[-1])
+        q = np.concatenate([q[..., :latent], q[..., latent:] / unscaled], axis=-1)
     out, cache = attention_forward(q, k, v, **options)
     result = {"out": out, "lse": cache.lse}
     if gradients and "dout" in inputs:
@@ -86,8 +94,16 @@ def _rerun(inputs, options, gradients, mixup):
         if mixup.interleaved:                        # each kv head's copies summed back
             fold = lambda x: x.reshape(x.shape[:-3] + (groups, -1) + x.shape[-2:]).sum(axis=-4)
             dk, dv = fold(dk), fold(dv)
-        result.update(dq=grads.dq, dk=dk, dv=dv, dbias=grads.dbias, dsinks=grads.dsinks,
+        dq = grads.dq
+        if unscaled != 1.0:
+            dq = np.concatenate([dq[..., :latent], dq[..., latent:] / unscaled], axis=-1)
+        result.update(dq=dq, dk=dk, dv=dv, dbias=grads.dbias, dsinks=grads.dsinks,
                       dalibi_slopes=grads.dalibi_slopes)
+        if latent is not None:                       # MLA: kv's gradient, from both of its uses
+            dkv = dk.copy()
+            at = slice(None, latent) if mixup.latent != "values_last" else slice(dk.shape[-1] - latent, None)
+            dkv[..., at] += dv
+            result["dkv"] = dkv
     return result
 
 
@@ -154,6 +170,11 @@ def _mixups(case):
                     "the case groups them (h // G)", {}, interleaved=True)
     if "rope" in o:
         yield from _rope_mixups(o["rope"], o, n_q, n_k, d_k)
+    if case.latent is not None and case.latent < d_k:
+        said = f"the case's values are kv's first head_dim_v = {case.latent} columns"
+        yield Mixup(f"the values read from kv's last {case.latent} columns", said, {}, latent="values_last")
+        yield Mixup(f"the scores of the rotary columns (past {case.latent}) not scaled",
+                    "the case scales every column's", {}, latent="rope_unscaled")
 
 
 def _rope_mixups(rope, o, n_q, n_k, d_k):
@@ -186,19 +207,23 @@ def _causal_keep(n_q, n_k, align, shift):
 
 
 def _both(first, second):
-    """The two mix-ups at once, or None where they change one option (or both regroup heads)."""
-    if set(first.change) & set(second.change) or (first.interleaved and second.interleaved):
+    """The two mix-ups at once, or None where they change one option (or both regroup heads,
+    or both change MLA's inputs)."""
+    if set(first.change) & set(second.change) or (first.interleaved and second.interleaved) \
+            or (first.latent and second.latent):
         return None
     return Mixup(f"{first.did} and {second.did}", f"{first.said}; {second.said}",
-                 {**first.change, **second.change}, first.interleaved or second.interleaved)
+                 {**first.change, **second.change}, first.interleaved or second.interleaved,
+                 first.latent or second.latent)
 
 
-def diagnose(case, truth, failing, noise=None):
+def diagnose(case, truth, failing, noise=None, reruns=True):
     """Lines naming the mix-up the failing tensors match; [] when none does.
 
     case: the split case; truth: the oracle's results; failing: the names of the tensors
     that failed (their candidates are in case.candidates); noise: {name: rel L2 of the
-    baseline} (the rounding of the case's precision; default 0).
+    baseline} (the rounding of the case's precision; default 0); reruns: False tries only
+    what the candidate shows alone (the lse's base, empty rows, MLA's dkv), no rerun.
     """
     candidates = {n: np.asarray(case.candidates[n]).astype(np.float64) for n in failing}
     if case.lse_base == "2" and "lse" in candidates:
@@ -206,11 +231,12 @@ def diagnose(case, truth, failing, noise=None):
     noise = {n: (noise or {}).get(n, 0.0) for n in candidates}
     distance = {n: rel_l2(candidates[n], truth[n]) for n in candidates}
     judge = _Judge(candidates, distance, noise)
-    found = _lse_base(candidates, truth, case, judge) or _empty_rows(candidates, truth)
-    if found:
+    found = (_lse_base(candidates, truth, case, judge) or _empty_rows(candidates, truth)
+             or _latent_parts(candidates, truth, case, judge))
+    if found or not reruns:
         return found
     gradients = any(n in candidates for n in GRADIENTS)
-    rerun = lambda mixup: _rerun(case.inputs, case.options, gradients, mixup)
+    rerun = lambda mixup: _rerun(case.inputs, case.options, gradients, mixup, case.latent)
     helpful = []
     with np.errstate(all="ignore"):
         found = judge.match(truth, case)                # a known factor of the oracle's
@@ -285,6 +311,22 @@ def _empty_rows(candidates, truth):
                          f"split's +inf (FlashAttention's lse of a row with no key) merged as a score, "
                          f"where a merge must read it as -inf")
     return lines
+
+
+def _latent_parts(candidates, truth, case, judge):
+    """The line when an MLA candidate's dkv is one use's gradient alone: the keys' dk (the
+    values' gradient not added into kv's first columns) or the values' [dv ; 0]; else []."""
+    if "dkv" not in candidates or "dk" not in truth:
+        return []
+    values = np.zeros_like(truth["dk"])
+    values[..., :case.latent] = truth["dv"]
+    for alone, did in ((truth["dk"], "the keys' gradient dk alone (the values' dv not added)"),
+                       (values, "the values' gradient [dv ; 0] alone (the keys' dk not added)")):
+        err = rel_l2(candidates["dkv"], alone)
+        if judge.explains(err, "dkv"):
+            return [f"dkv matches {did} (rel L2 {err:.1e}); kv serves as the keys and as the values, and "
+                    f"its gradient is the sum of both"]
+    return []
 
 
 def _tried(rerun, mixup):

@@ -1,0 +1,50 @@
+"""crosscheck on torch candidates of a variant: per dtype, the honest cases and how many failed,
+and per planted bug the cases, how many failed (the catch rate), how many of those the
+diagnosis named, and how many it did not try (a paged cache's case, where its reruns do not run).
+
+    python3 benchmarks/variant_sweeps.py --variant rope|mla [--cases 200] [--seed 0]
+
+rope (tests/rope_kernels.py): float32 and bfloat16 torch candidates, Hugging Face's turn or
+FlashAttention's, then SDPA and autograd's backward (out, dq, dk, dv); 1-2 batches, 1-2 kv
+heads with 1-2 queries each, N_k of 8-159, N_q of 1, N_k or N_k / 3, d of 32 or 64, whole or
+half rotary, base 10000 or 500000, no, linear or YaRN scaling, positions from 0 or from an
+offset below 8192, causal or not. The bugs: the other layout; the queries' positions from 0
+(cases with N_q < N_k only).
+
+mla (tests/mla_kernels.py): the absorbed form in float32 and bfloat16, ordered as DeepSeek's
+model code (eager, in the dtype) or FlashMLA's reference (float32 inside), autograd's backward
+(out, dq, dkv); r + p of 32 + 16, 64 + 16, 128 + 64 or 512 + 64, 1-16 heads, 1-4 queries,
+N_k of 8-199, one in three a paged latent cache of 64-row pages, FlashMLA's default scale or
+DeepSeek's 1 / sqrt(128 + p). The bugs: the values read from kv's last r columns; the rotary
+columns' scores not scaled; kv's gradient the keys' alone.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import OtherLoad, machine_line, table  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", choices=("rope", "mla"), required=True, help="the variant's candidates")
+    parser.add_argument("--cases", type=int, default=200, help="cases per dtype, each honest and with each "
+                                                                 "bug (default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="the cases' seed (default 0)")
+    args = parser.parse_args()
+    import importlib
+    kernels = importlib.import_module(f"{args.variant}_kernels")
+    load = OtherLoad()
+    print(machine_line())
+    counts = kernels.sweep(args.cases, args.seed)
+    rows = [[dtype, what, judged, failed] + (["-", "-"] if what == "honest" else [named, not_run])
+            for (dtype, what), (judged, failed, named, not_run) in sorted(counts.items())]
+    print(table(["dtype", "candidate", "cases", "crosscheck failed", "diagnosis named it", "not tried"], rows))
+    print("\n" + load.line())
+
+
+if __name__ == "__main__":
+    main()

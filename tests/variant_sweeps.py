@@ -1,0 +1,29 @@
+"""A sweep of crosscheck over a variant's candidates, honest and with planted bugs: the loop the
+variants' candidate modules share (tests/rope_kernels.py, tests/mla_kernels.py)."""
+import numpy as np
+
+import numpy_attention as na
+
+
+def sweep(case, bugs, cases, seed=0, dtypes=("float32", "bfloat16")):
+    """{(dtype, bug or "honest"): (cases, failed, diagnosed, not run)} over `cases` cases per dtype.
+
+    case(rng, dtype, bug) -> the case's arrays, or None where the bug does not change it (each
+    bug's case draws the honest one's settings from the same rng state); bugs: {bug: words its
+    diagnosis line holds}; diagnosed: the failing cases whose diagnosis holds the bug's words."""
+    counts = {}
+    for index, dtype in enumerate(dtypes):
+        rng = np.random.default_rng([seed, index])
+        for _ in range(cases):
+            state = rng.integers(2 ** 31)
+            for bug in (None,) + tuple(bugs):
+                arrays = case(np.random.default_rng(state), dtype, bug)
+                if arrays is None:
+                    continue
+                report = na.crosscheck(**arrays)
+                key = (dtype, bug or "honest")
+                judged, failed, named, not_run = counts.get(key, (0, 0, 0, 0))
+                said = bug is not None and any(bugs[bug] in line for line in report.diagnosis)
+                skipped = bug is not None and any(line.startswith("not run") for line in report.diagnosis)
+                counts[key] = (judged + 1, failed + (not report), named + said, not_run + skipped)
+    return counts
