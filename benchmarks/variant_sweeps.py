@@ -2,7 +2,7 @@
 and per planted bug the cases, how many failed (the catch rate), how many of those the
 diagnosis named, and how many it did not try (a paged cache's case, where its reruns do not run).
 
-    python3 benchmarks/variant_sweeps.py --variant rope|mla [--cases 200] [--seed 0]
+    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8 [--cases 200] [--seed 0]
 
 rope (tests/rope_kernels.py): float32 and bfloat16 torch candidates, Hugging Face's turn or
 FlashAttention's, then SDPA and autograd's backward (out, dq, dk, dv); 1-2 batches, 1-2 kv
@@ -17,6 +17,14 @@ model code (eager, in the dtype) or FlashMLA's reference (float32 inside), autog
 N_k of 8-199, one in three a paged latent cache of 64-row pages, FlashMLA's default scale or
 DeepSeek's 1 / sqrt(128 + p). The bugs: the values read from kv's last r columns; the rotary
 columns' scores not scaled; kv's gradient the keys' alone.
+
+fp8 (tests/fp8_kernels.py): forward (out, lse; bfloat16 out) of float8 e4m3 or e5m2 inputs
+quantized by their groups' largest values, descales per tensor, per (batch, kv head), per token
+of a head or per block of 16 or 64 tokens, ordered as FlashAttention-3 (float32 inside, P in
+float8 or bfloat16) or as a bfloat16 kernel reading a dequantized FP8 KV cache; 1-2 batches,
+1-2 kv heads with 1-2 queries each, N_k of 8-299, d of 32, 64 or 128, causal or not. The bugs:
+a descale dropped (q's, k's or v's); v's applied twice; the first head's descale for every
+head (where the scales are finer than per tensor).
 """
 import argparse
 import os
@@ -30,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("rope", "mla"), required=True, help="the variant's candidates")
+    parser.add_argument("--variant", choices=("rope", "mla", "fp8"), required=True, help="the variant's candidates")
     parser.add_argument("--cases", type=int, default=200, help="cases per dtype, each honest and with each "
                                                                  "bug (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (default 0)")

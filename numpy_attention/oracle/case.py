@@ -66,11 +66,13 @@ FLOAT_OPTIONS = ("bias", "sinks", "alibi_slopes")     # float arrays: rounded to
 GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "dkv")
 _PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
 DESCALES = ("q_descale", "k_descale", "v_descale")
+FP8 = ("descale_block", "intermediate_dtype")          # float8: the descales' block, P's dtype before P v
+INTERMEDIATE = ("float8_e4m3fn", "float8_e5m2", "bfloat16")
 SETTINGS = ("precision", "layout", "lse_base")        # how to read the case (also keywords)
 LATENT = ("head_dim_v",)                              # MLA: the values are kv's first head_dim_v columns
 LAYOUTS = ("bhnd", "bnhd")
 LSE_BASES = ("e", "2")
-KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + SETTINGS + LATENT
+KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + FP8 + SETTINGS + LATENT
 # other libraries' names for a key: how to pass each (unknown keys otherwise get difflib's guess)
 NEAR_MISSES = {
     "attn_mask": "a boolean attn_mask is mask= (True = attend), a float one is bias=",
@@ -102,6 +104,7 @@ class Case(NamedTuple):
     lse_base: str           # 'e' or '2': the base of the candidate's lse
     paged: object = None    # paged.PagedLayout: inputs packed from a paged KV cache (page_table)
     latent: object = None   # MLA's head_dim_v r: k is the case's kv, v = kv[..., :r], dkv judged
+    scales: object = None   # float8: {'q' / 'k' / 'v': (stored values, descale [..., H, N, 1])}
 
 
 class CaseError(ValueError):
@@ -269,23 +272,51 @@ def _read_tensors(arrays, precision, layout):
     return tensors
 
 
-def _dequantized(tensors, precision):
-    """q, k, v (dout) as float64 values; float8 inputs times their per-(batch, kv head) descales."""
+def _dequantized(tensors, precision, block):
+    """(q, k, v (dout) as float64 values, {name: (stored values, descale [..., H, N, 1])}): float8
+    inputs times their descales (descale_of), the stored values and descales kept for the
+    diagnosis's reruns."""
     given = [name for name in DESCALES if name in tensors]
     if given and not precision.forward_only:
         raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
+    if block is not None and not given:
+        raise CaseError("descale_block is given but no descale is")
     inputs = {name: tensors[name].astype(np.float64) for name in INPUTS if name in tensors}
-    q, k = inputs["q"], inputs["k"]
+    scales = {}
     for name in given:
         x = inputs[name[0]]
-        descale = tensors[name].astype(np.float64)
-        if q.ndim < 3 or descale.shape != k.shape[:-2]:
-            raise CaseError(f"{name} must have k's batch and kv-head axes [..., H_kv] = "
-                            f"{k.shape[:-2]}, got shape {descale.shape}")
-        if name == "q_descale":                                # query head h uses kv head h // G
-            descale = np.repeat(descale, q.shape[-3] // k.shape[-3], axis=-1)
-        inputs[name[0]] = x * descale[..., None, None]
-    return inputs
+        descale = descale_of(tensors[name].astype(np.float64), x.shape, inputs["k"].shape, block, name)
+        scales[name[0]] = (x, descale)
+        inputs[name[0]] = x * descale
+    return inputs, scales
+
+
+def descale_of(descale, shape, k_shape, block, name):
+    """A descale broadcast to its tensor's [..., H, N, 1] (shape: the tensor's), by its shape:
+
+        ()                      per tensor (vLLM's k_scale, v_scale)
+        k's [..., H_kv]         per batch entry and kv head (FlashAttention-3's descale_q/k/v;
+                                query head h uses kv head h // G)
+        [..., H] (q)            per batch entry and query head
+        [..., H, N]             per token of a head (vLLM's per-token-head scales)
+        [..., H, ceil(N / B)]   per block of B = descale_block tokens of a head
+    CaseError naming the shapes it takes otherwise."""
+    heads, n = shape[:-2], shape[-2]
+    if descale.ndim == 0:
+        return descale
+    if len(shape) >= 3 and descale.shape == tuple(k_shape[:-2]):
+        groups = shape[-3] // k_shape[-3]
+        return np.repeat(descale, groups, axis=-1)[..., None, None]
+    if len(shape) >= 3 and descale.shape == tuple(heads):
+        return descale[..., None, None]
+    if block is not None and descale.shape == tuple(heads) + (-(-n // block),):
+        return np.repeat(descale, block, axis=-1)[..., :n, None]
+    if descale.shape == tuple(shape[:-1]):
+        return descale[..., None]
+    blocks = f", [..., H, ceil(N / {block})] = {tuple(heads) + (-(-n // block),)}" if block else ""
+    raise CaseError(f"{name} of shape {descale.shape} is none of the shapes a descale of {name[0]} {shape} "
+                    f"takes: () per tensor, k's [..., H_kv] = {tuple(k_shape[:-2])} per (batch, kv head), "
+                    f"[..., H] = {tuple(heads)} per head, [..., H, N] = {tuple(shape[:-1])} per token{blocks}")
 
 
 def split_case(arrays, *, precision=None, layout=None, lse_base=None):
@@ -320,7 +351,8 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     for gradient, option in (("dbias", "bias"), *_PER_HEAD.items()):
         if gradient in tensors and option not in tensors:
             raise CaseError(f"{gradient} is given but {option} is not")
-    inputs = _dequantized(tensors, chosen)
+    chosen, block = _fp8_settings(arrays, chosen)
+    inputs, scales = _dequantized(tensors, chosen, block)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]                  # as stored (a paged cache too)
     options = _decode_options({**arrays, **{n: tensors[n] for n in ("bias", "sinks", "alibi_slopes")
                                             if n in tensors}})
@@ -360,7 +392,8 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
             _require_shape(tensors, n, shape)
     return Case(inputs=inputs, options=options,
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
-                precision=chosen, layout=layout, lse_base=lse_base, paged=paged, latent=latent)
+                precision=chosen, layout=layout, lse_base=lse_base, paged=paged, latent=latent,
+                scales=scales or None)
 
 
 def _latent_kv(arrays, tensors):
@@ -387,6 +420,25 @@ def _latent_kv(arrays, tensors):
     tensors["k"], tensors["v"] = kv, kv[..., :r]
     del tensors["kv"]
     return r
+
+
+def _fp8_settings(arrays, precision):
+    """(the precision with P's dtype the case's intermediate_dtype, descale_block or None)."""
+    given = [name for name in FP8 if name in arrays]
+    if given and not precision.forward_only:
+        raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
+    block = None
+    if "descale_block" in arrays:
+        block = _integer(arrays, "descale_block")
+        if block < 1:
+            raise CaseError(f"descale_block must be a positive number of tokens, got {block}")
+    if "intermediate_dtype" in arrays:
+        try:
+            weights = _word(INTERMEDIATE)(arrays, "intermediate_dtype")
+        except ValueError as exc:
+            raise CaseError(str(exc)) from None
+        precision = precision._replace(weights=PRECISIONS[weights].storage)
+    return precision, block
 
 
 def latent_sum(results, latent, dtype=None):

@@ -3,11 +3,11 @@
 When a tensor fails, the oracle is run again (float64) under each mix-up that applies to
 the case, and the failing tensors are compared with each rerun; where no mix-up alone
 explains them, the pairs of the PAIRED that bring it nearest. A rerun explains
-the failing tensors when the candidate is near it in each, either within NEAR (rel L2) and
-CLOSER times nearer than to the oracle, or as near as the rounding of the case's precision
-lets an honest kernel be (NOISE times the baseline's rel L2, at most NOISY, and nearer than
-to the oracle: a bfloat16 dk of one query row rounds to 10%), and CLEARLY nearer in one of
-them at least. A tensor may also be a known constant times the rerun's, over the whole
+the failing tensors when the candidate is near it in each, either CLOSER times nearer than
+to the oracle and within NEAR (rel L2) or as near as the rounding of the case's precision
+lets an honest kernel be (NOISE times the baseline's rel L2: float8's P rounds to 12%), or
+within that rounding, at most NOISY, and nearer than to the oracle (a bfloat16 dk of one
+query row rounds to 10%); and CLEARLY nearer in one of them at least. A tensor may also be a known constant times the rerun's, over the whole
 tensor or head by head (a backward without the scale, one head's dk negated):
 
     out, dq match causal='bottom_right' (rel L2 3.1e-08); the case says causal='top_left'
@@ -21,7 +21,9 @@ candidate's out); softcap missing, or applied after the bias; mask polarity inve
 window's alignment swapped, or each side off by one; grouped-query heads interleaved
 (query head h with kv head h % H_kv, not h // G); rotary embeddings in the other layout
 (interleaved for half-split or the reverse), missing, over the whole head where they are
-partial, or with the queries' positions from 0. The factors: -1, 2, 1/2, 1 / scale and
+partial, or with the queries' positions from 0; MLA's values read from kv's last columns,
+or its rotary columns' scores unscaled; a float8 descale dropped, applied twice, or the
+first head's used for every head. The factors: -1, 2, 1/2, 1 / scale and
 scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one
 (check.py adds: the [..., N, H, d] layout read as [..., H, N, d]).
 
@@ -59,6 +61,7 @@ class Mixup(NamedTuple):
     interleaved: bool = False           # query head h meets kv head h % H_kv
     latent: str = None                  # MLA: 'values_last' (v = kv's last r columns) or
                                         # 'rope_unscaled' (q's rotary columns times 1 / scale)
+    inputs: dict = None                 # q, k or v replaced (float8: dequantized otherwise)
 
 
 def rel_l2(x, ref):
@@ -76,7 +79,7 @@ def _rerun(inputs, options, gradients, mixup, latent=None):
     """The float64 oracle's results for these inputs and the options changed by `mixup` (a
     dict like check.reference's); with MLA's latent r, also dkv."""
     options = {name: x for name, x in {**options, **mixup.change}.items() if x is not None}
-    q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
+    q, k, v = ({**inputs, **(mixup.inputs or {})}[n].astype(np.float64) for n in "qkv")
     groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     if mixup.interleaved:
         k, v = (np.concatenate([x] * groups, axis=-3) for x in (k, v))
@@ -170,6 +173,20 @@ def _mixups(case):
                     "the case groups them (h // G)", {}, interleaved=True)
     if "rope" in o:
         yield from _rope_mixups(o["rope"], o, n_q, n_k, d_k)
+    varying = {name: (stored, descale) for name, (stored, descale) in (case.scales or {}).items()
+               if np.ptp(descale) > 0}
+    if varying:
+        yield Mixup("the first head's descale of each tensor for every head and batch entry (one scale a "
+                    "tensor)", "the case's descales vary", {},
+                    inputs={name: stored * np.ravel(descale)[0] for name, (stored, descale) in varying.items()})
+    for name, (stored, descale) in (case.scales or {}).items():
+        said = f"the case's values of {name} are its float8 values times {name}_descale"
+        yield Mixup(f"{name}_descale dropped", said, {}, inputs={name: stored})
+        yield Mixup(f"{name}_descale applied twice", said, {}, inputs={name: stored * descale * descale})
+        if name in varying and len(varying) > 1:
+            first = np.ravel(descale)[0]
+            yield Mixup(f"the first head's {name}_descale ({first:.4g}) for every head and batch entry",
+                        said, {}, inputs={name: stored * first})
     if case.latent is not None and case.latent < d_k:
         said = f"the case's values are kv's first head_dim_v = {case.latent} columns"
         yield Mixup(f"the values read from kv's last {case.latent} columns", said, {}, latent="values_last")
@@ -208,13 +225,13 @@ def _causal_keep(n_q, n_k, align, shift):
 
 def _both(first, second):
     """The two mix-ups at once, or None where they change one option (or both regroup heads,
-    or both change MLA's inputs)."""
+    or both change MLA's inputs, or the same input)."""
     if set(first.change) & set(second.change) or (first.interleaved and second.interleaved) \
-            or (first.latent and second.latent):
+            or (first.latent and second.latent) or set(first.inputs or {}) & set(second.inputs or {}):
         return None
     return Mixup(f"{first.did} and {second.did}", f"{first.said}; {second.said}",
                  {**first.change, **second.change}, first.interleaved or second.interleaved,
-                 first.latent or second.latent)
+                 first.latent or second.latent, {**(first.inputs or {}), **(second.inputs or {})} or None)
 
 
 def diagnose(case, truth, failing, noise=None, reruns=True):
@@ -393,9 +410,8 @@ class _Judge:
     def near(self, err, name):
         """Whether the candidate is as near a rerun as rounding lets it be, and nearer than
         to the oracle: one of the tensors a rerun explains, if another is clearly nearer."""
-        dist = self.distance[name]
-        return (err <= NEAR and err * CLOSER <= dist) or (err <= min(NOISE * self.noise[name], NOISY)
-                                                          and err <= dist)
+        dist, noise = self.distance[name], NOISE * self.noise[name]
+        return (err <= max(NEAR, noise) and err * CLOSER <= dist) or (err <= min(noise, NOISY) and err <= dist)
 
     def gain(self, alternative):
         """How many times nearer the rerun is than the oracle, in the tensor it brings nearest."""

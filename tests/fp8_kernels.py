@@ -1,0 +1,132 @@
+"""Honest FP8 attention candidates with scales, in torch, the way the peers order the work, with
+planted bugs, and a sweep of them through crosscheck (tests/test_crosscheck_fp8.py; the longer
+one: benchmarks/variant_sweeps.py --variant fp8).
+
+The inputs are quantized as an FP8 pipeline does: x / scale rounded to float8 (e4m3 or e5m2),
+scale = the largest |x| of its group over the format's largest value, and the scale is the
+kernel's descale. A group is the whole tensor, a (batch, kv head) (FlashAttention-3's descale_q/k/v
+[B, H_kv]), a token of a head (vLLM's per-token-head scales) or a block of 16 or 64 tokens of a head.
+
+Two orders, written from the peers' references:
+    'fa3'      FlashAttention-3's: q k^T of the float8 values in float32 times both descales,
+               softmax in float32, P rounded to the intermediate dtype (float8 e4m3, or bfloat16),
+               P v in float32 with v's descale, out in bfloat16 (the descales applied to the
+               float8 values in float32, where a per-token descale has to be)
+    'dequant'  vLLM's FP8 KV cache read by a bfloat16 kernel: each tensor dequantized first
+               (x8 * descale in float32, as its scaled_convert does, rounded to bfloat16), then
+               Hugging Face's eager attention: (q k^T) * scale in bfloat16, the softmax in
+               float32, P and P v in bfloat16 (intermediate dtype bfloat16 only)
+The bugs: one descale dropped (q's, k's or v's, in turn); v's applied twice; the first head's
+descale used for every head and batch entry (a per-tensor kernel given per-head scales; not
+planted where the scales are per tensor).
+"""
+import math
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import variant_sweeps
+
+FORMATS = {"float8_e4m3fn": (torch.float8_e4m3fn, 448.0), "float8_e5m2": (torch.float8_e5m2, 57344.0)}
+GROUPS = ("tensor", "head", "token", "block")
+BUGS = {"descale_dropped": "_descale dropped", "descale_twice": "v_descale applied twice",
+        "first_head_descale": "the first head's"}
+
+
+def quantize(x, group, block, fmt):
+    """(x8 as a float8 tensor, descale float32) of x [B, H, N, d] by its group's largest |x|."""
+    dtype, largest = FORMATS[fmt]
+    b, h, n, _ = x.shape
+    if group == "tensor":
+        amax = x.abs().amax()
+    elif group == "head":
+        amax = x.abs().amax(dim=(-1, -2))                               # [B, H]
+    elif group == "token":
+        amax = x.abs().amax(dim=-1)                                     # [B, H, N]
+    else:
+        padded = torch.nn.functional.pad(x.abs().amax(dim=-1), (0, -n % block))
+        amax = padded.reshape(b, h, -1, block).amax(dim=-1)              # [B, H, ceil(N / block)]
+    descale = (amax / largest).clamp_min(1e-12).float()
+    return (x / expand(descale, x.shape, group, block)).to(dtype), descale
+
+
+def expand(descale, shape, group, block):
+    """The descale broadcast to x [B, H, N, 1]."""
+    if group == "tensor":
+        return descale
+    if group == "head":
+        return descale[..., None, None]
+    if group == "block":
+        descale = descale.repeat_interleave(block, dim=-1)[..., :shape[-2]]
+    return descale[..., None]
+
+
+def draw(rng):
+    d = int(rng.choice([32, 64, 128]))
+    n_k = int(rng.integers(8, 300))
+    group = GROUPS[int(rng.integers(4))]
+    how = ["fa3", "dequant"][int(rng.integers(2))]
+    return dict(batch=int(rng.integers(1, 3)), h_kv=int(rng.integers(1, 3)), groups=int(rng.integers(1, 3)),
+                n_q=int(rng.choice([1, max(1, n_k // 4), n_k])), n_k=n_k, d=d, causal=bool(rng.integers(2)),
+                group=group, block=int(rng.choice([16, 64])), fmt=list(FORMATS)[int(rng.integers(4) == 0)],
+                how=how, intermediate="bfloat16" if how == "dequant" or rng.integers(3) == 0 else "float8_e4m3fn",
+                culprit="qkv"[int(rng.integers(3))])
+
+
+def case(rng, dtype, bug=None):
+    """A crosscheck case (dict) of a torch FP8 candidate (its output bfloat16; dtype names the
+    precision's sweep key, float8 always), honest or with a bug; None where the bug changes nothing."""
+    s = draw(rng)
+    if bug == "first_head_descale" and (s["group"] == "tensor" or s["group"] == "head" and s["batch"] * s["h_kv"]
+                                        * s["groups"] == 1):
+        return None                                      # one descale a tensor: nothing to mix up
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
+    spread = lambda heads: torch.exp(torch.randn(b, heads, 1, 1, generator=gen) / 2)   # heads' magnitudes differ
+    q = torch.randn(b, h, n_q, d, generator=gen) * spread(h)
+    k, v = (torch.randn(b, h_kv, n_k, d, generator=gen) * spread(h_kv) for _ in range(2))
+    stored = {name: quantize(x, s["group"], s["block"], s["fmt"]) for name, x in (("q", q), ("k", k), ("v", v))}
+    used = {name: expand(descale, x8.shape, s["group"], s["block"]) for name, (x8, descale) in stored.items()}
+    if bug == "descale_dropped":
+        used[s["culprit"]] = torch.ones(())
+    elif bug == "descale_twice":
+        used["v"] = used["v"] * used["v"]
+    elif bug == "first_head_descale":
+        used = {name: x.flatten()[0] for name, x in used.items()}
+    out, lse = attend(stored, used, s)
+    arrays = {name: stored[name][0] for name in "qkv"}
+    arrays.update({f"{name}_descale": stored[name][1].numpy() for name in "qkv"}, out=out, lse=lse,
+                  precision=np.array(s["fmt"]), intermediate_dtype=np.array(s["intermediate"]))
+    if s["group"] == "block":
+        arrays["descale_block"] = np.array(s["block"])
+    if s["causal"]:
+        arrays["causal"] = np.array("bottom_right")
+    return arrays
+
+
+def attend(stored, used, s):
+    """The candidate's (out bfloat16, lse float32), in its order (module docstring)."""
+    groups = s["groups"]
+    repeat = lambda x: x.repeat_interleave(groups, dim=1) if x.ndim == 4 and x.shape[1] > 1 else x
+    scale = 1 / math.sqrt(s["d"])
+    if s["how"] == "fa3":
+        q, k, v = (stored[name][0].float() * used[name] for name in "qkv")
+    else:
+        q, k, v = ((stored[name][0].float() * used[name]).to(torch.bfloat16) for name in "qkv")
+    k, v = repeat(k), repeat(v)
+    scores = ((q @ k.transpose(-1, -2)) * scale).float()         # 'dequant': rounded to bfloat16 twice
+    if s["causal"]:
+        n_q, n_k = scores.shape[-2:]
+        keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q
+        scores = scores.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.softmax(scores, dim=-1)
+    p = p.to(torch.float8_e4m3fn).float() if s["intermediate"] == "float8_e4m3fn" else p.to(torch.bfloat16)
+    out = p.to(v.dtype) @ v
+    return out.to(torch.bfloat16), lse
+
+
+def sweep(cases, seed=0, dtypes=("float8",)):
+    """variant_sweeps.sweep over this module's cases and bugs."""
+    return variant_sweeps.sweep(case, BUGS, cases, seed, dtypes)

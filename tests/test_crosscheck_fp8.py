@@ -1,0 +1,95 @@
+"""crosscheck of FP8 attention with scales: descales per tensor, per (batch, kv head), per head, per
+token of a head and per block of tokens (descale_of), P rounded to float8 or kept in bfloat16
+(intermediate_dtype), torch candidates honest and with planted bugs (tests/fp8_kernels.py; the
+longer sweep: benchmarks/variant_sweeps.py --variant fp8), the diagnosis naming a descale
+dropped, applied twice or one scale used for every head, and bad keys refused by name."""
+import ml_dtypes
+import numpy as np
+import pytest
+from optional import TORCH_REASON
+
+import numpy_attention as na
+from numpy_attention.oracle.case import CaseError, descale_of
+
+torch = pytest.importorskip("torch", reason=TORCH_REASON)
+import fp8_kernels  # noqa: E402  (needs torch)
+
+CASES = 40
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return fp8_kernels.sweep(CASES, seed=1)
+
+
+def test_honest_torch_candidates_pass(counts):
+    judged, failed, _, _ = counts[("float8", "honest")]
+    assert judged == CASES and failed == 0, counts
+
+
+@pytest.mark.parametrize("bug", fp8_kernels.BUGS)
+def test_each_planted_bug_is_caught_and_mostly_named(counts, bug):
+    """Caught in every case; named in most (not where the bug makes the softmax so sharp that the
+    candidate's bfloat16 scores round beyond the diagnosis's reach: q's or k's descale dropped in
+    a kernel that dequantizes to bfloat16)."""
+    judged, failed, named, _ = counts[("float8", bug)]
+    assert judged >= CASES // 2 and failed == judged and named >= 0.6 * judged, counts
+
+
+@pytest.mark.parametrize("shape, block, expected", [
+    ((), None, "tensor"), ((2, 2), None, "batch, kv head"), ((2, 4), None, "batch, head"),
+    ((2, 4, 10), None, "token"), ((2, 4, 3), 4, "block"),
+])
+def test_each_descale_shape_broadcasts_as_named(shape, block, expected):
+    """q [2, 4, 10, d] (two query heads a kv head): the descale of each granularity lands on the
+    entries of its group."""
+    rng = np.random.default_rng(0)
+    descale = rng.uniform(0.5, 2, shape)
+    full = descale_of(descale, (2, 4, 10, 8), (2, 2, 10, 8), block, "q_descale")
+    full = np.broadcast_to(full, (2, 4, 10, 1))[..., 0]
+    want = {"tensor": lambda: np.full((2, 4, 10), descale),
+            "batch, kv head": lambda: np.repeat(descale, 2, axis=1)[..., None].repeat(10, -1),
+            "batch, head": lambda: descale[..., None].repeat(10, -1),
+            "token": lambda: descale,
+            "block": lambda: np.repeat(descale, 4, axis=-1)[..., :10]}[expected]()
+    np.testing.assert_array_equal(full, want)
+
+
+def _fp8_case(**change):
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn) for shape in
+               [(1, 2, 5, 16), (1, 2, 9, 16), (1, 2, 9, 16)])
+    descales = {f"{n}_descale": rng.uniform(0.5, 2, (1, 2, 9 if n != "q" else 5)).astype(np.float32) for n in "qkv"}
+    real = {n: x.astype(np.float64) * descales[f"{n}_descale"][..., None] for n, x in zip("qkv", (q, k, v))}
+    out, cache = na.attention_forward(real["q"], real["k"], real["v"], causal="bottom_right")
+    arrays = dict(q=q, k=k, v=v, **descales, out=out.astype(ml_dtypes.bfloat16), lse=cache.lse.astype(np.float32),
+                  causal="bottom_right", precision="float8_e4m3fn")
+    return {**arrays, **change}
+
+
+def test_per_token_descales_and_p_kept_in_bfloat16():
+    """A float64 result of the dequantized values passes with per-token descales, P in float8 or
+    bfloat16; the same with k's descale dropped fails, and the diagnosis says so."""
+    for intermediate in ("float8_e4m3fn", "bfloat16"):
+        assert na.crosscheck(**_fp8_case(intermediate_dtype=intermediate))
+    arrays = _fp8_case()
+    real = {n: arrays[n].astype(np.float64) * (arrays[f"{n}_descale"][..., None] if n != "k" else 1) for n in "qkv"}
+    out, cache = na.attention_forward(real["q"], real["k"], real["v"], causal="bottom_right")
+    report = na.crosscheck(**{**arrays, "out": out.astype(ml_dtypes.bfloat16), "lse": cache.lse.astype(np.float32)})
+    assert not report and any("k_descale dropped" in line for line in report.diagnosis), report
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"k_descale": np.ones((1, 2, 7), np.float32)}, r"k_descale of shape \(1, 2, 7\) is none of the shapes"),
+    ({"descale_block": 4, "k_descale": np.ones((1, 2, 2), np.float32)}, r"\[\.\.\., H, ceil\(N / 4\)\] = \(1, 2, 3\)"),
+    ({"descale_block": 0}, "descale_block must be a positive number of tokens"),
+    ({"intermediate_dtype": "float16"}, "intermediate_dtype must be one of"),
+    ({"precision": "bfloat16", "intermediate_dtype": "bfloat16"}, "intermediate_dtype belongs to a float8 precision"),
+])
+def test_bad_fp8_keys_are_refused_by_name(change, words):
+    arrays = _fp8_case(**change)
+    if change.get("precision") == "bfloat16":
+        arrays = {n: x for n, x in arrays.items() if not n.endswith("descale")}
+        arrays.update({n: arrays[n].astype(ml_dtypes.bfloat16) for n in "qkv"})
+    with pytest.raises(CaseError, match=words):
+        na.crosscheck(**arrays)
