@@ -13,6 +13,7 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     combine_forward / combine_backward         split-KV merge of partial (out, lse)
     mla_forward / mla_backward / mla_jvp       Multi-head Latent Attention, absorbed (one latent kv head);
     mla_unabsorbed_forward / _backward         and with per-head up-projections; mla_absorb
+    sparse_attention_forward / _backward / _jvp  each query attends to the keys it lists (top-k)
     MultiHeadAttention                         the seed's module
     linear_jvp, softmax_jvp, attention_jvp     forward mode; attention_hvp: second order
     gradcheck, jvpcheck, taylor_test           finite-difference checks (directional_derivative)
@@ -42,6 +43,8 @@ _EXPORTS = {                                           # module of this package 
     "mla": ("mla_forward", "mla_backward", "mla_jvp", "mla_absorb", "mla_unabsorbed_forward",
             "mla_unabsorbed_backward", "MlaCache", "MlaGrads", "MlaUnabsorbedCache", "MlaUnabsorbedGrads"),
     "multihead": ("MultiHeadAttention", "multihead_forward", "multihead_backward"),
+    "sparse": ("sparse_attention_forward", "sparse_attention_backward", "sparse_attention_jvp", "block_indices",
+               "SparseCache", "SparseGrads"),
     "forward_mode": ("attention_jvp", "attention_hvp"),
     "finite_differences": ("gradcheck", "jvpcheck", "taylor_test", "directional_derivative",
                            "GradcheckReport", "GradcheckError"),
