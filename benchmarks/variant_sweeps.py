@@ -2,7 +2,7 @@
 and per planted bug the cases, how many failed (the catch rate), how many of those the
 diagnosis named, and how many it did not try (a paged cache's case, where its reruns do not run).
 
-    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8 [--cases 200] [--seed 0]
+    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8|topk [--cases 200] [--seed 0]
 
 rope (tests/rope_kernels.py): float32 and bfloat16 torch candidates, Hugging Face's turn or
 FlashAttention's, then SDPA and autograd's backward (out, dq, dk, dv); 1-2 batches, 1-2 kv
@@ -25,6 +25,14 @@ float8 or bfloat16) or as a bfloat16 kernel reading a dequantized FP8 KV cache; 
 1-2 kv heads with 1-2 queries each, N_k of 8-299, d of 32, 64 or 128, causal or not. The bugs:
 a descale dropped (q's, k's or v's); v's applied twice; the first head's descale for every
 head (where the scales are finer than per tensor).
+
+topk (tests/topk_kernels.py): sparse top-k attention in float32 and bfloat16, each query's keys
+gathered and attended in float32 (FlashMLA's reference) or in the dtype, autograd's backward
+(out, dq, dk, dv); 1-2 batches, 1-2 kv heads with 1-2 queries each, N_q of 1-39, N_k of 16-199,
+4-47 keys a query (repeats and -1 among them) or, one in three, key blocks of 4, 8 or 16
+with topk_block_size. The bugs: every index one key over; -1 read as the last key; a key listed
+twice getting one use's gradient; the block size doubled. The diagnosis names the first two
+(it has no line for the last two: "-" when it does not).
 """
 import argparse
 import os
@@ -38,7 +46,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("rope", "mla", "fp8"), required=True, help="the variant's candidates")
+    parser.add_argument("--variant", choices=("rope", "mla", "fp8", "topk"), required=True,
+                        help="the variant's candidates")
     parser.add_argument("--cases", type=int, default=200, help="cases per dtype, each honest and with each "
                                                                  "bug (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (default 0)")
@@ -48,7 +57,8 @@ def main():
     load = OtherLoad()
     print(machine_line())
     counts = kernels.sweep(args.cases, args.seed)
-    rows = [[dtype, what, judged, failed] + (["-", "-"] if what == "honest" else [named, not_run])
+    unnamed = {bug for bug, words in kernels.BUGS.items() if words is None}
+    rows = [[dtype, what, judged, failed] + (["-", "-"] if what == "honest" or what in unnamed else [named, not_run])
             for (dtype, what), (judged, failed, named, not_run) in sorted(counts.items())]
     print(table(["dtype", "candidate", "cases", "crosscheck failed", "diagnosis named it", "not tried"], rows))
     print("\n" + load.line())

@@ -26,9 +26,10 @@ Forward mode: s_dot_t = scale (q_dot_i . k_{L_t} + q_i . k_dot_{L_t}),
     p_dot_t = p_t (s_dot_t - lse_dot_i),  lse_dot_i = sum_t p_t s_dot_t,
     out_dot_i = sum_t (p_dot_t v_{L_t} + p_t v_dot_{L_t}).
 
-Computed a block of query rows at a time (block_rows; None: all rows at once, the textbook
-form): the gathered keys are [..., H, block, K, d], never [N_q, N_k]; the backward recomputes
-p from lse, as FlashAttention's does, so the cache holds O(N) arrays besides the indices.
+Computed a block of query rows at a time (block_rows; N_q: all rows at once, the textbook
+form): the gathered keys are [..., H, block, K, d], never [N_q, N_k], one of k's or v's at a
+time; the backward recomputes p from lse, as FlashAttention's does, so the cache holds O(N)
+arrays besides the indices (kept as given, not copied).
 """
 import math
 from typing import NamedTuple, Optional
@@ -39,7 +40,7 @@ import scipy.sparse
 from ._checks import as_float_array, require_cache, require_same_shape
 from ._layout import with_head_axis
 
-BLOCK_ROWS = 64         # query rows a block by default
+GATHER_ROWS = 2 ** 15   # a block gathers at most this many keys (block_rows K) by default
 
 
 class SparseCache(NamedTuple):
@@ -51,7 +52,7 @@ class SparseCache(NamedTuple):
     out: np.ndarray             # [..., H, N_q, d_v]
     lse: np.ndarray             # [..., H, N_q]
     scale: float
-    block_rows: Optional[int]
+    block_rows: int
 
 
 class SparseGrads(NamedTuple):
@@ -101,8 +102,9 @@ def _check(q, k, v, indices, topk_length, scale, block_rows):
     scale = 1 / math.sqrt(q3.shape[-1]) if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-    if block_rows is not None and (isinstance(block_rows, (bool, np.bool_)) or
-                                   not isinstance(block_rows, (int, np.integer)) or block_rows < 1):
+    if block_rows is None:
+        block_rows = max(1, GATHER_ROWS // max(1, indices.shape[-1]))
+    elif isinstance(block_rows, (bool, np.bool_)) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1:
         raise ValueError(f"block_rows must be a positive integer or None, got {block_rows!r}")
     return q, k, v, indices, topk_length, scale, block_rows
 
@@ -148,7 +150,7 @@ def _flat(*arrays):
     return [with_head_axis(x).reshape((-1,) + with_head_axis(x).shape[-3:]) for x in arrays]
 
 
-def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, block_rows=BLOCK_ROWS):
+def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, block_rows=None):
     """out = softmax over each query's listed keys of scale q k^T, times their values (module docstring).
 
     Args:
@@ -157,7 +159,8 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
             [0, N_k)) pads; a key listed twice counts twice.
         topk_length: [..., N_q] int or None: only each row's first topk_length entries count.
         scale: multiplies q k^T; default 1 / sqrt(d_k).
-        block_rows: query rows a block (memory O(block_rows K d)); None: all at once (the textbook).
+        block_rows: query rows a block (memory O(block_rows K d)); N_q: all at once (the textbook);
+            None (default): as many as gather GATHER_ROWS keys per batch entry and head.
     Returns:
         out [..., H, N_q, d_v], lse [..., H, N_q] (-inf for a row with no key), max_logits
         [..., H, N_q], and a SparseCache.
@@ -170,8 +173,8 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
     lse = np.full(q3.shape[:-1], -np.inf, dtype)
     top = np.full(q3.shape[:-1], -np.inf, np.zeros((), dtype).real.dtype)
     n_q = q3.shape[2]
-    for start in range(0, n_q, block_rows or max(n_q, 1)):
-        rows = slice(start, start + (block_rows or n_q))
+    for start in range(0, n_q, block_rows):
+        rows = slice(start, start + block_rows)
         idx = _rows(q3, k3, (indices, topk_length), rows)
         s = _scores(q3[:, :, rows], _gathered(k3, idx, groups), idx, scale)
         m = s.real.max(axis=-1, initial=-np.inf)
@@ -203,14 +206,14 @@ def sparse_attention_backward(dout, cache):
     dq = np.zeros(q3.shape, np.result_type(q3, dout3))
     dk, dv = np.zeros(k3.shape, dq.dtype), np.zeros(v3.shape, dq.dtype)
     n_q, block_rows = q3.shape[2], cache.block_rows
-    for start in range(0, n_q, block_rows or max(n_q, 1)):
-        rows = slice(start, start + (block_rows or n_q))
+    for start in range(0, n_q, block_rows):
+        rows = slice(start, start + block_rows)
         idx = _rows(q3, k3, (cache.indices, cache.topk_length), rows)
-        k_g, v_g = _gathered(k3, idx, groups), _gathered(v3, idx, groups)
-        s = _scores(q3[:, :, rows], k_g, idx, cache.scale)
-        p = _weights(s, idx, lse3[:, :, rows, None])                              # [B, H, b, K]
         do = dout3[:, :, rows]
-        dp = _dots(do, v_g)
+        dp = _dots(do, _gathered(v3, idx, groups))                                # [B, H, b, K]
+        k_g = _gathered(k3, idx, groups)                                          # (one at a time)
+        s = _scores(q3[:, :, rows], k_g, idx, cache.scale)
+        p = _weights(s, idx, lse3[:, :, rows, None])
         D = np.sum(do * out3[:, :, rows], axis=-1, keepdims=True)
         ds = p * (dp - D)
         dq[:, :, rows] = cache.scale * _mix(ds, k_g)
@@ -243,7 +246,7 @@ def _scatter(target, idx, groups, weights, rows_of):
 
 
 def sparse_attention_jvp(q, k, v, indices, q_dot=None, k_dot=None, v_dot=None, *, topk_length=None,
-                         scale=None, block_rows=BLOCK_ROWS):
+                         scale=None, block_rows=None):
     """(out, out_dot, lse, lse_dot) along the tangents (module docstring's forward mode); a
     tangent left None is 0."""
     out, lse, _, cache = sparse_attention_forward(q, k, v, indices, topk_length=topk_length, scale=scale,
@@ -259,8 +262,8 @@ def sparse_attention_jvp(q, k, v, indices, q_dot=None, k_dot=None, v_dot=None, *
     out_dot = np.zeros(q3.shape[:-1] + v3.shape[-1:], np.result_type(q3, qd3))
     lse_dot = np.zeros(q3.shape[:-1], out_dot.dtype)
     n_q, block_rows = q3.shape[2], cache.block_rows
-    for start in range(0, n_q, block_rows or max(n_q, 1)):
-        rows = slice(start, start + (block_rows or n_q))
+    for start in range(0, n_q, block_rows):
+        rows = slice(start, start + block_rows)
         idx = _rows(q3, k3, (cache.indices, cache.topk_length), rows)
         k_g = _gathered(k3, idx, groups)
         s = _scores(q3[:, :, rows], k_g, idx, cache.scale)

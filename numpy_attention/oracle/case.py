@@ -48,6 +48,7 @@ from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
+from ..sparse import block_indices
 from .precision import PRECISIONS, Precision, round_to
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
@@ -70,9 +71,10 @@ FP8 = ("descale_block", "intermediate_dtype")          # float8: the descales' b
 INTERMEDIATE = ("float8_e4m3fn", "float8_e5m2", "bfloat16")
 SETTINGS = ("precision", "layout", "lse_base")        # how to read the case (also keywords)
 LATENT = ("head_dim_v",)                              # MLA: the values are kv's first head_dim_v columns
+TOPK = ("topk_indices", "topk_length", "topk_block_size")   # sparse top-k: each query's keys (or key blocks)
 LAYOUTS = ("bhnd", "bnhd")
 LSE_BASES = ("e", "2")
-KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + FP8 + SETTINGS + LATENT
+KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + FP8 + SETTINGS + LATENT + TOPK
 # other libraries' names for a key: how to pass each (unknown keys otherwise get difflib's guess)
 NEAR_MISSES = {
     "attn_mask": "a boolean attn_mask is mask= (True = attend), a float one is bias=",
@@ -105,6 +107,7 @@ class Case(NamedTuple):
     paged: object = None    # paged.PagedLayout: inputs packed from a paged KV cache (page_table)
     latent: object = None   # MLA's head_dim_v r: k is the case's kv, v = kv[..., :r], dkv judged
     scales: object = None   # float8: {'q' / 'k' / 'v': (stored values, descale [..., H, N, 1])}
+    topk: object = None     # sparse top-k: (token indices [..., H_kv or H, N_q, K], topk_length or None)
 
 
 class CaseError(ValueError):
@@ -357,6 +360,9 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     options = _decode_options({**arrays, **{n: tensors[n] for n in ("bias", "sinks", "alibi_slopes")
                                             if n in tensors}})
     inputs, options, paged = _packed_if_paged(arrays, inputs, options)
+    topk = _topk(arrays, inputs, options, paged)
+    if topk is not None:
+        options = {**options, **topk_keep(*topk, inputs["q"].shape, inputs["k"].shape)}
     try:
         attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
         plain = {name: x for name, x in options.items() if name != "rope"}
@@ -393,7 +399,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     return Case(inputs=inputs, options=options,
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
                 precision=chosen, layout=layout, lse_base=lse_base, paged=paged, latent=latent,
-                scales=scales or None)
+                scales=scales or None, topk=topk)
 
 
 def _latent_kv(arrays, tensors):
@@ -439,6 +445,59 @@ def _fp8_settings(arrays, precision):
             raise CaseError(str(exc)) from None
         precision = precision._replace(weights=PRECISIONS[weights].storage)
     return precision, block
+
+
+def _topk(arrays, inputs, options, paged):
+    """(token indices, topk_length or None) of a sparse top-k case, or None: topk_indices
+    [..., H_kv or H, N_q, K] int (key blocks with topk_block_size, sparse.block_indices)."""
+    given = [name for name in TOPK if name in arrays]
+    if not given:
+        return None
+    if "topk_indices" not in arrays:
+        raise CaseError(f"{given[0]} is given but topk_indices is not")
+    if paged is not None or {"mask", "bias"} & set(options):
+        raise CaseError("topk_indices choose each query's keys: the case takes no mask, bias or paged KV cache "
+                        "with them")
+    q, k = inputs["q"], inputs["k"]
+    indices = np.asarray(arrays["topk_indices"])
+    heads = (k.shape[-3], q.shape[-3]) if q.ndim >= 3 else (1,)
+    if indices.dtype.kind not in "iu" or q.ndim < 3 or indices.ndim != q.ndim or \
+            indices.shape[:-3] != q.shape[:-3] or indices.shape[-3] not in heads or indices.shape[-2] != q.shape[-2]:
+        raise CaseError(f"topk_indices must be integers [..., H_kv or H, N_q, K] (q {q.shape}, k {k.shape}), "
+                        f"got dtype {indices.dtype} with shape {indices.shape}")
+    if "topk_block_size" in arrays:
+        size = _integer(arrays, "topk_block_size")
+        if size < 1:
+            raise CaseError(f"topk_block_size must be a positive number of keys, got {size}")
+        indices = block_indices(indices, size, k.shape[-2])
+    length = None
+    if "topk_length" in arrays:
+        length = np.asarray(arrays["topk_length"])
+        if length.dtype.kind not in "iu" or length.shape != q.shape[:-3] + q.shape[-2:-1]:
+            raise CaseError(f"topk_length must be integers [..., N_q] = {q.shape[:-3] + q.shape[-2:-1]}, got "
+                            f"dtype {length.dtype} with shape {length.shape}")
+    return indices, length
+
+
+def topk_keep(indices, length, q_shape, k_shape):
+    """attention_forward's options for the keys each query lists: a keep-mask [..., H, N_q, N_k],
+    or where a key is listed more than once in a row, a bias of log(times listed) (-inf for
+    the others): attention over a list that repeats a key is attention with that key's weight
+    times the repeats, as a kernel that gathers it twice computes (sparse.py)."""
+    n_k = k_shape[-2]
+    valid = (indices >= 0) & (indices < n_k)
+    if length is not None:
+        valid &= np.arange(indices.shape[-1]) < length[..., None, :, None]
+    counts = np.zeros(indices.shape[:-1] + (n_k,), np.int64)
+    lead = np.indices(indices.shape[:-1])
+    rows = tuple(np.broadcast_to(axis[..., None], indices.shape)[valid] for axis in lead)
+    np.add.at(counts, rows + (indices[valid],), 1)
+    if counts.shape[-3] != q_shape[-3]:                               # a kv head's list for its queries
+        counts = np.repeat(counts, q_shape[-3] // counts.shape[-3], axis=-3)
+    if counts.max(initial=0) <= 1:
+        return {"mask": counts > 0}
+    with np.errstate(divide="ignore"):
+        return {"bias": np.log(counts.astype(np.float64))}
 
 
 def latent_sum(results, latent, dtype=None):

@@ -23,7 +23,8 @@ window's alignment swapped, or each side off by one; grouped-query heads interle
 (interleaved for half-split or the reverse), missing, over the whole head where they are
 partial, or with the queries' positions from 0; MLA's values read from kv's last columns,
 or its rotary columns' scores unscaled; a float8 descale dropped, applied twice, or the
-first head's used for every head. The factors: -1, 2, 1/2, 1 / scale and
+first head's used for every head; sparse top-k's indices read one key over, -1 read as the
+last key, a key listed twice counted once. The factors: -1, 2, 1/2, 1 / scale and
 scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one
 (check.py adds: the [..., N, H, d] layout read as [..., H, N, d]).
 
@@ -39,7 +40,7 @@ import numpy as np
 
 from ..attention import attention_backward, attention_forward
 from ..scores import numpy_mod
-from .case import GRADIENTS
+from .case import GRADIENTS, topk_keep
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
 NEAR = 1e-2             # and within this rel L2 of it;
@@ -179,6 +180,8 @@ def _mixups(case):
         yield Mixup("the first head's descale of each tensor for every head and batch entry (one scale a "
                     "tensor)", "the case's descales vary", {},
                     inputs={name: stored * np.ravel(descale)[0] for name, (stored, descale) in varying.items()})
+    if case.topk is not None:
+        yield from _topk_mixups(case, q.shape, k.shape)
     for name, (stored, descale) in (case.scales or {}).items():
         said = f"the case's values of {name} are its float8 values times {name}_descale"
         yield Mixup(f"{name}_descale dropped", said, {}, inputs={name: stored})
@@ -215,6 +218,22 @@ def _rope_mixups(rope, o, n_q, n_k, d_k):
         yield Mixup("the queries' rope positions from 0 (top-left: the first keys' positions)",
                     "the case's queries have the last keys' positions" if given is None else
                     "the case gives rope_positions_q", changed(positions_q=first))
+
+
+def _topk_mixups(case, q_shape, k_shape):
+    """Sparse top-k's mix-ups: each index read one key over, -1 read as the last key (Python's and
+    torch's negative indexing), a key listed twice counted once."""
+    indices, length = case.topk
+    said = "the case's queries attend to the keys topk_indices list"
+    keep = lambda x: (lambda o: {"mask": o.get("mask"), "bias": o.get("bias")})(topk_keep(x, length, q_shape, k_shape))
+    valid = indices >= 0
+    yield Mixup("the indices read one key over (index + 1)", said, keep(np.where(valid, indices + 1, -1)))
+    if (indices == -1).any():
+        yield Mixup("-1 read as the last key (negative indexing)", said,
+                    keep(np.where(indices == -1, k_shape[-2] - 1, indices)))
+    if "bias" in case.options:                               # some row lists a key more than once
+        once = {"mask": np.isfinite(case.options["bias"]), "bias": None}
+        yield Mixup("a key listed twice counted once", said, once)
 
 
 def _causal_keep(n_q, n_k, align, shift):

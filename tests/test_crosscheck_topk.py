@@ -1,0 +1,65 @@
+"""crosscheck of sparse top-k attention: the case keys topk_indices (tokens, or key blocks with
+topk_block_size) and topk_length, judged as the keep-mask (or log-multiplicity bias) they
+make; torch candidates honest and with planted bugs (tests/topk_kernels.py; the longer sweep:
+benchmarks/variant_sweeps.py --variant topk); bad keys refused by name."""
+import numpy as np
+import pytest
+from optional import TORCH_REASON
+
+import numpy_attention as na
+from numpy_attention.oracle.case import CaseError, topk_keep
+
+torch = pytest.importorskip("torch", reason=TORCH_REASON)
+import topk_kernels  # noqa: E402  (needs torch)
+
+CASES = 20
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return topk_kernels.sweep(CASES, seed=1)
+
+
+@pytest.mark.parametrize("dtype", topk_kernels.DTYPES)
+def test_honest_torch_candidates_pass(counts, dtype):
+    judged, failed, _, _ = counts[(dtype, "honest")]
+    assert judged == CASES and failed == 0, counts
+
+
+@pytest.mark.parametrize("bug", topk_kernels.BUGS)
+@pytest.mark.parametrize("dtype", topk_kernels.DTYPES)
+def test_each_planted_bug_is_caught(counts, dtype, bug):
+    judged, failed, named, _ = counts[(dtype, bug)]
+    assert judged >= 2 and failed == judged, counts
+    if topk_kernels.BUGS[bug] is not None:
+        assert named == judged, counts
+
+
+def test_a_repeated_key_is_a_log_multiplicity_bias_and_ours_passes():
+    """Key 2 listed twice in row 0: the case is attention with log 2 on it; our sparse attention's
+    float64 results pass to a few ulps."""
+    rng = np.random.default_rng(4)
+    q, k, v, dout = (rng.standard_normal(shape) for shape in [(1, 2, 3, 8), (1, 1, 6, 8), (1, 1, 6, 8), (1, 2, 3, 8)])
+    indices = np.array([[[[2, 2, 0], [1, -1, 5], [-1, -1, -1]]]])
+    keep = topk_keep(indices, None, q.shape, k.shape)
+    assert set(keep) == {"bias"} and np.isclose(keep["bias"][0, 0, 0, 2], np.log(2)) and np.isneginf(keep["bias"][0, 0, 2]).all()
+    out, lse, _, cache = na.sparse_attention_forward(q, k, v, indices)
+    g = na.sparse_attention_backward(dout, cache)
+    report = na.crosscheck(q=q, k=k, v=v, dout=dout, topk_indices=indices, out=out, lse=lse, dq=g.dq, dk=g.dk, dv=g.dv)
+    assert report and max(row.max_abs_err for row in report.rows) < 1e-14, report
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"topk_length": np.array([[3, 3, 3]])}, "topk_length is given but topk_indices is not"),
+    ({"topk_indices": np.zeros((1, 3, 3, 2), int)}, r"topk_indices must be integers \[\.\.\., H_kv or H, N_q, K\]"),
+    ({"topk_indices": np.zeros((1, 1, 3, 2), int), "mask": np.ones((3, 6), bool)}, "takes no mask, bias"),
+    ({"topk_indices": np.zeros((1, 1, 3, 2), int), "topk_length": np.zeros((1, 2), int)},
+     r"topk_length must be integers \[\.\.\., N_q\] = \(1, 3\)"),
+    ({"topk_indices": np.zeros((1, 1, 3, 2), int), "topk_block_size": 0}, "topk_block_size must be a positive"),
+])
+def test_bad_topk_keys_are_refused_by_name(change, words):
+    rng = np.random.default_rng(5)
+    arrays = dict(q=rng.standard_normal((1, 2, 3, 8)), k=rng.standard_normal((1, 1, 6, 8)),
+                  v=rng.standard_normal((1, 1, 6, 8)), out=np.zeros((1, 2, 3, 8)), **change)
+    with pytest.raises(CaseError, match=words):
+        na.crosscheck(**arrays)
