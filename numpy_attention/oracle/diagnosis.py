@@ -7,8 +7,9 @@ the failing tensors when the candidate is near it in each, either CLOSER times n
 to the oracle and within NEAR (rel L2) or as near as the rounding of the case's precision
 lets an honest kernel be (NOISE times the baseline's rel L2: float8's P rounds to 12%), or
 within that rounding, at most NOISY, and nearer than to the oracle (a bfloat16 dk of one
-query row rounds to 10%); and CLEARLY nearer in one of them at least. A tensor may also be a known constant times the rerun's, over the whole
-tensor or head by head (a backward without the scale, one head's dk negated):
+query row rounds to 10%); and CLEARLY nearer in one of them at least. A tensor may also be
+a known constant times the rerun's, over the whole tensor or head by head (a backward
+without the scale, one head's dk negated):
 
     out, dq match causal='bottom_right' (rel L2 3.1e-08); the case says causal='top_left'
     dq, dk match the oracle times 8 = 1 / scale (rel L2 2.0e-16): a backward without the scale
@@ -174,15 +175,27 @@ def _mixups(case):
                     "the case groups them (h // G)", {}, interleaved=True)
     if "rope" in o:
         yield from _rope_mixups(o["rope"], o, n_q, n_k, d_k)
-    varying = {name: (stored, descale) for name, (stored, descale) in (case.scales or {}).items()
-               if np.ptp(descale) > 0}
+    if case.scales:
+        yield from _descale_mixups(case.scales)
+    if case.topk is not None:
+        yield from _topk_mixups(case, q.shape, k.shape)
+    if case.latent is not None and case.latent < d_k:
+        said = f"the case's values are kv's first head_dim_v = {case.latent} columns"
+        yield Mixup(f"the values read from kv's last {case.latent} columns", said, {}, latent="values_last")
+        yield Mixup(f"the scores of the rotary columns (past {case.latent}) not scaled",
+                    "the case scales every column's", {}, latent="rope_unscaled")
+
+
+def _descale_mixups(scales):
+    """float8's mix-ups, each a rerun on inputs dequantized otherwise: one scale a tensor (the
+    first head's, where the case's vary) for all of them, or for one; each descale dropped, or
+    applied twice."""
+    varying = {name: (stored, descale) for name, (stored, descale) in scales.items() if np.ptp(descale) > 0}
     if varying:
         yield Mixup("the first head's descale of each tensor for every head and batch entry (one scale a "
                     "tensor)", "the case's descales vary", {},
                     inputs={name: stored * np.ravel(descale)[0] for name, (stored, descale) in varying.items()})
-    if case.topk is not None:
-        yield from _topk_mixups(case, q.shape, k.shape)
-    for name, (stored, descale) in (case.scales or {}).items():
+    for name, (stored, descale) in scales.items():
         said = f"the case's values of {name} are its float8 values times {name}_descale"
         yield Mixup(f"{name}_descale dropped", said, {}, inputs={name: stored})
         yield Mixup(f"{name}_descale applied twice", said, {}, inputs={name: stored * descale * descale})
@@ -190,11 +203,6 @@ def _mixups(case):
             first = np.ravel(descale)[0]
             yield Mixup(f"the first head's {name}_descale ({first:.4g}) for every head and batch entry",
                         said, {}, inputs={name: stored * first})
-    if case.latent is not None and case.latent < d_k:
-        said = f"the case's values are kv's first head_dim_v = {case.latent} columns"
-        yield Mixup(f"the values read from kv's last {case.latent} columns", said, {}, latent="values_last")
-        yield Mixup(f"the scores of the rotary columns (past {case.latent}) not scaled",
-                    "the case scales every column's", {}, latent="rope_unscaled")
 
 
 def _rope_mixups(rope, o, n_q, n_k, d_k):
