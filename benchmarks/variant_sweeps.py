@@ -27,12 +27,12 @@ a descale dropped (q's, k's or v's); v's applied twice; the first head's descale
 head (where the scales are finer than per tensor).
 
 topk (tests/topk_kernels.py): sparse top-k attention in float32 and bfloat16, each query's keys
-gathered and attended in float32 (FlashMLA's reference) or in the dtype, autograd's backward
+gathered and attended in float32 (FlashMLA's reference order), autograd's backward
 (out, dq, dk, dv); 1-2 batches, 1-2 kv heads with 1-2 queries each, N_q of 1-39, N_k of 16-199,
 4-47 keys a query (repeats and -1 among them) or, one in three, key blocks of 4, 8 or 16
 with topk_block_size. The bugs: every index one key over; -1 read as the last key; a key listed
-twice getting one use's gradient; the block size doubled. The diagnosis names the first two
-(it has no line for the last two: "-" when it does not).
+twice getting one use's gradient; the block size doubled. The diagnosis names all but the
+third (it has no line for it: "-").
 """
 import argparse
 import os

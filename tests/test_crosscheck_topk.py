@@ -63,3 +63,15 @@ def test_bad_topk_keys_are_refused_by_name(change, words):
                   v=rng.standard_normal((1, 1, 6, 8)), out=np.zeros((1, 2, 3, 8)), **change)
     with pytest.raises(CaseError, match=words):
         na.crosscheck(**arrays)
+
+
+def test_with_key_blocks_topk_length_counts_blocks():
+    """topk_block_size 4 over 10 keys, blocks [0, 2, 1] and topk_length 2: the query keeps blocks 0
+    and 2 (keys 0-3 and 8-9), not block 1."""
+    from numpy_attention.oracle.case import split_case
+    rng = np.random.default_rng(6)
+    arrays = dict(q=rng.standard_normal((1, 1, 1, 8)), k=rng.standard_normal((1, 1, 10, 8)),
+                  v=rng.standard_normal((1, 1, 10, 8)), out=np.zeros((1, 1, 1, 8)),
+                  topk_indices=np.array([[[[0, 2, 1]]]]), topk_block_size=np.array(4), topk_length=np.array([[2]]))
+    mask = split_case(arrays).options["mask"]
+    np.testing.assert_array_equal(np.flatnonzero(mask[0, 0, 0]), [0, 1, 2, 3, 8, 9])

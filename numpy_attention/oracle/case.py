@@ -107,7 +107,8 @@ class Case(NamedTuple):
     paged: object = None    # paged.PagedLayout: inputs packed from a paged KV cache (page_table)
     latent: object = None   # MLA's head_dim_v r: k is the case's kv, v = kv[..., :r], dkv judged
     scales: object = None   # float8: {'q' / 'k' / 'v': (stored values, descale [..., H, N, 1])}
-    topk: object = None     # sparse top-k: (token indices [..., H_kv or H, N_q, K], topk_length or None)
+    topk: object = None     # sparse top-k: (token indices [..., H_kv or H, N_q, K], topk_length or None,
+                            # (block indices, block size) or None)
 
 
 class CaseError(ValueError):
@@ -362,7 +363,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     inputs, options, paged = _packed_if_paged(arrays, inputs, options)
     topk = _topk(arrays, inputs, options, paged)
     if topk is not None:
-        options = {**options, **topk_keep(*topk, inputs["q"].shape, inputs["k"].shape)}
+        options = {**options, **topk_keep(topk[0], topk[1], inputs["q"].shape, inputs["k"].shape)}
     try:
         attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
         plain = {name: x for name, x in options.items() if name != "rope"}
@@ -448,8 +449,9 @@ def _fp8_settings(arrays, precision):
 
 
 def _topk(arrays, inputs, options, paged):
-    """(token indices, topk_length or None) of a sparse top-k case, or None: topk_indices
-    [..., H_kv or H, N_q, K] int (key blocks with topk_block_size, sparse.block_indices)."""
+    """(token indices, topk_length or None, (block indices, block size) or None) of a sparse
+    top-k case, or None: topk_indices [..., H_kv or H, N_q, K] int, key blocks with
+    topk_block_size (sparse.block_indices; topk_length then counts blocks)."""
     given = [name for name in TOPK if name in arrays]
     if not given:
         return None
@@ -465,18 +467,20 @@ def _topk(arrays, inputs, options, paged):
             indices.shape[:-3] != q.shape[:-3] or indices.shape[-3] not in heads or indices.shape[-2] != q.shape[-2]:
         raise CaseError(f"topk_indices must be integers [..., H_kv or H, N_q, K] (q {q.shape}, k {k.shape}), "
                         f"got dtype {indices.dtype} with shape {indices.shape}")
-    if "topk_block_size" in arrays:
-        size = _integer(arrays, "topk_block_size")
-        if size < 1:
-            raise CaseError(f"topk_block_size must be a positive number of keys, got {size}")
-        indices = block_indices(indices, size, k.shape[-2])
     length = None
     if "topk_length" in arrays:
         length = np.asarray(arrays["topk_length"])
         if length.dtype.kind not in "iu" or length.shape != q.shape[:-3] + q.shape[-2:-1]:
             raise CaseError(f"topk_length must be integers [..., N_q] = {q.shape[:-3] + q.shape[-2:-1]}, got "
                             f"dtype {length.dtype} with shape {length.shape}")
-    return indices, length
+    if "topk_block_size" not in arrays:
+        return indices, length, None
+    size = _integer(arrays, "topk_block_size")
+    if size < 1:
+        raise CaseError(f"topk_block_size must be a positive number of keys, got {size}")
+    if length is not None:                                         # it counts blocks
+        indices = np.where(np.arange(indices.shape[-1]) < length[..., None, :, None], indices, -1)
+    return block_indices(indices, size, k.shape[-2]), None, (indices, size)
 
 
 def topk_keep(indices, length, q_shape, k_shape):

@@ -25,7 +25,7 @@ window's alignment swapped, or each side off by one; grouped-query heads interle
 partial, or with the queries' positions from 0; MLA's values read from kv's last columns,
 or its rotary columns' scores unscaled; a float8 descale dropped, applied twice, or the
 first head's used for every head; sparse top-k's indices read one key over, -1 read as the
-last key, a key listed twice counted once. The factors: -1, 2, 1/2, 1 / scale and
+last key, a key listed twice counted once, the block size doubled or halved. The factors: -1, 2, 1/2, 1 / scale and
 scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one
 (check.py adds: the [..., N, H, d] layout read as [..., H, N, d]).
 
@@ -41,6 +41,7 @@ import numpy as np
 
 from ..attention import attention_backward, attention_forward
 from ..scores import numpy_mod
+from ..sparse import block_indices
 from .case import GRADIENTS, topk_keep
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
@@ -230,8 +231,9 @@ def _rope_mixups(rope, o, n_q, n_k, d_k):
 
 def _topk_mixups(case, q_shape, k_shape):
     """Sparse top-k's mix-ups: each index read one key over, -1 read as the last key (Python's and
-    torch's negative indexing), a key listed twice counted once."""
-    indices, length = case.topk
+    torch's negative indexing), a key listed twice counted once; with key blocks, the block size
+    twice or half the case's."""
+    indices, length, blocks = case.topk
     said = "the case's queries attend to the keys topk_indices list"
     keep = lambda x: (lambda o: {"mask": o.get("mask"), "bias": o.get("bias")})(topk_keep(x, length, q_shape, k_shape))
     valid = indices >= 0
@@ -242,6 +244,12 @@ def _topk_mixups(case, q_shape, k_shape):
     if "bias" in case.options:                               # some row lists a key more than once
         once = {"mask": np.isfinite(case.options["bias"]), "bias": None}
         yield Mixup("a key listed twice counted once", said, once)
+    if blocks is not None:
+        listed, size = blocks
+        for other in (2 * size, size // 2):
+            if other >= 1 and other != size:
+                yield Mixup(f"topk_block_size={other}", f"the case's is {size}",
+                            keep(block_indices(listed, other, k_shape[-2])))
 
 
 def _causal_keep(n_q, n_k, align, shift):
