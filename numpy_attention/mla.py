@@ -38,6 +38,7 @@ import numpy as np
 from ._checks import as_float_array, require_cache
 from .attention import AttentionCache, attention_backward, attention_forward
 from .forward_mode import attention_jvp
+from .rope import rope_settings
 
 
 class MlaCache(NamedTuple):
@@ -74,8 +75,7 @@ def _rope_part(options, rope_dim):
     rope = options.get("rope")
     if rope is None:
         return options
-    if not isinstance(rope, dict):
-        raise TypeError(f"rope must be a dict of rope_forward's options, got {type(rope).__name__}")
+    rope_settings(rope)                                  # a dict of rope's keys (TypeError otherwise)
     fixed = {"rotary_dim": rope_dim, "part": "last"}
     for name, value in fixed.items():
         if name in rope and rope[name] != value:

@@ -90,7 +90,7 @@ def frequencies(rotary_dim, base=10000.0, scaling=None, dtype=np.float64):
     return inv_freq, 1.0, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
 
 
-def pairs(x, layout, r, part="first"):
+def _pairs(x, layout, r, part="first"):
     """(a, b): the two entries of each turning pair among x's first or last r, [..., N, r/2] views."""
     x = x[..., :r] if part == "first" else x[..., x.shape[-1] - r:]
     if layout == "half":
@@ -98,12 +98,17 @@ def pairs(x, layout, r, part="first"):
     return x[..., 0::2], x[..., 1::2]
 
 
-def _turned(x, cos, sin, layout, r, part):
-    """x with each pair (a, b) turned: (a cos - b sin, b cos + a sin); the rest as it is."""
-    a, b = pairs(x, layout, r, part)
+def turned(x, cos, sin, layout, r, part, rnd=None):
+    """x with each pair (a, b) turned: (a cos - b sin, b cos + a sin); the rest as it is. rnd:
+    None, or a rounding applied after each product and each sum (a kernel's low precision,
+    oracle/rotary.py)."""
+    a, b = _pairs(x, layout, r, part)
     y = np.array(x, dtype=np.result_type(x, cos), copy=True)
-    ya, yb = pairs(y, layout, r, part)
-    ya[...], yb[...] = a * cos - b * sin, b * cos + a * sin
+    ya, yb = _pairs(y, layout, r, part)
+    if rnd is None:
+        ya[...], yb[...] = a * cos - b * sin, b * cos + a * sin
+    else:
+        ya[...], yb[...] = rnd(rnd(a * cos) - rnd(b * sin)), rnd(rnd(b * cos) + rnd(a * sin))
     return y
 
 
@@ -147,7 +152,7 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
     inv_freq, position_factor, magnitude = frequencies(int(r), base, scaling, angles)
     theta = (positions.astype(angles) * position_factor)[..., None] * inv_freq   # [..., N, r/2]
     cos, sin = ((magnitude * f(theta)).astype(real) for f in (np.cos, np.sin))
-    y = _turned(x, cos, sin, layout, int(r), part)
+    y = turned(x, cos, sin, layout, int(r), part)
     return y, RopeCache(cos=cos, sin=sin, layout=layout, rotary_dim=int(r), part=part, shape=x.shape)
 
 
@@ -156,7 +161,7 @@ def rope_backward(dy, cache):
     require_cache(cache, RopeCache, "rope_backward", arrays=("cos", "sin"))
     require_same_shape(dy, cache.shape, "dy")
     dy = as_float_array(dy, "dy")
-    return _turned(dy, cache.cos, -cache.sin, cache.layout, cache.rotary_dim, cache.part)
+    return turned(dy, cache.cos, -cache.sin, cache.layout, cache.rotary_dim, cache.part)
 
 
 def rope_apply(x, cache):
@@ -165,7 +170,7 @@ def rope_apply(x, cache):
     require_cache(cache, RopeCache, "rope_apply", arrays=("cos", "sin"))
     require_same_shape(x, cache.shape, "x")
     x = as_float_array(x, "x")
-    return _turned(x, cache.cos, cache.sin, cache.layout, cache.rotary_dim, cache.part)
+    return turned(x, cache.cos, cache.sin, cache.layout, cache.rotary_dim, cache.part)
 
 
 def rope_jvp(x, positions, x_dot, **options):

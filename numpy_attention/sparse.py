@@ -75,6 +75,39 @@ def block_indices(blocks, block_size, n_k):
     return tokens.reshape(blocks.shape[:-1] + (-1,))
 
 
+def check_lists(indices, topk_length, q_shape, k_shape, name="indices"):
+    """(indices, topk_length) as arrays, checked against q's and k's shapes: indices integers
+    [..., H_kv or H, N_q, K] ([N_q, K] for one head), topk_length integers [..., N_q] or None.
+    TypeError / ValueError naming `name` and the shapes."""
+    indices = np.asarray(indices)
+    if len(q_shape) == 2 and indices.ndim == 2:                    # one head: [N_q, K]
+        indices = indices[None]
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got dtype {indices.dtype}")
+    q3, k3 = (shape if len(shape) >= 3 else (1,) + tuple(shape) for shape in (q_shape, k_shape))
+    heads = (k3[-3], q3[-3])
+    if indices.ndim != len(q3) or indices.shape[:-3] != tuple(q3[:-3]) or indices.shape[-3] not in heads \
+            or indices.shape[-2] != q3[-2]:
+        raise ValueError(f"{name} must be [..., H_kv or H, N_q, K] = [..., {heads[0]} or {heads[1]}, "
+                         f"{q3[-2]}, K] (q {tuple(q_shape)}, k {tuple(k_shape)}), got {indices.shape}")
+    if topk_length is not None:
+        topk_length = np.asarray(topk_length)
+        rows = tuple(q3[:-3]) + (q3[-2],)
+        if topk_length.dtype.kind not in "iu" or topk_length.shape != rows:
+            raise ValueError(f"topk_length must be integers [..., N_q] = {rows}, "
+                             f"got dtype {topk_length.dtype} with shape {topk_length.shape}")
+    return indices, topk_length
+
+
+def listed(indices, lengths, n_k):
+    """Which entries of the lists [..., N_q, K] name a key: inside [0, n_k) and, with lengths
+    [..., N_q] (the lists' leading axes but their head), among each row's first lengths."""
+    valid = (indices >= 0) & (indices < n_k)
+    if lengths is not None:
+        valid &= np.arange(indices.shape[-1]) < lengths[..., None, :, None]
+    return valid
+
+
 def _check(q, k, v, indices, topk_length, scale, block_rows):
     """(q, k, v, indices, topk_length, scale, block_rows) checked (indices as given: which entries
     are valid is found a block at a time, _rows)."""
@@ -84,21 +117,7 @@ def _check(q, k, v, indices, topk_length, scale, block_rows):
             or q3.shape[-3] % k3.shape[-3]:
         raise ValueError(f"q [..., H, N_q, d_k], k [..., H_kv, N_k, d_k] and v [..., H_kv, N_k, d_v] do not "
                          f"agree (H_kv must divide H): q {q.shape}, k {k.shape}, v {v.shape}")
-    indices = np.asarray(indices)
-    if q.ndim == 2 and indices.ndim == 2:                    # one head: [N_q, K]
-        indices = indices[None]
-    if indices.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, got dtype {indices.dtype}")
-    heads = (k3.shape[-3], q3.shape[-3])
-    if indices.ndim != q3.ndim or indices.shape[:-3] != q3.shape[:-3] or indices.shape[-3] not in heads \
-            or indices.shape[-2] != q3.shape[-2]:
-        raise ValueError(f"indices must be [..., H_kv or H, N_q, K] = [..., {heads[0]} or {heads[1]}, "
-                         f"{q3.shape[-2]}, K] (q {q.shape}, k {k.shape}), got {indices.shape}")
-    if topk_length is not None:
-        topk_length = np.asarray(topk_length)
-        if topk_length.dtype.kind not in "iu" or topk_length.shape != q3.shape[:-3] + q3.shape[-2:-1]:
-            raise ValueError(f"topk_length must be integers [..., N_q] = {q3.shape[:-3] + q3.shape[-2:-1]}, "
-                             f"got dtype {topk_length.dtype} with shape {topk_length.shape}")
+    indices, topk_length = check_lists(indices, topk_length, q.shape, k.shape)
     scale = 1 / math.sqrt(q3.shape[-1]) if scale is None else float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
@@ -121,11 +140,8 @@ def _rows(q3, k3, cache_like, rows):
     [0, N_k), or past its row's topk_length); a kv head's list repeated for its queries."""
     indices, topk_length = cache_like
     idx = indices.reshape((-1,) + indices.shape[-3:])[:, :, rows]
-    valid = (idx >= 0) & (idx < k3.shape[-2])
-    if topk_length is not None:
-        lengths = topk_length.reshape(-1, topk_length.shape[-1])[:, rows]
-        valid &= np.arange(idx.shape[-1]) < lengths[:, None, :, None]
-    idx = np.where(valid, idx, -1)
+    lengths = None if topk_length is None else topk_length.reshape(-1, topk_length.shape[-1])[:, rows]
+    idx = np.where(listed(idx, lengths, k3.shape[-2]), idx, -1)
     return np.repeat(idx, q3.shape[1] // idx.shape[1], axis=1) if idx.shape[1] != q3.shape[1] else idx
 
 

@@ -51,7 +51,8 @@ def test_a_repeated_key_is_a_log_multiplicity_bias_and_ours_passes():
 
 @pytest.mark.parametrize("change, words", [
     ({"topk_length": np.array([[3, 3, 3]])}, "topk_length is given but topk_indices is not"),
-    ({"topk_indices": np.zeros((1, 3, 3, 2), int)}, r"topk_indices must be integers \[\.\.\., H_kv or H, N_q, K\]"),
+    ({"topk_indices": np.zeros((1, 3, 3, 2), int)}, r"topk_indices must be \[\.\.\., H_kv or H, N_q, K\]"),
+    ({"topk_indices": np.zeros((1, 1, 3, 2))}, "topk_indices must be integers, got dtype float64"),
     ({"topk_indices": np.zeros((1, 1, 3, 2), int), "mask": np.ones((3, 6), bool)}, "takes no mask, bias"),
     ({"topk_indices": np.zeros((1, 1, 3, 2), int), "topk_length": np.zeros((1, 2), int)},
      r"topk_length must be integers \[\.\.\., N_q\] = \(1, 3\)"),

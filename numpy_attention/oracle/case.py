@@ -48,7 +48,7 @@ from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
-from ..sparse import block_indices
+from ..sparse import block_indices, check_lists, listed
 from .precision import PRECISIONS, Precision, round_to
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
@@ -461,25 +461,20 @@ def _topk(arrays, inputs, options, paged):
         raise CaseError("topk_indices choose each query's keys: the case takes no mask, bias or paged KV cache "
                         "with them")
     q, k = inputs["q"], inputs["k"]
-    indices = np.asarray(arrays["topk_indices"])
-    heads = (k.shape[-3], q.shape[-3]) if q.ndim >= 3 else (1,)
-    if indices.dtype.kind not in "iu" or q.ndim < 3 or indices.ndim != q.ndim or \
-            indices.shape[:-3] != q.shape[:-3] or indices.shape[-3] not in heads or indices.shape[-2] != q.shape[-2]:
-        raise CaseError(f"topk_indices must be integers [..., H_kv or H, N_q, K] (q {q.shape}, k {k.shape}), "
-                        f"got dtype {indices.dtype} with shape {indices.shape}")
-    length = None
-    if "topk_length" in arrays:
-        length = np.asarray(arrays["topk_length"])
-        if length.dtype.kind not in "iu" or length.shape != q.shape[:-3] + q.shape[-2:-1]:
-            raise CaseError(f"topk_length must be integers [..., N_q] = {q.shape[:-3] + q.shape[-2:-1]}, got "
-                            f"dtype {length.dtype} with shape {length.shape}")
+    if q.ndim < 3:
+        raise CaseError(f"topk_indices need q with a head axis [..., H, N_q, d_k], got q {q.shape}")
+    try:
+        indices, length = check_lists(arrays["topk_indices"], arrays.get("topk_length"), q.shape, k.shape,
+                                      "topk_indices")
+    except (TypeError, ValueError) as exc:
+        raise CaseError(str(exc)) from None
     if "topk_block_size" not in arrays:
         return indices, length, None
     size = _integer(arrays, "topk_block_size")
     if size < 1:
         raise CaseError(f"topk_block_size must be a positive number of keys, got {size}")
     if length is not None:                                         # it counts blocks
-        indices = np.where(np.arange(indices.shape[-1]) < length[..., None, :, None], indices, -1)
+        indices = np.where(listed(indices, length, np.inf), indices, -1)
     return block_indices(indices, size, k.shape[-2]), None, (indices, size)
 
 
@@ -489,9 +484,7 @@ def topk_keep(indices, length, q_shape, k_shape):
     the others): attention over a list that repeats a key is attention with that key's weight
     times the repeats, as a kernel that gathers it twice computes (sparse.py)."""
     n_k = k_shape[-2]
-    valid = (indices >= 0) & (indices < n_k)
-    if length is not None:
-        valid &= np.arange(indices.shape[-1]) < length[..., None, :, None]
+    valid = listed(indices, length, n_k)
     counts = np.zeros(indices.shape[:-1] + (n_k,), np.int64)
     lead = np.indices(indices.shape[:-1])
     rows = tuple(np.broadcast_to(axis[..., None], indices.shape)[valid] for axis in lead)

@@ -18,11 +18,12 @@ Angles in float32 are off by about |theta| eps(float32): far past the sums' roun
 positions (position 4096: 2e-4 radians), and what an honest float32 rope does.
 """
 import math
+from functools import partial
 
 import numpy as np
 
 from ..options import attention_options
-from ..rope import frequencies, pairs, rope_backward, rope_positions, rope_qk, rope_settings
+from ..rope import frequencies, rope_backward, rope_positions, rope_qk, rope_settings, turned
 from .precision import round_to
 
 
@@ -40,7 +41,9 @@ def turn_qk(q, k, rope, options, compute):
     positions_q, positions_k = rope_positions(rope, q.shape[-2], k.shape[-2], options)
     layout, r = settings.get("layout", "half"), settings.get("rotary_dim") or q.shape[-1]
     angles = [_cos_sin(at, r, settings, compute) for at in (positions_q, positions_k)]
-    turn = lambda x, cos, sin: _turn(x, cos, sin, layout, r, settings.get("part", "first"), compute)
+    rnd = None if compute == np.float32 else partial(round_to, dtype=compute)  # float32's ops round
+    turn = lambda x, cos, sin: turned(np.asarray(x, np.float32), cos, sin, layout, r, settings.get("part", "first"),
+                                      rnd)
     back = lambda dq, dk: (turn(dq, angles[0][0], -angles[0][1]), turn(dk, angles[1][0], -angles[1][1]))
     return turn(q, *angles[0]), turn(k, *angles[1]), back
 
@@ -50,23 +53,8 @@ def _cos_sin(positions, r, settings, compute):
     f32 = np.float32
     inv_freq, position_factor, magnitude = frequencies(r, settings.get("base", 10000.0), settings.get("scaling"), f32)
     theta = (np.asarray(positions).astype(f32) * f32(position_factor))[..., None] * inv_freq.astype(f32)
-    return tuple(_round(f32(magnitude) * f(theta), compute) for f in (np.cos, np.sin))
-
-
-def _turn(x, cos, sin, layout, r, part, compute):
-    """x with each pair (a, b) turned to (a cos - b sin, b cos + a sin), every step rounded."""
-    x = np.asarray(x, np.float32)
-    y = x.copy()
-    a, b = pairs(x, layout, r, part)
-    ya, yb = pairs(y, layout, r, part)
-    ya[...] = _round(_round(a * cos, compute) - _round(b * sin, compute), compute)
-    yb[...] = _round(_round(b * cos, compute) + _round(a * sin, compute), compute)
-    return y
-
-
-def _round(x, compute):
-    """x rounded to `compute` (float32 arithmetic already rounds to float32)."""
-    return x if compute == np.float32 else round_to(x, compute)
+    values = (f32(magnitude) * f(theta) for f in (np.cos, np.sin))
+    return tuple(x if compute == np.float32 else round_to(x, compute) for x in values)
 
 
 def turned_case(case):
