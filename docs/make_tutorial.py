@@ -51,9 +51,10 @@ def notebook(source):
 
 
 def execute(nb):
-    """nb run top to bottom in a fresh kernel, in docs/ (nbclient), without timing metadata."""
+    """nb run top to bottom in a fresh kernel, in docs/ (nbclient), without timing metadata; a
+    cell's printed text as one output a stream (the kernel may send one print in pieces)."""
     from nbclient import NotebookClient
-    NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name=KERNEL["name"], record_timing=False,
+    NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name=KERNEL["name"], record_timing=False, coalesce_streams=True,
                    extra_arguments=["--IPKernelApp.log_level=ERROR"],     # the kernel's own log: quiet
                    resources={"metadata": {"path": str(DOCS)}}).execute()
     nb.metadata = {"kernelspec": KERNEL, "language_info": {"name": "python"}}
