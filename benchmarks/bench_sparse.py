@@ -6,7 +6,7 @@ gradients included), and the peak resident memory above the interpreter's with t
 imported, reset once the inputs are made (drawing them takes memory of its own; the allocator
 also keeps freed blocks). A dense [N_q, N_k] score matrix alone is printed beside them.
 
-    python3 benchmarks/bench_sparse.py [--sizes 32768:2048,8192:512] [--block-rows N]
+    python3 benchmarks/bench_sparse.py [--sizes 32768:2048,8192:512] [--block-rows N] [--workers N]
 """
 import argparse
 import os
@@ -31,7 +31,7 @@ with open('/proc/self/clear_refs', 'w') as f:      # the peak from here on: not 
     f.write('5')
 tracemalloc.start()
 t0 = time.perf_counter()
-out, lse, top, cache = na.sparse_attention_forward(q, k, v, indices, block_rows={block})
+out, lse, top, cache = na.sparse_attention_forward(q, k, v, indices, block_rows={block}, workers={workers})
 t1 = time.perf_counter()
 grads = na.sparse_attention_backward(out, cache)
 t2 = time.perf_counter()
@@ -45,13 +45,15 @@ def main():
     parser.add_argument("--sizes", default="32768:2048,8192:512", help="N:K pairs (default 32768:2048,8192:512)")
     parser.add_argument("--block-rows", type=int, default=None,
                         help="query rows a block (default: the library's, sparse.GATHER_ROWS keys a block)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="threads (default: the library's, every core at these sizes)")
     args = parser.parse_args()
     load = OtherLoad()
     print(machine_line())
     rows = []
     for pair in args.sizes.split(","):
         n, k = (int(x) for x in pair.split(":"))
-        peak, stdout = run_child(CHILD.format(n=n, k=k, block=args.block_rows))
+        peak, stdout = run_child(CHILD.format(n=n, k=k, block=args.block_rows, workers=args.workers))
         base, own, forward, backward, traced = (float(x) for x in next(
             line for line in stdout.splitlines() if line.startswith("RESULT")).split()[1:])
         rows.append([n, k, f"{own:.0f}", f"{(own + traced) / own:.2f}", f"{(peak - base) / own:.2f}",

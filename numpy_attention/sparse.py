@@ -27,9 +27,14 @@ Forward mode: s_dot_t = scale (q_dot_i . k_{L_t} + q_i . k_dot_{L_t}),
     out_dot_i = sum_t (p_dot_t v_{L_t} + p_t v_dot_{L_t}).
 
 Computed a block of query rows at a time (block_rows; N_q: all rows at once, the textbook
-form): the gathered keys are [..., H, block, K, d], never [N_q, N_k], one of k's or v's at a
-time; the backward recomputes p from lse, as FlashAttention's does, so the cache holds O(N)
-arrays besides the indices (kept as given, not copied).
+form): the gathered keys are [G, block, K, d], never [N_q, N_k], one of k's or v's at a time;
+the backward recomputes p from lse, as FlashAttention's does, so the cache holds O(N) arrays
+besides the indices (kept as given, not copied).
+
+Tasks (engines/parallel.py: threads with `workers`, a Dask cluster with `scheduler`): the
+forward's and JVP's spans of about TASK_ROWS query rows of each (batch index, kv head); the
+backward's (batch index, kv head) slices, each summing its dk, dv over its blocks in order.
+The slicing depends on neither, so the bits are the same on any number of workers or a cluster.
 """
 import math
 from typing import NamedTuple, Optional
@@ -39,8 +44,11 @@ import scipy.sparse
 
 from ._checks import as_float_array, require_cache, require_same_shape
 from ._layout import with_head_axis
+from .engines.parallel import run_tasks
+from .engines.plan import check_scheduler, resolve_workers
 
 GATHER_ROWS = 2 ** 15   # a block gathers at most this many keys (block_rows K) by default
+TASK_ROWS = 2 ** 10     # a task of the forward or JVP takes about this many query rows (whole blocks)
 
 
 class SparseCache(NamedTuple):
@@ -53,6 +61,8 @@ class SparseCache(NamedTuple):
     lse: np.ndarray             # [..., H, N_q]
     scale: float
     block_rows: int
+    workers: int                # where the backward runs, as the forward did
+    scheduler: object
 
 
 class SparseGrads(NamedTuple):
@@ -108,9 +118,9 @@ def listed(indices, lengths, n_k):
     return valid
 
 
-def _check(q, k, v, indices, topk_length, scale, block_rows):
-    """(q, k, v, indices, topk_length, scale, block_rows) checked (indices as given: which entries
-    are valid is found a block at a time, _rows)."""
+def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler):
+    """(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler) checked (indices as
+    given: which entries are valid is found a block at a time, _valid)."""
     q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
     if k3.shape[:-1] != v3.shape[:-1] or q3.shape[:-3] != k3.shape[:-3] or q3.shape[-1] != k3.shape[-1] \
@@ -125,39 +135,55 @@ def _check(q, k, v, indices, topk_length, scale, block_rows):
         block_rows = max(1, GATHER_ROWS // max(1, indices.shape[-1]))
     elif isinstance(block_rows, (bool, np.bool_)) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1:
         raise ValueError(f"block_rows must be a positive integer or None, got {block_rows!r}")
-    return q, k, v, indices, topk_length, scale, block_rows
+    workers = resolve_workers(workers, "tiled", math.prod(q3.shape[:-1]) * indices.shape[-1])
+    return q, k, v, indices, topk_length, scale, block_rows, workers, check_scheduler(scheduler)
 
 
-def _gathered(x3, idx, groups):
-    """x3 [B, H_kv, N_k, d] gathered at idx [B, H, b, K] (index -1 reads row 0) -> [B, H, b, K, d]."""
-    b = np.arange(x3.shape[0])[:, None, None, None]
-    kv = (np.arange(idx.shape[1]) // groups)[None, :, None, None]
-    return x3[b, kv, np.maximum(idx, 0)]
+def _slices(q3, k3, indices, topk_length):
+    """The computation's independent slices, one per (batch index z, kv head g): the index
+    prefix of its G query heads into q3 [B, H, ..], of its kv head into k3, v3 [B, H_kv, ..],
+    and its lists, indices [1, 1 or G, N_q, K] and topk_length [1, N_q] (or None)."""
+    groups = q3.shape[1] // k3.shape[1]
+    lists = indices.reshape((-1,) + indices.shape[-3:])
+    lengths = None if topk_length is None else topk_length.reshape(-1, topk_length.shape[-1])
+    for z in range(q3.shape[0]):
+        for g in range(k3.shape[1]):
+            heads, kv = (slice(z, z + 1), slice(g * groups, (g + 1) * groups)), (slice(z, z + 1), slice(g, g + 1))
+            yield heads, kv, lists[heads if lists.shape[1] != k3.shape[1] else kv], \
+                None if lengths is None else lengths[z:z + 1]
 
 
-def _rows(q3, k3, cache_like, rows):
-    """The block's per-query-head list [B, H, b, K], -1 where an entry is not valid (outside
-    [0, N_k), or past its row's topk_length); a kv head's list repeated for its queries."""
-    indices, topk_length = cache_like
-    idx = indices.reshape((-1,) + indices.shape[-3:])[:, :, rows]
-    lengths = None if topk_length is None else topk_length.reshape(-1, topk_length.shape[-1])[:, rows]
-    idx = np.where(listed(idx, lengths, k3.shape[-2]), idx, -1)
-    return np.repeat(idx, q3.shape[1] // idx.shape[1], axis=1) if idx.shape[1] != q3.shape[1] else idx
+def _tiles(n, b):
+    """Slices of length b (the last one shorter) covering range(n)."""
+    return [slice(i, min(i + b, n)) for i in range(0, n, b)]
+
+
+def _valid(idx, lengths, n_k, groups):
+    """A block's lists [1, 1 or G, b, K] (lengths [1, b] or None) as the per-query-head lists
+    [1, G, b, K], -1 where an entry is not valid (outside [0, N_k), or past its row's
+    topk_length)."""
+    idx = np.where(listed(idx, lengths, n_k), idx, -1)
+    return np.repeat(idx, groups, axis=1) if idx.shape[1] != groups else idx
+
+
+def _gathered(x, idx):
+    """x [1, 1, N_k, d] (one kv head) gathered at idx [1, G, b, K] (index -1 reads row 0) -> [1, G, b, K, d]."""
+    return x[0, 0][np.maximum(idx, 0)]
 
 
 def _scores(q_blk, k_g, idx, scale):
-    """s [B, H, b, K] = scale q . k_g (-inf where idx is -1)."""
+    """s [1, G, b, K] = scale q . k_g (-inf where idx is -1)."""
     s = _dots(q_blk, k_g) * scale
     return np.where(idx >= 0, s, -np.inf)
 
 
 def _dots(x, gathered):
-    """[B, H, b, d] . [B, H, b, K, d] -> [B, H, b, K]: each row with its K gathered rows."""
+    """[1, G, b, d] . [1, G, b, K, d] -> [1, G, b, K]: each row with its K gathered rows."""
     return (x[..., None, :] @ np.swapaxes(gathered, -1, -2))[..., 0, :]
 
 
 def _mix(weights, gathered):
-    """[B, H, b, K] x [B, H, b, K, d] -> [B, H, b, d]: each row's weighted sum of its gathered rows."""
+    """[1, G, b, K] x [1, G, b, K, d] -> [1, G, b, d]: each row's weighted sum of its gathered rows."""
     return (weights[..., None, :] @ gathered)[..., 0, :]
 
 
@@ -166,7 +192,23 @@ def _flat(*arrays):
     return [with_head_axis(x).reshape((-1,) + with_head_axis(x).shape[-3:]) for x in arrays]
 
 
-def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, block_rows=None):
+def _joined(parts, blocks, lead):
+    """The tasks' arrays [1, G, b, ...], slice by slice ((batch index, kv head) in _slices' order)
+    and `blocks` blocks of rows a slice, as one array [B, H, N, ...] = lead + (N, ...) (a lone
+    part as it is: no copy)."""
+    slices = [parts[i] if blocks == 1 else np.concatenate(parts[i:i + blocks], axis=2)
+              for i in range(0, len(parts), blocks)]
+    whole = slices[0] if len(slices) == 1 else np.concatenate(slices, axis=1)
+    return whole.reshape(tuple(lead) + whole.shape[2:])
+
+
+def _shaped(x, like):
+    """x [B, H, N(, d)] with like's leading axes again ([N(, d)] for a like of one head, [N, d])."""
+    return x.reshape(with_head_axis(like).shape[:-3] + x.shape[1:]) if like.ndim >= 3 else x[0, 0]
+
+
+def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, block_rows=None, workers=None,
+                             scheduler=None):
     """out = softmax over each query's listed keys of scale q k^T, times their values (module docstring).
 
     Args:
@@ -175,68 +217,102 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
             [0, N_k)) pads; a key listed twice counts twice.
         topk_length: [..., N_q] int or None: only each row's first topk_length entries count.
         scale: multiplies q k^T; default 1 / sqrt(d_k).
-        block_rows: query rows a block (memory O(block_rows K d)); N_q: all at once (the textbook);
-            None (default): as many as gather GATHER_ROWS keys per batch entry and head.
+        block_rows: query rows a block (memory O(G block_rows K d) a worker); N_q: all at once
+            (the textbook); None (default): as many as gather GATHER_ROWS keys per head.
+        workers: threads for the blocks (engines/parallel.py; None: every core from
+            PARALLEL_SCORES listed entries up, else 1); scheduler: a Dask Client or address
+            that runs them instead. The same bits for any workers and on a cluster.
     Returns:
         out [..., H, N_q, d_v], lse [..., H, N_q] (-inf for a row with no key), max_logits
-        [..., H, N_q], and a SparseCache.
+        [..., H, N_q], and a SparseCache (the backward runs as the forward did).
     """
-    q, k, v, indices, topk_length, scale, block_rows = _check(q, k, v, indices, topk_length, scale, block_rows)
+    q, k, v, indices, topk_length, scale, block_rows, workers, scheduler = _check(
+        q, k, v, indices, topk_length, scale, block_rows, workers, scheduler)
     q3, k3, v3 = _flat(q, k, v)
-    groups = q3.shape[1] // k3.shape[1]
-    dtype = np.result_type(q3, k3, v3)
-    out = np.zeros(q3.shape[:-1] + v3.shape[-1:], dtype)
-    lse = np.full(q3.shape[:-1], -np.inf, dtype)
-    top = np.full(q3.shape[:-1], -np.inf, np.zeros((), dtype).real.dtype)
-    n_q = q3.shape[2]
-    for start in range(0, n_q, block_rows):
-        rows = slice(start, start + block_rows)
-        idx = _rows(q3, k3, (indices, topk_length), rows)
-        s = _scores(q3[:, :, rows], _gathered(k3, idx, groups), idx, scale)
-        m = s.real.max(axis=-1, initial=-np.inf)
-        shift = np.where(np.isneginf(m), 0, m)[..., None]
-        e = np.exp(s - shift)                                           # 0 where not valid
-        total = e.sum(axis=-1)
-        live = total.real > 0
-        with np.errstate(divide="ignore"):
-            lse[:, :, rows] = np.where(live, shift[..., 0] + np.log(np.where(live, total, 1)), -np.inf)
-        p = e / np.where(live, total, 1)[..., None]
-        out[:, :, rows] = _mix(p, _gathered(v3, idx, groups))
-        top[:, :, rows] = m
-    lead = with_head_axis(q).shape[:-3]
-    shape = lambda x: x.reshape(lead + x.shape[1:]) if q.ndim >= 3 else x[0, 0]
-    out, lse, top = (shape(x) for x in (out, lse, top))
+    spans = _spans(q3.shape[2], block_rows)
+    items = [(kv, (q3[heads + (rows,)],), idx[:, :, rows], None if n is None else n[:, rows])
+             for heads, kv, idx, n in _slices(q3, k3, indices, topk_length) for rows in spans]
+    results = run_tasks(_span, items, workers, {"block": _forward_block, "block_rows": block_rows, "k3": k3,
+                                                "v3": v3, "scale": scale}, scheduler)
+    out, lse, top = (_shaped(_joined(parts, len(spans), q3.shape[:2]), q) for parts in zip(*results))
     return out, lse, top, SparseCache(q=q, k=k, v=v, indices=indices, topk_length=topk_length, out=out.copy(),
-                                      lse=lse, scale=scale, block_rows=block_rows)
+                                      lse=lse, scale=scale, block_rows=block_rows, workers=workers,
+                                      scheduler=scheduler)
+
+
+def _spans(n_q, block_rows):
+    """The query rows of the forward's and JVP's tasks: whole blocks, about TASK_ROWS rows."""
+    return _tiles(n_q, block_rows * max(1, TASK_ROWS // block_rows))
+
+
+def _span(kv, rows_of, lists, lengths, *, block, block_rows, **shared):
+    """One task of the forward or JVP: `block` on each block of block_rows rows of a span of
+    query rows of kv head `kv` (rows_of: the span's arrays [1, G, n, ...] of rows, lists [1, 1 or
+    G, n, K], lengths [1, n] or None), its results [1, G, b, ...] written into the span's arrays."""
+    results = None
+    for rows in _tiles(lists.shape[2], block_rows):
+        parts = block(kv, *(x[:, :, rows] for x in rows_of), lists[:, :, rows],
+                      None if lengths is None else lengths[:, rows], **shared)
+        if results is None:
+            results = [np.empty(part.shape[:2] + (lists.shape[2],) + part.shape[3:], part.dtype) for part in parts]
+        for result, part in zip(results, parts):
+            result[:, :, rows] = part
+    return results
+
+
+def _forward_block(kv, q_blk, idx, lengths, *, k3, v3, scale):
+    """The forward of a block: q_blk [1, G, b, d_k] of the G query heads of kv head
+    `kv` with its lists -> (out [1, G, b, d_v], lse, max_logits [1, G, b])."""
+    k, v = k3[kv], v3[kv]
+    idx = _valid(idx, lengths, k.shape[-2], q_blk.shape[1])
+    s = _scores(q_blk, _gathered(k, idx), idx, scale)
+    m = s.real.max(axis=-1, initial=-np.inf)
+    shift = np.where(np.isneginf(m), 0, m)[..., None]
+    e = np.exp(s - shift)                                               # 0 where not valid
+    total = e.sum(axis=-1)
+    live = total.real > 0
+    with np.errstate(divide="ignore"):
+        lse = np.where(live, shift[..., 0] + np.log(np.where(live, total, 1)), -np.inf)
+    p = e / np.where(live, total, 1)[..., None]
+    return _mix(p, _gathered(v, idx)), lse, m
 
 
 def sparse_attention_backward(dout, cache):
     """SparseGrads(dq, dk, dv) of sparse_attention_forward for the upstream gradient dout
-    [..., H, N_q, d_v] (module docstring: p recomputed from lse, dk and dv scattered and summed)."""
+    [..., H, N_q, d_v] (module docstring: p recomputed from lse, dk and dv scattered and summed),
+    a task per (batch index, kv head) summing its dk, dv over its blocks in order."""
     require_cache(cache, SparseCache, "sparse_attention_backward", arrays=("q", "k", "v", "out", "lse"))
     require_same_shape(dout, cache.out.shape, "dout")
     dout = as_float_array(dout, "dout")
     q3, k3, v3, out3, dout3 = _flat(cache.q, cache.k, cache.v, cache.out, dout)
-    lse3 = cache.lse.reshape(q3.shape[:-1])
-    groups = q3.shape[1] // k3.shape[1]
-    dq = np.zeros(q3.shape, np.result_type(q3, dout3))
-    dk, dv = np.zeros(k3.shape, dq.dtype), np.zeros(v3.shape, dq.dtype)
-    n_q, block_rows = q3.shape[2], cache.block_rows
-    for start in range(0, n_q, block_rows):
-        rows = slice(start, start + block_rows)
-        idx = _rows(q3, k3, (cache.indices, cache.topk_length), rows)
-        do = dout3[:, :, rows]
-        dp = _dots(do, _gathered(v3, idx, groups))                                # [B, H, b, K]
-        k_g = _gathered(k3, idx, groups)                                          # (one at a time)
-        s = _scores(q3[:, :, rows], k_g, idx, cache.scale)
-        p = _weights(s, idx, lse3[:, :, rows, None])
-        D = np.sum(do * out3[:, :, rows], axis=-1, keepdims=True)
-        ds = p * (dp - D)
-        dq[:, :, rows] = cache.scale * _mix(ds, k_g)
-        _scatter(dk, idx, groups, cache.scale * ds, q3[:, :, rows])         # dk_L += scale ds q_i
-        _scatter(dv, idx, groups, p, do)                                    # dv_L += p dout_i
-    reshape = lambda x, like: x.reshape(np.shape(like))
-    return SparseGrads(dq=reshape(dq, cache.q), dk=reshape(dk, cache.k), dv=reshape(dv, cache.v))
+    D = np.sum(dout3 * out3, axis=-1, keepdims=True)                    # [B, H, N_q, 1]
+    lse3 = cache.lse.reshape(D.shape)
+    items = [(kv, q3[heads], dout3[heads], D[heads], lse3[heads], idx, n)
+             for heads, kv, idx, n in _slices(q3, k3, cache.indices, cache.topk_length)]
+    results = run_tasks(_backward_slice, items, cache.workers,
+                        {"k3": k3, "v3": v3, "scale": cache.scale, "block_rows": cache.block_rows}, cache.scheduler)
+    dq, dk, dv = (_joined(parts, 1, x.shape[:2]).reshape(np.shape(like))
+                  for parts, x, like in zip(zip(*results), (q3, k3, v3), (cache.q, cache.k, cache.v)))
+    return SparseGrads(dq=dq, dk=dk, dv=dv)
+
+
+def _backward_slice(kv, q, dout, D, lse, lists, lengths, *, k3, v3, scale, block_rows):
+    """One task of the backward: the G query heads of kv head `kv` (q, dout [1, G, N_q, d], D,
+    lse [1, G, N_q, 1]) -> (dq, dk, dv) of the slice, dk and dv summed over its blocks in order."""
+    k, v = k3[kv], v3[kv]
+    dtype = np.result_type(q, dout)
+    dq, dk, dv = np.empty(q.shape, dtype), np.zeros(k.shape, dtype), np.zeros(v.shape, dtype)
+    for rows in _tiles(q.shape[2], block_rows):
+        idx = _valid(lists[:, :, rows], None if lengths is None else lengths[:, rows], k.shape[-2], q.shape[1])
+        do = dout[:, :, rows]
+        dp = _dots(do, _gathered(v, idx))                                       # [1, G, b, K]
+        k_g = _gathered(k, idx)                                                 # (one at a time)
+        p = _weights(_scores(q[:, :, rows], k_g, idx, scale), idx, lse[:, :, rows])
+        ds = p * (dp - D[:, :, rows])
+        dq[:, :, rows] = scale * _mix(ds, k_g)
+        _scatter(dk, idx, scale * ds, q[:, :, rows])                            # dk_L += scale ds q_i
+        _scatter(dv, idx, p, do)                                                # dv_L += p dout_i
+    return dq, dk, dv
 
 
 def _weights(s, idx, lse):
@@ -246,50 +322,53 @@ def _weights(s, idx, lse):
         return np.where(dead, 0, np.exp(np.where(dead, 0, s - np.where(np.isneginf(lse.real), 0, lse))))
 
 
-def _scatter(target, idx, groups, weights, rows_of):
-    """target [B, H_kv, N_k, d] += for every listed key L_t of each row i: weights_it rows_of_i,
+def _scatter(target, idx, weights, rows_of):
+    """target [1, 1, N_k, d] += for every listed key L_t of each row i: weights_it rows_of_i,
     i.e. M rows_of with M [N_k, b] the sum of weights_it at (L_t, i) (a scipy.sparse matrix: an
-    index listed several times gets every weight; entries with idx -1 add nothing).
-    idx, weights [B, H, b, K]; rows_of [B, H, b, d]."""
+    index listed several times gets every weight; entries with idx -1 add nothing), head by head.
+    idx, weights [1, G, b, K]; rows_of [1, G, b, d]."""
     b_rows, top = idx.shape[-2], idx.shape[-1]
     row = np.repeat(np.arange(b_rows), top)
-    for z in range(idx.shape[0]):
-        for h in range(idx.shape[1]):
-            keys, w = idx[z, h].ravel(), weights[z, h].ravel()
-            keep = keys >= 0
-            m = scipy.sparse.csr_matrix((w[keep], (keys[keep], row[keep])), shape=(target.shape[-2], b_rows))
-            target[z, h // groups] += m @ rows_of[z, h]
+    for h in range(idx.shape[1]):
+        keys, w = idx[0, h].ravel(), weights[0, h].ravel()
+        keep = keys >= 0
+        m = scipy.sparse.csr_matrix((w[keep], (keys[keep], row[keep])), shape=(target.shape[-2], b_rows))
+        target[0, 0] += m @ rows_of[0, h]
 
 
 def sparse_attention_jvp(q, k, v, indices, q_dot=None, k_dot=None, v_dot=None, *, topk_length=None,
-                         scale=None, block_rows=None):
+                         scale=None, block_rows=None, workers=None, scheduler=None):
     """(out, out_dot, lse, lse_dot) along the tangents (module docstring's forward mode); a
-    tangent left None is 0."""
+    tangent left None is 0. The blocks run as sparse_attention_forward's."""
     out, lse, _, cache = sparse_attention_forward(q, k, v, indices, topk_length=topk_length, scale=scale,
-                                                  block_rows=block_rows)
+                                                  block_rows=block_rows, workers=workers, scheduler=scheduler)
     dots = []
     for name, x, like in (("q_dot", q_dot, cache.q), ("k_dot", k_dot, cache.k), ("v_dot", v_dot, cache.v)):
         x = np.zeros_like(like) if x is None else as_float_array(x, name)
         require_same_shape(x, like.shape, name)
         dots.append(x)
     q3, k3, v3, qd3, kd3, vd3 = _flat(cache.q, cache.k, cache.v, *dots)
-    lse3 = lse.reshape(q3.shape[:-1])
-    groups = q3.shape[1] // k3.shape[1]
-    out_dot = np.zeros(q3.shape[:-1] + v3.shape[-1:], np.result_type(q3, qd3))
-    lse_dot = np.zeros(q3.shape[:-1], out_dot.dtype)
-    n_q, block_rows = q3.shape[2], cache.block_rows
-    for start in range(0, n_q, block_rows):
-        rows = slice(start, start + block_rows)
-        idx = _rows(q3, k3, (cache.indices, cache.topk_length), rows)
-        k_g = _gathered(k3, idx, groups)
-        s = _scores(q3[:, :, rows], k_g, idx, cache.scale)
-        p = _weights(s, idx, lse3[:, :, rows, None])
-        s_dot = cache.scale * (_dots(qd3[:, :, rows], k_g) + _dots(q3[:, :, rows], _gathered(kd3, idx, groups)))
-        s_dot = np.where(idx >= 0, s_dot, 0)
-        l_dot = np.sum(p * s_dot, axis=-1)
-        p_dot = p * (s_dot - l_dot[..., None])
-        out_dot[:, :, rows] = _mix(p_dot, _gathered(v3, idx, groups)) + _mix(p, _gathered(vd3, idx, groups))
-        lse_dot[:, :, rows] = l_dot
-    lead = with_head_axis(cache.q).shape[:-3]
-    shape = lambda x: x.reshape(lead + x.shape[1:]) if cache.q.ndim >= 3 else x[0, 0]
-    return out, shape(out_dot), lse, shape(lse_dot)
+    lse3 = lse.reshape(q3.shape[:-1] + (1,))
+    spans = _spans(q3.shape[2], cache.block_rows)
+    items = [(kv, (q3[heads + (rows,)], qd3[heads + (rows,)], lse3[heads + (rows,)]), idx[:, :, rows],
+              None if n is None else n[:, rows])
+             for heads, kv, idx, n in _slices(q3, k3, cache.indices, cache.topk_length) for rows in spans]
+    results = run_tasks(_span, items, cache.workers, {"block": _jvp_block, "block_rows": cache.block_rows,
+                                                      "k3": k3, "v3": v3, "kd3": kd3, "vd3": vd3,
+                                                      "scale": cache.scale}, cache.scheduler)
+    out_dot, lse_dot = (_shaped(_joined(parts, len(spans), q3.shape[:2]), cache.q) for parts in zip(*results))
+    return out, out_dot, lse, lse_dot
+
+
+def _jvp_block(kv, q_blk, qd_blk, lse, idx, lengths, *, k3, v3, kd3, vd3, scale):
+    """The JVP of a block as _forward_block's, with its q tangent and the forward's
+    lse [1, G, b, 1] -> (out_dot [1, G, b, d_v], lse_dot [1, G, b])."""
+    k, v = k3[kv], v3[kv]
+    idx = _valid(idx, lengths, k.shape[-2], q_blk.shape[1])
+    k_g = _gathered(k, idx)
+    p = _weights(_scores(q_blk, k_g, idx, scale), idx, lse)
+    s_dot = scale * (_dots(qd_blk, k_g) + _dots(q_blk, _gathered(kd3[kv], idx)))
+    s_dot = np.where(idx >= 0, s_dot, 0)
+    lse_dot = np.sum(p * s_dot, axis=-1)
+    p_dot = p * (s_dot - lse_dot[..., None])
+    return _mix(p_dot, _gathered(v, idx)) + _mix(p, _gathered(vd3[kv], idx)), lse_dot

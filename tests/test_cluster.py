@@ -1,4 +1,4 @@
-"""The tiled engine and crosscheck on a Dask cluster: a LocalCluster of two worker processes
+"""The tiled engine, sparse attention and crosscheck on a Dask cluster: a LocalCluster of two worker processes
 gives bitwise the results of a local run, forward, backward, JVP and a large crosscheck (its
 oracle and its baselines in slices). The tests that need no cluster run without dask."""
 import ml_dtypes
@@ -67,6 +67,19 @@ def test_the_tiled_engine_on_a_cluster_gives_the_local_bits(client, option):
     local, remote = results(None, OPTIONS[option]), results(client, OPTIONS[option])
     for a, b in zip(local, remote):
         assert (a is None and b is None) or np.array_equal(a, b)
+
+
+def sparse_results(scheduler):
+    q, k, v, dout = inputs()
+    indices = np.random.default_rng(4).integers(-1, 60, (2, 2, 40, 9))
+    out, lse, top, cache = na.sparse_attention_forward(q, k, v, indices, block_rows=16, scheduler=scheduler)
+    jvp = na.sparse_attention_jvp(q, k, v, indices, *inputs(1)[:3], block_rows=16, scheduler=scheduler)
+    return [out, lse, top, *na.sparse_attention_backward(dout, cache), *jvp]
+
+
+def test_sparse_attention_on_a_cluster_gives_the_local_bits(client):
+    for a, b in zip(sparse_results(None), sparse_results(client)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_an_address_opens_a_client_for_the_call(client):

@@ -146,11 +146,49 @@ def test_bad_rope_keys_are_refused_by_name(keys, words):
         na.crosscheck(**arrays)
 
 
-def test_tangents_with_rope_are_refused_with_the_way_round():
-    arrays = _float32_case({"rope_layout": "half"}, {"layout": "half"})
-    arrays = {name: arrays[name] for name in ("q", "k", "v", "out", "causal", "rope_layout")}
-    with pytest.raises(CaseError, match="tangents are judged without rope"):
-        na.crosscheck(**arrays, q_dot=arrays["q"], out_dot=arrays["out"])
+def tangent_case(rng, bug=None):
+    """A float32 case of forward mode with rope: torch.func.jvp through Hugging Face's turn (float32
+    angles) and grouped attention in torch ops, at rope_kernels.draw's settings (long positions,
+    linear and YaRN scaling); the bug turns the other layout."""
+    s = rope_kernels.draw(rng)
+    b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
+    shapes = [(b, h, n_q, d), (b, h_kv, n_k, d), (b, h_kv, n_k, d)]
+    primals, dots = ([torch.from_numpy(rng.standard_normal(shape).astype(np.float32)) for shape in shapes]
+                     for _ in range(2))
+    positions_k = np.arange(n_k) + s["offset"]
+    layout = {"half": "interleaved", "interleaved": "half"}[s["layout"]] if bug == "layout" else s["layout"]
+    turn = lambda x, at: rope_kernels.turn(x, at, layout, s["rotary_dim"], s["base"], s["scaling"], "hf")
+
+    def attention(q, k, v):
+        k, v = (x.repeat_interleave(s["groups"], dim=1) for x in (k, v))
+        scores = turn(q, positions_k[n_k - n_q:]) @ turn(k, positions_k).transpose(-1, -2) / math.sqrt(d)
+        if s["causal"]:
+            keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q
+            scores = scores.masked_fill(~keep, -math.inf)
+        return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+    (out, lse), (out_dot, lse_dot) = torch.func.jvp(attention, tuple(primals), tuple(dots))
+    arrays = dict(zip(("q", "k", "v", "q_dot", "k_dot", "v_dot"), (x.numpy() for x in primals + dots)),
+                  out=out.numpy(), lse=lse.numpy(), out_dot=out_dot.numpy(), lse_dot=lse_dot.numpy(),
+                  rope_layout=np.array(s["layout"]), rope_rotary_dim=np.array(s["rotary_dim"]),
+                  rope_base=np.array(s["base"]), rope_positions_q=positions_k[n_k - n_q:],
+                  rope_positions_k=positions_k)
+    if s["causal"]:
+        arrays["causal"] = np.array("bottom_right")
+    if s["scaling"] is not None:
+        arrays.update({f"rope_{'scaling' if key == 'type' else key}": np.array(x) for key, x in s["scaling"].items()})
+    return arrays
+
+
+def test_tangents_with_rope_pass_when_honest_and_fail_with_the_other_layout():
+    """20 float32 cases: torch.func.jvp's out_dot and lse_dot of an honest candidate pass (the
+    baseline's tangents turned with float32 angles, as the candidate's are), the other layout's
+    fail."""
+    rng = np.random.default_rng(8)
+    for _ in range(20):
+        honest = na.crosscheck(**tangent_case(rng))
+        assert honest and {"out_dot", "lse_dot"} <= {row.name for row in honest.rows}, honest
+        wrong = na.crosscheck(**tangent_case(rng, bug="layout"))
+        assert not wrong, wrong
 
 
 def test_the_term_magnitudes_of_dq_and_dk_are_the_turned_case_s_times_the_turn_back():

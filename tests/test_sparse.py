@@ -1,7 +1,7 @@
 """Sparse top-k attention (sparse.py): against an independent torch float64 implementation of
 FlashMLA's reference (ref_sparse_attn_fwd: gather the listed keys, -1 and out-of-range indices
 masked, topk_length, a repeated index gathered twice) with autograd's backward; the blocked
-form equal to the textbook's; forward mode against torch.func.jvp; complex step; NSA's blocks;
+form and threads equal to the textbook's; forward mode against torch.func.jvp; complex step; NSA's blocks;
 memory; bad input."""
 import math
 import tracemalloc
@@ -71,6 +71,45 @@ def test_against_an_independent_torch_float64_reference(per_query_head, block_ro
     assert np.isneginf(lse[:, :, 1]).all() and not out[:, :, 1].any()      # the row with no key
 
 
+def results(q, k, v, indices, dout, dots, **plan):
+    """Forward, backward and JVP of one plan (block_rows, workers, scheduler), as a list."""
+    topk_length = np.arange(q.shape[-2] * q.shape[0]).reshape(q.shape[0], -1) % 7
+    out, lse, top, cache = na.sparse_attention_forward(q, k, v, indices, topk_length=topk_length, **plan)
+    jvp = na.sparse_attention_jvp(q, k, v, indices, *dots, topk_length=topk_length, **plan)
+    return [out, lse, top, *na.sparse_attention_backward(dout, cache), *jvp]
+
+
+@pytest.mark.parametrize("per_query_head", [False, True], ids=["kv-head-lists", "query-head-lists"])
+def test_blocks_and_threads_equal_the_textbook_and_the_bits_do_not_depend_on_the_workers(per_query_head):
+    """Blocks of rows on threads are the textbook's (all rows at once, one thread) within 1e-13,
+    and bitwise the same on 1 or 3 threads (a task per block; dk, dv summed by one task per
+    (batch index, kv head) in order)."""
+    q, k, v, indices = inputs(per_query_head=per_query_head, n_q=23)
+    dout, dots = RNG.standard_normal(q.shape[:-1] + (8,)), [RNG.standard_normal(x.shape) for x in (q, k, v)]
+    textbook = results(q, k, v, indices, dout, dots, block_rows=23, workers=1)
+    one, three = (results(q, k, v, indices, dout, dots, block_rows=4, workers=n) for n in (1, 3))
+    for a, b, c in zip(textbook, one, three):
+        np.testing.assert_array_equal(b, c)
+        finite = np.isfinite(a)
+        np.testing.assert_array_equal(finite, np.isfinite(b))
+        np.testing.assert_allclose(b[finite], a[finite], rtol=0, atol=1e-13)
+
+
+def test_leading_axes_and_one_head_keep_their_shapes():
+    q, k, v, indices = inputs(batch=6)
+    shaped = [x.reshape((2, 3) + x.shape[1:]) for x in (q, k, v, indices)]
+    out, lse, top, cache = na.sparse_attention_forward(*shaped, workers=2)
+    flat = na.sparse_attention_forward(q, k, v, indices)
+    for a, b in zip((out, lse, top), flat[:3]):
+        assert a.shape == (2, 3) + b.shape[1:]
+        np.testing.assert_array_equal(a.reshape(b.shape), b)
+    grads = na.sparse_attention_backward(out, cache)
+    assert [g.shape for g in grads] == [x.shape for x in shaped[:3]]
+    one = na.sparse_attention_forward(q[0, 0], k[0, 0], v[0, 0], indices[0, 0])
+    np.testing.assert_array_equal(one[0], flat[0][0, 0])
+    assert na.sparse_attention_backward(one[0], one[3]).dk.shape == k[0, 0].shape
+
+
 def test_a_key_listed_twice_counts_twice_and_its_gradient_sums_every_use():
     """Listing key 3 twice is attention over [3, 3, ...]: twice its weight, and dk, dv of key 3 get
     both entries' shares (a backward that assigns instead of adding loses one)."""
@@ -135,6 +174,8 @@ def test_memory_holds_a_block_of_gathered_keys_not_the_scores():
     ({"indices": np.zeros((2, 2, 7, 6))}, TypeError, "indices must be integers"),
     ({"topk_length": np.zeros((2, 6), int)}, ValueError, r"topk_length must be integers \[\.\.\., N_q\]"),
     ({"block_rows": 0}, ValueError, "block_rows must be a positive integer or None"),
+    ({"workers": 0}, ValueError, "workers must be a positive integer"),
+    ({"scheduler": 8786}, TypeError, "scheduler must be a dask.distributed Client or a scheduler's address"),
     ({"k": np.zeros((2, 3, 13, 8))}, ValueError, "H_kv must divide H"),
 ])
 def test_bad_input_is_refused_by_name(change, error, words):

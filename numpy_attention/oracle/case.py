@@ -384,9 +384,6 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
                         f"{chosen.name!r}")
     if tangents and paged is not None:
         raise CaseError("tangents are judged without a paged KV cache (page_table)")
-    if tangents and "rope" in options:
-        raise CaseError(f"tangents are judged without rope (rope_layout); turn q, k and their tangents "
-                        f"first (rope_jvp) and give the turned ones")
     for n, shape in (("q_dot", q.shape), ("k_dot", k.shape), ("v_dot", v.shape),
                      ("out_dot", out_shape), ("lse_dot", q.shape[:-1]),
                      ("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),

@@ -3,12 +3,16 @@
     oracle     attention_jvp (forward_mode.py) in float64 (np.longdouble for a float64 case)
     baseline   the same in the candidate's precision (float32 or float64), its scale one ulp
                off like the naive baseline's (check.py)
-A tangent left out of the case is 0. The rule is the same (rule.py).
+A tangent left out of the case is 0. With rope, q, k, q_dot and k_dot are turned alike, in
+the precision's way (rotary.py: float32 angles for a float32 baseline). The rule is the same
+(rule.py).
 """
 import numpy as np
 
 from ..forward_mode import attention_jvp
+from ..options import attention_options
 from .case import FLOAT_OPTIONS, CaseError
+from .rotary import turn_qk
 
 TANGENTS = ("q_dot", "k_dot", "v_dot")
 
@@ -21,12 +25,16 @@ def jvp_results(inputs, options, dtype, scale_factor=1.0):
     cast = lambda x: None if x is None else x.astype(dtype).astype(work)
     q, k, v, q_dot, k_dot, v_dot = (cast(inputs.get(name)) for name in ("q", "k", "v") + TANGENTS)
     options = {name: cast(x) if name in FLOAT_OPTIONS else x for name, x in options.items()}
-    given = options.pop("scale", None)
+    given, rope = options.pop("scale", None), options.pop("rope", None)
+    options.pop("implementation", None)
     scale = (1 / np.sqrt(work.type(q.shape[-1])) if given is None else work.type(given)) * work.type(scale_factor)
-    q_dot = None if q_dot is None else q_dot * scale
     try:
-        _, out_dot, _, lse_dot = attention_jvp(q * scale, k, v, q_dot, k_dot, v_dot, scale=1.0,
-                                               **{n: x for n, x in options.items() if n != "implementation"})
+        if rope is not None:                           # q, k and their tangents turned alike
+            record = attention_options(q, k, v, **options)[3]
+            q_dot, k_dot = (np.zeros_like(x) if x_dot is None else x_dot for x, x_dot in ((q, q_dot), (k, k_dot)))
+            (q, k, _), (q_dot, k_dot, _) = (turn_qk(a, b, rope, record, work) for a, b in ((q, k), (q_dot, k_dot)))
+        q_dot = None if q_dot is None else q_dot * scale
+        _, out_dot, _, lse_dot = attention_jvp(q * scale, k, v, q_dot, k_dot, v_dot, scale=1.0, **options)
     except (ValueError, TypeError) as exc:
         raise CaseError(str(exc)) from None
     return {"out_dot": out_dot, "lse_dot": np.where(np.isneginf(lse_dot), 0, lse_dot)}
