@@ -11,7 +11,10 @@ Two orders, written from the peers' references:
     'fa3'      FlashAttention-3's: q k^T of the float8 values in float32 times both descales,
                softmax in float32, P rounded to the intermediate dtype (float8 e4m3, or bfloat16),
                P v in float32 with v's descale, out in bfloat16 (the descales applied to the
-               float8 values in float32, where a per-token descale has to be)
+               float8 values in float32, where a per-token descale has to be); in half the
+               cases both products accumulate in 22 bits as Hopper's tensor cores do (32
+               products at a time, then the float32 accumulator's low 10 bits cleared), and
+               the case says accumulator_bits=22
     'dequant'  vLLM's FP8 KV cache read by a bfloat16 kernel: each tensor dequantized first
                (x8 * descale in float32, as its scaled_convert does, rounded to bfloat16), then
                Hugging Face's eager attention: (q k^T) * scale in bfloat16, the softmax in
@@ -71,7 +74,7 @@ def draw(rng):
                 n_q=int(rng.choice([1, max(1, n_k // 4), n_k])), n_k=n_k, d=d, causal=bool(rng.integers(2)),
                 group=group, block=int(rng.choice([16, 64])), fmt=list(FORMATS)[int(rng.integers(4) == 0)],
                 how=how, intermediate="bfloat16" if how == "dequant" or rng.integers(3) == 0 else "float8_e4m3fn",
-                culprit="qkv"[int(rng.integers(3))])
+                culprit="qkv"[int(rng.integers(3))], accumulator=22 if how == "fa3" and rng.integers(2) else 32)
 
 
 def case(rng, dtype, bug=None):
@@ -100,6 +103,8 @@ def case(rng, dtype, bug=None):
                   precision=np.array(s["fmt"]), intermediate_dtype=np.array(s["intermediate"]))
     if s["group"] == "block":
         arrays["descale_block"] = np.array(s["block"])
+    if s["accumulator"] != 32:
+        arrays["accumulator_bits"] = np.array(s["accumulator"])
     if s["causal"]:
         arrays["causal"] = np.array("bottom_right")
     return arrays
@@ -115,7 +120,8 @@ def attend(stored, used, s):
     else:
         q, k, v = ((stored[name][0].float() * used[name]).to(torch.bfloat16) for name in "qkv")
     k, v = repeat(k), repeat(v)
-    scores = ((q @ k.transpose(-1, -2)) * scale).float()         # 'dequant': rounded to bfloat16 twice
+    product = lambda a, b: narrow_matmul(a, b, s["accumulator"]) if s["accumulator"] != 32 else a @ b
+    scores = (product(q, k.transpose(-1, -2)) * scale).float()   # 'dequant': rounded to bfloat16 twice
     if s["causal"]:
         n_q, n_k = scores.shape[-2:]
         keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q
@@ -123,8 +129,18 @@ def attend(stored, used, s):
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.softmax(scores, dim=-1)
     p = p.to(torch.float8_e4m3fn).float() if s["intermediate"] == "float8_e4m3fn" else p.to(torch.bfloat16)
-    out = p.to(v.dtype) @ v
+    out = product(p.to(v.dtype), v)
     return out.to(torch.bfloat16), lse
+
+
+def narrow_matmul(a, b, bits):
+    """a @ b (float32) with its sums in an accumulator of `bits` bits: 32 products at a time,
+    then the accumulator's low 32 - bits bits cleared (float32's bits as int32)."""
+    acc = torch.zeros(a.shape[:-1] + b.shape[-1:])
+    for t in range(0, a.shape[-1], 32):
+        acc = acc + a[..., t:t + 32] @ b[..., t:t + 32, :]
+        acc = (acc.view(torch.int32) & ~((1 << (32 - bits)) - 1)).view(torch.float32)
+    return acc
 
 
 def sweep(cases, seed=0, dtypes=("float8",)):

@@ -1,6 +1,6 @@
 """crosscheck of FP8 attention with scales: descales per tensor, per (batch, kv head), per head, per
 token of a head and per block of tokens (descale_of), P rounded to float8 or kept in bfloat16
-(intermediate_dtype), torch candidates honest and with planted bugs (tests/fp8_kernels.py; the
+(intermediate_dtype), the products accumulated in fewer bits (accumulator_bits), torch candidates honest and with planted bugs (tests/fp8_kernels.py; the
 longer sweep: benchmarks/variant_sweeps.py --variant fp8), the diagnosis naming a descale
 dropped, applied twice or one scale used for every head, and bad keys refused by name."""
 import ml_dtypes
@@ -79,12 +79,48 @@ def test_per_token_descales_and_p_kept_in_bfloat16():
     assert not report and any("k_descale dropped" in line for line in report.diagnosis), report
 
 
+def test_a_narrow_accumulator_keeps_bits_minus_9_mantissa_bits_truncated_every_32_products():
+    """_narrow_matmul against a loop written here, on integers (every step's sum exact): after
+    each 32 products the accumulator keeps its leading bits - 8 significant bits, truncated."""
+    from numpy_attention.oracle.precision import _narrow_matmul
+    rng = np.random.default_rng(5)
+    x, y = rng.integers(-60, 61, (2, 3, 4, 100)).astype(np.float32), rng.integers(-60, 61, (2, 1, 100, 5)).astype(np.float32)
+    for bits in (12, 22):
+        expected = np.zeros((2, 3, 4, 5))
+        for t in range(0, 100, 32):
+            expected += np.einsum("bhia,bjac->bhic", x[..., t:t + 32].astype(np.float64), y[..., t:t + 32, :])
+            mantissa, exponent = np.frexp(expected)                    # |mantissa| in [0.5, 1)
+            expected = np.ldexp(np.trunc(mantissa * 2.0 ** (bits - 8)), exponent - (bits - 8))
+        np.testing.assert_array_equal(_narrow_matmul(x, y, bits), expected)
+    assert not np.array_equal(_narrow_matmul(x, y, 12), np.matmul(x, np.repeat(y, 3, axis=1)))
+
+
+def test_the_baseline_follows_the_accumulator_the_case_names():
+    """A kernel accumulating its products in 12 bits (3 of mantissa) fails a case that says nothing
+    of its accumulator; with accumulator_bits=12 the baseline accumulates so too and its out error
+    grows with it (the bound follows the recipe). Hopper's 22 bits are in the honest sweep above."""
+    rng = np.random.default_rng(2)
+    plain = fp8_kernels.draw
+    try:
+        fp8_kernels.draw = lambda r: {**plain(r), "how": "fa3", "accumulator": 12}
+        cases = [fp8_kernels.case(rng, "float8") for _ in range(4)]
+    finally:
+        fp8_kernels.draw = plain
+    for arrays in cases:
+        stated = na.crosscheck(**arrays)
+        unstated = na.crosscheck(**{n: x for n, x in arrays.items() if n != "accumulator_bits"})
+        assert not unstated, unstated
+        assert stated.rows[0].baseline_err > 2 * unstated.rows[0].baseline_err, (stated, unstated)
+
+
 @pytest.mark.parametrize("change, words", [
     ({"k_descale": np.ones((1, 2, 7), np.float32)}, r"k_descale of shape \(1, 2, 7\) is none of the shapes"),
     ({"descale_block": 4, "k_descale": np.ones((1, 2, 2), np.float32)}, r"\[\.\.\., H, ceil\(N / 4\)\] = \(1, 2, 3\)"),
     ({"descale_block": 0}, "descale_block must be a positive number of tokens"),
     ({"intermediate_dtype": "float16"}, "intermediate_dtype must be one of"),
     ({"precision": "bfloat16", "intermediate_dtype": "bfloat16"}, "intermediate_dtype belongs to a float8 precision"),
+    ({"accumulator_bits": 33}, "accumulator_bits must be from 10 to 32"),
+    ({"accumulator_bits": 22.0}, "accumulator_bits must be a 0-d integer"),
 ])
 def test_bad_fp8_keys_are_refused_by_name(change, words):
     arrays = _fp8_case(**change)

@@ -49,7 +49,7 @@ from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
 from ..sparse import block_indices, check_lists, listed
-from .precision import PRECISIONS, Precision, round_to
+from .precision import ACCUMULATOR_BITS, PRECISIONS, Precision, round_to
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
 
@@ -67,7 +67,8 @@ FLOAT_OPTIONS = ("bias", "sinks", "alibi_slopes")     # float arrays: rounded to
 GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "dkv")
 _PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
 DESCALES = ("q_descale", "k_descale", "v_descale")
-FP8 = ("descale_block", "intermediate_dtype")          # float8: the descales' block, P's dtype before P v
+FP8 = ("descale_block", "intermediate_dtype", "accumulator_bits")   # float8: the descales' block, P's dtype
+                                                                     # before P v, the products' accumulator
 INTERMEDIATE = ("float8_e4m3fn", "float8_e5m2", "bfloat16")
 SETTINGS = ("precision", "layout", "lse_base")        # how to read the case (also keywords)
 LATENT = ("head_dim_v",)                              # MLA: the values are kv's first head_dim_v columns
@@ -427,7 +428,8 @@ def _latent_kv(arrays, tensors):
 
 
 def _fp8_settings(arrays, precision):
-    """(the precision with P's dtype the case's intermediate_dtype, descale_block or None)."""
+    """(the precision with P's dtype the case's intermediate_dtype and its products' accumulator
+    accumulator_bits wide, descale_block or None)."""
     given = [name for name in FP8 if name in arrays]
     if given and not precision.forward_only:
         raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
@@ -442,6 +444,13 @@ def _fp8_settings(arrays, precision):
         except ValueError as exc:
             raise CaseError(str(exc)) from None
         precision = precision._replace(weights=PRECISIONS[weights].storage)
+    if "accumulator_bits" in arrays:
+        bits = _integer(arrays, "accumulator_bits")
+        if not ACCUMULATOR_BITS[0] <= bits <= ACCUMULATOR_BITS[1]:
+            raise CaseError(f"accumulator_bits must be from {ACCUMULATOR_BITS[0]} to {ACCUMULATOR_BITS[1]} (float32's "
+                            f"sign and exponent and bits - 9 of its mantissa; 22 for Hopper's float8 products), "
+                            f"got {bits}")
+        precision = precision._replace(accumulator=bits)
     return precision, block
 
 

@@ -37,6 +37,14 @@ rows (S, out, dP, dq) is taken TILE_ROWS query rows at a time, and every float32
 rows (dk, dv, dbias) adds up such tiles' products in order. On a large case the recipe runs
 on blocks of query rows (blocks.py), a multiple of TILE_ROWS: the same results bitwise.
 Storage: bfloat16 and float8 arrays are ml_dtypes arrays (the dtypes JAX gives NumPy).
+
+Float8's accumulator (the case's accumulator_bits, Precision.accumulator): Hopper's tensor
+cores sum float8 products in about 22 bits, not float32's 32. With bits < 32 the forward's two
+products, S = q k'^T and out = P~ v', add ACCUMULATE_STEP products at a time to an
+accumulator that keeps float32's sign and exponent and bits - 9 bits of mantissa, truncated
+(toward zero) after each step:
+    acc = trunc_bits(acc + sum_{t in step} x_t y_t)     (the step's sum in float32: its
+                                                          products of 8-bit values are exact)
 """
 from functools import partial
 from typing import NamedTuple
@@ -51,6 +59,8 @@ from .blocks import block_of, row_slices
 
 
 TILE_ROWS, TILE_COLS = 32, 512
+ACCUMULATOR_BITS = (10, 32)   # a narrow accumulator: float32's sign and exponent, bits - 9 of its mantissa
+ACCUMULATE_STEP = 32          # products it adds at once (the k of a Hopper MMA on 8-bit inputs)
 
 class Precision(NamedTuple):
     name: str
@@ -60,6 +70,7 @@ class Precision(NamedTuple):
     output: np.dtype        # the dtype of out (and of the gradients)
     forward_only: bool      # no recipe for a backward (float8)
     recipe: bool            # False: the naive baseline in `compute` (float32, float64)
+    accumulator: int = 32   # the forward's products accumulate in this many bits (float8's accumulator_bits)
 
 
 _F8E4, _F8E5, _BF16 = (np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
@@ -274,10 +285,11 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
     srnd rounds the score pipeline's steps (rnd, or float32 for scores32; the bias and ALiBi
     terms are rounded to T either way)."""
     scale, inv_keep = np.float32(o.scale), np.float32(1 / (1 - o.dropout_p))
+    bits = precision.accumulator
     if reorder:                                                                  # S = q (scale k)^T
-        s = srnd(_tile_matmul(q, np.swapaxes(used.k, -1, -2)))
+        s = srnd(_tile_matmul(q, np.swapaxes(used.k, -1, -2), bits))
     else:                                                                        # S = scale (q k^T)
-        s = srnd(srnd(_tile_matmul(q, np.swapaxes(k, -1, -2))) * scale)
+        s = srnd(srnd(_tile_matmul(q, np.swapaxes(k, -1, -2), bits)) * scale)
     keep = keep_mask(o, score_shape, index)
     rounding = scores.Rounding(step=srnd, term=rnd, distance=None if reorder else rnd)  # torch: distances in T
     s, saved = scores.forward(s, o, score_shape, index, keep, rounding)          # 2-4. (scores.py), rounded
@@ -290,21 +302,37 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
         p_drop = rnd(rnd(p * drop) * inv_keep)
     p_drop = round_to(p_drop, precision.weights)
     return _Forward(q=q, k=k, v=v, used=used, keep=keep, saved=saved, drop=drop, p=p, p_drop=p_drop,
-                    out=rnd(_tile_matmul(p_drop, used.v)), lse=lse, reorder=reorder,
+                    out=rnd(_tile_matmul(p_drop, used.v, bits)), lse=lse, reorder=reorder,
                     distance=rounding.distance, index=index, score_shape=score_shape, p_sink=p_sink)
 
 
-def _tile_matmul(x, y):
+def _tile_matmul(x, y, bits=32):
     """grouped_matmul(x, y), x [..., H, b, a] @ y [..., H_kv, a, c] -> [..., H, b, c], in tiles
     of TILE_ROWS rows of x: each row's product is one BLAS call of the same shapes whether the
     recipe holds all of the rows or a block of them (a multiple of TILE_ROWS rows), so blocks
     give the same bits on any processor (BLAS's kernels may sum a product of other shapes in
-    another order)."""
+    another order). bits < 32: accumulated in that many bits (_narrow_matmul)."""
     out = np.empty(x.shape[:-1] + y.shape[-1:], np.result_type(x, y))
     for r in range(0, x.shape[-2], TILE_ROWS):
         rows = (Ellipsis, slice(r, r + TILE_ROWS), slice(None))
-        grouped_matmul(x[rows], y, out=out[rows])
+        if bits == 32:
+            grouped_matmul(x[rows], y, out=out[rows])
+        else:
+            out[rows] = _narrow_matmul(x[rows], y, bits)
     return out
+
+
+def _narrow_matmul(x, y, bits):
+    """grouped_matmul(x, y) of float32 arrays with its sums over a in an accumulator of `bits`
+    bits (module docstring): ACCUMULATE_STEP products at a time, then the low 32 - bits bits of
+    the float32 accumulator cleared (a truncation toward zero; +-inf and NaN stay)."""
+    low = np.uint32((1 << (32 - bits)) - 1)
+    acc = np.zeros(x.shape[:-1] + y.shape[-1:], np.float32)
+    for t in range(0, x.shape[-1], ACCUMULATE_STEP):
+        acc += grouped_matmul(x[..., t:t + ACCUMULATE_STEP], y[..., t:t + ACCUMULATE_STEP, :])
+        bits_of = acc.view(np.uint32)
+        bits_of &= ~low
+    return acc
 
 
 def _softmax32(s):
