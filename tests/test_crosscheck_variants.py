@@ -96,7 +96,8 @@ def test_a_split_kv_merge_mixing_lse_bases_fails(base):
 
 
 def test_a_paged_kv_cache_case():
-    """page_table, cache_seqlens as case keys; dk, dv judged as the pages' gradients."""
+    """page_table, cache_seqlens as case keys; dk, dv judged as the pages' gradients; the
+    diagnosis's reruns laid out as the pages."""
     rng = np.random.default_rng(3)
     q, dout = rng.standard_normal((2, 2, 2, 8)), rng.standard_normal((2, 2, 2, 8))
     k_cache, v_cache = rng.standard_normal((5, 1, 4, 8)), rng.standard_normal((5, 1, 4, 8))
@@ -110,7 +111,13 @@ def test_a_paged_kv_cache_case():
     wrong_page = grads.dk.copy()
     wrong_page[[2, 3]] = wrong_page[[3, 2]]                          # page 3's gradient put in page 2
     report = na.crosscheck(**{**case, "dk": wrong_page})
-    assert not report and "not run" in report.diagnosis[0]
+    assert not report and not report.diagnosis                      # no mix-up of the options
+    for mixup, words in (({"causal": True}, "match causal='top_left'"),
+                         ({"causal": "bottom_right", "scale": 1.0}, "match scale 1")):
+        out, cache = na.attention_forward(f32(q), f32(k_cache), f32(v_cache), **mixup, **paging)
+        grads = na.attention_backward(f32(dout), cache)             # the mix-ups rerun on the pages
+        report = na.crosscheck(**{**case, "out": out, "dq": grads.dq, "dk": grads.dk, "dv": grads.dv})
+        assert not report and words in report.diagnosis[0], report
 
 
 def test_float64_per_head_vectors_do_not_widen_a_float32_baseline():

@@ -23,7 +23,7 @@ from numpy_attention.sparse import block_indices
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BUGS = {"off_by_one": "the indices read one key over", "minus_one_last": "-1 read as the last key",
-        "repeat_dropped_backward": None, "block_size_doubled": "topk_block_size="}   # None: no line for it
+        "repeat_dropped_backward": "one use's gradient for each key", "block_size_doubled": "topk_block_size="}
 
 
 def draw(rng):

@@ -547,16 +547,15 @@ def _in_base_e(case, name, cand):
 def _diagnosis(arrays, case, truth, bases, failing, whole):
     """The diagnosis lines of a failing case: the mix-up it matches (diagnosis.py, given the
     rounding of the case's precision: the baselines' rel L2 errors; or the other layout);
-    none for a large case (not whole), whose reruns would be whole arrays, and on a paged
-    cache only what the candidate shows alone."""
+    none for a large case (not whole), whose reruns would be whole arrays; on a paged cache
+    the reruns' results are put in its layout."""
     if not whole:
         return ["not run: the case is too large to rerun the oracle under each mix-up "
                 f"(more than {blocks.SCORE_BUDGET:,} scores)"]
     noise = {name: max(rel_l2(b[name], truth[name]) for b in bases) for name in failing
              if all(name in b for b in bases)}
-    if case.paged is not None:                           # what the candidate shows alone, no rerun
-        return diagnose(case, truth, failing, noise, reruns=False) or [
-            "not run: the mix-ups are not tried on a paged KV cache's case"]
+    if case.paged is not None:
+        return diagnose(case, truth, failing, noise, laid_out=lambda results: _unpaged(results, case.paged))
     return diagnose(case, truth, failing, noise) or _layout_mixup(arrays, case, failing)
 
 

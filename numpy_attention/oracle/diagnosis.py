@@ -32,7 +32,9 @@ scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shift
 Named from the candidate alone, before any rerun: lse in base 2 where the case says base e,
 or the reverse; and split-KV merges' mix-ups in the rows with no key (the oracle's lse
 -inf): NaN there and only there (two empty states merged), a finite lse there (an empty
-split's sentinel), or lse +inf in rows that have keys (an empty split's +inf merged).
+split's sentinel), or lse +inf in rows that have keys (an empty split's +inf merged); MLA's
+dkv missing one use; and a sparse top-k backward that writes each use's dk, dv to its key
+instead of adding it (a key several queries list, or one lists twice, keeps one use's).
 """
 import math
 from typing import NamedTuple
@@ -269,13 +271,14 @@ def _both(first, second):
                  first.latent or second.latent, {**(first.inputs or {}), **(second.inputs or {})} or None)
 
 
-def diagnose(case, truth, failing, noise=None, reruns=True):
+def diagnose(case, truth, failing, noise=None, laid_out=None):
     """Lines naming the mix-up the failing tensors match; [] when none does.
 
     case: the split case; truth: the oracle's results; failing: the names of the tensors
     that failed (their candidates are in case.candidates); noise: {name: rel L2 of the
-    baseline} (the rounding of the case's precision; default 0); reruns: False tries only
-    what the candidate shows alone (the lse's base, empty rows, MLA's dkv), no rerun.
+    baseline} (the rounding of the case's precision; default 0); laid_out: a rerun's results
+    (of case.inputs) in the candidate's layout (a paged KV cache's: check._unpaged), or None
+    where they are laid out alike.
     """
     candidates = {n: np.asarray(case.candidates[n]).astype(np.float64) for n in failing}
     if case.lse_base == "2" and "lse" in candidates:
@@ -284,11 +287,12 @@ def diagnose(case, truth, failing, noise=None, reruns=True):
     distance = {n: rel_l2(candidates[n], truth[n]) for n in candidates}
     judge = _Judge(candidates, distance, noise)
     found = (_lse_base(candidates, truth, case, judge) or _empty_rows(candidates, truth)
-             or _latent_parts(candidates, truth, case, judge))
-    if found or not reruns:
+             or _latent_parts(candidates, truth, case, judge) or _written_once(candidates, truth, case, judge))
+    if found:
         return found
     gradients = any(n in candidates for n in GRADIENTS)
-    rerun = lambda mixup: _rerun(case.inputs, case.options, gradients, mixup, case.latent)
+    rerun = lambda mixup: (laid_out or (lambda x: x))(_rerun(case.inputs, case.options, gradients, mixup,
+                                                                case.latent))
     helpful = []
     with np.errstate(all="ignore"):
         found = judge.match(truth, case)                # a known factor of the oracle's
@@ -379,6 +383,45 @@ def _latent_parts(candidates, truth, case, judge):
             return [f"dkv matches {did} (rel L2 {err:.1e}); kv serves as the keys and as the values, and "
                     f"its gradient is the sum of both"]
     return []
+
+
+def _written_once(candidates, truth, case, judge):
+    """The line when a sparse top-k candidate's dk and dv are, entry by entry, the gradient of
+    one of its key's uses (its scatter writes where it should add, and a scatter of rows with
+    repeated indices may keep each column from another write): the nearest use's for each
+    entry, a use u = (query head h, row i) with c > 0 copies of key j in its list giving
+        dv_j = P_hij / c dout_hi,   dk_j = dS_hij / c (scale q_hi)     (one copy's share)
+    from the oracle's stages P, dS; else []."""
+    named = [n for n in ("dk", "dv") if n in candidates]
+    if case.topk is None or not named or "dout" not in case.inputs or "P" not in truth or "dS" not in truth:
+        return []
+    q, k, dout = (np.asarray(case.inputs[n], np.float64) for n in ("q", "k", "dout"))
+    scale = case.options.get("scale") or 1 / math.sqrt(q.shape[-1])
+    copies = np.exp(case.options["bias"]) if "bias" in case.options else case.options["mask"].astype(np.float64)
+    shape = q.shape[:-3] + (k.shape[-3], q.shape[-3] // k.shape[-3]) + q.shape[-2:-1] + k.shape[-2:-1]
+    copies = np.broadcast_to(copies, truth["P"].shape).reshape(shape)            # [..., H_kv, G, N_q, N_k]
+    uses = np.nonzero(copies)                                                    # (..., g, h of g, i, j)
+    at = lambda x: np.reshape(x, shape)[uses]                                    # each use's
+    rows = lambda x: x.reshape(shape[:-1] + x.shape[-1:])[uses[:-1]]             # its query row's
+    share = {"dv": (at(truth["P"]) / at(copies))[:, None] * rows(dout),
+             "dk": (at(truth["dS"]) / at(copies))[:, None] * rows(q * scale)}
+    keys = uses[:-3] + uses[-1:]                                                 # its key: (..., g, j)
+    parts = []
+    for name in named:
+        cand = candidates[name]
+        nearest = np.full(cand.shape, np.inf)
+        np.minimum.at(nearest, keys, (cand[keys] - share[name]) ** 2)
+        unused = np.isinf(nearest)
+        nearest[unused] = cand[unused] ** 2                                      # a key no query lists: 0
+        err = math.sqrt(nearest.sum()) / max(float(np.linalg.norm(cand)), 1e-300)
+        if not judge.near(err, name):
+            return []
+        parts.append((name, err))
+    if not any(judge.explains(err, name) for name, err in parts):
+        return []
+    return [f"{', '.join(n for n, _ in parts)} {'matches' if len(parts) == 1 else 'match'} one use's gradient "
+            f"for each key (rel L2 {max(e for _, e in parts):.1e}): the backward writes each use's gradient to "
+            f"its key; a key that several queries list, or one lists twice, gets the sum of all its uses"]
 
 
 def _tried(rerun, mixup):
