@@ -16,7 +16,8 @@ counts twice, as FlashMLA's reference gathers it twice):
     s_t = scale q_i . k_{L_t}
     lse_i = log sum_t exp(s_t),  p_t = exp(s_t - lse_i),  out_i = sum_t p_t v_{L_t}
     max_logits_i = max_t s_t
-    a row with no valid entry: out 0, lse -inf (FlashMLA writes +inf), max_logits -inf
+    a row with no valid entry: out 0 (or as fully_masked says), lse -inf (FlashMLA writes +inf),
+    max_logits -inf
 Backward (dense attention's over the gathered keys, then scattered back):
     dp_t = dout_i . v_{L_t},  D_i = dout_i . out_i,  ds_t = p_t (dp_t - D_i)
     dq_i = scale sum_t ds_t k_{L_t}
@@ -42,10 +43,11 @@ from typing import NamedTuple, Optional
 import numpy as np
 import scipy.sparse
 
-from ._checks import as_float_array, require_cache, require_same_shape
+from ._checks import as_float_array, require_cache, require_choice, require_same_shape
 from ._layout import with_head_axis
 from .engines.parallel import run_tasks
 from .engines.plan import check_scheduler, resolve_workers
+from .options import FULLY_MASKED_POLICIES
 
 GATHER_ROWS = 2 ** 15   # a block gathers at most this many keys (block_rows K) by default
 TASK_ROWS = 2 ** 10     # a task of the forward or JVP takes about this many query rows (whole blocks)
@@ -60,6 +62,7 @@ class SparseCache(NamedTuple):
     out: np.ndarray             # [..., H, N_q, d_v]
     lse: np.ndarray             # [..., H, N_q]
     scale: float
+    fully_masked: str
     block_rows: int
     workers: int                # where the backward runs, as the forward did
     scheduler: object
@@ -118,9 +121,9 @@ def listed(indices, lengths, n_k):
     return valid
 
 
-def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler):
+def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler, fully_masked):
     """(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler) checked (indices as
-    given: which entries are valid is found a block at a time, _valid)."""
+    given: which entries are valid is found a block at a time, _valid), and fully_masked."""
     q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
     if k3.shape[:-1] != v3.shape[:-1] or q3.shape[:-3] != k3.shape[:-3] or q3.shape[-1] != k3.shape[-1] \
@@ -136,6 +139,9 @@ def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler)
     elif isinstance(block_rows, (bool, np.bool_)) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1:
         raise ValueError(f"block_rows must be a positive integer or None, got {block_rows!r}")
     workers = resolve_workers(workers, "tiled", math.prod(q3.shape[:-1]) * indices.shape[-1])
+    require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
+    if fully_masked == "uniform" and k3.shape[-2] == 0:
+        raise ValueError(f"fully_masked='uniform' needs at least one key; k {k.shape} has none")
     return q, k, v, indices, topk_length, scale, block_rows, workers, check_scheduler(scheduler)
 
 
@@ -207,8 +213,8 @@ def _shaped(x, like):
     return x.reshape(with_head_axis(like).shape[:-3] + x.shape[1:]) if like.ndim >= 3 else x[0, 0]
 
 
-def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, block_rows=None, workers=None,
-                             scheduler=None):
+def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, fully_masked="zero",
+                             block_rows=None, workers=None, scheduler=None):
     """out = softmax over each query's listed keys of scale q k^T, times their values (module docstring).
 
     Args:
@@ -217,6 +223,9 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
             [0, N_k)) pads; a key listed twice counts twice.
         topk_length: [..., N_q] int or None: only each row's first topk_length entries count.
         scale: multiplies q k^T; default 1 / sqrt(d_k).
+        fully_masked: a row with no key gives, as in attention_forward, 'zero' (out 0, its
+            gradient 0), 'uniform' (out the mean of all N_k values: dv gets dout / N_k) or 'nan'
+            (out NaN, dv NaN); lse -inf in each.
         block_rows: query rows a block (memory O(G block_rows K d) a worker); N_q: all at once
             (the textbook); None (default): as many as gather GATHER_ROWS keys per head.
         workers: threads for the blocks (engines/parallel.py; None: every core from
@@ -227,16 +236,17 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
         [..., H, N_q], and a SparseCache (the backward runs as the forward did).
     """
     q, k, v, indices, topk_length, scale, block_rows, workers, scheduler = _check(
-        q, k, v, indices, topk_length, scale, block_rows, workers, scheduler)
+        q, k, v, indices, topk_length, scale, block_rows, workers, scheduler, fully_masked)
     q3, k3, v3 = _flat(q, k, v)
     spans = _spans(q3.shape[2], block_rows)
     items = [(kv, (q3[heads + (rows,)],), idx[:, :, rows], None if n is None else n[:, rows])
              for heads, kv, idx, n in _slices(q3, k3, indices, topk_length) for rows in spans]
     results = run_tasks(_span, items, workers, {"block": _forward_block, "block_rows": block_rows, "k3": k3,
-                                                "v3": v3, "scale": scale}, scheduler)
+                                                "v3": v3, "scale": scale, "fully_masked": fully_masked}, scheduler)
     out, lse, top = (_shaped(_joined(parts, len(spans), q3.shape[:2]), q) for parts in zip(*results))
     return out, lse, top, SparseCache(q=q, k=k, v=v, indices=indices, topk_length=topk_length, out=out.copy(),
-                                      lse=lse, scale=scale, block_rows=block_rows, workers=workers,
+                                      lse=lse, scale=scale, fully_masked=fully_masked, block_rows=block_rows,
+                                      workers=workers,
                                       scheduler=scheduler)
 
 
@@ -260,7 +270,7 @@ def _span(kv, rows_of, lists, lengths, *, block, block_rows, **shared):
     return results
 
 
-def _forward_block(kv, q_blk, idx, lengths, *, k3, v3, scale):
+def _forward_block(kv, q_blk, idx, lengths, *, k3, v3, scale, fully_masked):
     """The forward of a block: q_blk [1, G, b, d_k] of the G query heads of kv head
     `kv` with its lists -> (out [1, G, b, d_v], lse, max_logits [1, G, b])."""
     k, v = k3[kv], v3[kv]
@@ -274,7 +284,16 @@ def _forward_block(kv, q_blk, idx, lengths, *, k3, v3, scale):
     with np.errstate(divide="ignore"):
         lse = np.where(live, shift[..., 0] + np.log(np.where(live, total, 1)), -np.inf)
     p = e / np.where(live, total, 1)[..., None]
-    return _mix(p, _gathered(v, idx)), lse, m
+    return _no_key(_mix(p, _gathered(v, idx)), live, v, fully_masked), lse, m
+
+
+def _no_key(out, live, v, fully_masked):
+    """out [1, G, b, d_v] with the rows that have no key (live False) set by fully_masked: 0 (as
+    computed), the mean of v's N_k rows [1, 1, N_k, d_v] ('uniform'), or NaN."""
+    if fully_masked == "zero" or live.all():
+        return out
+    fill = np.mean(v, axis=-2, keepdims=True) if fully_masked == "uniform" else np.nan
+    return np.where(live[..., None], out, fill)
 
 
 def sparse_attention_backward(dout, cache):
@@ -285,20 +304,23 @@ def sparse_attention_backward(dout, cache):
     require_same_shape(dout, cache.out.shape, "dout")
     dout = as_float_array(dout, "dout")
     q3, k3, v3, out3, dout3 = _flat(cache.q, cache.k, cache.v, cache.out, dout)
-    D = np.sum(dout3 * out3, axis=-1, keepdims=True)                    # [B, H, N_q, 1]
-    lse3 = cache.lse.reshape(D.shape)
+    lse3 = cache.lse.reshape(q3.shape[:-1] + (1,))
+    with np.errstate(invalid="ignore"):                                 # a row with no key: D unused
+        D = np.where(np.isneginf(lse3.real), 0, np.sum(dout3 * out3, axis=-1, keepdims=True))   # [B, H, N_q, 1]
     items = [(kv, q3[heads], dout3[heads], D[heads], lse3[heads], idx, n)
              for heads, kv, idx, n in _slices(q3, k3, cache.indices, cache.topk_length)]
     results = run_tasks(_backward_slice, items, cache.workers,
-                        {"k3": k3, "v3": v3, "scale": cache.scale, "block_rows": cache.block_rows}, cache.scheduler)
+                        {"k3": k3, "v3": v3, "scale": cache.scale, "block_rows": cache.block_rows,
+                         "fully_masked": cache.fully_masked}, cache.scheduler)
     dq, dk, dv = (_joined(parts, 1, x.shape[:2]).reshape(np.shape(like))
                   for parts, x, like in zip(zip(*results), (q3, k3, v3), (cache.q, cache.k, cache.v)))
     return SparseGrads(dq=dq, dk=dk, dv=dv)
 
 
-def _backward_slice(kv, q, dout, D, lse, lists, lengths, *, k3, v3, scale, block_rows):
+def _backward_slice(kv, q, dout, D, lse, lists, lengths, *, k3, v3, scale, block_rows, fully_masked):
     """One task of the backward: the G query heads of kv head `kv` (q, dout [1, G, N_q, d], D,
-    lse [1, G, N_q, 1]) -> (dq, dk, dv) of the slice, dk and dv summed over its blocks in order."""
+    lse [1, G, N_q, 1]) -> (dq, dk, dv) of the slice, dk and dv summed over its blocks in order;
+    the rows with no key add dout / N_k to every key's dv ('uniform') or make it NaN ('nan')."""
     k, v = k3[kv], v3[kv]
     dtype = np.result_type(q, dout)
     dq, dk, dv = np.empty(q.shape, dtype), np.zeros(k.shape, dtype), np.zeros(v.shape, dtype)
@@ -312,6 +334,9 @@ def _backward_slice(kv, q, dout, D, lse, lists, lengths, *, k3, v3, scale, block
         dq[:, :, rows] = scale * _mix(ds, k_g)
         _scatter(dk, idx, scale * ds, q[:, :, rows])                            # dk_L += scale ds q_i
         _scatter(dv, idx, p, do)                                                # dv_L += p dout_i
+    dead = np.isneginf(lse[..., 0].real)
+    if fully_masked != "zero" and dead.any():
+        dv += np.sum(dout[dead], axis=0) / k.shape[-2] if fully_masked == "uniform" else np.nan
     return dq, dk, dv
 
 
@@ -337,11 +362,12 @@ def _scatter(target, idx, weights, rows_of):
 
 
 def sparse_attention_jvp(q, k, v, indices, q_dot=None, k_dot=None, v_dot=None, *, topk_length=None,
-                         scale=None, block_rows=None, workers=None, scheduler=None):
+                         scale=None, fully_masked="zero", block_rows=None, workers=None, scheduler=None):
     """(out, out_dot, lse, lse_dot) along the tangents (module docstring's forward mode); a
     tangent left None is 0. The blocks run as sparse_attention_forward's."""
     out, lse, _, cache = sparse_attention_forward(q, k, v, indices, topk_length=topk_length, scale=scale,
-                                                  block_rows=block_rows, workers=workers, scheduler=scheduler)
+                                                  fully_masked=fully_masked, block_rows=block_rows, workers=workers,
+                                                  scheduler=scheduler)
     dots = []
     for name, x, like in (("q_dot", q_dot, cache.q), ("k_dot", k_dot, cache.k), ("v_dot", v_dot, cache.v)):
         x = np.zeros_like(like) if x is None else as_float_array(x, name)
@@ -355,12 +381,13 @@ def sparse_attention_jvp(q, k, v, indices, q_dot=None, k_dot=None, v_dot=None, *
              for heads, kv, idx, n in _slices(q3, k3, cache.indices, cache.topk_length) for rows in spans]
     results = run_tasks(_span, items, cache.workers, {"block": _jvp_block, "block_rows": cache.block_rows,
                                                       "k3": k3, "v3": v3, "kd3": kd3, "vd3": vd3,
-                                                      "scale": cache.scale}, cache.scheduler)
+                                                      "scale": cache.scale, "fully_masked": cache.fully_masked},
+                        cache.scheduler)
     out_dot, lse_dot = (_shaped(_joined(parts, len(spans), q3.shape[:2]), cache.q) for parts in zip(*results))
     return out, out_dot, lse, lse_dot
 
 
-def _jvp_block(kv, q_blk, qd_blk, lse, idx, lengths, *, k3, v3, kd3, vd3, scale):
+def _jvp_block(kv, q_blk, qd_blk, lse, idx, lengths, *, k3, v3, kd3, vd3, scale, fully_masked):
     """The JVP of a block as _forward_block's, with its q tangent and the forward's
     lse [1, G, b, 1] -> (out_dot [1, G, b, d_v], lse_dot [1, G, b])."""
     k, v = k3[kv], v3[kv]
@@ -371,4 +398,8 @@ def _jvp_block(kv, q_blk, qd_blk, lse, idx, lengths, *, k3, v3, kd3, vd3, scale)
     s_dot = np.where(idx >= 0, s_dot, 0)
     lse_dot = np.sum(p * s_dot, axis=-1)
     p_dot = p * (s_dot - lse_dot[..., None])
-    return _mix(p_dot, _gathered(v, idx)) + _mix(p, _gathered(vd3[kv], idx)), lse_dot
+    out_dot = _mix(p_dot, _gathered(v, idx)) + _mix(p, _gathered(vd3[kv], idx))
+    live = ~np.isneginf(lse[..., 0].real)
+    if fully_masked == "nan":                                            # a NaN row's tangents are NaN
+        lse_dot = np.where(live, lse_dot, np.nan)
+    return _no_key(out_dot, live, vd3[kv], fully_masked), lse_dot

@@ -110,6 +110,29 @@ def test_leading_axes_and_one_head_keep_their_shapes():
     assert na.sparse_attention_backward(one[0], one[3]).dk.shape == k[0, 0].shape
 
 
+@pytest.mark.parametrize("fully_masked", ["zero", "uniform", "nan"])
+def test_a_row_with_no_key_follows_fully_masked_as_dense_attention_does(fully_masked):
+    """Rows whose lists hold no key (all -1, out of range or past topk_length) give what dense
+    attention with the lists' keep-mask gives under the same policy: out, lse, gradients, tangents
+    (NaN where it has NaN)."""
+    from numpy_attention.oracle.case import topk_keep
+    q, k, v, indices = inputs()
+    indices[0, 1, 4] = -1
+    dout, dots = RNG.standard_normal(q.shape), [RNG.standard_normal(x.shape) for x in (q, k, v)]
+    out, lse, _, cache = na.sparse_attention_forward(q, k, v, indices, fully_masked=fully_masked, block_rows=3)
+    grads = na.sparse_attention_backward(dout, cache)
+    jvp = na.sparse_attention_jvp(q, k, v, indices, *dots, fully_masked=fully_masked, workers=2)
+    keep = topk_keep(indices, None, q.shape, k.shape)
+    dense_out, dense_cache = na.attention_forward(q, k, v, fully_masked=fully_masked, **keep)
+    dense = na.attention_backward(dout, dense_cache)
+    dense_jvp = na.attention_jvp(q, k, v, *dots, fully_masked=fully_masked, implementation="textbook", **keep)
+    pairs = [(out, dense_out), (lse, dense_cache.lse), (jvp[1], dense_jvp[1]), (jvp[3], dense_jvp[3]),
+             *zip(grads, (dense.dq, dense.dk, dense.dv))]
+    for ours, theirs in pairs:
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-13)      # NaN where theirs is NaN
+    assert np.isneginf(lse[:, :, 1]).all() and (fully_masked != "nan") == np.isfinite(out[:, :, 1]).all()
+
+
 def test_a_key_listed_twice_counts_twice_and_its_gradient_sums_every_use():
     """Listing key 3 twice is attention over [3, 3, ...]: twice its weight, and dk, dv of key 3 get
     both entries' shares (a backward that assigns instead of adding loses one)."""
@@ -175,6 +198,7 @@ def test_memory_holds_a_block_of_gathered_keys_not_the_scores():
     ({"topk_length": np.zeros((2, 6), int)}, ValueError, r"topk_length must be integers \[\.\.\., N_q\]"),
     ({"block_rows": 0}, ValueError, "block_rows must be a positive integer or None"),
     ({"workers": 0}, ValueError, "workers must be a positive integer"),
+    ({"fully_masked": "skip"}, ValueError, "fully_masked must be one of"),
     ({"scheduler": 8786}, TypeError, "scheduler must be a dask.distributed Client or a scheduler's address"),
     ({"k": np.zeros((2, 3, 13, 8))}, ValueError, "H_kv must divide H"),
 ])
