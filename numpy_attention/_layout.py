@@ -15,6 +15,11 @@ ALIGNMENTS = ("top_left", "bottom_right")
 WINDOW_MAX = 2 ** 62        # a window side above this reaches every key of any array numpy can hold
 
 
+def tiles(n, b):
+    """Slices of length b (the last one shorter) covering range(n): an engine's blocks of rows."""
+    return [slice(i, min(i + b, n)) for i in range(0, n, b)]
+
+
 def with_head_axis(x):
     """[N, X] -> [1, N, X] (a single head); arrays with >= 3 axes unchanged. A view."""
     return x if x.ndim >= 3 else x[None]

@@ -44,7 +44,7 @@ import numpy as np
 import scipy.sparse
 
 from ._checks import as_float_array, require_cache, require_choice, require_same_shape
-from ._layout import with_head_axis
+from ._layout import tiles, with_head_axis
 from .engines.parallel import run_tasks
 from .engines.plan import check_scheduler, resolve_workers
 from .options import FULLY_MASKED_POLICIES
@@ -159,11 +159,6 @@ def _slices(q3, k3, indices, topk_length):
                 None if lengths is None else lengths[z:z + 1]
 
 
-def _tiles(n, b):
-    """Slices of length b (the last one shorter) covering range(n)."""
-    return [slice(i, min(i + b, n)) for i in range(0, n, b)]
-
-
 def _valid(idx, lengths, n_k, groups):
     """A block's lists [1, 1 or G, b, K] (lengths [1, b] or None) as the per-query-head lists
     [1, G, b, K], -1 where an entry is not valid (outside [0, N_k), or past its row's
@@ -252,7 +247,7 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
 
 def _spans(n_q, block_rows):
     """The query rows of the forward's and JVP's tasks: whole blocks, about TASK_ROWS rows."""
-    return _tiles(n_q, block_rows * max(1, TASK_ROWS // block_rows))
+    return tiles(n_q, block_rows * max(1, TASK_ROWS // block_rows))
 
 
 def _span(kv, rows_of, lists, lengths, *, block, block_rows, **shared):
@@ -260,7 +255,7 @@ def _span(kv, rows_of, lists, lengths, *, block, block_rows, **shared):
     query rows of kv head `kv` (rows_of: the span's arrays [1, G, n, ...] of rows, lists [1, 1 or
     G, n, K], lengths [1, n] or None), its results [1, G, b, ...] written into the span's arrays."""
     results = None
-    for rows in _tiles(lists.shape[2], block_rows):
+    for rows in tiles(lists.shape[2], block_rows):
         parts = block(kv, *(x[:, :, rows] for x in rows_of), lists[:, :, rows],
                       None if lengths is None else lengths[:, rows], **shared)
         if results is None:
@@ -324,7 +319,7 @@ def _backward_slice(kv, q, dout, D, lse, lists, lengths, *, k3, v3, scale, block
     k, v = k3[kv], v3[kv]
     dtype = np.result_type(q, dout)
     dq, dk, dv = np.empty(q.shape, dtype), np.zeros(k.shape, dtype), np.zeros(v.shape, dtype)
-    for rows in _tiles(q.shape[2], block_rows):
+    for rows in tiles(q.shape[2], block_rows):
         idx = _valid(lists[:, :, rows], None if lengths is None else lengths[:, rows], k.shape[-2], q.shape[1])
         do = dout[:, :, rows]
         dp = _dots(do, _gathered(v, idx))                                       # [1, G, b, K]

@@ -1,8 +1,9 @@
 """crosscheck of FP8 attention with scales: descales per tensor, per (batch, kv head), per head, per
 token of a head and per block of tokens (descale_of), P rounded to float8 or kept in bfloat16
-(intermediate_dtype), the products accumulated in fewer bits (accumulator_bits), torch candidates honest and with planted bugs (tests/fp8_kernels.py; the
-longer sweep: benchmarks/variant_sweeps.py --variant fp8), the diagnosis naming a descale
-dropped, applied twice or one scale used for every head, and bad keys refused by name."""
+(intermediate_dtype), the products accumulated in fewer bits (accumulator_bits), torch
+candidates honest and with planted bugs (tests/fp8_kernels.py; the longer sweep:
+benchmarks/variant_sweeps.py --variant fp8), the diagnosis naming a descale dropped, applied
+twice or one scale used for every head, and bad keys refused by name."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -84,7 +85,7 @@ def test_a_narrow_accumulator_keeps_bits_minus_9_mantissa_bits_truncated_every_3
     each 32 products the accumulator keeps its leading bits - 8 significant bits, truncated."""
     from numpy_attention.oracle.precision import _narrow_matmul
     rng = np.random.default_rng(5)
-    x, y = rng.integers(-60, 61, (2, 3, 4, 100)).astype(np.float32), rng.integers(-60, 61, (2, 1, 100, 5)).astype(np.float32)
+    x, y = (rng.integers(-60, 61, shape).astype(np.float32) for shape in [(2, 3, 4, 100), (2, 1, 100, 5)])
     for bits in (12, 22):
         expected = np.zeros((2, 3, 4, 5))
         for t in range(0, 100, 32):

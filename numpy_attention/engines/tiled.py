@@ -48,16 +48,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
-from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices, with_head_axis
+from .._layout import (grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, scaled, spans_slices, tiles,
+                       with_head_axis)
 from .. import scores
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..scores import ScoreGrads, head_gradient, heads_view, keep_mask
 from .parallel import run_tasks
-
-
-def _tiles(n, b):
-    """Slices of length b (the last one shorter) covering range(n)."""
-    return [slice(i, min(i + b, n)) for i in range(0, n, b)]
 
 
 def tile_scores(options, q_i, k_j, score_shape, tile):
@@ -90,10 +86,10 @@ def tiled_forward(q, k, v, options, plan):
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                      # [..., H, N_q, N_k]
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype=q3.dtype)     # [..., H, N_q, d_v]
     lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                      # [..., H, N_q]
-    tiles = _tiles(score_shape[-2], plan.block_size)
-    items = [(scaled(q3[..., rows, :], o.scale), rows) for rows in tiles]
+    row_tiles = tiles(score_shape[-2], plan.block_size)
+    items = [(scaled(q3[..., rows, :], o.scale), rows) for rows in row_tiles]
     shared = _shared(o, plan, k3=k3, v3=v3, score_shape=score_shape)
-    for rows, result in zip(tiles, run_tasks(_forward_rows, items, plan.workers, shared, plan.scheduler)):
+    for rows, result in zip(row_tiles, run_tasks(_forward_rows, items, plan.workers, shared, plan.scheduler)):
         out[..., rows, :], lse[..., rows] = result
     out, lse = out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
     return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse, plan=plan)
@@ -113,7 +109,7 @@ def _forward_rows(q_i, rows, tangents=None, *, o, block_size, k3, v3, score_shap
         m, l = np.broadcast_to(sink.real, lead).copy(), np.exp(sink - shift) * np.ones(lead)
         if tangents is not None and tangents.sinks is not None:
             l_dot = l * heads_view(tangents.sinks, score_shape)[..., None]
-    for cols in _tiles(score_shape[-1], block_size):
+    for cols in tiles(score_shape[-1], block_size):
         s, keep, saved = tile_scores(o, q_i, k3[..., cols, :], score_shape, (Ellipsis, rows, cols))
         if keep is False:
             continue
@@ -178,11 +174,11 @@ def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, bias_dot=None, alibi_
     score_shape = q3.shape[:-1] + (k3.shape[-2],)
     out, out_dot = (np.empty(q3.shape[:-1] + v3.shape[-1:], q3.dtype) for _ in range(2))
     lse, lse_dot = (np.empty(q3.shape[:-1], q3.dtype) for _ in range(2))
-    tiles = _tiles(score_shape[-2], plan.block_size)
-    items = [(scaled(q3[..., rows, :], o.scale), rows, scaled(q_dot3[..., rows, :], o.scale)) for rows in tiles]
+    row_tiles = tiles(score_shape[-2], plan.block_size)
+    items = [(scaled(q3[..., rows, :], o.scale), rows, scaled(q_dot3[..., rows, :], o.scale)) for rows in row_tiles]
     shared = _shared(o, plan, k3=k3, v3=v3, score_shape=score_shape, k_dot=k_dot3, v_dot=v_dot3,
                      bias_dot=bias_dot, alibi_slopes_dot=alibi_slopes_dot, sinks_dot=sinks_dot)
-    for rows, result in zip(tiles, run_tasks(_jvp_rows, items, plan.workers, shared, plan.scheduler)):
+    for rows, result in zip(row_tiles, run_tasks(_jvp_rows, items, plan.workers, shared, plan.scheduler)):
         out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = result
     shape = q.shape[:-1]
     return (out.reshape(shape + v.shape[-1:]), out_dot.reshape(shape + v.shape[-1:]), lse.reshape(shape),
@@ -248,10 +244,10 @@ def _backward_slice(at, q, dout, D, lse, k, v, *, o, block_size, score_shape):
     dq, dk, dv = np.zeros(q.shape, dout.dtype), np.zeros(k.shape, dout.dtype), np.zeros(v.shape, dout.dtype)
     params = ScoreGrads(o, score_shape, dout.dtype, region=at)          # dbias, dslopes of its tiles
     n_kv = k.shape[-3]
-    for rows in _tiles(score_shape[-2], block_size):
+    for rows in tiles(score_shape[-2], block_size):
         q_i, dout_i = scaled(q[..., rows, :], o.scale), dout[..., rows, :]
         D_i, lse_i = D[..., rows, None], lse[..., rows, None]
-        for cols in _tiles(score_shape[-1], block_size):
+        for cols in tiles(score_shape[-1], block_size):
             tile = at + (rows, cols)
             s, keep, saved = tile_scores(o, q_i, k[..., cols, :], score_shape, tile)
             if keep is False:
