@@ -241,8 +241,7 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
     out, lse, top = (_shaped(_joined(parts, len(spans), q3.shape[:2]), q) for parts in zip(*results))
     return out, lse, top, SparseCache(q=q, k=k, v=v, indices=indices, topk_length=topk_length, out=out.copy(),
                                       lse=lse, scale=scale, fully_masked=fully_masked, block_rows=block_rows,
-                                      workers=workers,
-                                      scheduler=scheduler)
+                                      workers=workers, scheduler=scheduler)
 
 
 def _spans(n_q, block_rows):

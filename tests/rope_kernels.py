@@ -102,16 +102,23 @@ def case(rng, dtype, bug=None):
     out.backward(dout)
     numpy = lambda x: x.detach()                                       # crosscheck takes tensors
     arrays = dict(q=numpy(q), k=numpy(k), v=numpy(v), dout=numpy(dout), out=numpy(out),
-                  dq=numpy(leaves[0].grad), dk=numpy(leaves[1].grad), dv=numpy(leaves[2].grad),
-                  rope_layout=np.array(s["layout"]), rope_rotary_dim=np.array(s["rotary_dim"]),
-                  rope_base=np.array(s["base"]))
+                  dq=numpy(leaves[0].grad), dk=numpy(leaves[1].grad), dv=numpy(leaves[2].grad))
+    return {**arrays, **case_keys(s)}, s
+
+
+def case_keys(s):
+    """The case's keys of draw's settings: the rope_* keys (positions where they start past 0;
+    the queries are the last N_q keys) and causal."""
+    keys = dict(rope_layout=np.array(s["layout"]), rope_rotary_dim=np.array(s["rotary_dim"]),
+                rope_base=np.array(s["base"]))
     if s["causal"]:
-        arrays["causal"] = np.array("bottom_right")
+        keys["causal"] = np.array("bottom_right")
     if s["offset"]:
-        arrays.update(rope_positions_q=positions_q, rope_positions_k=positions_k)
+        positions_k = np.arange(s["n_k"]) + s["offset"]
+        keys.update(rope_positions_q=positions_k[s["n_k"] - s["n_q"]:], rope_positions_k=positions_k)
     if s["scaling"] is not None:
-        arrays.update({f"rope_{'scaling' if key == 'type' else key}": np.array(x) for key, x in s["scaling"].items()})
-    return arrays, s
+        keys.update({f"rope_{'scaling' if key == 'type' else key}": np.array(x) for key, x in s["scaling"].items()})
+    return keys
 
 
 def sweep(cases, seed=0, dtypes=tuple(DTYPES)):

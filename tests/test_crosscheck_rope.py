@@ -168,15 +168,8 @@ def tangent_case(rng, bug=None):
         return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
     (out, lse), (out_dot, lse_dot) = torch.func.jvp(attention, tuple(primals), tuple(dots))
     arrays = dict(zip(("q", "k", "v", "q_dot", "k_dot", "v_dot"), (x.numpy() for x in primals + dots)),
-                  out=out.numpy(), lse=lse.numpy(), out_dot=out_dot.numpy(), lse_dot=lse_dot.numpy(),
-                  rope_layout=np.array(s["layout"]), rope_rotary_dim=np.array(s["rotary_dim"]),
-                  rope_base=np.array(s["base"]), rope_positions_q=positions_k[n_k - n_q:],
-                  rope_positions_k=positions_k)
-    if s["causal"]:
-        arrays["causal"] = np.array("bottom_right")
-    if s["scaling"] is not None:
-        arrays.update({f"rope_{'scaling' if key == 'type' else key}": np.array(x) for key, x in s["scaling"].items()})
-    return arrays
+                  out=out.numpy(), lse=lse.numpy(), out_dot=out_dot.numpy(), lse_dot=lse_dot.numpy())
+    return {**arrays, **rope_kernels.case_keys(s)}
 
 
 def test_tangents_with_rope_pass_when_honest_and_fail_with_the_other_layout():

@@ -484,11 +484,9 @@ def _topk(arrays, inputs, options, paged):
     return block_indices(indices, size, k.shape[-2]), None, (indices, size)
 
 
-def topk_keep(indices, length, q_shape, k_shape):
-    """attention_forward's options for the keys each query lists: a keep-mask [..., H, N_q, N_k],
-    or where a key is listed more than once in a row, a bias of log(times listed) (-inf for
-    the others): attention over a list that repeats a key is attention with that key's weight
-    times the repeats, as a kernel that gathers it twice computes (sparse.py)."""
+def topk_counts(indices, length, q_shape, k_shape):
+    """[..., H, N_q, N_k] int: how many times each query's list names each key (0: not listed);
+    a kv head's list counts for each of its query heads."""
     n_k = k_shape[-2]
     valid = listed(indices, length, n_k)
     counts = np.zeros(indices.shape[:-1] + (n_k,), np.int64)
@@ -497,6 +495,15 @@ def topk_keep(indices, length, q_shape, k_shape):
     np.add.at(counts, rows + (indices[valid],), 1)
     if counts.shape[-3] != q_shape[-3]:                               # a kv head's list for its queries
         counts = np.repeat(counts, q_shape[-3] // counts.shape[-3], axis=-3)
+    return counts
+
+
+def topk_keep(indices, length, q_shape, k_shape):
+    """attention_forward's options for the keys each query lists: a keep-mask [..., H, N_q, N_k],
+    or where a key is listed more than once in a row, a bias of log(times listed) (-inf for
+    the others): attention over a list that repeats a key is attention with that key's weight
+    times the repeats, as a kernel that gathers it twice computes (sparse.py)."""
+    counts = topk_counts(indices, length, q_shape, k_shape)
     if counts.max(initial=0) <= 1:
         return {"mask": counts > 0}
     with np.errstate(divide="ignore"):

@@ -25,9 +25,9 @@ window's alignment swapped, or each side off by one; grouped-query heads interle
 partial, or with the queries' positions from 0; MLA's values read from kv's last columns,
 or its rotary columns' scores unscaled; a float8 descale dropped, applied twice, or the
 first head's used for every head; sparse top-k's indices read one key over, -1 read as the
-last key, a key listed twice counted once, the block size doubled or halved. The factors: -1, 2, 1/2, 1 / scale and
-scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one
-(check.py adds: the [..., N, H, d] layout read as [..., H, N, d]).
+last key, a key listed twice counted once, the block size doubled or halved. The factors:
+-1, 2, 1/2, 1 / scale and scale, 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of
+out or lse shifted by one (check.py adds: the [..., N, H, d] layout read as [..., H, N, d]).
 
 Named from the candidate alone, before any rerun: lse in base 2 where the case says base e,
 or the reverse; and split-KV merges' mix-ups in the rows with no key (the oracle's lse
@@ -44,7 +44,7 @@ import numpy as np
 from ..attention import attention_backward, attention_forward
 from ..scores import numpy_mod
 from ..sparse import block_indices
-from .case import GRADIENTS, topk_keep
+from .case import GRADIENTS, topk_counts, topk_keep
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
 NEAR = 1e-2             # and within this rel L2 of it;
@@ -395,11 +395,11 @@ def _written_once(candidates, truth, case, judge):
     named = [n for n in ("dk", "dv") if n in candidates]
     if case.topk is None or not named or "dout" not in case.inputs or "P" not in truth or "dS" not in truth:
         return []
-    q, k, dout = (np.asarray(case.inputs[n], np.float64) for n in ("q", "k", "dout"))
+    q, dout = (np.asarray(case.inputs[n], np.float64) for n in ("q", "dout"))
+    k_shape = case.inputs["k"].shape
     scale = case.options.get("scale") or 1 / math.sqrt(q.shape[-1])
-    copies = np.exp(case.options["bias"]) if "bias" in case.options else case.options["mask"].astype(np.float64)
-    shape = q.shape[:-3] + (k.shape[-3], q.shape[-3] // k.shape[-3]) + q.shape[-2:-1] + k.shape[-2:-1]
-    copies = np.broadcast_to(copies, truth["P"].shape).reshape(shape)            # [..., H_kv, G, N_q, N_k]
+    shape = q.shape[:-3] + (k_shape[-3], q.shape[-3] // k_shape[-3], q.shape[-2], k_shape[-2])
+    copies = topk_counts(case.topk[0], case.topk[1], q.shape, k_shape).reshape(shape)   # [..., H_kv, G, N_q, N_k]
     uses = np.nonzero(copies)                                                    # (..., g, h of g, i, j)
     at = lambda x: np.reshape(x, shape)[uses]                                    # each use's
     rows = lambda x: x.reshape(shape[:-1] + x.shape[-1:])[uses[:-1]]             # its query row's
