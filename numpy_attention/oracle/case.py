@@ -171,6 +171,9 @@ def _positions(arrays, name):
     x = np.asarray(arrays[name])
     if x.ndim != 1 or x.dtype.kind not in "iuf":
         raise CaseError(f"{name} must be a 1-d array of positions, got dtype {x.dtype} with shape {x.shape}")
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
+        at = int(np.argmax(~np.isfinite(x)))
+        raise CaseError(f"{name} must hold finite positions, got {name}[{at}] = {x[at]:g}")
     return x
 
 
@@ -277,6 +280,25 @@ def _read_tensors(arrays, precision, layout):
     return tensors
 
 
+def _require_finite(tensors, inputs):
+    """CaseError naming the key when an input the rule cannot judge with holds a value that is
+    not finite: q, k, v, dout and the tangents (after their descales), a NaN or +inf in bias or
+    sinks (-inf masks a score, or is no sink), a non-finite ALiBi slope. An infinite input
+    makes every bound infinite, and anything would pass."""
+    for name, x, allowed in [(n, inputs[n], ()) for n in INPUTS if n in inputs] + [
+            (n, tensors[n].astype(np.float64), (-np.inf,) if n != "alibi_slopes" else ())
+            for n in FLOAT_OPTIONS if n in tensors]:
+        bad = ~np.isfinite(x) & ~np.isin(x, allowed)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            stored = tensors.get(name, x)[where] if name in tensors else x[where]
+            descaled = f" times {name}_descale" if np.isfinite(np.float64(stored)) else ""
+            said = "; -inf masks a score" if allowed else ""
+            raise CaseError(f"{name}{descaled} holds {int(bad.sum())} value(s) that are not finite, e.g. "
+                            f"{name}{list(where)} = {x[where]:g}: crosscheck judges a kernel on finite "
+                            f"inputs{said} (an infinite input makes every bound infinite)")
+
+
 def _dequantized(tensors, precision, block):
     """(q, k, v (dout) as float64 values, {name: (stored values, descale [..., H, N, 1])}): float8
     inputs times their descales (descale_of), the stored values and descales kept for the
@@ -290,9 +312,16 @@ def _dequantized(tensors, precision, block):
     scales = {}
     for name in given:
         x = inputs[name[0]]
-        descale = descale_of(tensors[name].astype(np.float64), x.shape, inputs["k"].shape, block, name)
+        descale = tensors[name].astype(np.float64)
+        bad = ~(np.isfinite(descale) & (descale > 0))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0]) if descale.ndim else ()
+            raise CaseError(f"{name} must hold finite values > 0 (a kernel multiplies {name[0]} by them), got "
+                            f"{descale[where]:g}" + (f" at {list(where)}" if where else ""))
+        descale = descale_of(descale, x.shape, inputs["k"].shape, block, name)
         scales[name[0]] = (x, descale)
-        inputs[name[0]] = x * descale
+        with np.errstate(over="ignore"):                     # an overflow is refused by _require_finite
+            inputs[name[0]] = x * descale
     return inputs, scales
 
 
@@ -358,6 +387,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
             raise CaseError(f"{gradient} is given but {option} is not")
     chosen, block = _fp8_settings(arrays, chosen)
     inputs, scales = _dequantized(tensors, chosen, block)
+    _require_finite(tensors, inputs)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]                  # as stored (a paged cache too)
     options = _decode_options({**arrays, **{n: tensors[n] for n in ("bias", "sinks", "alibi_slopes")
                                             if n in tensors}})

@@ -34,12 +34,12 @@ from ..engines.tiled import tile_scores
 from ..engines.plan import PARALLEL_SCORES, TEXTBOOK, attention_plan, check_scheduler, resolve_workers
 from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
-from . import blocks
+from . import blocks, rule
 from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, latent_sum, split_case
 from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
 from .naive import naive_attention
-from .rotary import turn_qk, turned_case
+from .rotary import angle_error, turn_qk, turned_case
 from .tangents import add_tangents
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
 from .rule import K_L2, CrosscheckReport, atol_for, judge
@@ -48,6 +48,7 @@ from .slices import case_slices, put_together
 ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
 SCALE_STEP = 2.0 ** -20     # the rule's scale check: d oracle / d log(scale) by this step
 HINT_PRECISIONS = ("bfloat16", "float16")   # a float32 result may hold a 16-bit kernel's values
+ZERO_ATOLS = 16            # a tensor this many atols large that an all-zero result passes: unjudgeable
 HINT_VALUES = 8             # nonzero values a result must hold for the hint (chance: 2^-128)
 
 
@@ -328,7 +329,8 @@ def _as_arrays(arrays):
 def _atol(case, name, dtype, oracle, magnitude, given):
     """The tensor's atol (rule.py): the given one; 4 ulps of its largest sum of terms in a
     float32 / float64 precision (of its largest entry for a tangent, which has no term
-    magnitudes). In a 16- or 8-bit one: half an ulp of its largest entry, in the precision's
+    magnitudes), ulps of the precision or of the tensor's dtype, the coarser (float32 results
+    stored as float64 are still a float32 kernel's). In a 16- or 8-bit one: half an ulp of its largest entry, in the precision's
     output dtype at least (a bfloat16 result may come as float32 values), but in its own
     dtype for lse, which kernels keep in float32, and then at least eps(T) / 2 (_summed_in_t);
     and at least 4 float32 ulps of its largest sum of terms, the rounding of the kernel's
@@ -337,8 +339,9 @@ def _atol(case, name, dtype, oracle, magnitude, given):
     if given is not None:
         return given
     largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
-    if not case.precision.recipe:
-        return atol_for(dtype, largest if magnitude is None else magnitude)
+    if not case.precision.recipe:                     # a float32 kernel's results stored as float64: float32's
+        wider = dtype if eps(dtype) >= eps(case.precision.output) else case.precision.output
+        return atol_for(wider, largest if magnitude is None else magnitude)
     ulp = eps(dtype) if name == "lse" else max(eps(dtype), eps(case.precision.output))
     return max(ulp / 2 * largest, _summed_in_t(case, name),
                0.0 if magnitude is None else atol_for(np.float32, magnitude))
@@ -421,8 +424,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         done = {name: latent_sum(x, case.latent) for name, x in _concurrently(jobs, workers).items()}
         truth = done["truth"]
         against = dict(truth)                              # what each candidate tensor is judged against
-        if forward_of is not None:
-            against.update({name: value for name, value in done["own"].items() if name in GRADIENTS})
+        if forward_of is not None:                         # but the truth where the candidate's forward
+            against.update({name: np.where(np.isfinite(value) | ~np.isfinite(truth[name]), value, truth[name])
+                            for name, value in done["own"].items() if name in GRADIENTS})   # is not finite
         bases = baselines(case, want_grads, block_rows, client, workers)
         bases = [latent_sum(b, case.latent, case.precision.output if low else None) for b in bases]
         if tangents:
@@ -438,9 +442,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         ways = _ways(case, want_grads)
         names = [names for names, _ in ways]             # each way's (forward, gradient) names
         offsets = _scale_offsets(case, ways)
-        def verdict(name, count):                        # judged by the first `count` baselines
-            cand = case.candidates[name]
-            return judge(name, _in_base_e(case, name, cand), against[name],
+        def verdict(name, count, cand=None, by=judge):    # judged by the first `count` baselines
+            cand = case.candidates[name] if cand is None else cand
+            return by(name, _in_base_e(case, name, cand), against[name],
                          [b[name].astype(cand.dtype) for b in bases[:count]],
                          baseline_names=[way[name in GRADIENTS] for way in names[:count]],
                          baseline_oracle=truth[name],
@@ -459,6 +463,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         verdicts.update(verdicts_of([name for name in case.candidates if name in GRADIENTS],
                                     len(bases) - reads_out + with_out))
         verdicts = [verdicts[name] for name in case.candidates]
+        zeros = lambda name: verdict(name, len(bases) - reads_out, np.zeros_like(case.candidates[name]), rule.judge)
+        _require_judged(case, verdicts, against, None if atol is not None else zeros)
         failing = [row.name for row in verdicts if not row.passed]
         diagnosis = _diagnosis(arrays, case, truth, bases, failing, whole) if failing else []
     if failing:
@@ -466,6 +472,38 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     kind = "recipe" if case.precision.recipe else "naive, sums left to right"
     return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
+
+
+def _require_judged(case, verdicts, against, verdict_of_zeros):
+    """CaseError naming the first tensor that the case's precision cannot judge:
+    - its bound is not finite where its oracle is (rule.py: it judges nothing): a baseline
+      that overflows the precision, or term magnitudes that overflow float64;
+    - an all-zero result would pass (verdict_of_zeros(name), the default atol only) though
+      the oracle's largest entry is over ZERO_ATOLS atols: the honest baseline's error is as
+      large as the tensor, the result of that precision is noise (rope angles at positions
+      where float32 cannot hold them), and garbage passes as well as an honest kernel."""
+    for row in verdicts:
+        oracle = against[row.name]
+        if not math.isfinite(row.bound) and np.isfinite(oracle).any():
+            why = (f"the {case.precision.name} baseline is NaN or infinite where the float64 oracle is finite: "
+                   f"the case's values overflow {case.precision.compute}" if not math.isfinite(row.baseline_err)
+                   else "the sums of its terms overflow float64 (atol is infinite): the inputs are too large")
+            raise CaseError(f"{row.name} cannot be judged: {why}; no kernel can be held to an infinite bound")
+        largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
+        if verdict_of_zeros is not None and largest > ZERO_ATOLS * row.atol and verdict_of_zeros(row.name).passed:
+            raise CaseError(f"{row.name} cannot be judged in {case.precision.name}: the honest baseline's error "
+                            f"{row.baseline_err:.3g} is as large as {row.name} itself (largest entry "
+                            f"{largest:.3g}), so an all-zero {row.name} would pass{_noise_hint(case)}")
+
+
+def _noise_hint(case):
+    """Why a case's precision computes noise, where it can be told: rope angles in float32 off
+    by radians (rotary.angle_error); else ""."""
+    error = angle_error(case) if case.precision.name != "float64" else 0.0
+    if error < 0.1:
+        return ""
+    return (f"; its rope angles in float32 are off by up to {error:.3g} radians at the case's positions: a "
+            f"{case.precision.name} kernel's turn is noise there (positions past 2^24 keep no fraction in float32)")
 
 
 def _magnitudes(case, truth, whole, block_rows, scheduler, workers):

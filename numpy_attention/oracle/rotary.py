@@ -57,6 +57,28 @@ def _cos_sin(positions, r, settings, compute):
     return tuple(x if compute == np.float32 else round_to(x, compute) for x in values)
 
 
+def angle_error(case):
+    """The largest error, in radians, of the float32 angles a kernel turns the case's q and k by
+    (_cos_sin's theta against float64's), 0.0 without rope: near 1 and beyond, a float32
+    kernel's turn, and its result, are noise (positions past 2^24 hold no fraction in float32)."""
+    rope = case.options.get("rope")
+    if rope is None:
+        return 0.0
+    plain = {name: x for name, x in case.options.items() if name != "rope"}
+    q, k = case.inputs["q"], case.inputs["k"]
+    record = attention_options(q, k, case.inputs["v"], **plain)[3]
+    settings, _, _ = rope_settings(rope)
+    r = settings.get("rotary_dim") or q.shape[-1]
+    worst = 0.0
+    for positions in rope_positions(rope, q.shape[-2], k.shape[-2], record):
+        thetas = []
+        for dtype in (np.float32, np.float64):
+            inv_freq, factor, _ = frequencies(r, settings.get("base", 10000.0), settings.get("scaling"), dtype)
+            thetas.append((np.asarray(positions).astype(dtype) * dtype(factor))[..., None] * inv_freq)
+        worst = max(worst, float(np.max(np.abs(thetas[0].astype(np.float64) - thetas[1]), initial=0)))
+    return worst
+
+
 def turned_case(case):
     """(the case with q and k turned in float64 and no rope, the largest |cos| + |sin| of a
     pair's turn, sqrt(2) times YaRN's magnitude): for the term magnitudes (magnitudes.py), whose

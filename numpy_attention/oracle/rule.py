@@ -68,7 +68,11 @@ there in its non-split kernels (softmax.h: `(sum == 0.f || sum != sum) ? (Split 
 
 NaN-aware both ways: an entry where exactly one of (candidate, oracle) is NaN,
 or where they are different infinities, has error inf; entries where both are
-NaN, or both the same infinity, have error 0.
+NaN, or both the same infinity, have error 0: where the oracle is not finite the
+candidate must match it entry for entry. A bound that is not finite while the oracle
+has finite entries (a baseline NaN or infinite where the oracle is finite, or an
+infinite atol) judges nothing: the verdict fails with "cannot judge", and crosscheck
+refuses such a case (a CaseError), since no kernel can be held to it.
 """
 import json
 import math
@@ -254,7 +258,9 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
                                               np.asarray(scale_direction), k, scale_tol, scale_atol,
                                               scale_offsets or [0.0] * len(baselines))
     failed = []                          # each failed check, in words and numbers
-    if not max_err <= bound:             # said by its non-finite entries if it has any
+    if not math.isfinite(bound) and finite.any():
+        failed.append(unjudgeable(bound, base, atol))
+    elif not max_err <= bound:           # said by its non-finite entries if it has any
         failed += [f"{count} of {err.size} entries {what} where the oracle is finite"
                    for count, what in ((nans, "NaN"), (infs, "inf")) if count] or [
                    f"max abs err {max_err:.2e} > bound {bound:.2e} ({_ratio(max_err, bound):.3g}x)"]
@@ -274,6 +280,14 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
                          oracle=float(oracle[worst]) if err.size else 0.0,
                          passed=not failed, failed=tuple(failed), nans=nans, infs=infs,
                          baseline_way=way)
+
+
+def unjudgeable(bound, base, atol):
+    """The failed check of a tensor whose bound is not finite where its oracle is: nothing can
+    be judged against it (a baseline that overflows the precision, an input too large)."""
+    why = (f"the baseline's error is {base:g} where the oracle is finite" if not math.isfinite(base)
+           else f"atol is {atol:g}")
+    return f"cannot judge: the bound is {bound:g} ({why})"
 
 
 def _ratio(err, base):

@@ -9,6 +9,9 @@ A tensor of a case may be stored as
                                   representable in a 16- or 8-bit precision (checked); for
                                   a float32 / float64 precision the baseline rounds them
 
+A typed array is read as what it is: a 16- or 8-bit array of another format than the
+precision's (a bfloat16 array with precision 'float16') is an error naming both.
+
 The precision (precision.py) is the one the case names (`precision` key or keyword);
 unnamed, it is q's own if q is stored in a 16- or 8-bit format, else that of the
 narrowest candidate tensor (a float16 out with a float32 lse computed in float16).
@@ -25,8 +28,22 @@ class StorageError(ValueError):
 
 
 def is_raw(x):
-    """Raw bit patterns: unsigned integers or void bytes of 1 or 2 bytes."""
-    return x.dtype.kind in "uV" and x.dtype.itemsize in (1, 2)
+    """Raw bit patterns: unsigned integers or void bytes of 1 or 2 bytes (an ml_dtypes array,
+    whose kind NumPy reports as 'V' too, is typed, not raw)."""
+    return x.dtype.kind in "uV" and x.dtype.itemsize in (1, 2) and precision_of(x.dtype) is None
+
+
+def _check_typed(name, x, precision):
+    """A 16- or 8-bit typed array (float16, bfloat16, float8) is read as what it is: in a 16-
+    or 8-bit precision it must be one of that precision's formats, else StorageError naming
+    both (a bfloat16 array is not float16 bits)."""
+    if not precision.recipe or x.dtype.itemsize > 2 or precision_of(x.dtype) is None:
+        return
+    formats = {precision.storage, precision.compute, precision.weights, precision.output}
+    if x.dtype not in formats:
+        raise StorageError(f"{name} is a {x.dtype} array but the precision is {precision.name!r}, which "
+                           f"holds {' and '.join(sorted({str(d) for d in formats}))}: name the precision "
+                           f"the kernel computed in, or store {name} in it")
 
 
 def infer_precision(q, candidates):
@@ -62,6 +79,7 @@ def decode(name, x, precision, role):
             raise StorageError(f"{name} is {x.dtype.itemsize}-byte raw bits (dtype {x.dtype}), which "
                                f"precision {precision.name!r} does not store")
         return np.ascontiguousarray(x).view(widths[x.dtype.itemsize])
+    _check_typed(name, x, precision)
     if precision_of(x.dtype) is None and x.dtype.kind != "f":
         raise StorageError(f"{name} must be a float array (float16/32/64, an ml_dtypes bfloat16 or "
                            f"float8 array, or raw bits), got dtype {x.dtype} with shape {x.shape}")
