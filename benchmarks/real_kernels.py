@@ -70,14 +70,17 @@ def main():
             counts = (len(honest), sum(1 in (o.layout.n_q, o.layout.n_k) for o in honest), len(failed),
                       sum(not o.fa_passed for o in honest))
             totals = [total + n for total, n in zip(totals, counts)]
-            rows.append([kernel, precision] + [str(n) for n in counts]
+            unjudged = sum(isinstance(o.report, str) for o in failed)        # refused: cannot be judged
+            cells = [str(n) for n in counts]
+            cells[2] += f" ({unjudged} unjudged)" if unjudged else ""
+            rows.append([kernel, precision] + cells
                         + [cell(result.planted.get(bug, [])) for bug in rk.BUGS])
             times.append(f"{kernel} {precision}: {result.seconds:.0f} s "
                          f"(first call {result.first_call:.1f} s)")
             print(f"# done {times[-1]}", file=sys.stderr, flush=True)
-    print("honest: cases, those with one query row or one key, failed by crosscheck, failed by "
-          "FlashAttention's rule; planted bugs: caught by crosscheck | by FlashAttention's rule, of "
-          "the cases the bug changes")
+    print("honest: cases, those with one query row or one key, failed by crosscheck (of them refused "
+          "as unjudgeable), failed by FlashAttention's rule; planted bugs: caught by crosscheck | by "
+          "FlashAttention's rule, of the cases the bug changes")
     print(table(["kernel", "dtype", "honest", "1 row/key", "xc fail", "FA fail"] + list(rk.BUGS), rows))
     print("all: {} honest, {} with one row or key, {} failed by crosscheck, {} by FlashAttention's "
           "rule".format(*totals))

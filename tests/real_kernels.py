@@ -58,7 +58,7 @@ import torch_kernels as tk
 
 from numpy_attention import crosscheck
 from numpy_attention._checks import to_numpy
-from numpy_attention.oracle import save_case
+from numpy_attention.oracle import CaseError, save_case
 from numpy_attention.oracle.rule import abs_errors
 
 PRECISIONS = ("float16", "bfloat16", "float32")
@@ -70,7 +70,10 @@ HEAD_DIMS = (32, 64, 128)
 WORK_CAPS = {"small": 2 ** 14, "mid": 2 ** 17, "large": 2 ** 21}
 MID_EVERY = 20                  # every 20th case (or layout) of a campaign is mid-sized
 BUGS = ("scale", "dq_entry", "lse_row", "causal_row", "window", "gqa_group")
-DECODE = ("decode", "decode_causal", "single_key")      # one query row, or one key
+DECODE = ("decode", "decode_causal", "single_key", "alibi_decode")   # one query row, or one key
+# ALiBi's large scores where a row sees one key or few (top-left causal where the kernel has it):
+# one query row over up to 2048 keys, and N_q >> N_k (biases near -1000 at N_q = 2048)
+ALIBI_LARGE = ("alibi_decode", "alibi_tall")
 RECOMPILE_LIMIT = 64            # compiled flex's graphs (a layout and dtype each), torch's default 8
 FA_RTOL = 2.0                   # FlashAttention's tests: err <= 2 * err(reference in dtype) + atol
 FAILURES_DIR = os.path.join(tempfile.gettempdir(), "real_kernel_failures")
@@ -98,7 +101,7 @@ class Kernel(NamedTuple):
 
 
 _SDPA_VARIANTS = ("plain", "padding", "mask", "bias", "causal", "bottom_right", "window", "alibi",
-                  "scale") + DECODE
+                  "scale") + DECODE + ALIBI_LARGE[1:]
 KERNELS = {
     "sdpa_math": Kernel("torch", _SDPA_VARIANTS, True, False, "top_left", "top_left", "zero", True,
                         True, True, 1, ("scale", "dq_entry", "causal_row", "window", "gqa_group")),
@@ -108,18 +111,18 @@ KERNELS = {
                         "top_left", "zero", False, False, True, 1,
                         ("scale", "dq_entry", "lse_row", "causal_row", "gqa_group")),
     "flex": Kernel("torch", ("plain", "padding", "bias", "causal", "bottom_right", "window", "softcap",
-                             "softcap_window", "alibi", "scale") + DECODE,
+                             "softcap_window", "alibi", "scale") + DECODE + ALIBI_LARGE[1:],
                    False, True, "top_left", "bottom_right", "zero", False, False, True, 1,
                    ("scale", "lse_row", "causal_row", "window", "gqa_group")),
     "flex_compiled": Kernel("torch", ("plain", "padding", "bottom_right", "window", "alibi"), False, False,
                             "bottom_right", "bottom_right", "zero", False, False, True, 0,
                             ("causal_row", "window")),
     "jax_xla": Kernel("jax", ("causal", "window", "mask", "padding", "bias", "alibi", "scale",
-                              "plain") + DECODE,          # (its few layouts: causal and window early)
+                              "plain") + DECODE + ALIBI_LARGE[1:],   # (its few layouts: causal, window early)
                       True, True, "top_left", "top_left", "uniform", True, True, True, 10,
                       ("scale", "dq_entry", "lse_row", "causal_row", "window", "gqa_group")),
     "mlx_sdpa": Kernel("mlx", ("plain", "padding", "mask", "bias", "causal", "window", "alibi",
-                               "scale") + DECODE,
+                               "scale") + DECODE + ALIBI_LARGE[1:],
                        True, False, "bottom_right", "bottom_right", "uniform", True, True, True, 1,
                        ("scale", "dq_entry", "causal_row", "window", "gqa_group")),
 }
@@ -148,18 +151,21 @@ def random_layout(rng, variant, kernel, size="small", gqa=None):
     """The shape (and window) of a random case of `variant` for `kernel`, its work within
     WORK_CAPS[size]: lengths from LENGTHS with N_q != N_k (1 only in DECODE's variants, 1024 and
     2048 only in a decoding case
-    or at size "large", where one length is 1024 or 2048, the other 64 or more), batch 1-4, 1-8
-    heads, grouped-query
+    or at size "large", where one length is 1024 or 2048, the other 64 or more; "alibi_tall":
+    N_q >= 256 and 4 N_k <= N_q, at least "mid" sized), batch 1-4, 1-8 heads, grouped-query
     heads half the time where the kernel has them, head widths 32 / 64 / 128 (batch, heads,
     then width reduced to fit the size, else lengths drawn again). gqa True: grouped-query heads
     with at least 2 kv heads (a layout that shows the bug gqa_group), where the kernel has them."""
     spec = KERNELS[kernel]
-    cap = WORK_CAPS[size]
+    cap = WORK_CAPS["mid" if variant == "alibi_tall" and size == "small" else size]   # its rows are long
     longest = 2048 if size == "large" or variant in DECODE else 799
     lengths = [n for n in LENGTHS if n <= longest and (n > 1 or variant in DECODE)]
     while True:
-        if variant in ("decode", "decode_causal"):
+        if variant in ("decode", "decode_causal", "alibi_decode"):
             n_q, n_k = 1, int(rng.choice([n for n in lengths if n > 1]))
+        elif variant == "alibi_tall":                   # N_q >> N_k: one key or a few, far from the rows
+            n_q = int(rng.choice([n for n in LENGTHS if n >= 256]))
+            n_k = int(rng.choice([n for n in LENGTHS if 4 * n <= n_q]))
         elif variant == "single_key":
             n_q, n_k = int(rng.choice(lengths)), 1
         else:
@@ -224,9 +230,12 @@ def random_case(rng, precision, variant, kernel, layout):
         case["scale"] = np.array(float(np.float32(rng.uniform(0.3, 2.0) / math.sqrt(d))))
     elif variant in ("softcap", "softcap_window"):
         case["softcap"] = np.array(float(np.float32(rng.uniform(1.0, 15.0))))
-    elif variant == "alibi":                        # FlashAttention's slopes 2^(-8 (h + 1) / H)
+    elif variant in ("alibi",) + ALIBI_LARGE:       # FlashAttention's slopes 2^(-8 (h + 1) / H)
         slopes = rounded(2.0 ** (-8 * np.arange(1, h + 1) / h))
-        if rng.random() < 0.5 and (n_q <= n_k or spec.fully_masked == "zero"):
+        if variant in ALIBI_LARGE:                  # top-left: the first rows see the first keys
+            if spec.causal == "top_left" or spec.alibi_as_bias:
+                case["causal"] = np.array(True)
+        elif rng.random() < 0.5 and (n_q <= n_k or spec.fully_masked == "zero"):
             case["causal"] = np.array("bottom_right") if spec.bottom_right else np.array(True)
         if spec.alibi_as_bias:                      # -slope |i + N_k - N_q - j|, rounded to the dtype
             distance = np.abs(np.arange(n_q)[:, None] + n_k - n_q - np.arange(n_k)[None, :])
@@ -660,7 +669,7 @@ class Outcome(NamedTuple):
     bug: str                    # None: honest
     passed: bool                # crosscheck's verdict
     fa_passed: bool             # FlashAttention's rule's verdict on the same results
-    report: object              # the CrosscheckReport
+    report: object              # the CrosscheckReport (a refusal's message where it could not judge)
     arrays: dict                # what crosscheck judged: kept for an honest case that failed, else None
 
 
@@ -703,10 +712,10 @@ def campaign(kernel, precision, cases, seed, bugs=BUGS, large=0, plant_all=False
         t0 = time.perf_counter()
         arrays = run(case, kernel)
         first_call = time.perf_counter() - t0 if first_call is None else first_call
-        report = crosscheck(**arrays)
         ref = reference64(arrays)
-        honest.append(Outcome(kernel, precision, variant, layout, None, bool(report),
-                              fa_rule(arrays, report, ref), report, None if report else arrays))
+        passed, fa_passed, report = _judged(arrays, ref)
+        honest.append(Outcome(kernel, precision, variant, layout, None, passed, fa_passed, report,
+                              None if passed else arrays))
         able = [bug for bug in planted if plants(case, kernel, bug)]
         if (i >= cases and not plant_large) or i % plant_every:
             able = []
@@ -714,10 +723,19 @@ def campaign(kernel, precision, cases, seed, bugs=BUGS, large=0, plant_all=False
             able = [min(able, key=lambda bug: len(planted[bug]))]
         for bug in able:
             bad = run(case, kernel, bug)
-            bad_report = crosscheck(**bad)
-            planted[bug].append(Outcome(kernel, precision, variant, layout, bug, bool(bad_report),
-                                        fa_rule(bad, bad_report, ref), bad_report, None))
+            planted[bug].append(Outcome(kernel, precision, variant, layout, bug, *_judged(bad, ref), None))
     return Campaign(honest, planted, time.perf_counter() - started, first_call)
+
+
+def _judged(arrays, ref):
+    """(crosscheck's verdict, FlashAttention's rule's, the CrosscheckReport) of a kernel's results;
+    a case crosscheck cannot judge (CaseError) is no PASS: False, FlashAttention's rule not
+    applied (True), and the refusal's message in place of the report."""
+    try:
+        report = crosscheck(**arrays)
+    except CaseError as exc:
+        return False, True, f"crosscheck: cannot be judged: {exc}"
+    return bool(report), fa_rule(arrays, report, ref), report
 
 
 def false_failures(outcomes):

@@ -282,7 +282,8 @@ def test_the_term_sums_of_per_sequence_slopes_sum_each_sequence_alone():
     v_lengths = np.repeat(np.linalg.norm(inputs["v"], axis=-1), 2, axis=0)[:, None, :]   # [H, 1, N_k]
     dots = (np.linalg.norm(inputs["dout"], axis=-1)[..., None]                           # dP's, D's terms
             * (v_lengths + np.sum(P * v_lengths, -1, keepdims=True)))
-    terms = (n_q + n_k) * np.sum(P * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None] + dots),
+    w = 1 + np.abs(stages["S"]) / 4                                    # each weight's rounding (no lse given)
+    terms = (n_q + n_k) * np.sum(P * ((np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]) * w + dots),
                                  -1)                                                       # [H, N_q]
     per_sequence = [terms[:, CU_Q[b]:CU_Q[b + 1]].sum(-1) for b in range(4)]                         # [B][H]
     whole = [((Ellipsis, slice(None), slice(None)), stages)]

@@ -234,10 +234,11 @@ def test_crosscheck_keyword_arguments_are_checked(kwargs, exc, message):
 
 
 def test_atol_is_four_ulps_of_the_largest_sum_of_terms():
-    """atol = 4 eps(float32) M, M computed here independently (float64, no mask): for out
-    max_i sum_j P_ij max|v| = max|v|; for dq scale max|k| max_i sum_j P_ij (|dP_ij| + |D_i| +
-    ||dout_i|| (||v_j|| + ||out_i||)), the products' terms bounded by the rows' lengths; for
-    lse max|S| + scale max||q_i|| max||k_j|| + log N_k."""
+    """atol = 4 eps(float32) M, M computed here independently (float64, no mask), each weight
+    P_ij counted with its own rounding, w_ij = 1 + (|S_ij| + |lse_i|) / 4 (one ulp of its
+    argument's terms): for out max_i sum_j P_ij w_ij max|v|; for dq scale max|k| max_i sum_j
+    P_ij ((|dP_ij| + |D_i|) w_ij + ||dout_i|| (||v_j|| + ||out_i||)), the products' terms bounded
+    by the rows' lengths; for lse max|S| + scale max||q_i|| max||k_j|| + log N_k."""
     rng = np.random.default_rng(7)
     q, k, v, dout = (rng.standard_normal((1, 2, 4, 8)) for _ in range(4))
     out, cache = attention_forward(*(x.astype(np.float32) for x in (q, k, v)))
@@ -248,13 +249,15 @@ def test_atol_is_four_ulps_of_the_largest_sum_of_terms():
     D = np.sum(dout * (P @ v), -1, keepdims=True)
     length = lambda x: np.linalg.norm(x, axis=-1)
     dots = length(dout)[..., None] * (length(v)[..., None, :] + (P @ length(v)[..., None]))
-    M = {"out": np.abs(v).max(),
-         "dq": np.max(np.sum(P * (np.abs(dout @ np.swapaxes(v, -1, -2)) + np.abs(D) + dots), -1))
+    lse = np.log(np.sum(np.exp(s), -1, keepdims=True))
+    w = 1 + (np.abs(s) + np.abs(lse)) / 4
+    M = {"out": np.max(np.sum(P * w, -1)) * np.abs(v).max(),
+         "dq": np.max(np.sum(P * ((np.abs(dout @ np.swapaxes(v, -1, -2)) + np.abs(D)) * w + dots), -1))
          * np.abs(k).max() / np.sqrt(8),
          "lse": np.abs(s).max() + length(q).max() * length(k).max() / np.sqrt(8) + np.log(4)}
     rows = {r.name: r for r in crosscheck(q=q, k=k, v=v, dout=dout, out=out, dq=dq, lse=cache.lse).rows}
     for name in M:
-        assert rows[name].atol == pytest.approx(4 * np.finfo(np.float32).eps * M[name], rel=1e-9)
+        assert rows[name].atol == pytest.approx(4 * np.finfo(np.float32).eps * M[name], rel=1e-9), name
 
 
 def test_judge_refuses_shapes_that_differ():
@@ -287,7 +290,8 @@ def test_per_head_term_sums_add_up_over_the_batch_where_the_vector_broadcasts(sl
     assert sums["dsinks"] > sink_terms.max() * 1.01                          # more than one b's
     v_lengths, dout_lengths = (np.linalg.norm(inputs[name], axis=-1) for name in ("v", "dout"))
     dots = dout_lengths[..., None] * (v_lengths[..., None, :] + P @ v_lengths[..., None])
-    terms = P * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None] + dots)
+    w = 1 + np.abs(stages["S"]) / 4                                           # each weight's rounding (no lse given)
+    terms = P * ((np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]) * w + dots)
     per_head = 2 * N * terms.sum((-2, -1))                                     # reach = N_q + N_k
     expected = per_head.sum(0).max() if slopes_shape == (H,) else per_head.max()
     assert sums["dalibi_slopes"] == pytest.approx(expected)

@@ -4,6 +4,7 @@ are counted, not hidden by the norms (which leave them out); every line fits in 
 characters. Candidates: our float64 attention rounded to the case's dtype, the bfloat16
 recipe (test_crosscheck_precisions.bf16_case), each perturbed; and judge on plain arrays."""
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -189,6 +190,17 @@ def test_to_json_has_the_failed_checks_and_the_counts():
     assert len(tensors["out"]["failed"]) == 4 and tensors["lse"]["failed"] == []
 
 
+def test_to_json_is_standard_json_with_null_for_a_check_not_applied():
+    """A float32 report has no normwise, row or scale check (NaN fields): null, not "nan"."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 2, 4, 8)).astype(np.float32) for _ in range(3))
+    out, _ = na.attention_forward(q, k, v)
+    text = crosscheck(q=q, k=k, v=v, out=out).to_json()
+    row = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON {name}"))["tensors"][0]
+    assert [row[key] for key in ("l2_k", "row_ratio", "scale_err", "scale_bound")] == [None] * 4
+    assert "nan" not in text.lower().replace('"nans"', "")
+
+
 # ----------------------------------------------------------------------------- the baseline's way
 
 def test_the_verdict_names_the_baseline_whose_error_is_the_bound():
@@ -226,3 +238,26 @@ def test_a_baseline_ways_own_scale_error_does_not_widen_the_scale_check():
     wide = judge("out", oracle, oracle, [honest, rounded_scale], **settings)
     kept = judge("out", oracle, oracle, [honest, rounded_scale], scale_offsets=[0.0, 3e-3], **settings)
     assert wide.scale_bound > 2 * 3e-3 * 0.9 and kept.scale_bound < 1e-3      # k times the noise
+
+
+# ----------------------------------------------------------------------------- progress
+
+def test_a_large_case_reports_its_stages_and_a_small_one_is_quiet(monkeypatch, tmp_path, capsys):
+    """A case of PROGRESS_SCORES scores or more (minutes of work) says each stage on stderr, with
+    the seconds since the command started; a smaller one prints nothing but the report."""
+    from numpy_attention.commands.cli import main
+    from numpy_attention.oracle import check
+
+    path = str(tmp_path / "case.npz")
+    write_example_case(path)
+    assert main(["crosscheck", path]) == 0
+    assert capsys.readouterr().err == ""
+    said = []
+    write = {name: np.asarray(x) for name, x in np.load(path).items()}
+    monkeypatch.setattr(check, "PROGRESS_SCORES", 2 * 4 * 6 * 9)           # the example's scores
+    assert crosscheck(**write, progress=said.append)
+    assert said == ["a case of 432 scores: the oracle in float64", "the float32 baselines (1 way)",
+                    "the term magnitudes", "the verdicts"]
+    assert main(["crosscheck", path]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [re.sub(r" \(\d+ s\)$", "", line) for line in lines] == [f"numpy-attention crosscheck: {s}" for s in said]

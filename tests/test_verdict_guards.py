@@ -159,3 +159,79 @@ def test_non_finite_rope_positions_are_bad_input():
         with pytest.raises(CaseError, match=r"rope_positions_k must hold finite positions.*\[2\]"):
             na.crosscheck(q=q, k=k, v=v, out=out.astype(np.float32), rope_layout=np.array("half"),
                           rope_positions_k=positions)
+
+
+def test_unknown_keywords_are_refused_even_set_to_none():
+    """crosscheck dropped None before checking names: attn_mask=None (torch's) or a typo passed
+    unread. Now the name is refused, with torch's advice where it has one."""
+    q, k, v, out = _case()
+    with pytest.raises(CaseError, match="unknown key 'attn_mask': a boolean attn_mask is mask="):
+        na.crosscheck(q=q, k=k, v=v, out=out, attn_mask=None)
+    with pytest.raises(CaseError, match="unknown key 'bogus'"):
+        na.crosscheck(q=q, k=k, v=v, out=out, bogus=None)
+    assert na.crosscheck(q=q, k=k, v=v, out=out.astype(np.float32), lse=None, bias=None)
+
+
+def test_layout_bnhd_on_a_bhnd_case_says_to_drop_it():
+    """--layout bnhd on a case already in [..., H, N, d] quoted transposed shapes and advised a
+    transpose; now it quotes the stored shapes and says they fit the default layout."""
+    q, k, v, out = _case((1, 4, 6, 8), n_k=9)
+    k, v = k[:, :2], v[:, :2]
+    with pytest.raises(CaseError, match=r"q \(1, 4, 6, 8\), k \(1, 2, 9, 8\), v \(1, 2, 9, 8\) do not fit "
+                                        r"\[\.\.\., N, H, d\] \(layout 'bnhd'\); as stored they fit"):
+        na.crosscheck(q=q, k=k, v=v, out=out, layout="bnhd")
+    with pytest.raises(CaseError, match=r"q \(1, 4, 6, 8\), k \(1, 3, 9, 8\).* as stored, read as \[\.\.\., N, H, d\]"):
+        na.crosscheck(q=q, k=k[:, :1].repeat(3, 1), v=v[:, :1].repeat(3, 1), out=out, layout="bnhd")
+
+
+def test_a_case_too_large_for_this_machine_is_refused_before_its_scores_are_allocated(monkeypatch):
+    """A 13 MB top-k case asked for 95 GiB (its lists become a dense keep-mask) and was refused
+    only by a MemoryError after gigabytes were allocated. The peak is estimated from the shapes
+    first (oracle/memory.py): here against an available memory set to 1 GiB."""
+    import tracemalloc
+
+    from numpy_attention.oracle import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2 ** 30)
+    q = RNG.standard_normal((1, 1, 4096, 8)).astype(np.float32)
+    k = RNG.standard_normal((1, 1, 65536, 8)).astype(np.float32)
+    indices = RNG.integers(0, 65536, (1, 1, 4096, 4)).astype(np.int32)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CaseError, match=r"the case needs about \d+\.\d GiB \(its arrays 0\.00 GiB, "
+                                            r"268,435,456 scores in blocks.*the dense keep-mask its top-k lists.*"
+                                            r"this machine has 1\.0 GiB available"):
+            na.crosscheck(q=q, k=k, v=k, out=q, topk_indices=indices)
+        assert tracemalloc.get_traced_memory()[1] < 64 * 2 ** 20           # nothing of the scores' size
+    finally:
+        tracemalloc.stop()
+    whole_q, whole_k = (RNG.standard_normal((1, 8, 1024, 8)).astype(np.float32) for _ in range(2))
+    with pytest.raises(CaseError, match=r"8,388,608 scores formed whole.*1\.0 GiB available"):
+        na.crosscheck(q=whole_q, k=whole_k, v=whole_k, out=whole_q)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 4 * 2 ** 30)
+    small_q, small_k, small_v, small_out = _case()
+    assert na.crosscheck(q=small_q, k=small_k, v=small_v, out=small_out.astype(np.float32))
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_sixteen_bit_baselines_follow_the_fully_masked_policy(precision):
+    """The 16-bit recipe filled a row with no key with 0 whatever the policy: with 'uniform' (MLX's,
+    JAX's) its error was the whole mean of v, the bound as large, and a kernel that zeroes those
+    rows passed. Now the baseline averages v there too: honest passes, zeros in those rows fail."""
+    dtype = ml_dtypes.bfloat16 if precision == "bfloat16" else np.float16
+    rng = np.random.default_rng(8)
+    q, dout = (rng.standard_normal((1, 2, 9, 16)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 3, 16)).astype(dtype) for _ in range(2))
+    wide = [x.astype(np.float64) for x in (q, k, v, dout)]
+    for policy, wrong in (("uniform", 0.0), ("nan", 0.0)):
+        out, cache = na.attention_forward(*wide[:3], causal="bottom_right", fully_masked=policy)
+        grads = na.attention_backward(wide[3], cache)
+        honest = dict(out=out, dq=grads.dq, dk=grads.dk, dv=grads.dv)
+        arrays = dict(q=q, k=k, v=v, dout=dout, causal=np.array("bottom_right"), fully_masked=np.array(policy))
+        report = na.crosscheck(**arrays, **{n: x.astype(dtype) for n, x in honest.items()})
+        assert report, str(report)
+        assert report.rows[0].bound < 0.05
+        zeroed = out.copy()
+        zeroed[..., :6, :] = wrong                               # the rows with no key, as 'zero' fills them
+        assert not na.crosscheck(**arrays, **{**{n: x.astype(dtype) for n, x in honest.items()},
+                                              "out": zeroed.astype(dtype)})

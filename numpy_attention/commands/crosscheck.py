@@ -12,12 +12,14 @@ the same; no matplotlib, or a figure that cannot be written, is bad input (2).
 import argparse
 import importlib.util
 import math
+import sys
+import time
 
 from ..oracle import CaseError, crosscheck, load_case, write_example_case
 from ..oracle.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
 from ..oracle.errormap import crosscheck_errors, draw_error_maps, require_matplotlib
 from ..oracle.precision import PRECISIONS
-from .cli import UsageError, import_object, integer
+from .cli import PROG, UsageError, import_object, integer
 
 HELP = "judge another attention's results against the oracle"
 DESCRIPTION = """\
@@ -116,6 +118,14 @@ def _cluster(address):
     return address
 
 
+def _progress():
+    """crosscheck's progress: each stage of a large case as a line on stderr, with the seconds
+    since the command started, so that minutes of work are not silent."""
+    start = time.perf_counter()
+    return lambda text: print(f"{PROG} crosscheck: {text} ({time.perf_counter() - start:.0f} s)",
+                              file=sys.stderr, flush=True)
+
+
 def run(args):
     if args.write_example:
         try:
@@ -139,7 +149,8 @@ def run(args):
             if given is not None:
                 arrays[name] = given
         settings = {"own_forward": args.own_forward, "k_factors": args.k, "atol": args.atol,
-                    "scheduler": _cluster(args.scheduler), "workers": args.workers}
+                    "scheduler": _cluster(args.scheduler), "workers": args.workers,
+                    "progress": _progress()}
         for name in ("score_mod", "mask_mod"):
             spec = getattr(args, name)
             if spec is not None:

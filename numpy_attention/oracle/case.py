@@ -50,6 +50,7 @@ from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
 from ..sparse import block_indices, check_lists, listed
 from .precision import ACCUMULATOR_BITS, PRECISIONS, Precision, round_to
+from .memory import too_large
 from .npz import read_npz
 from .storage import StorageError, decode, infer_precision
 
@@ -237,6 +238,14 @@ def _require_lse_shape(lse, shape):
                         f"to a multiple of 128; pass lse[..., :{n}]")
 
 
+def check_keys(names):
+    """CaseError for the first name that is not a case key: how to pass it, a close match, or
+    the keys (crosscheck's keywords too, even set to None: a torch name must not pass unread)."""
+    unknown = sorted(set(names) - set(KEYS))
+    if unknown:
+        raise CaseError(_unknown_key(unknown[0]))
+
+
 def _unknown_key(name):
     """The message for a key a case does not have: how to pass it, a close match, or the keys."""
     close = difflib.get_close_matches(name, KEYS, n=1)
@@ -353,17 +362,17 @@ def descale_of(descale, shape, k_shape, block, name):
                     f"[..., H] = {tuple(heads)} per head, [..., H, N] = {tuple(shape[:-1])} per token{blocks}")
 
 
-def split_case(arrays, *, precision=None, layout=None, lse_base=None):
+def split_case(arrays, *, precision=None, layout=None, lse_base=None, memory=False):
     """Validate a case; return a Case (inputs, options, candidates, precision, lse_base).
 
     precision, layout ('bhnd' or FlashAttention's 'bnhd') and lse_base ('e' or '2') may
     come as keywords or as keys of the case. Checked in this order, so that a mistake is
     blamed on the tensor that has it: the keys; q, k, v against each other; the options;
     the upstream gradient and the candidate's tensors. Raises CaseError naming the key.
+    memory: also refuse a case that crosscheck would need more memory to judge than this
+    machine has (memory.py), before anything of the size of its scores is allocated.
     """
-    unknown = sorted(set(arrays) - set(KEYS))
-    if unknown:
-        raise CaseError(_unknown_key(unknown[0]))
+    check_keys(arrays)
     for name in ("q", "out") + (("k", "v") if "kv" not in arrays else ()):
         if name not in arrays:
             raise CaseError(f"missing key {name!r}")
@@ -392,11 +401,16 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
     options = _decode_options({**arrays, **{n: tensors[n] for n in ("bias", "sinks", "alibi_slopes")
                                             if n in tensors}})
     inputs, options, paged = _packed_if_paged(arrays, inputs, options)
+    _check_qkv(inputs, layout)
+    if memory:                                                       # before the scores' size is taken
+        refused = too_large(sum(np.asarray(x).nbytes for x in arrays.values()),
+                            inputs["q"].shape[:-1] + inputs["k"].shape[-2:-1], "topk_indices" in arrays)
+        if refused:
+            raise CaseError(refused)
     topk = _topk(arrays, inputs, options, paged)
     if topk is not None:
         options = {**options, **topk_keep(topk[0], topk[1], inputs["q"].shape, inputs["k"].shape)}
     try:
-        attention_options(inputs["q"], inputs["k"], inputs["v"])     # q, k, v against each other
         plain = {name: x for name, x in options.items() if name != "rope"}
         record = attention_options(inputs["q"], inputs["k"], inputs["v"], **plain)[3]
     except (ValueError, TypeError) as exc:
@@ -429,6 +443,26 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None):
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
                 precision=chosen, layout=layout, lse_base=lse_base, paged=paged, latent=latent,
                 scales=scales or None, topk=topk)
+
+
+def _check_qkv(inputs, layout):
+    """q, k, v against each other (attention_options' checks), CaseError naming the shapes; in
+    layout 'bnhd' the shapes as stored, and whether they fit the default [..., H, N, d] as they
+    are (the layout given to a case that needs none)."""
+    qkv = [inputs[name] for name in ("q", "k", "v")]
+    try:
+        attention_options(*qkv)
+    except (ValueError, TypeError) as exc:
+        if layout != "bnhd":
+            raise CaseError(str(exc)) from None
+        stored = [np.swapaxes(x, -2, -3) for x in qkv]
+        said = ", ".join(f"{name} {x.shape}" for name, x in zip("qkv", stored))
+        try:
+            attention_options(*stored)
+        except (ValueError, TypeError):
+            raise CaseError(f"{said} as stored, read as [..., N, H, d] (layout 'bnhd'): {exc}") from None
+        raise CaseError(f"{said} do not fit [..., N, H, d] (layout 'bnhd'); as stored they fit [..., H, N, d], "
+                        f"the default layout: drop layout='bnhd'") from None
 
 
 def _latent_kv(arrays, tensors):

@@ -35,7 +35,8 @@ from ..engines.plan import PARALLEL_SCORES, TEXTBOOK, attention_plan, check_sche
 from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
 from . import blocks, rule
-from .case import CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, latent_sum, split_case
+from .case import (CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, check_keys, latent_sum,
+                   split_case)
 from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
 from .naive import naive_attention
@@ -48,6 +49,7 @@ from .slices import case_slices, put_together
 ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
 SCALE_STEP = 2.0 ** -20     # the rule's scale check: d oracle / d log(scale) by this step
 HINT_PRECISIONS = ("bfloat16", "float16")   # a float32 result may hold a 16-bit kernel's values
+PROGRESS_SCORES = 2 ** 22   # a case this large (some seconds and up) reports its stages to `progress`
 ZERO_ATOLS = 16            # a tensor this many atols large that an all-zero result passes: unjudgeable
 HINT_VALUES = 8             # nonzero values a result must hold for the hint (chance: 2^-128)
 
@@ -160,7 +162,7 @@ def baseline(inputs, options, dtype, gradients=True, block_rows=None):
 
 def _recomputed_stages(truth, inputs, options, block_rows):
     """The tiled oracle's stages block by block (for term_magnitudes on a large case): S of
-    the block's rows in float64, P = exp(S - lse) from the oracle's lse (P~ = P: no dropout),
+    the block's rows in float64, P = exp(S - lse) from the oracle's lse (P~ = P: no dropout), lse,
     dP = dout v^T and D = rowsum(dout * out) from the oracle's out. Yields (index, stages)."""
     q, k, v, dout, record, _, _ = _case_in(inputs, options, np.float64)
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
@@ -174,7 +176,7 @@ def _recomputed_stages(truth, inputs, options, block_rows):
             continue
         with np.errstate(invalid="ignore"):
             p = np.where(np.isneginf(lse[..., r, None]), 0, np.exp(s - lse[..., r, None]))
-        stages = {"S": s, "P": p, "P~": p}
+        stages = {"S": s, "P": p, "P~": p, "lse": lse[..., r]}
         if dout is not None and "dq" in truth:
             dout_r = with_head_axis(dout)[..., r, :]
             stages.update(dP=grouped_matmul(dout_r, np.swapaxes(v3, -1, -2)),
@@ -322,7 +324,9 @@ def _block_rows(case):
 
 def _as_arrays(arrays):
     """The keyword arguments as NumPy arrays (_checks.to_numpy: torch's bfloat16 and float8
-    tensors become ml_dtypes arrays); None means absent."""
+    tensors become ml_dtypes arrays); None means absent, for a case key (another name is a
+    CaseError even as None: attn_mask=None is torch's, read as nothing)."""
+    check_keys(arrays)
     return {name: to_numpy(x, name) for name, x in arrays.items() if x is not None}
 
 
@@ -355,7 +359,7 @@ def _summed_in_t(case, name):
 
 def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False, k_factors=None,
                atol=None, scheduler=None, workers=None, judge=judge, score_mod=None, mask_mod=None,
-               score_mod_params=None, score_mod_vjps=None, **arrays):
+               score_mod_params=None, score_mod_vjps=None, progress=None, **arrays):
     """Judge each candidate tensor among `arrays` (the .npz keys) against the oracle.
 
     Args:
@@ -387,6 +391,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         score_mod, mask_mod, score_mod_params, score_mod_vjps: FlexAttention's mods the candidate computed
             with (attention_forward's; scores.py), applied by the oracle and by every
             baseline in its own precision's way (a .npz case cannot hold a function).
+        progress: a function called with a line of text as each stage starts (the oracle, the
+            baselines, the term magnitudes, the verdicts, the diagnosis), on a case of at least
+            PROGRESS_SCORES scores, which takes from seconds to minutes; None: quiet.
     Every tensor is held to the baseline of the case's precision (a float16 kernel's float32
     lse is judged against float16 scores); the oracle computes in float64 (np.longdouble
     for a float64 precision). Overflow in a case shows as inf / NaN errors in the report,
@@ -400,7 +407,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     atol = None if atol is None else require_nonnegative_real(atol, "atol")
     scheduler = check_scheduler(scheduler)
     arrays = _as_arrays(arrays)
-    case = split_case(arrays, precision=precision, layout=layout, lse_base=lse_base)
+    case = split_case(arrays, precision=precision, layout=layout, lse_base=lse_base, memory=True)
     mods = {"score_mod": score_mod, "mask_mod": mask_mod, "score_mod_params": score_mod_params,
             "score_mod_vjps": score_mod_vjps}
     case = case._replace(options={**case.options, **{name: f for name, f in mods.items() if f is not None}})
@@ -414,6 +421,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     if tangents and not whole:
         raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
     low = case.precision.recipe                          # a 16- or 8-bit precision
+    scores = blocks.score_entries(_score_shape(case))
+    say = progress if progress is not None and scores >= PROGRESS_SCORES else lambda text: None
+    say(f"a case of {scores:,} scores" + (", in blocks of rows" if not whole else "") + f": the oracle in {wide}")
     with np.errstate(all="ignore"), cluster(None if whole else scheduler) as client:
         oracle = partial(reference, case.inputs, case.options, wide, stages=whole, scheduler=client)
         jobs = {"truth": partial(oracle, want_grads)}
@@ -427,11 +437,14 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         if forward_of is not None:                         # but the truth where the candidate's forward
             against.update({name: np.where(np.isfinite(value) | ~np.isfinite(truth[name]), value, truth[name])
                             for name, value in done["own"].items() if name in GRADIENTS})   # is not finite
+        count = len(_ways(case, want_grads))
+        say(f"the {case.precision.name} baselines ({count} way{'s' * (count > 1)})")
         bases = baselines(case, want_grads, block_rows, client, workers)
         bases = [latent_sum(b, case.latent, case.precision.output if low else None) for b in bases]
         if tangents:
             add_tangents(case, truth, bases, wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
+        say("the term magnitudes")
         mags = _magnitudes(case, truth, whole, block_rows, client, workers)
         if case.latent is not None and "dk" in mags:     # MLA's dkv: the terms of dk and of dv
             mags["dkv"] = mags["dk"] + mags["dv"]
@@ -457,6 +470,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         def verdicts_of(names, count):                   # {name: verdict}, the tensors on threads
             return _concurrently({name: partial(verdict, name, count) for name in names}, workers)
 
+        say("the verdicts")
         reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
         verdicts = verdicts_of([name for name in case.candidates if name not in GRADIENTS], len(bases) - reads_out)
         with_out = reads_out and verdicts["out"].passed            # an out that passes is one a kernel's
@@ -466,6 +480,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         zeros = lambda name: verdict(name, len(bases) - reads_out, np.zeros_like(case.candidates[name]), rule.judge)
         _require_judged(case, verdicts, against, None if atol is not None else zeros)
         failing = [row.name for row in verdicts if not row.passed]
+        if failing:
+            say("the diagnosis")
         diagnosis = _diagnosis(arrays, case, truth, bases, failing, whole) if failing else []
     if failing:
         diagnosis = _precision_hint(arrays, case, settings) + diagnosis

@@ -13,6 +13,15 @@ too, bounded by Cauchy-Schwarz with the rows' lengths:
          ||q_i|| ||k_j|| (the longest rows: decoding's one key nearly orthogonal to q gives
          lse = S = 0.001, rounded at the size of q and k), plus log N_k
 
+Every weight is exp of an argument that is a difference of terms, P_ij = exp(S_ij - lse_i)
+(the forward's S_ij - m_i, the backward's recomputation from lse, in base 2 or e): it rounds
+at their size, so P_ij is off by a relative EXPONENT_ULPS * eps (|S_ij| + |lse_i|) in any
+kernel, however exact its sums. Each P_ij in the terms above counts with that weight too,
+P_ij (1 + EXPONENT_ULPS / ATOL_ULPS (|S_ij| + |lse_i|)). It matters where the scores are
+large (ALiBi's -slope |i - j| near -1000) and a row sees one key: the baseline's lse is then
+S exactly and its P exactly 1, while a kernel's lse, computed in base 2 or from a scale
+rounded apart, is off by eps |S|, and so is every weight it recomputes from it.
+
 A per-head vector's gradient (dsinks, dalibi_slopes) sums over every row of its head, and
 over the batch where the vector is broadcast along it (sinks [H]), or for ALiBi slopes [B, H]
 of packed sequences over the rows of its sequence alone; so do its terms.
@@ -21,14 +30,17 @@ import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
 from ..scores import slopes_sum
+from .rule import ATOL_ULPS
+
+EXPONENT_ULPS = 1           # the rounding of a weight's argument S - lse, in ulps of its terms
 
 
 def term_magnitudes(stage_blocks, inputs, options):
     """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages.
 
     stage_blocks: (index, stages) for blocks of query rows of the scores (index as in
-    blocks.py), stages the block's S, P, P~ [..., H, b, N_k] (with gradients also dP
-    [..., H, b, N_k] and D [..., H, b]) in float64. Sums along a row (out, dq) are maxed
+    blocks.py), stages the block's S, P, P~ [..., H, b, N_k], optionally lse [..., H, b] (with
+    gradients also dP [..., H, b, N_k] and D [..., H, b]) in float64. Sums along a row (out, dq) are maxed
     over the blocks, sums down a column (dv, dk, dbias) added up. NaN weights (the 'nan'
     policy's fully masked rows) are terms of 0.
     """
@@ -52,8 +64,11 @@ def term_sums(stage_blocks, inputs, options):
     slope_rows = np.zeros(with_head_axis(q).shape[:-1])   # [..., H, N_q] each row's ALiBi terms
     reach = q.shape[-2] + k.shape[-2]                  # ALiBi's distances are below N_q + N_k
     for index, stages in stage_blocks:
-        p_drop, kept = np.nan_to_num(stages["P~"]), stages["S"]
-        row_max["out"] = max(row_max["out"], np.sum(p_drop, -1).max(initial=0))
+        kept = stages["S"]
+        weight = 1 + EXPONENT_ULPS / ATOL_ULPS * _exponent_terms(kept, stages.get("lse"))
+        p_drop = np.nan_to_num(stages["P~"])
+        rounded = p_drop * weight                               # each weight with its own rounding
+        row_max["out"] = max(row_max["out"], np.sum(rounded, -1).max(initial=0))
         row_max["lse"] = max(row_max["lse"], np.abs(kept[np.isfinite(kept)]).max(initial=0))
         if "dP" not in stages:
             continue
@@ -61,10 +76,10 @@ def term_sums(stage_blocks, inputs, options):
         # ||dout_i|| ||v_j|| and ||dout_i|| ||out_i||, ||out_i|| <= sum_j P~_ij ||v_j||
         out_lengths = np.sum(p_drop * v_lengths, -1, keepdims=True)
         dots = dout_lengths[index[:-1]][..., None] * (v_lengths + out_lengths)
-        terms = np.nan_to_num(stages["P"] * (np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]
+        terms = np.nan_to_num(stages["P"] * ((np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]) * weight
                                              + dots))
         row_max["dq"] = max(row_max["dq"], np.sum(terms, -1).max(initial=0))    # |dS|'s terms
-        col_sum = {"dv": col_sum["dv"] + np.sum(p_drop, -2),
+        col_sum = {"dv": col_sum["dv"] + np.sum(rounded, -2),
                    "dk": col_sum["dk"] + np.sum(terms, -2)}
         p_sink = np.clip(1 - np.sum(np.nan_to_num(stages["P"]), -1), 0, None)      # a sink's weight
         head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1)}
@@ -105,6 +120,15 @@ def magnitudes_of(sums, inputs, options):
     return mags
 
 
+def _exponent_terms(scores, lse):
+    """|S_ij| + |lse_i| [..., b, N_k], the terms of a weight's argument (0 where a score is
+    masked or an lse is not finite); |S| alone without lse."""
+    terms = np.where(np.isfinite(scores), np.abs(scores), 0)
+    if lse is not None:
+        terms = terms + np.where(np.isfinite(lse), np.abs(lse), 0)[..., None]
+    return terms
+
+
 def _lengths(x):
     """The length ||x_i||_2 of each row of x (the last axis), in float64."""
     return np.sqrt(np.sum(np.square(np.asarray(x, np.float64)), axis=-1))
@@ -121,6 +145,6 @@ def _kv_column_max(col_sum, h_kv):
 def whole_stages(truth):
     """The oracle's stages as one block of all rows (for term_magnitudes), as [..., H, N_q, N_k]."""
     shape = with_head_axis(truth["S"]).shape
-    stages = {name: truth[name].reshape(shape[:-1] if name == "D" else shape).astype(np.float64)
-              for name in ("S", "P", "P~", "dP", "D") if name in truth}
+    stages = {name: truth[name].reshape(shape[:-1] if name in ("D", "lse") else shape).astype(np.float64)
+              for name in ("S", "P", "P~", "dP", "D", "lse") if name in truth}
     return [((Ellipsis, slice(None), slice(None)), stages)]

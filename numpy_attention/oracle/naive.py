@@ -116,6 +116,12 @@ def naive_attention(q, k, v, options, dout=None, block_rows=None):
     return result
 
 
+def masked_row_weight(policy, n_k):
+    """Each weight of a row whose keys are all masked, by the fully_masked policy: 'zero' 0,
+    'uniform' 1 / N_k (the mean of v), 'nan' NaN."""
+    return {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[policy]
+
+
 def _forward_block(q, k, v, o, score_shape, index):
     """The forward of one block, q [..., H_kv, b, d_k]: dict out [..., H_kv, b, d_v], lse
     [..., H_kv, b] and, for the backward, S, the score steps' Saved, dead rows and the dropout."""
@@ -128,7 +134,7 @@ def _forward_block(q, k, v, o, score_shape, index):
     e = np.exp(s_row - m)
     total = recursive_rowsum(e)
     dead = total == 0                                              # a fully masked row
-    fill = {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[o.fully_masked]   # (no key: 'zero' only)
+    fill = masked_row_weight(o.fully_masked, n_k)                   # (no key: 'zero' only)
     p_row = np.where(dead, fill, e / np.where(dead, 1, total)).astype(s.dtype)
     p = p_row[..., :n_k]
     with np.errstate(divide="ignore"):

@@ -56,6 +56,7 @@ from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcas
 from .. import scores
 from ..scores import alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask, with_sink
 from .blocks import block_of, row_slices
+from .naive import masked_row_weight
 
 
 TILE_ROWS, TILE_COLS = 32, 512
@@ -293,7 +294,8 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
     keep = keep_mask(o, score_shape, index)
     rounding = scores.Rounding(step=srnd, term=rnd, distance=None if reorder else rnd)  # torch: distances in T
     s, saved = scores.forward(s, o, score_shape, index, keep, rounding)          # 2-4. (scores.py), rounded
-    p32, lse = _softmax32(with_sink(s, o, score_shape, index))                   # sinks: one more logit
+    p32, lse = _softmax32(with_sink(s, o, score_shape, index),                   # sinks: one more logit
+                          masked_row_weight(o.fully_masked, s.shape[-1]))
     p, p_sink = rnd(p32[..., :s.shape[-1]]), p32[..., s.shape[-1]:]
     drop = _drop(block_of(o.dropout_scale, score_shape, index))
     if reorder:                                                                  # P~ = P mask, v' = v / (1 - p)
@@ -335,14 +337,15 @@ def _narrow_matmul(x, y, bits):
     return acc
 
 
-def _softmax32(s):
-    """(P, lse) of the scores in float32; a row of all -inf: P = 0, lse = -inf."""
+def _softmax32(s, fill):
+    """(P, lse) of the scores in float32; a row of all -inf: P = fill (the fully_masked
+    policy's weight, naive.masked_row_weight), lse = -inf."""
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     e = np.exp(s - np.where(np.isneginf(m), 0, m))
     total = np.sum(e, axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = (np.where(np.isneginf(m), 0, m) + np.log(total))[..., 0]
-        return np.where(total > 0, e / total, 0).astype(np.float32), lse.astype(np.float32)
+        return np.where(total > 0, e / total, fill).astype(np.float32), lse.astype(np.float32)
 
 
 def _eager_rows(rnd, dout, o, f, sums, mlx=False):
@@ -398,8 +401,9 @@ def _flash_rows(rnd, dout, o, f, sums):
     s = _tile_matmul(q, np.swapaxes(k, -1, -2)) * scale                        # 1-4. in float32, the terms
     s, saved32 = scores.forward(s, o, f.score_shape, f.index, f.keep, scores.Rounding(   # in float32
         term=lambda x: x.astype(np.float32), distance=f.distance))
-    with np.errstate(invalid="ignore"):
-        p32 = np.where(np.isneginf(f.lse)[..., None], 0, np.exp(s - f.lse[..., None]))
+    with np.errstate(invalid="ignore"):                                          # a row of no key: its fill
+        p32 = np.where(np.isneginf(f.lse)[..., None], np.float32(masked_row_weight(o.fully_masked, s.shape[-1])),
+                       np.exp(s - f.lse[..., None]))
     dp = _tile_matmul(dout, np.swapaxes(v, -1, -2)) * f.drop * inv_keep
     ds = p32 * (dp - np.sum(dout * f.out, axis=-1, keepdims=True))
     ds, ds_bias = scores.backward(ds, o, f.score_shape, f.index, saved32, f.keep, stage=True)   # 4-2.

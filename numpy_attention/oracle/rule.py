@@ -166,8 +166,11 @@ class CrosscheckReport(NamedTuple):
         return "\n".join(lines)
 
     def to_json(self):
-        """The report as a JSON string (infinities as the strings "inf" / "-inf")."""
-        finite = lambda x: x if not isinstance(x, float) or math.isfinite(x) else str(x)
+        """The report as a JSON string, standard JSON: a number that is not a number (a check
+        not applied: l2_k, row_ratio, scale_err, scale_bound outside a 16- or 8-bit precision;
+        NaN entries) is null, infinities are the strings "inf" / "-inf"."""
+        finite = lambda x: (x if not isinstance(x, float) or math.isfinite(x)
+                            else None if math.isnan(x) else str(x))
         rows = [{key: finite(value) for key, value in row._asdict().items()} for row in self.rows]
         return json.dumps({"passed": bool(self), "oracle_dtype": self.oracle_dtype,
                            "baseline_dtype": self.baseline_dtype, "tensors": rows,
