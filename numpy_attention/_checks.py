@@ -67,10 +67,13 @@ def read_only_copy(x, dtype=None):
     return x
 
 
-def kept(a):
-    """The array a cache keeps of `a`: `a` itself if frozen, else a copy in a's memory order
-    (a transposed view copies as a plain memcpy, not a transpose)."""
-    return a if frozen(a) else a.copy(order="K")
+def kept(a, dtype=None):
+    """The array a cache keeps of `a`, in `dtype` (default a's): `a` itself if frozen and of that
+    dtype, else a copy in a's memory order (a transposed view copies as a plain memcpy, not a
+    transpose). None stays None."""
+    if a is None or (frozen(a) and (dtype is None or a.dtype == dtype)):
+        return a
+    return a.astype(a.dtype if dtype is None else dtype, order="K")
 
 
 def result_dtype(*arrays):
