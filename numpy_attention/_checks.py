@@ -76,6 +76,19 @@ def kept(a, dtype=None):
     return a.astype(a.dtype if dtype is None else dtype, order="K")
 
 
+SHOWN = 3          # an error message names this many offending entries, then how many there are
+
+
+def offenders(name, x, bad):
+    """The first SHOWN entries of the array x where the bool array `bad` (x's shape) holds, as
+    'name[i, j] = value', and how many there are: an error message's list of what is wrong, of
+    bounded length however large x is."""
+    flat = np.flatnonzero(bad)
+    shown = ", ".join(f"{name}[{', '.join(map(str, at))}] = {x[at].item()!r}"
+                      for at in zip(*np.unravel_index(flat[:SHOWN], x.shape)))
+    return shown if flat.size <= SHOWN else f"{shown}, ... ({flat.size} entries)"
+
+
 def result_dtype(*arrays):
     """The dtype a computation over `arrays` runs in (None entries ignored)."""
     return np.result_type(*[a for a in arrays if a is not None])

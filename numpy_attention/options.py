@@ -17,9 +17,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
-                      read_only_copy, require_positive_real, require_probability,
-                      result_dtype)
+from ._checks import (SHOWN, as_float_array, as_mask, broadcast_shape_to, offenders, read_only_copy,
+                      require_bool, require_choice, require_positive_real, require_probability, result_dtype)
 from ._layout import check_window, resolve_alignment
 from .positions import sequence_lengths
 from .scores import check_keep_steps, numpy_mod
@@ -155,9 +154,14 @@ def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
     if seqused_k is not None:
         seqused_k = _int_array(seqused_k, "seqused_k")
         lengths = sequence_lengths(checked[1])
-        if seqused_k.shape != lengths.shape or (seqused_k < 0).any() or (seqused_k > lengths).any():
-            raise ValueError(f"seqused_k must be [B] = {lengths.shape} with 0 <= seqused_k[b] <= "
-                             f"the key lengths {lengths.tolist()}, got {seqused_k.tolist()}")
+        if seqused_k.shape != lengths.shape:
+            raise ValueError(f"seqused_k must be [B] = {lengths.shape}, one entry per sequence of "
+                             f"cu_seqlens_k, got shape {seqused_k.shape}")
+        bad = (seqused_k < 0) | (seqused_k > lengths)
+        if bad.any():
+            raise ValueError(f"seqused_k must have 0 <= seqused_k[b] <= sequence b's key length, got "
+                             f"{offenders('seqused_k', seqused_k, bad)} where the sequences hold "
+                             f"{', '.join(map(str, lengths[bad][:SHOWN]))} keys")
     return checked[0], checked[1], seqused_k
 
 
