@@ -218,18 +218,32 @@ def broadcast_shape_to(x, name, target_shape, legend):
 
 
 def as_mask(mask, name, target_shape, legend):
-    """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape."""
+    """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape; a
+    float one holds 0 and 1 only (require_keep_mask)."""
     arr = to_numpy(mask, name)
     if is_float_dtype(arr.dtype) and arr.dtype.itemsize < 4:
         arr = arr.astype(np.float32)                 # float16, bfloat16, float8: exactly
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{name} must be a bool, integer or float array (nonzero = attend), "
                         f"got dtype {arr.dtype} with shape {arr.shape}")
-    if arr.dtype.kind == "f" and np.isnan(arr).any():
-        raise ValueError(f"{name} contains NaN; a mask is True/nonzero = attend "
-                         f"(put an additive mask in `bias`)")
+    require_keep_mask(arr, name)
     broadcast_shape_to(arr, name, target_shape, legend)
     return arr != 0
+
+
+def require_keep_mask(x, name):
+    """x itself, raising ValueError naming `bias=` if x is a float array holding anything but 0
+    and 1: torch's additive float mask (0 and -inf, or -1e9) read as a keep-mask would attend
+    exactly the keys it masks."""
+    if not is_float_dtype(x.dtype):
+        return x
+    bad = (x != 0) & (x != 1)
+    if bad.any():
+        what = "NaN" if np.isnan(x[bad].astype(np.float64)).any() else "entries other than 0 and 1"
+        raise ValueError(f"{name} of shape {x.shape} and dtype {x.dtype} holds {what} ({offenders(name, x, bad)}): "
+                         f"a float {name} is a keep-mask of 0 and 1 (1 = keep); a float mask of 0 and -inf (or "
+                         f"-1e9) is an additive bias: pass it as bias=")
+    return x
 
 
 _TORCH_LOW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")   # no NumPy dtype: ml_dtypes'
