@@ -12,6 +12,7 @@ cluster) is the plan's (engines/plan.py). Shape legend (as in attention.py):
 The score steps that these options describe (softcap, bias, ALiBi, the keep-mask, the sink)
 are scores.py's; `masked` says whether step 4 removes any score.
 """
+import inspect
 import math
 from typing import NamedTuple, Optional
 
@@ -102,7 +103,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
     score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
     score_mod_vjps = _check_vjps(score_mod_vjps, score_mod_params)
-    keep_steps = check_keep_steps(keep_steps)                    # scores.KEEP_STEPS, by name
+    keep_steps = check_keep_steps(keep_steps, KEYWORDS)          # scores.KEEP_STEPS, by name
     masked = (keep is not None or causal or window is not None or packed[0] is not None or bool(keep_steps)
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
@@ -114,6 +115,10 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         seqused_k=read_only_copy(packed[2]),
         masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod,
         score_mod_params=score_mod_params, score_mod_vjps=score_mod_vjps)
+
+
+# the options' keyword names (attention_options' own, after q, k, v): an unknown name's closest
+KEYWORDS = tuple(inspect.signature(attention_options).parameters)[3:-1]
 
 
 def check_fully_masked(fully_masked, k, v):

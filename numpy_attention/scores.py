@@ -44,6 +44,7 @@ import numpy as np
 
 from ._checks import as_scalar, require_positive_int
 from ._layout import grouped_matmul, scaled, unbroadcast
+from .near_misses import unexpected_keyword
 from .positions import band_keep, distance, positions, sequence_of
 
 WHOLE = (Ellipsis, slice(None), slice(None))     # the index of all of the scores
@@ -84,12 +85,13 @@ def _attention_chunk(chunk, at):
 KEEP_STEPS = {"attention_chunk": KeepStep(require_positive_int, _attention_chunk)}
 
 
-def check_keep_steps(steps):
+def check_keep_steps(steps, known=()):
     """attention_forward's keyword arguments beyond its own, as ((name, checked value), ...) of
-    the KEEP_STEPS given (None: not given); TypeError for any other name, as Python says it."""
+    the KEEP_STEPS given (None: not given); for any other name a TypeError with how to pass it
+    (near_misses.py: another library's name, or the closest of KEEP_STEPS and the names `known`)."""
     for name in steps:
         if name not in KEEP_STEPS:
-            raise TypeError(f"attention_forward() got an unexpected keyword argument {name!r}")
+            raise unexpected_keyword(name, tuple(KEEP_STEPS) + tuple(known))
     return tuple((name, KEEP_STEPS[name].check(as_scalar(value), name))
                  for name, value in steps.items() if value is not None)
 

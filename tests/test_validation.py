@@ -439,3 +439,23 @@ def test_the_same_mask_as_a_bias_or_as_0_and_1_is_causal_attention():
     causal = na.attention_forward(HEADS, HEADS, HEADS, causal=True)[0]
     for options in ({"bias": TORCH_CAUSAL}, {"mask": np.tril(np.ones((4, 4)))}, {"mask": TORCH_CAUSAL == 0}):
         np.testing.assert_allclose(na.attention_forward(HEADS, HEADS, HEADS, **options)[0], causal, rtol=0, atol=1e-15)
+
+
+TORCH_NAMES = {"attn_mask": TORCH_CAUSAL == 0, "is_causal": True, "window_size": (2, 0), "softmax_scale": 0.5,
+               "key_padding_mask": np.zeros((2, 4), bool)}
+
+
+@pytest.mark.parametrize("call, name", [(call, name) for call in entry_points() for name in TORCH_NAMES])
+def test_torchs_and_flashattentions_names_get_crosschecks_advice_everywhere(call, name):
+    """attn_mask=, is_causal=, window_size=, ... at any entry point: a TypeError that says what to
+    pass instead (near_misses.NEAR_MISSES, crosscheck's table), naming no function the caller did
+    not call (MultiHeadAttention reaches attention_forward inside)."""
+    from numpy_attention.near_misses import NEAR_MISSES
+    with pytest.raises(TypeError) as error:
+        entry_points(**{name: TORCH_NAMES[name]})[call]()
+    assert str(error.value) == f"unexpected keyword argument {name!r}: {NEAR_MISSES[name]}"
+
+
+def test_a_misspelt_option_gets_the_closest_name():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'casual': did you mean causal=\\?"):
+        na.MultiHeadAttention(8, 2)(SEQ, SEQ, SEQ, casual=True)
