@@ -27,7 +27,9 @@ q = [q_nope w_uk^T ; q_pe] (`mla_absorb`) and kv = [c_kv ; k_pe], the absorbed o
 w_uv[h] is out_h (docs/derivations.md, section 14).
 
 Scale: FlashMLA's default is 1 / sqrt(r + p), the absorbed q's width (attention's default
-here too); DeepSeek's model passes 1 / sqrt(n + p), times YaRN's mscale^2 with rope scaling.
+here too); DeepSeek's model passes 1 / sqrt(n + p), times rope.yarn_mscale(factor,
+mscale_all_dim)^2 with YaRN, whose rope_scaling (mscale and mscale_all_dim included) then leaves
+cos and sin unscaled (docs/variants.md, "DeepSeek's scale with YaRN").
 Rope: the last p columns of q and kv (q_pe, k_pe) are the rotary part; rope={...} turns them
 (rope.py's options; rotary_dim is p and part 'last'), the latent part never turns.
 """
