@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import as_float_array, require_cache
+from ._checks import as_float_array, kept, require_cache
 from .attention import AttentionCache, attention_backward, attention_forward
 from .forward_mode import attention_jvp
 from .rope import rope_settings
@@ -58,7 +58,7 @@ class MlaGrads(NamedTuple):
 
 class MlaUnabsorbedCache(NamedTuple):
     attention: AttentionCache   # of q = [q_nope ; q_pe], k_h = [c_kv w_uk[h] ; k_pe], v_h = c_kv w_uv[h]
-    c_kv: np.ndarray            # [..., N_k, r]
+    c_kv: np.ndarray            # [..., N_k, r]  (_checks.kept: a copy, or the caller's frozen array)
     w_uk: np.ndarray            # [H, r, n]
     w_uv: np.ndarray            # [H, r, d_v]
 
@@ -156,6 +156,7 @@ def mla_unabsorbed_forward(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, **options):
     """
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (as_float_array(x, name) for name, x in (
         ("q_nope", q_nope), ("q_pe", q_pe), ("c_kv", c_kv), ("k_pe", k_pe), ("w_uk", w_uk), ("w_uv", w_uv)))
+    c_kv, w_uk, w_uv = (kept(x) for x in (c_kv, w_uk, w_uv))            # the backward's: copies, or frozen
     heads, r = q_nope.shape[-3], c_kv.shape[-1]
     for name, w, width in (("w_uk", w_uk, q_nope.shape[-1]), ("w_uv", w_uv, None)):
         if w.ndim != 3 or w.shape[:2] != (heads, r) or (width is not None and w.shape[2] != width):
