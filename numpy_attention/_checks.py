@@ -240,9 +240,11 @@ def require_keep_mask(x, name):
     bad = (x != 0) & (x != 1)
     if bad.any():
         what = "NaN" if np.isnan(x[bad].astype(np.float64)).any() else "entries other than 0 and 1"
+        scaled = "; a dropout mask scaled by 1 / (1 - p) is dropout_mask != 0 with dropout_p=p" \
+            if name == "dropout_mask" else ""
         raise ValueError(f"{name} of shape {x.shape} and dtype {x.dtype} holds {what} ({offenders(name, x, bad)}): "
                          f"a float {name} is a keep-mask of 0 and 1 (1 = keep); a float mask of 0 and -inf (or "
-                         f"-1e9) is an additive bias: pass it as bias=")
+                         f"-1e9) is an additive bias: pass it as bias={scaled}")
     return x
 
 

@@ -134,8 +134,8 @@ def listed(indices, lengths, n_k):
 
 def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler, fully_masked):
     """(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler) checked, the arrays as
-    the cache keeps them (_checks.kept: q, k, v in one dtype; the indices in theirs, which entries
-    are valid found a block at a time, _valid), and fully_masked."""
+    the cache keeps them (_checks.kept: q, k, v in one dtype, the lists in theirs; which entries
+    are valid is found a block at a time, _valid), and fully_masked."""
     q, k, v = check_qkv(q, k, v)                                       # attention's checks
     indices, topk_length = check_lists(indices, topk_length, q.shape, k.shape)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else require_positive_real(scale, "scale")

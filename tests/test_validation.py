@@ -430,8 +430,9 @@ def test_a_float_mask_holding_anything_but_0_and_1_is_refused_naming_bias(call, 
     attend): every entry point refuses a float mask of anything but 0 and 1, naming bias=."""
     name, value = FLOAT_MASKS[mask]
     options = {name: value, **({"dropout_p": 0.2} if name == "dropout_mask" else {})}
+    scaled = "; a dropout mask scaled by 1 / \\(1 - p\\) is dropout_mask != 0 with dropout_p=p" if "dropout" in mask else ""
     with pytest.raises(ValueError, match=f"{name} of shape \\(4, 4\\) and dtype float64 holds entries other than "
-                                         f"0 and 1 .*pass it as bias="):
+                                         f"0 and 1 .*pass it as bias={scaled}$"):
         entry_points(**options)[call]()
 
 
