@@ -15,6 +15,7 @@ integers are cast to float64. Booleans, strings and objects are rejected. The 16
 compute in float32, like float16.
 """
 import math
+import reprlib
 import sys
 from collections.abc import Mapping
 
@@ -79,6 +80,16 @@ def kept(a, dtype=None):
 SHOWN = 3          # an error message names this many offending entries, then how many there are
 
 
+def brief(value):
+    """repr(value) cut to SHOWN entries and 60 characters (reprlib): an error message's quote of
+    what it got, of bounded length whatever was passed (a list of 10^5 scales, a string of 10^5
+    letters)."""
+    short = reprlib.Repr()
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = short.maxarray = SHOWN
+    short.maxstring = short.maxother = 60
+    return short.repr(value)
+
+
 def offenders(name, x, bad):
     """The first SHOWN entries of the array x where the bool array `bad` (x's shape) holds, as
     'name[i, j] = value', and how many there are: an error message's list of what is wrong, of
@@ -104,7 +115,7 @@ def require_positive_int(value, name, minimum=1):
     """Return `value` as an int, raising unless it is an integer >= minimum (default 1)."""
     what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be {what}, got {value!r}")
+        raise TypeError(f"{name} must be {what}, got {brief(value)}")
     if value < minimum:
         raise ValueError(f"{name} must be {what}, got {value}")
     return int(value)
@@ -113,7 +124,7 @@ def require_positive_int(value, name, minimum=1):
 def require_bool(value, name):
     """Return `value` as a bool, raising TypeError unless it is True or False."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise TypeError(f"{name} must be True or False, got {brief(value)}")
     return bool(value)
 
 
@@ -121,7 +132,7 @@ def _real_number(value, name, expected):
     """`value` as a float, raising TypeError unless it is a Python or NumPy real scalar (not a
     bool), and ValueError for an integer too large for a float (10**400 is not finite)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be {expected}, got {brief(value)} ({type(value).__name__})")
     try:
         return float(value)
     except OverflowError:
@@ -177,7 +188,7 @@ def require_shapes(arrays, name, shapes):
 def require_choice(value, name, choices):
     """Raise ValueError unless `value` is one of `choices`."""
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {brief(value)}")
     return value
 
 
@@ -329,7 +340,7 @@ def as_scalar(value):
 def rng_from_seed(seed, name="seed"):
     """numpy.random.default_rng(seed), raising TypeError / ValueError that name `name` unless
     seed is a non-negative integer (or None: fresh entropy). A bool is refused, not read as 0/1."""
-    expected = f"{name} must be a non-negative integer (or None), got {seed!r}"
+    expected = f"{name} must be a non-negative integer (or None), got {brief(seed)}"
     if isinstance(seed, (bool, np.bool_)):
         raise TypeError(expected)
     try:

@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import as_float_array, kept, require_cache
+from ._checks import as_float_array, brief, kept, require_cache
 from .attention import AttentionCache, attention_backward, attention_forward
 from .forward_mode import attention_jvp
 from .rope import rope_settings
@@ -82,7 +82,7 @@ def _rope_part(options, rope_dim):
     for name, value in fixed.items():
         if name in rope and rope[name] != value:
             raise ValueError(f"MLA turns the last rope_dim = {rope_dim} columns: rope[{name!r}] must be "
-                             f"{value!r} or absent, got {rope[name]!r}")
+                             f"{value!r} or absent, got {brief(rope[name])}")
     return {**options, "rope": {**rope, **fixed}}
 
 
@@ -95,7 +95,7 @@ def _latent(q, kv, rope_dim):
     if isinstance(rope_dim, (bool, np.bool_)) or not isinstance(rope_dim, (int, np.integer)) \
             or not 0 <= rope_dim < kv.shape[-1]:
         raise ValueError(f"rope_dim must be an integer from 0 to below the width {kv.shape[-1]} "
-                         f"(kv {kv.shape}), got {rope_dim!r}")
+                         f"(kv {kv.shape}), got {brief(rope_dim)}")
     return kv.shape[-1] - int(rope_dim)
 
 

@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import (as_float_array, offenders, require_bool, require_cache, require_choice, require_mapping,
-                      require_nonnegative_real, require_positive_real, require_same_shape)
+from ._checks import (as_float_array, brief, offenders, require_bool, require_cache, require_choice,
+                      require_mapping, require_nonnegative_real, require_positive_real, require_same_shape)
 from .positions import positions as score_positions
 
 LAYOUTS = ("half", "interleaved")
@@ -78,8 +78,8 @@ def frequencies(rotary_dim, base=10000.0, scaling=None, dtype=np.float64):
         inv_freq, position_factor, magnitude = _scaled(inv_freq, powers, rotary_dim, base, scaling, dtype)
     bad = ~np.isfinite(inv_freq)
     if bad.any() or not math.isfinite(position_factor):
-        raise ValueError(f"base {base} and scaling {scaling} give frequencies outside the float range: "
-                         f"{offenders('inv_freq', inv_freq, bad) if bad.any() else f'positions times {position_factor}'}")
+        where = offenders("inv_freq", inv_freq, bad) if bad.any() else f"positions times {position_factor}"
+        raise ValueError(f"base {base} and scaling {scaling} give frequencies outside the float range: {where}")
     return inv_freq, position_factor, magnitude
 
 
@@ -187,7 +187,7 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
     r = x.shape[-1] if rotary_dim is None else rotary_dim
     if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or r <= 0 or r % 2 or r > x.shape[-1]:
         raise ValueError(f"rotary_dim must be an even integer from 2 to d = {x.shape[-1]} (x {x.shape}), "
-                         f"got {rotary_dim!r}")
+                         f"got {brief(rotary_dim)}")
     positions = check_positions(positions, "positions")
     try:
         np.broadcast_shapes(positions.shape, x.shape[:-1])

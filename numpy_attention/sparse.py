@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import scipy.sparse
 
-from ._checks import (as_float_array, kept, require_cache, require_positive_int,
+from ._checks import (as_float_array, brief, kept, require_cache, require_positive_int,
                       require_positive_real, require_same_shape, result_dtype)
 from ._layout import tiles, with_head_axis
 from .engines.parallel import run_tasks
@@ -142,7 +142,7 @@ def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler,
     if block_rows is None:
         block_rows = max(1, GATHER_ROWS // max(1, indices.shape[-1]))
     elif isinstance(block_rows, (bool, np.bool_)) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1:
-        raise ValueError(f"block_rows must be a positive integer or None, got {block_rows!r}")
+        raise ValueError(f"block_rows must be a positive integer or None, got {brief(block_rows)}")
     workers = resolve_workers(workers, "tiled", math.prod(with_head_axis(q).shape[:-1]) * indices.shape[-1])
     check_fully_masked(fully_masked, k, v)
     scheduler = check_scheduler(scheduler)

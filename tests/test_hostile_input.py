@@ -154,3 +154,15 @@ def test_an_error_over_many_sequences_names_the_first_offenders_and_how_many(opt
     with pytest.raises(ValueError, match=re.escape(words)) as error:
         na.attention_forward(q, k, k, **options)
     assert len(str(error.value)) < 300
+
+
+@pytest.mark.parametrize("option", [{"scale": [1.0] * 10 ** 5}, {"causal": "x" * 10 ** 5},
+                                    {"window": tuple(range(10 ** 5))}, {"fully_masked": ["zero"] * 10 ** 5},
+                                    {"block_size": [1] * 10 ** 5}, {"check_finite": [True] * 10 ** 5}])
+def test_an_error_quotes_a_huge_argument_briefly(option):
+    """A list of 10^5 entries (or a string of 10^5 letters) where a number, a word or a pair
+    belongs: the message names the argument and quotes the first few entries (reprlib)."""
+    q = np.ones((1, 2, 3))
+    with pytest.raises((TypeError, ValueError), match=list(option)[0]) as error:
+        na.attention_forward(q, q, q, **option)
+    assert len(str(error.value)) < 200 and "..." in str(error.value)
