@@ -15,6 +15,7 @@ integers are cast to float64. Booleans, strings and objects are rejected. The 16
 compute in float32, like float16.
 """
 import math
+import reprlib
 import sys
 from collections.abc import Mapping
 
@@ -67,10 +68,36 @@ def read_only_copy(x, dtype=None):
     return x
 
 
-def kept(a):
-    """The array a cache keeps of `a`: `a` itself if frozen, else a copy in a's memory order
-    (a transposed view copies as a plain memcpy, not a transpose)."""
-    return a if frozen(a) else a.copy(order="K")
+def kept(a, dtype=None):
+    """The array a cache keeps of `a`, in `dtype` (default a's): `a` itself if frozen and of that
+    dtype, else a copy in a's memory order (a transposed view copies as a plain memcpy, not a
+    transpose). None stays None."""
+    if a is None or (frozen(a) and (dtype is None or a.dtype == dtype)):
+        return a
+    return a.astype(a.dtype if dtype is None else dtype, order="K")
+
+
+SHOWN = 3          # an error message names this many offending entries, then how many there are
+
+
+def brief(value):
+    """repr(value) cut to SHOWN entries and 60 characters (reprlib): an error message's quote of
+    what it got, of bounded length whatever was passed (a list of 10^5 scales, a string of 10^5
+    letters)."""
+    short = reprlib.Repr()
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = short.maxarray = SHOWN
+    short.maxstring = short.maxother = 60
+    return short.repr(value)
+
+
+def offenders(name, x, bad):
+    """The first SHOWN entries of the array x where the bool array `bad` (x's shape) holds, as
+    'name[i, j] = value', and how many there are: an error message's list of what is wrong, of
+    bounded length however large x is."""
+    flat = np.flatnonzero(bad)
+    shown = ", ".join(f"{name}[{', '.join(map(str, at))}] = {x[at].item()!r}"
+                      for at in zip(*np.unravel_index(flat[:SHOWN], x.shape)))
+    return shown if flat.size <= SHOWN else f"{shown}, ... ({flat.size} entries)"
 
 
 def result_dtype(*arrays):
@@ -88,7 +115,7 @@ def require_positive_int(value, name, minimum=1):
     """Return `value` as an int, raising unless it is an integer >= minimum (default 1)."""
     what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be {what}, got {value!r}")
+        raise TypeError(f"{name} must be {what}, got {brief(value)}")
     if value < minimum:
         raise ValueError(f"{name} must be {what}, got {value}")
     return int(value)
@@ -97,7 +124,7 @@ def require_positive_int(value, name, minimum=1):
 def require_bool(value, name):
     """Return `value` as a bool, raising TypeError unless it is True or False."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise TypeError(f"{name} must be True or False, got {brief(value)}")
     return bool(value)
 
 
@@ -105,7 +132,7 @@ def _real_number(value, name, expected):
     """`value` as a float, raising TypeError unless it is a Python or NumPy real scalar (not a
     bool), and ValueError for an integer too large for a float (10**400 is not finite)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be {expected}, got {brief(value)} ({type(value).__name__})")
     try:
         return float(value)
     except OverflowError:
@@ -161,7 +188,7 @@ def require_shapes(arrays, name, shapes):
 def require_choice(value, name, choices):
     """Raise ValueError unless `value` is one of `choices`."""
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {brief(value)}")
     return value
 
 
@@ -202,18 +229,34 @@ def broadcast_shape_to(x, name, target_shape, legend):
 
 
 def as_mask(mask, name, target_shape, legend):
-    """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape."""
+    """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape; a
+    float one holds 0 and 1 only (require_keep_mask)."""
     arr = to_numpy(mask, name)
     if is_float_dtype(arr.dtype) and arr.dtype.itemsize < 4:
         arr = arr.astype(np.float32)                 # float16, bfloat16, float8: exactly
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{name} must be a bool, integer or float array (nonzero = attend), "
                         f"got dtype {arr.dtype} with shape {arr.shape}")
-    if arr.dtype.kind == "f" and np.isnan(arr).any():
-        raise ValueError(f"{name} contains NaN; a mask is True/nonzero = attend "
-                         f"(put an additive mask in `bias`)")
+    require_keep_mask(arr, name)
     broadcast_shape_to(arr, name, target_shape, legend)
     return arr != 0
+
+
+def require_keep_mask(x, name):
+    """x itself, raising ValueError naming `bias=` if x is a float array holding anything but 0
+    and 1: torch's additive float mask (0 and -inf, or -1e9) read as a keep-mask would attend
+    exactly the keys it masks."""
+    if not is_float_dtype(x.dtype):
+        return x
+    bad = (x != 0) & (x != 1)
+    if bad.any():
+        what = "NaN" if np.isnan(x[bad].astype(np.float64)).any() else "entries other than 0 and 1"
+        scaled = "; a dropout mask scaled by 1 / (1 - p) is dropout_mask != 0 with dropout_p=p" \
+            if name == "dropout_mask" else ""
+        raise ValueError(f"{name} of shape {x.shape} and dtype {x.dtype} holds {what} ({offenders(name, x, bad)}): "
+                         f"a float {name} is a keep-mask of 0 and 1 (1 = keep); a float mask of 0 and -inf (or "
+                         f"-1e9) is an additive bias: pass it as bias={scaled}")
+    return x
 
 
 _TORCH_LOW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")   # no NumPy dtype: ml_dtypes'
@@ -297,7 +340,7 @@ def as_scalar(value):
 def rng_from_seed(seed, name="seed"):
     """numpy.random.default_rng(seed), raising TypeError / ValueError that name `name` unless
     seed is a non-negative integer (or None: fresh entropy). A bool is refused, not read as 0/1."""
-    expected = f"{name} must be a non-negative integer (or None), got {seed!r}"
+    expected = f"{name} must be a non-negative integer (or None), got {brief(seed)}"
     if isinstance(seed, (bool, np.bool_)):
         raise TypeError(expected)
     try:

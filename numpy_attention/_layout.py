@@ -9,7 +9,7 @@ G = H / H_kv,  N lengths,  X a trailing width.
 """
 import numpy as np
 
-from ._checks import require_choice
+from ._checks import brief, require_choice
 
 ALIGNMENTS = ("top_left", "bottom_right")
 WINDOW_MAX = 2 ** 62        # a window side above this reaches every key of any array numpy can hold
@@ -89,7 +89,7 @@ def resolve_alignment(causal, align):
             raise ValueError(f"causal={causal!r} contradicts align={align!r}")
         return True, causal
     if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {causal!r}")
+        raise TypeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {brief(causal)}")
     if align is not None:
         require_choice(align, "align", ALIGNMENTS)
     return bool(causal), align or "top_left"
@@ -104,7 +104,7 @@ def check_window(window):
                   and w >= -1 for w in window))
     if not ok:
         raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
-                         f"(-1 = unbounded), got {window!r}")
+                         f"(-1 = unbounded), got {brief(window)}")
     # a side wider than any sequence is unbounded; clamped, positions + right cannot overflow int64
     return tuple(min(int(w), WINDOW_MAX) for w in window)
 

@@ -27,7 +27,9 @@ q = [q_nope w_uk^T ; q_pe] (`mla_absorb`) and kv = [c_kv ; k_pe], the absorbed o
 w_uv[h] is out_h (docs/derivations.md, section 14).
 
 Scale: FlashMLA's default is 1 / sqrt(r + p), the absorbed q's width (attention's default
-here too); DeepSeek's model passes 1 / sqrt(n + p), times YaRN's mscale^2 with rope scaling.
+here too); DeepSeek's model passes 1 / sqrt(n + p), times rope.yarn_mscale(factor,
+mscale_all_dim)^2 with YaRN, whose rope_scaling (mscale and mscale_all_dim included) then leaves
+cos and sin unscaled (docs/variants.md, "DeepSeek's scale with YaRN").
 Rope: the last p columns of q and kv (q_pe, k_pe) are the rotary part; rope={...} turns them
 (rope.py's options; rotary_dim is p and part 'last'), the latent part never turns.
 """
@@ -35,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import as_float_array, require_cache
+from ._checks import as_float_array, brief, kept, require_cache
 from .attention import AttentionCache, attention_backward, attention_forward
 from .forward_mode import attention_jvp
 from .rope import rope_settings
@@ -56,7 +58,7 @@ class MlaGrads(NamedTuple):
 
 class MlaUnabsorbedCache(NamedTuple):
     attention: AttentionCache   # of q = [q_nope ; q_pe], k_h = [c_kv w_uk[h] ; k_pe], v_h = c_kv w_uv[h]
-    c_kv: np.ndarray            # [..., N_k, r]
+    c_kv: np.ndarray            # [..., N_k, r]  (_checks.kept: a copy, or the caller's frozen array)
     w_uk: np.ndarray            # [H, r, n]
     w_uv: np.ndarray            # [H, r, d_v]
 
@@ -80,7 +82,7 @@ def _rope_part(options, rope_dim):
     for name, value in fixed.items():
         if name in rope and rope[name] != value:
             raise ValueError(f"MLA turns the last rope_dim = {rope_dim} columns: rope[{name!r}] must be "
-                             f"{value!r} or absent, got {rope[name]!r}")
+                             f"{value!r} or absent, got {brief(rope[name])}")
     return {**options, "rope": {**rope, **fixed}}
 
 
@@ -93,7 +95,7 @@ def _latent(q, kv, rope_dim):
     if isinstance(rope_dim, (bool, np.bool_)) or not isinstance(rope_dim, (int, np.integer)) \
             or not 0 <= rope_dim < kv.shape[-1]:
         raise ValueError(f"rope_dim must be an integer from 0 to below the width {kv.shape[-1]} "
-                         f"(kv {kv.shape}), got {rope_dim!r}")
+                         f"(kv {kv.shape}), got {brief(rope_dim)}")
     return kv.shape[-1] - int(rope_dim)
 
 
@@ -154,6 +156,7 @@ def mla_unabsorbed_forward(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, **options):
     """
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (as_float_array(x, name) for name, x in (
         ("q_nope", q_nope), ("q_pe", q_pe), ("c_kv", c_kv), ("k_pe", k_pe), ("w_uk", w_uk), ("w_uv", w_uv)))
+    c_kv, w_uk, w_uv = (kept(x) for x in (c_kv, w_uk, w_uv))            # the backward's: copies, or frozen
     heads, r = q_nope.shape[-3], c_kv.shape[-1]
     for name, w, width in (("w_uk", w_uk, q_nope.shape[-1]), ("w_uv", w_uv, None)):
         if w.ndim != 3 or w.shape[:2] != (heads, r) or (width is not None and w.shape[2] != width):

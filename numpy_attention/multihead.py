@@ -35,8 +35,8 @@ gradient w.r.t. that array is grads["query"] + grads["key"] + grads["value"].
 """
 import numpy as np
 
-from ._checks import (as_float_array, read_only_copy, require_cache, require_choice, require_mapping,
-                      require_positive_int, require_same_shape)
+from ._checks import (as_float_array, brief, read_only_copy, require_cache, require_choice, require_mapping,
+                      require_positive_int, require_same_shape, rng_from_seed)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .caches import MultiHeadCache
 from .engines.multihead import threaded_multihead_backward, threaded_multihead_forward
@@ -207,16 +207,11 @@ class MultiHeadAttention:
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
-            raise TypeError(f"dtype must be a floating or complex dtype, got {dtype!r}") from None
+            raise TypeError(f"dtype must be a floating or complex dtype, got {brief(dtype)}") from None
         if self.dtype.kind not in "fc":
             raise TypeError(f"dtype must be a floating or complex dtype, got {self.dtype}")
         self.fully_masked = require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
-        if isinstance(seed, (bool, np.bool_)):
-            raise TypeError(f"seed must be a non-negative integer (or None), got {seed!r}")
-        try:
-            rng = np.random.default_rng(seed)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"seed must be a non-negative integer (or None), got {seed!r}: {exc}") from None
+        rng = rng_from_seed(seed)
         shapes = param_shapes(self.d_model, self.kdim, self.vdim)
         self.params = {}
         for key, shape in shapes.items():                     # weight, then bias, per projection

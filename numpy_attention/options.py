@@ -12,14 +12,14 @@ cluster) is the plan's (engines/plan.py). Shape legend (as in attention.py):
 The score steps that these options describe (softcap, bias, ALiBi, the keep-mask, the sink)
 are scores.py's; `masked` says whether step 4 removes any score.
 """
+import inspect
 import math
 from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import (as_float_array, as_mask, broadcast_shape_to, require_bool, require_choice,
-                      read_only_copy, require_positive_real, require_probability,
-                      result_dtype)
+from ._checks import (SHOWN, as_float_array, as_mask, broadcast_shape_to, offenders, read_only_copy,
+                      require_bool, require_choice, require_positive_real, require_probability, result_dtype)
 from ._layout import check_window, resolve_alignment
 from .positions import sequence_lengths
 from .scores import check_keep_steps, numpy_mod
@@ -66,15 +66,13 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     threads, a cluster) is engines/plan.py's attention_plan. Raises ValueError / TypeError
     naming the argument and the shapes.
     """
-    q, k, v = _check_qkv(q, k, v)
+    q, k, v = check_qkv(q, k, v)
+    q, k, v = (x.astype(result_dtype(q, k, v), order="C") for x in (q, k, v))   # copies, row-major
     causal, align = resolve_alignment(causal, align)
     window = check_window(window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else require_positive_real(scale, "scale")
     softcap = None if softcap is None else require_positive_real(softcap, "softcap")
-    require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
-    if fully_masked != "zero" and k.shape[-2] == 0:     # every row is fully masked, P is [N_q, 0]
-        raise ValueError(f"fully_masked={fully_masked!r} needs at least one key; with N_k = 0 "
-                         f"only 'zero' defines the output: k {k.shape}, v {v.shape}")
+    check_fully_masked(fully_masked, k, v)
     score_shape = q.shape[:-1] + (k.shape[-2],)                  # [..., H, N_q, N_k]
     legend = "the scores [..., H, N_q, N_k]"
     if bias is not None:
@@ -105,7 +103,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
     score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
     score_mod_vjps = _check_vjps(score_mod_vjps, score_mod_params)
-    keep_steps = check_keep_steps(keep_steps)                    # scores.KEEP_STEPS, by name
+    keep_steps = check_keep_steps(keep_steps, KEYWORDS)          # scores.KEEP_STEPS, by name
     masked = (keep is not None or causal or window is not None or packed[0] is not None or bool(keep_steps)
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
     return q, k, v, AttentionOptions(
@@ -117,6 +115,19 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         seqused_k=read_only_copy(packed[2]),
         masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod,
         score_mod_params=score_mod_params, score_mod_vjps=score_mod_vjps)
+
+
+# the options' keyword names (attention_options' own, after q, k, v): an unknown name's closest
+KEYWORDS = tuple(inspect.signature(attention_options).parameters)[3:-1]
+
+
+def check_fully_masked(fully_masked, k, v):
+    """fully_masked checked: one of FULLY_MASKED_POLICIES, and 'zero' where k [..., N_k, d_k] has
+    no key (every row is fully masked, P is [N_q, 0]: only 'zero' defines the output)."""
+    require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
+    if fully_masked != "zero" and k.shape[-2] == 0:
+        raise ValueError(f"fully_masked={fully_masked!r} needs at least one key; with N_k = 0 "
+                         f"only 'zero' defines the output: k {k.shape}, v {v.shape}")
 
 
 def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -148,9 +159,14 @@ def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
     if seqused_k is not None:
         seqused_k = _int_array(seqused_k, "seqused_k")
         lengths = sequence_lengths(checked[1])
-        if seqused_k.shape != lengths.shape or (seqused_k < 0).any() or (seqused_k > lengths).any():
-            raise ValueError(f"seqused_k must be [B] = {lengths.shape} with 0 <= seqused_k[b] <= "
-                             f"the key lengths {lengths.tolist()}, got {seqused_k.tolist()}")
+        if seqused_k.shape != lengths.shape:
+            raise ValueError(f"seqused_k must be [B] = {lengths.shape}, one entry per sequence of "
+                             f"cu_seqlens_k, got shape {seqused_k.shape}")
+        bad = (seqused_k < 0) | (seqused_k > lengths)
+        if bad.any():
+            raise ValueError(f"seqused_k must have 0 <= seqused_k[b] <= sequence b's key length, got "
+                             f"{offenders('seqused_k', seqused_k, bad)} where the sequences hold "
+                             f"{', '.join(map(str, lengths[bad][:SHOWN]))} keys")
     return checked[0], checked[1], seqused_k
 
 
@@ -201,8 +217,10 @@ def check_per_head(q_shape, sinks, alibi_slopes, sequences=None):
     return checked
 
 
-def _check_qkv(q, k, v):
-    """q, k, v checked against each other; fresh row-major arrays of one dtype."""
+def check_qkv(q, k, v):
+    """q [..., H, N_q, d_k], k [..., H_kv, N_k, d_k], v [..., H_kv, N_k, d_v] as float (or complex)
+    arrays checked against each other (H_kv divides H, d_k >= 1; each may be the caller's own:
+    a cache copies them). ValueError / TypeError naming the arrays and their shapes."""
     q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
     shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -226,8 +244,7 @@ def _check_qkv(q, k, v):
         raise ValueError(f"k's heads H_kv={k.shape[-3]} must divide q's heads H={q.shape[-3]} "
                          f"(grouped-query attention), got q {q.shape}, k {k.shape}; the layout is "
                          f"[..., H, N, d] (torch's and FlashAttention's [B, N, H, d] need a transpose)")
-    dtype = result_dtype(q, k, v)
-    return tuple(x.astype(dtype, order="C") for x in (q, k, v))         # copies, row-major
+    return q, k, v
 
 
 def _check_mods(score_mod, mask_mod, score_mod_params):

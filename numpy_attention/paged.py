@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import read_only_copy
+from ._checks import offenders, read_only_copy
 
 
 class PagedLayout(NamedTuple):
@@ -44,13 +44,15 @@ def check_pages(q, k_cache, v_cache, page_table, cache_seqlens):
             raise ValueError(f"{name} must be an integer array [B{', P' if ndim == 2 else ''}] with "
                              f"B = {q.shape[0]} (q's batch), got dtype {x.dtype} with shape {x.shape}")
     num_pages, page = k_cache.shape[0], k_cache.shape[2]
-    if (lengths < 0).any() or (lengths > table.shape[1] * page).any():
+    bad = (lengths < 0) | (lengths > table.shape[1] * page)
+    if bad.any():
         raise ValueError(f"cache_seqlens must be in [0, P * page] = [0, {table.shape[1] * page}], "
-                         f"got {lengths.tolist()}")
+                         f"got {offenders('cache_seqlens', lengths, bad)}")
     used = np.arange(table.shape[1])[None, :] * page < lengths[:, None]        # [B, P] pages in use
-    if ((table < 0) | (table >= num_pages))[used].any():
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
         raise ValueError(f"page_table's used entries must index k_cache's {num_pages} pages, "
-                         f"got {table[used].tolist()}")
+                         f"got {offenders('page_table', table, bad)}")
     return PagedLayout(page_table=read_only_copy(table, np.int64),
                        cache_seqlens=read_only_copy(lengths, np.int64),
                        q_shape=q.shape, k_cache_shape=k_cache.shape, v_cache_shape=v_cache.shape)

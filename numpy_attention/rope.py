@@ -31,15 +31,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._checks import as_float_array, require_cache, require_choice, require_mapping, require_positive_real
-from ._checks import require_same_shape
+from ._checks import (as_float_array, brief, offenders, require_bool, require_cache, require_choice,
+                      require_mapping, require_nonnegative_real, require_positive_real, require_same_shape)
 from .positions import positions as score_positions
 
 LAYOUTS = ("half", "interleaved")
 PARTS = ("first", "last")
 ROPE_KEYS = ("layout", "rotary_dim", "part", "base", "scaling", "positions_q", "positions_k")   # rope_qk's dict
-SCALINGS = {"linear": ("type", "factor"),             # type -> the keys it takes
-            "yarn": ("type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}
+SCALINGS = {"linear": ("type", "factor"),             # type -> the keys it takes (Hugging Face's rope_scaling)
+            "yarn": ("type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                     "mscale", "mscale_all_dim", "attention_factor")}
 
 
 class RopeCache(NamedTuple):
@@ -55,19 +56,36 @@ def frequencies(rotary_dim, base=10000.0, scaling=None, dtype=np.float64):
     """(inv_freq [r/2] in `dtype`, position_factor, magnitude): theta = positions *
     position_factor * inv_freq, and cos, sin times `magnitude`.
 
-    scaling, as Hugging Face's rope_scaling:
+    scaling, as Hugging Face's rope_scaling (its _compute_yarn_parameters for YaRN):
         None                      inv_freq = base^(-2i / r)
         {"type": "linear", "factor": f}            positions / f
         {"type": "yarn", "factor": f, "original_max_position_embeddings": L,
-         "beta_fast": 32, "beta_slow": 1}           YaRN: low frequencies interpolated by f, high
-                                                    ones kept, a linear ramp between the dims of
-                                                    beta_fast and beta_slow rotations over L;
-                                                    cos and sin times 0.1 ln f + 1
+         "beta_fast": 32, "beta_slow": 1,           YaRN: low frequencies interpolated (/ f), high
+         "truncate": True}                          ones kept, a linear ramp between the dims of
+                                                    beta_fast and beta_slow rotations over L (those
+                                                    dims rounded out to integers unless truncate is
+                                                    False, as gpt-oss has it)
+            magnitude, YaRN's attention factor: "attention_factor" if given; else with "mscale"
+            and "mscale_all_dim" both nonzero (DeepSeek's) mscale(f, mscale) / mscale(f,
+            mscale_all_dim); else mscale(f, 1); mscale(f, m) = 0.1 m ln f + 1 (1 for f <= 1)
+    ValueError where base, scaling or their frequencies are out of range (YaRN needs base != 1).
     """
     dtype = np.dtype(dtype)
     half = np.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim            # 2i / r
-    powers = np.asarray(base, dtype) ** half                                # [r/2]
-    inv_freq = 1 / powers                                                   # (the peers' order of ops)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):    # (checked below)
+        powers = np.asarray(base, dtype) ** half                            # [r/2]
+        inv_freq = 1 / powers                                               # (the peers' order of ops)
+        inv_freq, position_factor, magnitude = _scaled(inv_freq, powers, rotary_dim, base, scaling, dtype)
+    bad = ~np.isfinite(inv_freq)
+    if bad.any() or not math.isfinite(position_factor):
+        where = offenders("inv_freq", inv_freq, bad) if bad.any() else f"positions times {position_factor}"
+        raise ValueError(f"base {base} and scaling {scaling} give frequencies outside the float range: {where}")
+    return inv_freq, position_factor, magnitude
+
+
+def _scaled(inv_freq, powers, rotary_dim, base, scaling, dtype):
+    """frequencies' (inv_freq, position_factor, magnitude) for its scaling, from the unscaled
+    inv_freq = 1 / powers [r/2]."""
     if scaling is None:
         return inv_freq, 1.0, 1.0
     require_mapping(scaling, "scaling")
@@ -78,16 +96,47 @@ def frequencies(rotary_dim, base=10000.0, scaling=None, dtype=np.float64):
     factor = require_positive_real(scaling.get("factor"), "scaling['factor']")
     if kind == "linear":
         return inv_freq, 1.0 / factor, 1.0
+    if base == 1:
+        raise ValueError("YaRN's ramp divides by ln(base): base must not be 1")
     length = require_positive_real(scaling.get("original_max_position_embeddings"),
                                    "scaling['original_max_position_embeddings']")
     fast, slow = (require_positive_real(scaling.get(name, default), f"scaling[{name!r}]")
                   for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)))
-    dim_of = lambda rotations: rotary_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), rotary_dim - 1)
+    low, high = (_correction_dim(rotations, length, rotary_dim, base) for rotations in (fast, slow))
+    if require_bool(scaling.get("truncate", True), "scaling['truncate']"):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = float(max(low, 0)), float(min(high, rotary_dim - 1))
     ramp = np.clip((np.arange(rotary_dim // 2, dtype=dtype) - low) / dtype.type((high - low) or 0.001), 0, 1)
     kept = 1 - ramp                                                         # 1: extrapolate (keep)
     inv_freq = 1 / (dtype.type(factor) * powers) * (1 - kept) + inv_freq * kept
-    return inv_freq, 1.0, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
+    return inv_freq, 1.0, _attention_factor(scaling, factor)
+
+
+def _correction_dim(rotations, length, rotary_dim, base):
+    """r ln(L / (2 pi rotations)) / (2 ln base): the dim i whose wavelength turns `rotations` times
+    over L positions (Hugging Face's find_correction_dim; in logs where the ratio leaves the
+    float range)."""
+    ratio = length / (rotations * 2 * math.pi)
+    log_ratio = math.log(ratio) if 0 < ratio < math.inf else \
+        math.log(length) - math.log(rotations) - math.log(2 * math.pi)
+    return rotary_dim * log_ratio / (2 * math.log(base))
+
+
+def _attention_factor(scaling, factor):
+    """YaRN's magnitude of cos and sin (frequencies' docstring), from a yarn scaling dict."""
+    if scaling.get("attention_factor") is not None:
+        return require_positive_real(scaling["attention_factor"], "scaling['attention_factor']")
+    mscale, mscale_all_dim = (require_nonnegative_real(scaling.get(name, 0.0), f"scaling[{name!r}]")
+                              for name in ("mscale", "mscale_all_dim"))
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor, mscale=1.0):
+    """YaRN's mscale, 0.1 mscale ln(factor) + 1 (1 for factor <= 1): its attention factor; DeepSeek's
+    softmax_scale is qk_head_dim^-0.5 yarn_mscale(factor, mscale_all_dim)^2."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _pairs(x, layout, r, part="first"):
@@ -138,10 +187,8 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
     r = x.shape[-1] if rotary_dim is None else rotary_dim
     if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or r <= 0 or r % 2 or r > x.shape[-1]:
         raise ValueError(f"rotary_dim must be an even integer from 2 to d = {x.shape[-1]} (x {x.shape}), "
-                         f"got {rotary_dim!r}")
-    positions = np.asarray(positions)
-    if positions.dtype.kind not in "iuf":
-        raise TypeError(f"positions must be integers or floats, got dtype {positions.dtype}")
+                         f"got {brief(rotary_dim)}")
+    positions = check_positions(positions, "positions")
     try:
         np.broadcast_shapes(positions.shape, x.shape[:-1])
     except ValueError:
@@ -150,10 +197,25 @@ def rope_forward(x, positions, *, rotary_dim=None, layout="half", base=10000.0, 
     real = x.real.dtype
     angles = np.result_type(np.float64, real)                               # longdouble stays wide
     inv_freq, position_factor, magnitude = frequencies(int(r), base, scaling, angles)
-    theta = (positions.astype(angles) * position_factor)[..., None] * inv_freq   # [..., N, r/2]
+    with np.errstate(over="ignore", invalid="ignore"):
+        theta = (positions.astype(angles) * position_factor)[..., None] * inv_freq   # [..., N, r/2]
+    if not np.isfinite(theta).all():
+        raise ValueError(f"positions up to {np.abs(positions).max()} times the frequencies (up to "
+                         f"{inv_freq.max() * position_factor}) leave the float range")
     cos, sin = ((magnitude * f(theta)).astype(real) for f in (np.cos, np.sin))
     y = turned(x, cos, sin, layout, int(r), part)
     return y, RopeCache(cos=cos, sin=sin, layout=layout, rotary_dim=int(r), part=part, shape=x.shape)
+
+
+def check_positions(positions, name):
+    """positions as an array of integers or finite floats (TypeError / ValueError naming `name`)."""
+    positions = np.asarray(positions)
+    if positions.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must be integers or floats, got dtype {positions.dtype}")
+    bad = ~np.isfinite(positions) if positions.dtype.kind == "f" else None
+    if bad is not None and bad.any():
+        raise ValueError(f"{name} must be finite, got {offenders(name, positions, bad)}")
+    return positions
 
 
 def rope_backward(dy, cache):
@@ -199,7 +261,8 @@ def rope_positions(rope, n_q, n_k, options):
     _, given_q, given_k = rope_settings(rope)
     at = score_positions(n_q, n_k, np.arange(n_q), np.arange(n_k), "bottom_right",
                          options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
-    return (at.diagonal if given_q is None else given_q), (at.cols if given_k is None else given_k)
+    return (at.diagonal if given_q is None else check_positions(given_q, "rope['positions_q']"),
+            at.cols if given_k is None else check_positions(given_k, "rope['positions_k']"))
 
 
 def rope_qk(q, k, rope, options):

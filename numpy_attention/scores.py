@@ -30,7 +30,8 @@ runs the same steps with its roundings (`Rounding`).
 Backward and tangent, step by step (docs/derivations.md):
     2. dS_1 = dS_2 (1 - t^2),  S_dot_2 = (1 - t^2) S_dot_1      t = tanh(S_1 / softcap)
     3. dS = dS f'(S) for score_mod f, f' by complex step; a parameter it reads gets dS df/dp
-       scattered back to the entries read;  S_dot = f'(S) S_dot
+       scattered back to the entries read;  S_dot = f'(S) S_dot  (f' and df/dp 0 where f is -inf:
+       a score score_mod masks)
        dbias = dS_3 summed to bias's shape,  S_dot_3 = S_dot_2 + bias_dot
        dslope = -sum dS_3 |i + N_k - N_q - j| over the slope's rows,  S_dot_3 -= slope_dot |..|
     4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
@@ -44,6 +45,7 @@ import numpy as np
 
 from ._checks import as_scalar, require_positive_int
 from ._layout import grouped_matmul, scaled, unbroadcast
+from .near_misses import unexpected_keyword
 from .positions import band_keep, distance, positions, sequence_of
 
 WHOLE = (Ellipsis, slice(None), slice(None))     # the index of all of the scores
@@ -84,12 +86,13 @@ def _attention_chunk(chunk, at):
 KEEP_STEPS = {"attention_chunk": KeepStep(require_positive_int, _attention_chunk)}
 
 
-def check_keep_steps(steps):
+def check_keep_steps(steps, known=()):
     """attention_forward's keyword arguments beyond its own, as ((name, checked value), ...) of
-    the KEEP_STEPS given (None: not given); TypeError for any other name, as Python says it."""
+    the KEEP_STEPS given (None: not given); for any other name a TypeError with how to pass it
+    (near_misses.py: another library's name, or the closest of KEEP_STEPS and the names `known`)."""
     for name in steps:
         if name not in KEEP_STEPS:
-            raise TypeError(f"attention_forward() got an unexpected keyword argument {name!r}")
+            raise unexpected_keyword(name, tuple(KEEP_STEPS) + tuple(known))
     return tuple((name, KEEP_STEPS[name].check(as_scalar(value), name))
                  for name, value in steps.items() if value is not None)
 
@@ -367,23 +370,27 @@ def _call_score_mod(o, s, indices, params=None):
     return np.broadcast_to(out, s.shape)
 
 
-def _imaginary_part(o, s, stepped, indices, params=None):
-    """Im score_mod(stepped) / h where the block's scores s are finite, 0 elsewhere: a complex
-    step's derivative (stepped: s + i h, or s with a parameter's read stepped in params)."""
+def _complex_step(o, s, stepped, indices, params=None):
+    """(Im score_mod(stepped) / h where the score counts, 0 elsewhere; where it counts): a complex
+    step's derivative (stepped: s + i h, or s with a parameter's read stepped in params). A score
+    counts where the block's scores s are finite and score_mod's value is not -inf: a score it
+    sets to -inf (FlexAttention's way to mask) is a masked score, whose gradient is 0."""
     with np.errstate(all="ignore"):
-        return np.where(np.isfinite(s), _call_score_mod(o, stepped, indices, params).imag / COMPLEX_STEP, 0)
+        value = _call_score_mod(o, stepped, indices, params)
+        counts = np.isfinite(s) & ~np.isneginf(value.real)
+        return np.where(counts, value.imag / COMPLEX_STEP, 0), counts
 
 
 def _score_mod_slope(o, s, indices):
     """d score_mod / d score on the block s (real), by complex step, checked against central
-    differences on a sample of its finite entries (ScoreModDerivativeWarning: those instead)."""
+    differences on a sample of the entries that count (ScoreModDerivativeWarning: those instead);
+    0 where score_mod's value is -inf."""
     if np.iscomplexobj(s):
         raise ValueError("score_mod's derivative is taken by complex step on real scores: a backward or "
                          "tangent of complex scores (a complex-step check through score_mod) needs a "
                          "real one; check score_mod's attention with central differences instead")
-    finite = np.isfinite(s)
-    slope = _imaginary_part(o, s, s + 1j * COMPLEX_STEP, indices)
-    flat = np.flatnonzero(np.broadcast_to(finite, s.shape))
+    slope, counts = _complex_step(o, s, s + 1j * COMPLEX_STEP, indices)
+    flat = np.flatnonzero(np.broadcast_to(counts, s.shape))
     sample = flat[np.linspace(0, flat.size - 1, min(flat.size, 16)).astype(np.int64)] if flat.size else flat
     if sample.size:
         at = np.unravel_index(sample, s.shape)
@@ -398,7 +405,7 @@ def _score_mod_slope(o, s, indices):
                           ScoreModDerivativeWarning, stacklevel=4)
             h = 1e-6 * np.maximum(1, np.abs(s))
             with np.errstate(all="ignore"):
-                slope = np.where(finite, (_call_score_mod(o, s + h, indices)
+                slope = np.where(counts, (_call_score_mod(o, s + h, indices)
                                           - _call_score_mod(o, s - h, indices)) / (2 * h), 0)
     return slope
 
@@ -417,7 +424,7 @@ def _score_mod_param_grads(o, s, indices, ds):
         steps = [None] if value.ndim == 0 else range(len(recorded[name].reads))
         for read in steps:
             params = _params(o, {name: read}, stepped=name if value.ndim == 0 else None)
-            d = _imaginary_part(o, s, s, indices, params) * ds
+            d = _complex_step(o, s, s, indices, params)[0] * ds
             if read is None:
                 g = g + np.sum(d)
             else:
@@ -440,7 +447,7 @@ def _users_vjp(o, name, s, indices, ds):
                          f"score_mod_params[{name!r}] has its shape {value.shape}")
     u = np.random.default_rng(VJP_SEED).standard_normal(value.shape)   # the same direction every call
     stepped = _params(o, stepped=name, direction=u)
-    along = float(np.sum(_imaginary_part(o, s, s, indices, stepped) * ds))
+    along = float(np.sum(_complex_step(o, s, s, indices, stepped)[0] * ds))
     claimed = float(np.sum(g * u).real)
     if not abs(claimed - along) <= 1e-8 * (float(np.sum(np.abs(g * u))) + abs(along)):
         raise ValueError(f"score_mod_vjps[{name!r}] is not score_mod's VJP: along a random direction u of "

@@ -30,7 +30,9 @@ Forward mode: s_dot_t = scale (q_dot_i . k_{L_t} + q_i . k_dot_{L_t}),
 Computed a block of query rows at a time (block_rows; N_q: all rows at once, the textbook
 form): the gathered keys are [G, block, K, d], never [N_q, N_k], one of k's or v's at a time;
 the backward recomputes p from lse, as FlashAttention's does, so the cache holds O(N) arrays
-besides the indices (kept as given, not copied).
+besides the indices. It keeps its own copies of q, k, v, the indices and topk_length (or the
+caller's arrays themselves where nothing can write into them: _checks.kept), so changing them
+after the forward leaves the backward unchanged.
 
 Tasks (engines/parallel.py: threads with `workers`, a Dask cluster with `scheduler`): the
 forward's and JVP's spans of about TASK_ROWS query rows of each (batch index, kv head); the
@@ -43,22 +45,23 @@ from typing import NamedTuple, Optional
 import numpy as np
 import scipy.sparse
 
-from ._checks import as_float_array, require_cache, require_choice, require_same_shape
+from ._checks import (as_float_array, brief, kept, require_cache, require_positive_int,
+                      require_positive_real, require_same_shape, result_dtype)
 from ._layout import tiles, with_head_axis
 from .engines.parallel import run_tasks
 from .engines.plan import check_scheduler, resolve_workers
-from .options import FULLY_MASKED_POLICIES
+from .options import check_fully_masked, check_qkv
 
 GATHER_ROWS = 2 ** 15   # a block gathers at most this many keys (block_rows K) by default
 TASK_ROWS = 2 ** 10     # a task of the forward or JVP takes about this many query rows (whole blocks)
 
 
 class SparseCache(NamedTuple):
-    q: np.ndarray               # [..., H, N_q, d_k]
+    q: np.ndarray               # [..., H, N_q, d_k]   (kept: a copy, or a frozen caller's array)
     k: np.ndarray               # [..., H_kv, N_k, d_k]
     v: np.ndarray               # [..., H_kv, N_k, d_v]
-    indices: np.ndarray         # [..., H_kv or H, N_q, K] as given (not copied: they are the largest input)
-    topk_length: Optional[np.ndarray]   # [..., N_q] or None
+    indices: np.ndarray         # [..., H_kv or H, N_q, K] in the caller's integer dtype (kept)
+    topk_length: Optional[np.ndarray]   # [..., N_q] or None (kept)
     out: np.ndarray             # [..., H, N_q, d_v]
     lse: np.ndarray             # [..., H, N_q]
     scale: float
@@ -75,17 +78,25 @@ class SparseGrads(NamedTuple):
 
 
 def block_indices(blocks, block_size, n_k):
-    """Token indices [..., N_q, K * block_size] of the key blocks a query selects (NSA's selection
-    branch, MoBA): block b lists keys b * block_size ... b * block_size + block_size - 1; -1 pads,
-    and so do the tokens of a last block past n_k."""
+    """Token indices [..., N_q, K * w] (int64) of the key blocks [..., N_q, K] a query selects
+    (NSA's selection branch, MoBA), w = min(block_size, n_k): block b lists keys b * block_size
+    ... b * block_size + w - 1 (a block's keys from the n_k-th on are never in range). -1 pads: the
+    tokens of a block outside [0, ceil(n_k / block_size)) (-1, or any index too large, of any
+    integer dtype: padding, as a token index outside [0, n_k) is), and of the last block past n_k.
+    """
     blocks = np.asarray(blocks)
-    if blocks.dtype.kind not in "iu":
-        raise TypeError(f"blocks must be integer block indices, got dtype {blocks.dtype}")
-    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    tokens = blocks[..., None] * block_size + np.arange(block_size)              # [..., K, block_size]
-    tokens = np.where((blocks[..., None] >= 0) & (tokens < n_k), tokens, -1)
-    return tokens.reshape(blocks.shape[:-1] + (-1,))
+    if blocks.dtype.kind not in "iu" or blocks.ndim < 1:
+        raise TypeError(f"blocks must be integer block indices [..., K], got dtype {blocks.dtype} "
+                        f"with shape {blocks.shape}")
+    block_size = require_positive_int(block_size, "block_size")
+    n_k = require_positive_int(n_k, "n_k", minimum=0)
+    width = min(block_size, n_k)
+    valid = (blocks >= 0) & (blocks < -(-n_k // block_size))                     # [..., K] in range
+    # a valid block starts at b * block_size < n_k, an int64; with block_size > n_k only block 0
+    # is valid, so b * width is its start either way
+    tokens = np.where(valid, blocks, 0).astype(np.int64)[..., None] * width + np.arange(width)   # [..., K, w]
+    tokens = np.where(valid[..., None] & (tokens < n_k), tokens, -1)
+    return tokens.reshape(blocks.shape[:-1] + (blocks.shape[-1] * width,))
 
 
 def check_lists(indices, topk_length, q_shape, k_shape, name="indices"):
@@ -122,27 +133,22 @@ def listed(indices, lengths, n_k):
 
 
 def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler, fully_masked):
-    """(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler) checked (indices as
-    given: which entries are valid is found a block at a time, _valid), and fully_masked."""
-    q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
-    q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
-    if k3.shape[:-1] != v3.shape[:-1] or q3.shape[:-3] != k3.shape[:-3] or q3.shape[-1] != k3.shape[-1] \
-            or q3.shape[-3] % k3.shape[-3]:
-        raise ValueError(f"q [..., H, N_q, d_k], k [..., H_kv, N_k, d_k] and v [..., H_kv, N_k, d_v] do not "
-                         f"agree (H_kv must divide H): q {q.shape}, k {k.shape}, v {v.shape}")
+    """(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler) checked, the arrays as
+    the cache keeps them (_checks.kept: q, k, v in one dtype, the lists in theirs; which entries
+    are valid is found a block at a time, _valid), and fully_masked."""
+    q, k, v = check_qkv(q, k, v)                                       # attention's checks
     indices, topk_length = check_lists(indices, topk_length, q.shape, k.shape)
-    scale = 1 / math.sqrt(q3.shape[-1]) if scale is None else float(scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else require_positive_real(scale, "scale")
     if block_rows is None:
         block_rows = max(1, GATHER_ROWS // max(1, indices.shape[-1]))
     elif isinstance(block_rows, (bool, np.bool_)) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1:
-        raise ValueError(f"block_rows must be a positive integer or None, got {block_rows!r}")
-    workers = resolve_workers(workers, "tiled", math.prod(q3.shape[:-1]) * indices.shape[-1])
-    require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
-    if fully_masked == "uniform" and k3.shape[-2] == 0:
-        raise ValueError(f"fully_masked='uniform' needs at least one key; k {k.shape} has none")
-    return q, k, v, indices, topk_length, scale, block_rows, workers, check_scheduler(scheduler)
+        raise ValueError(f"block_rows must be a positive integer or None, got {brief(block_rows)}")
+    workers = resolve_workers(workers, "tiled", math.prod(with_head_axis(q).shape[:-1]) * indices.shape[-1])
+    check_fully_masked(fully_masked, k, v)
+    scheduler = check_scheduler(scheduler)
+    dtype = result_dtype(q, k, v)
+    return (*(kept(x, dtype) for x in (q, k, v)), kept(indices), kept(topk_length), scale, block_rows, workers,
+            scheduler)
 
 
 def _slices(q3, k3, indices, topk_length):
@@ -150,8 +156,8 @@ def _slices(q3, k3, indices, topk_length):
     prefix of its G query heads into q3 [B, H, ..], of its kv head into k3, v3 [B, H_kv, ..],
     and its lists, indices [1, 1 or G, N_q, K] and topk_length [1, N_q] (or None)."""
     groups = q3.shape[1] // k3.shape[1]
-    lists = indices.reshape((-1,) + indices.shape[-3:])
-    lengths = None if topk_length is None else topk_length.reshape(-1, topk_length.shape[-1])
+    lists = indices.reshape((q3.shape[0],) + indices.shape[-3:])
+    lengths = None if topk_length is None else topk_length.reshape(q3.shape[0], topk_length.shape[-1])
     for z in range(q3.shape[0]):
         for g in range(k3.shape[1]):
             heads, kv = (slice(z, z + 1), slice(g * groups, (g + 1) * groups)), (slice(z, z + 1), slice(g, g + 1))
@@ -161,15 +167,19 @@ def _slices(q3, k3, indices, topk_length):
 
 def _valid(idx, lengths, n_k, groups):
     """A block's lists [1, 1 or G, b, K] (lengths [1, b] or None) as the per-query-head lists
-    [1, G, b, K], -1 where an entry is not valid (outside [0, N_k), or past its row's
-    topk_length)."""
-    idx = np.where(listed(idx, lengths, n_k), idx, -1)
+    [1, G, b, K] int64, -1 where an entry is not valid (outside [0, N_k), or past its row's
+    topk_length; an unsigned index too large for int64 too)."""
+    idx = np.where(listed(idx, lengths, n_k), idx.astype(np.int64, copy=False), -1)
     return np.repeat(idx, groups, axis=1) if idx.shape[1] != groups else idx
 
 
 def _gathered(x, idx):
-    """x [1, 1, N_k, d] (one kv head) gathered at idx [1, G, b, K] (index -1 reads row 0) -> [1, G, b, K, d]."""
-    return x[0, 0][np.maximum(idx, 0)]
+    """x [1, 1, N_k, d] (one kv head) gathered at idx [1, G, b, K] (index -1 reads row 0; zeros
+    where there is no row, N_k = 0, and so every index is -1) -> [1, G, b, K, d]."""
+    rows = x[0, 0]
+    if rows.shape[0] == 0:
+        return np.zeros(idx.shape + rows.shape[1:], rows.dtype)
+    return rows[np.maximum(idx, 0)]
 
 
 def _scores(q_blk, k_g, idx, scale):
@@ -190,17 +200,22 @@ def _mix(weights, gathered):
 
 def _flat(*arrays):
     """The arrays with their leading axes as one: [..., H, N, d] -> [B, H, N, d]."""
-    return [with_head_axis(x).reshape((-1,) + with_head_axis(x).shape[-3:]) for x in arrays]
+    shaped = [with_head_axis(x) for x in arrays]
+    return [x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:]) for x in shaped]
 
 
-def _joined(parts, blocks, lead):
-    """The tasks' arrays [1, G, b, ...], slice by slice ((batch index, kv head) in _slices' order)
-    and `blocks` blocks of rows a slice, as one array [B, H, N, ...] = lead + (N, ...) (a lone
-    part as it is: no copy)."""
-    slices = [parts[i] if blocks == 1 else np.concatenate(parts[i:i + blocks], axis=2)
-              for i in range(0, len(parts), blocks)]
-    whole = slices[0] if len(slices) == 1 else np.concatenate(slices, axis=1)
-    return whole.reshape(tuple(lead) + whole.shape[2:])
+def _joined(results, blocks, shapes, dtype):
+    """The tasks' results, tuples of arrays [1, G, b, ...] slice by slice ((batch index, kv head)
+    in _slices' order) and `blocks` blocks of rows a slice, as one array of each of `shapes`
+    [B, H, N, ...] (a lone part as it is: no copy; zeros of `dtype` where no task ran, B = 0)."""
+    if not results:
+        return [np.zeros(shape, dtype) for shape in shapes]
+    joined = []
+    for parts, shape in zip(zip(*results), shapes):
+        slices = [parts[i] if blocks == 1 else np.concatenate(parts[i:i + blocks], axis=2)
+                  for i in range(0, len(parts), blocks)]
+        joined.append((slices[0] if len(slices) == 1 else np.concatenate(slices, axis=1)).reshape(shape))
+    return joined
 
 
 def _shaped(x, like):
@@ -238,15 +253,23 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
              for heads, kv, idx, n in _slices(q3, k3, indices, topk_length) for rows in spans]
     results = run_tasks(_span, items, workers, {"block": _forward_block, "block_rows": block_rows, "k3": k3,
                                                 "v3": v3, "scale": scale, "fully_masked": fully_masked}, scheduler)
-    out, lse, top = (_shaped(_joined(parts, len(spans), q3.shape[:2]), q) for parts in zip(*results))
+    rows = q3.shape[:-1]                                                # [B, H, N_q]
+    out, lse, top = (_shaped(x, q) for x in _joined(results, len(spans), (rows + v3.shape[-1:], rows, rows),
+                                                    q3.dtype))
     return out, lse, top, SparseCache(q=q, k=k, v=v, indices=indices, topk_length=topk_length, out=out.copy(),
-                                      lse=lse, scale=scale, fully_masked=fully_masked, block_rows=block_rows,
+                                      lse=lse.copy(), scale=scale, fully_masked=fully_masked, block_rows=block_rows,
                                       workers=workers, scheduler=scheduler)
 
 
 def _spans(n_q, block_rows):
-    """The query rows of the forward's and JVP's tasks: whole blocks, about TASK_ROWS rows."""
-    return tiles(n_q, block_rows * max(1, TASK_ROWS // block_rows))
+    """The query rows of the forward's and JVP's tasks: whole blocks, about TASK_ROWS rows (one
+    empty span for N_q = 0, whose results have their shapes)."""
+    return _blocks(n_q, block_rows * max(1, TASK_ROWS // block_rows))
+
+
+def _blocks(n, block_rows):
+    """tiles(n, block_rows), or one empty block for n = 0."""
+    return tiles(n, block_rows) or [slice(0, 0)]
 
 
 def _span(kv, rows_of, lists, lengths, *, block, block_rows, **shared):
@@ -254,7 +277,7 @@ def _span(kv, rows_of, lists, lengths, *, block, block_rows, **shared):
     query rows of kv head `kv` (rows_of: the span's arrays [1, G, n, ...] of rows, lists [1, 1 or
     G, n, K], lengths [1, n] or None), its results [1, G, b, ...] written into the span's arrays."""
     results = None
-    for rows in tiles(lists.shape[2], block_rows):
+    for rows in _blocks(lists.shape[2], block_rows):
         parts = block(kv, *(x[:, :, rows] for x in rows_of), lists[:, :, rows],
                       None if lengths is None else lengths[:, rows], **shared)
         if results is None:
@@ -306,8 +329,8 @@ def sparse_attention_backward(dout, cache):
     results = run_tasks(_backward_slice, items, cache.workers,
                         {"k3": k3, "v3": v3, "scale": cache.scale, "block_rows": cache.block_rows,
                          "fully_masked": cache.fully_masked}, cache.scheduler)
-    dq, dk, dv = (_joined(parts, 1, x.shape[:2]).reshape(np.shape(like))
-                  for parts, x, like in zip(zip(*results), (q3, k3, v3), (cache.q, cache.k, cache.v)))
+    dq, dk, dv = (x.reshape(like.shape) for x, like in zip(
+        _joined(results, 1, (q3.shape, k3.shape, v3.shape), np.result_type(q3, dout3)), (cache.q, cache.k, cache.v)))
     return SparseGrads(dq=dq, dk=dk, dv=dv)
 
 
@@ -377,7 +400,9 @@ def sparse_attention_jvp(q, k, v, indices, q_dot=None, k_dot=None, v_dot=None, *
                                                       "k3": k3, "v3": v3, "kd3": kd3, "vd3": vd3,
                                                       "scale": cache.scale, "fully_masked": cache.fully_masked},
                         cache.scheduler)
-    out_dot, lse_dot = (_shaped(_joined(parts, len(spans), q3.shape[:2]), cache.q) for parts in zip(*results))
+    rows = q3.shape[:-1]                                                # [B, H, N_q]
+    out_dot, lse_dot = (_shaped(x, cache.q) for x in _joined(results, len(spans), (rows + v3.shape[-1:], rows),
+                                                             np.result_type(q3, qd3, kd3, vd3)))
     return out, out_dot, lse, lse_dot
 
 

@@ -82,6 +82,38 @@ def test_sparse_attention_on_a_cluster_gives_the_local_bits(client):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("empty", ["K = 0", "N_q = 0", "B = 0"])
+def test_sparse_attention_with_an_empty_axis_on_a_cluster_gives_the_local_results(client, empty):
+    q, k, v, dout = inputs()
+    indices = np.random.default_rng(4).integers(-1, 60, (2, 2, 40, 9))
+    if empty == "K = 0":
+        indices = indices[..., :0]
+    elif empty == "N_q = 0":
+        q, dout, indices = q[..., :0, :], dout[..., :0, :], indices[..., :0, :]
+    else:
+        q, k, v, dout, indices = q[:0], k[:0], v[:0], dout[:0], indices[:0]
+    runs = []
+    for scheduler in (None, client):
+        out, lse, top, cache = na.sparse_attention_forward(q, k, v, indices, block_rows=16, scheduler=scheduler)
+        jvp = na.sparse_attention_jvp(q, k, v, indices, q, k, v, block_rows=16, scheduler=scheduler)
+        runs.append([out, lse, top, *na.sparse_attention_backward(dout, cache), *jvp])
+    for a, b in zip(*runs):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_tiled_engine_with_no_query_row_on_a_cluster_gives_the_local_results(client):
+    """N_q = 0: no task at all, on a cluster as locally (Dask's scatter of no data once failed)."""
+    q, k, v, dout = inputs()
+    runs = []
+    for scheduler in (None, client):
+        out, cache = na.attention_forward(q[..., :0, :], k, v, block_size=16, scheduler=scheduler)
+        runs.append([out, *na.attention_backward(dout[..., :0, :], cache)[:3]])
+    for a, b in zip(*runs):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
 def test_an_address_opens_a_client_for_the_call(client):
     q, k, v, _ = inputs()
     out, _ = na.attention_forward(q, k, v, causal=True, block_size=16, scheduler=client.scheduler.address)

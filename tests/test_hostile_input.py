@@ -1,6 +1,7 @@
 """Hostile input: no crash, no silent wrong answer, a clear ValueError / TypeError naming the
 argument (the repros of the reliability review, each failing before its fix)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -130,3 +131,38 @@ def test_the_pure_pair_is_thread_safe_and_equals_the_module():
         serial_out, _ = mha(x, x, x)
         np.testing.assert_array_equal(out, serial_out)
         np.testing.assert_array_equal(dquery, mha.backward(dout)["query"])
+
+
+SEQUENCES = 10 ** 5
+CU = np.arange(SEQUENCES + 1) * 2                    # 10^5 packed sequences of 2 tokens
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"cu_seqlens_q": CU, "cu_seqlens_k": CU, "seqused_k": np.full(SEQUENCES, 3)},
+     "got seqused_k[0] = 3, seqused_k[1] = 3, seqused_k[2] = 3, ... (100000 entries) where the sequences hold 2, 2, 2"),
+    ({"page_table": np.full((SEQUENCES, 2), 7), "cache_seqlens": np.full(SEQUENCES, 3)},
+     "got page_table[0, 0] = 7, page_table[0, 1] = 7, page_table[1, 0] = 7, ... (200000 entries)"),
+    ({"page_table": np.zeros((SEQUENCES, 2), int), "cache_seqlens": np.r_[np.full(SEQUENCES - 1, 4), -1]},
+     "got cache_seqlens[99999] = -1"),
+])
+def test_an_error_over_many_sequences_names_the_first_offenders_and_how_many(options, words):
+    """A message lists at most a few offending entries and counts the rest: 10^5 sequences once
+    gave single-line errors of 300-600 KB."""
+    paged = "page_table" in options
+    q = np.ones((SEQUENCES, 1, 1, 4)) if paged else np.ones((1, 2 * SEQUENCES, 4))
+    k = np.ones((4, 1, 2, 4)) if paged else q
+    with pytest.raises(ValueError, match=re.escape(words)) as error:
+        na.attention_forward(q, k, k, **options)
+    assert len(str(error.value)) < 300
+
+
+@pytest.mark.parametrize("option", [{"scale": [1.0] * 10 ** 5}, {"causal": "x" * 10 ** 5},
+                                    {"window": tuple(range(10 ** 5))}, {"fully_masked": ["zero"] * 10 ** 5},
+                                    {"block_size": [1] * 10 ** 5}, {"check_finite": [True] * 10 ** 5}])
+def test_an_error_quotes_a_huge_argument_briefly(option):
+    """A list of 10^5 entries (or a string of 10^5 letters) where a number, a word or a pair
+    belongs: the message names the argument and quotes the first few entries (reprlib)."""
+    q = np.ones((1, 2, 3))
+    with pytest.raises((TypeError, ValueError), match=list(option)[0]) as error:
+        na.attention_forward(q, q, q, **option)
+    assert len(str(error.value)) < 200 and "..." in str(error.value)

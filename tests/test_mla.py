@@ -195,3 +195,67 @@ def test_bad_input_is_refused_by_name(change, error, words):
     arguments = {"q": q, "kv": kv, "rope_dim": P, **change}
     with pytest.raises(error, match=words):
         na.mla_forward(**arguments)
+
+
+V3_YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}      # DeepSeek-V3's config.json rope_scaling
+
+
+def torch_deepseek_v3(torch, x, positions_q, positions_k):
+    """DeepSeek-V3's attention as its reference model computes it, in torch float64, written from
+    its definitions: precompute_freqs_cis (YaRN frequencies, cos and sin NOT times an attention
+    factor), apply_rotary_emb (interleaved pairs as complex numbers), softmax_scale =
+    qk_head_dim^-0.5 mscale^2, mscale = 0.1 mscale_all_dim ln(factor) + 1. x: unabsorbed_inputs'
+    tensors (autograd flows through)."""
+    factor, original, base = V3_YARN["factor"], V3_YARN["original_max_position_embeddings"], 10000.0
+    freqs = 1.0 / base ** (torch.arange(0, P, 2, dtype=torch.float64) / P)
+    dim = lambda rotations: P * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(dim(V3_YARN["beta_fast"])), 0), min(math.ceil(dim(V3_YARN["beta_slow"])), P - 1)
+    smooth = 1 - torch.clamp((torch.arange(P // 2, dtype=torch.float64) - low) / ((high - low) or 0.001), 0, 1)
+    freqs = freqs / factor * (1 - smooth) + freqs * smooth
+
+    def rotary(t, positions):                                          # [..., N, P], pairs (2i, 2i + 1)
+        cis = torch.polar(torch.ones(len(positions), P // 2, dtype=torch.float64),
+                          torch.outer(torch.as_tensor(positions, dtype=torch.float64), freqs))
+        turned = torch.view_as_complex(t.reshape(*t.shape[:-1], P // 2, 2).contiguous()) * cis
+        return torch.view_as_real(turned).flatten(-2)
+
+    mscale = 0.1 * V3_YARN["mscale_all_dim"] * math.log(factor) + 1.0
+    softmax_scale = (N_NOPE + P) ** -0.5 * mscale * mscale
+    k_nope = torch.einsum("bkr,hrn->bhkn", x["c_kv"], x["w_uk"])
+    v = torch.einsum("bkr,hrv->bhkv", x["c_kv"], x["w_uv"])
+    scores = (torch.einsum("bhqn,bhkn->bhqk", x["q_nope"], k_nope)
+              + torch.einsum("bhqp,bkp->bhqk", rotary(x["q_pe"], positions_q), rotary(x["k_pe"], positions_k)))
+    return torch.softmax(scores * softmax_scale, -1) @ v
+
+
+def test_deepseek_v3s_scale_with_yarn():
+    """DeepSeek-V3 with YaRN: rope={"scaling": its rope_scaling (mscale = mscale_all_dim = 1: cos
+    and sin times 1, as Hugging Face's deepseek_v3 has it)} and scale = (n + p)^-0.5 yarn_mscale(40,
+    mscale_all_dim)^2 are its reference model's attention, both forms, out and gradients. The
+    scale's mscale^2 with a YaRN scaling lacking mscale and mscale_all_dim applies the attention
+    factor a second time, on the rotary columns' scores: out 10% or more off."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    from numpy_attention.rope import yarn_mscale
+    x = unabsorbed_inputs(n_q=3, n_k=9)
+    dout = RNG.standard_normal((2, H, 3, D_V))
+    positions_q, positions_k = np.array([9000, 20000, 30000]), np.array([0, 70, 900, 4000, 5000, 9000, 12000, 20000,
+                                                                         30000])
+    scale = (N_NOPE + P) ** -0.5 * yarn_mscale(V3_YARN["factor"], V3_YARN["mscale_all_dim"]) ** 2
+    rope = {"layout": "interleaved", "scaling": V3_YARN, "positions_q": positions_q, "positions_k": positions_k}
+    out, cache = na.mla_unabsorbed_forward(**x, scale=scale, rope=rope)
+    grads = na.mla_unabsorbed_backward(dout, cache)
+    t = {name: torch.from_numpy(a).requires_grad_() for name, a in x.items()}
+    t_out = torch_deepseek_v3(torch, t, positions_q, positions_k)
+    t_out.backward(torch.from_numpy(dout))
+    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=0, atol=1e-13)
+    for name in x:
+        np.testing.assert_allclose(getattr(grads, f"d{name}"), t[name].grad.numpy(), rtol=0, atol=1e-12, err_msg=name)
+    q = np.concatenate([na.mla_absorb(x["q_nope"], x["w_uk"]), x["q_pe"]], -1)
+    kv = np.concatenate([x["c_kv"], x["k_pe"]], -1)[:, None]
+    latent, _ = na.mla_forward(q, kv, rope_dim=P, scale=scale, rope=rope)
+    np.testing.assert_allclose(np.einsum("bhqr,hrv->bhqv", latent, x["w_uv"]), out, rtol=0, atol=1e-13)
+    without = {**V3_YARN}
+    del without["mscale"], without["mscale_all_dim"]                   # cos, sin times 0.1 ln 40 + 1 too
+    twice, _ = na.mla_unabsorbed_forward(**x, scale=scale, rope={**rope, "scaling": without})
+    assert np.abs(twice - out).max() > 0.1 * np.abs(out).max()

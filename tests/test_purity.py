@@ -328,3 +328,94 @@ def test_same_seed_same_module():
     a, b = na.MultiHeadAttention(8, 2, seed=11), na.MultiHeadAttention(8, 2, seed=11)
     assert_bitwise_equal(a.state_dict(), b.state_dict())
     assert not np.array_equal(a.params["W_q.weight"], na.MultiHeadAttention(8, 2, seed=12).params["W_q.weight"])
+
+
+# ----------------------------------------------------------------------------- every forward that returns a cache
+
+def scribble(a):
+    """Write other values over the array a, in place (a caller reusing its buffer)."""
+    if a.dtype == bool:
+        a[...] = ~a
+    elif a.dtype.kind in "iu":
+        a[...] = 0
+    else:
+        a[...] = 7.0
+
+
+def _attention_call(engine, **fixed):
+    """attention_forward on arrays passed by name, the engine's options and `fixed` (non-arrays)."""
+    return lambda q, k, v, **arrays: na.attention_forward(q, k, v, **engine, **fixed, **arrays)
+
+
+def cached_forwards():
+    """(id, {argument name: array}, forward(**arrays) -> (results..., cache), backward(dout, cache)):
+    every forward that returns a cache, with every array argument it takes (score_mod's
+    parameters and rope's positions inside their dicts)."""
+    (q, k, v), _ = attention_inputs()
+    bias, mask = rng.standard_normal((4, 3, 5)), rng.random((3, 5)) > 0.3
+    heads = {"sinks": rng.standard_normal(4), "alibi_slopes": rng.uniform(0, 1, 4)}
+    mod = lambda s, b, h, i, j, p: s + p["rel"][h, i - j + 4]
+    cu_q, cu_k = np.array([0, 1, 3]), np.array([0, 2, 5])
+    attention_backward = lambda dout, cache: na.attention_backward(dout, cache)
+    calls = []
+    for engine in ({"implementation": "textbook"}, {"implementation": "blocked"}, {"block_size": 2}):
+        name = engine.get("implementation", "tiled")
+        arrays = dict(q=q, k=k, v=v, mask=mask, bias=bias, **heads,
+                      **({} if name == "tiled" else {"dropout_mask": rng.random((3, 5)) > 0.2}))
+        calls.append((f"attention-{name}", arrays,
+                      lambda q, k, v, rel, positions, engine=engine, **arrays: na.attention_forward(
+                          q, k, v, **engine, **arrays, dropout_p=0.2 if "dropout_mask" in arrays else 0.0,
+                          score_mod=mod, score_mod_params={"rel": rel},
+                          rope={"layout": "half", "positions_q": positions[:3], "positions_k": positions}),
+                      attention_backward))
+        calls[-1][1].update(rel=rng.standard_normal((4, 8)), positions=np.arange(5) * 7.0)
+        calls.append((f"attention-packed-{name}", dict(q=q[0, :, :3], k=k[0, :, :5], v=v[0, :, :5], cu_seqlens_q=cu_q,
+                                                        cu_seqlens_k=cu_k, seqused_k=np.array([1, 3])),
+                      _attention_call(engine, causal=True), attention_backward))
+    pages = dict(q=rng.standard_normal((2, 4, 1, 6)), k=rng.standard_normal((3, 2, 4, 6)),
+                 v=rng.standard_normal((3, 2, 4, 5)), page_table=np.array([[2, 0], [1, 2]]),
+                 cache_seqlens=np.array([6, 3]))
+    calls.append(("attention-paged", pages, _attention_call({}), attention_backward))
+    indices = rng.integers(-1, 6, (2, 2, 3, 4))
+    calls.append(("sparse", dict(q=q, k=k, v=v, indices=indices, topk_length=np.array([[4, 2, 3], [1, 4, 4]])),
+                  lambda **a: na.sparse_attention_forward(**a, block_rows=2), na.sparse_attention_backward))
+    calls.append(("mla", dict(q=rng.standard_normal((2, 4, 3, 10)), kv=rng.standard_normal((2, 1, 5, 10))),
+                  lambda q, kv: na.mla_forward(q, kv, rope_dim=4, rope={"layout": "interleaved"}), na.mla_backward))
+    calls.append(("mla-unabsorbed", dict(q_nope=rng.standard_normal((2, 4, 3, 6)), q_pe=rng.standard_normal((2, 4, 3, 4)),
+                                         c_kv=rng.standard_normal((2, 5, 8)), k_pe=rng.standard_normal((2, 5, 4)),
+                                         w_uk=rng.standard_normal((4, 8, 6)), w_uv=rng.standard_normal((4, 8, 5))),
+                  lambda **a: na.mla_unabsorbed_forward(**a, rope={"layout": "half"}), na.mla_unabsorbed_backward))
+    calls.append(("rope", dict(x=rng.standard_normal((2, 5, 8)), positions=np.arange(5.0)),
+                  lambda x, positions: na.rope_forward(x, positions, scaling={"type": "linear", "factor": 2.0}),
+                  na.rope_backward))
+    calls.append(("linear", dict(x=rng.standard_normal((2, 3, 4)), W=rng.standard_normal((4, 5)), b=rng.standard_normal(5)),
+                  na.linear_forward, na.linear_backward))
+    calls.append(("softmax", dict(z=rng.standard_normal((3, 6))), na.softmax_forward, na.softmax_backward))
+    calls.append(("combine", dict(outs=rng.standard_normal((3, 2, 4, 5)), lses=rng.standard_normal((3, 2, 4))),
+                  na.combine_forward, na.combine_backward))
+    sd = na.MultiHeadAttention(8, 2, seed=1).state_dict()
+    calls.append(("multihead", dict(query=rng.standard_normal((2, 3, 8)), key=rng.standard_normal((2, 5, 8)),
+                                    mask=rng.random((3, 5)) > 0.3, bias=rng.standard_normal((3, 5)), **sd),
+                  lambda query, key, mask, bias, **params: na.multihead_forward(query, key, key, params, 2, mask=mask,
+                                                                                 bias=bias),
+                  na.multihead_backward))
+    return calls
+
+
+CACHED = cached_forwards()
+
+
+@pytest.mark.parametrize("arrays, forward, backward", [c[1:] for c in CACHED], ids=[c[0] for c in CACHED])
+def test_writing_into_every_argument_and_result_after_the_forward_leaves_the_backward(arrays, forward, backward):
+    """A cache never aliases an array the caller can still write: every argument array (and every
+    result) written over after the forward, the backward is bitwise what it was."""
+    arrays = {name: np.array(a, copy=True) for name, a in arrays.items()}
+    *results, cache = forward(**arrays)
+    dout = np.random.default_rng(5).standard_normal(results[0].shape)
+    expected = backward(dout, cache)
+    for a in list(arrays.values()) + [r for r in results if r.flags.writeable]:
+        scribble(a)
+    assert_bitwise_equal(backward(dout, cache), expected)
+    for held in arrays_in(cache):
+        for a in list(arrays.values()) + results:
+            assert not np.shares_memory(held, a) or not a.flags.writeable, (held.shape, a.shape)

@@ -2,6 +2,7 @@
 positions, linear and YaRN scaling; against an independent torch float64 implementation (the
 formulas of FlashAttention's apply_rotary_emb_torch and Hugging Face's YaRN frequencies, written
 here), complex step and the rotation's own properties."""
+import decimal
 import math
 
 import numpy as np
@@ -18,15 +19,30 @@ CASES = [dict(layout="half"), dict(layout="interleaved"), dict(layout="half", ro
          dict(layout="half", scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}),
          dict(layout="interleaved", rotary_dim=6,
               scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
-                       "beta_slow": 2.0})]
-IDS = ["half", "interleaved", "half-partial", "interleaved-partial-base", "linear", "yarn", "yarn-partial"]
+                       "beta_slow": 2.0}),
+         dict(layout="half", base=150000.0,                                  # gpt-oss's
+              scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                       "beta_slow": 1.0, "truncate": False}),
+         dict(layout="interleaved",                                          # DeepSeek-V3's: magnitude 1
+              scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                       "mscale_all_dim": 1.0}),
+         dict(layout="half", scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "mscale": 1.0, "mscale_all_dim": 0.5}),
+         dict(layout="half", scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "mscale": 0.7}),                       # alone: the default factor
+         dict(layout="half", scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "attention_factor": 0.8, "mscale": 1.0, "mscale_all_dim": 0.5})]
+IDS = ["half", "interleaved", "half-partial", "interleaved-partial-base", "linear", "yarn", "yarn-partial",
+       "yarn-not-truncated", "yarn-mscale-deepseek-v3", "yarn-mscale-ratio", "yarn-mscale-alone",
+       "yarn-attention-factor"]
 
 
 def torch_rope(x, positions, layout="half", rotary_dim=None, base=10000.0, scaling=None):
     """The reference, in torch float64: FlashAttention's rotate_half and apply_rotary_emb_torch
     (cos, sin [N, r/2] repeated over the pairs' layout), Hugging Face's linear and YaRN inverse
-    frequencies (_compute_yarn_parameters), written from their definitions. x: a float64 tensor
-    (autograd flows through)."""
+    frequencies and attention factor (_compute_yarn_parameters: truncate, mscale, mscale_all_dim,
+    attention_factor), written from their definitions. x: a float64 tensor (autograd flows
+    through)."""
     import torch
     r = x.shape[-1] if rotary_dim is None else rotary_dim
     inv_freq = 1.0 / base ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
@@ -37,13 +53,21 @@ def torch_rope(x, positions, layout="half", rotary_dim=None, base=10000.0, scali
         f, L = scaling["factor"], scaling["original_max_position_embeddings"]
         fast, slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
         dim = lambda rot: (r * math.log(L / (rot * 2 * math.pi))) / (2 * math.log(base))
-        low, high = max(math.floor(dim(fast)), 0), min(math.ceil(dim(slow)), r - 1)
+        low, high = dim(fast), dim(slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, r - 1)
         if low == high:
             high += 0.001
         ramp = torch.clamp((torch.arange(r // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
         extrapolation = 1 - ramp
         inv_freq = inv_freq / f * (1 - extrapolation) + inv_freq * extrapolation
-        attention_factor = 0.1 * math.log(f) + 1.0
+        mscale = lambda m: 0.1 * m * math.log(f) + 1.0 if f > 1 else 1.0
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+        elif attention_factor is None:
+            attention_factor = mscale(1.0)
     freqs = t[..., None] * inv_freq                                   # [..., N, r/2]
     cos, sin = torch.cos(freqs) * attention_factor, torch.sin(freqs) * attention_factor
     if layout == "half":
@@ -283,3 +307,77 @@ def test_attention_hvp_with_rope_against_torch_double_backward():
     for ours, theirs in zip((grads.dq, grads.dk, grads.dv, grads_dot.dq, grads_dot.dk, grads_dot.dv),
                             tuple(t_grads) + tuple(t_dots)):
         np.testing.assert_allclose(ours, theirs.detach().numpy(), rtol=0, atol=1e-12)
+
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"base": 1, "scaling": YARN}, ValueError, "YaRN's ramp divides by ln\\(base\\): base must not be 1"),
+    ({"scaling": {**YARN, "factor": 5e-324}}, ValueError, "give frequencies outside the float range: inv_freq\\["),
+    ({"scaling": {"type": "linear", "factor": 5e-324}}, ValueError,
+     "give frequencies outside the float range: positions times inf"),
+    ({"scaling": {**YARN, "truncate": "no"}}, TypeError, "scaling\\['truncate'\\] must be True or False"),
+    ({"scaling": {**YARN, "mscale": -1.0, "mscale_all_dim": 1.0}}, ValueError,
+     "scaling\\['mscale'\\] must be a finite real"),
+    ({"scaling": {**YARN, "attention_factor": 0.0}}, ValueError,
+     "scaling\\['attention_factor'\\] must be a finite real number > 0"),
+    ({"positions": np.array([0.0, 1.0, np.nan, 3.0, 4.0])}, ValueError,
+     "{name} must be finite, got {name}\\[2\\] = nan"),
+    ({"positions": np.array([0.0, np.inf, 2.0, -np.inf, 4.0])}, ValueError,
+     "{name} must be finite, got {name}\\[1\\] = inf, {name}\\[3\\] = -inf"),
+    ({"positions": np.array([0.0, 1.0, 2.0, 3.0, 1e308]), "base": 1e-300}, ValueError,
+     "positions up to 1e\\+308 times the frequencies .* leave the float range"),
+])
+def test_rope_out_of_range_is_an_error_naming_it(options, error, words):
+    """YaRN's base 1 (ln 1 = 0 once divided), a factor whose frequencies overflow, non-finite
+    positions and angles beyond the float range: an error naming them, from rope_forward and from
+    attention's rope= alike, never a ZeroDivisionError, OverflowError or NaN output."""
+    x = RNG.standard_normal((2, 5, 8))
+    positions = options.pop("positions", np.arange(5))
+    with pytest.raises(error, match=words.format(name="positions")):
+        na.rope_forward(x, positions, **options)
+    rope = {"layout": "half", **options, "positions_q": positions, "positions_k": positions}
+    with pytest.raises(error, match=words.format(name="rope\\['positions_q'\\]")):
+        na.attention_forward(x, x, x, rope=rope)
+
+
+def decimal_yarn(r, scaling, base=10000.0):
+    """Hugging Face's YaRN inverse frequencies with the correction dims' logarithms taken in
+    60-digit decimals (ln(L / (2 pi rotations)) as ln L - ln rotations - ln 2 pi: no ratio to
+    overflow), the rest as _compute_yarn_parameters does it, in float64."""
+    with decimal.localcontext(prec=60):
+        ln = lambda x: decimal.Decimal(x).ln()
+        two_pi = 2 * decimal.Decimal("3.14159265358979323846264338327950288419716939937510582097494")
+        dim = lambda rot: float(r * (ln(scaling["original_max_position_embeddings"]) - ln(rot) - two_pi.ln())
+                                / (2 * ln(base)))
+        low, high = dim(scaling.get("beta_fast", 32.0)), dim(scaling.get("beta_slow", 1.0))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    ramp = np.clip((np.arange(r // 2) - low) / ((high - low) or 0.001), 0, 1)
+    plain = 1 / base ** (np.arange(0, r, 2) / r)
+    return plain / scaling["factor"] * ramp + plain * (1 - ramp)
+
+
+@pytest.mark.parametrize("scaling", [{**YARN, "beta_fast": 5e-324}, {**YARN, "beta_slow": 5e-324},
+                                     {**YARN, "original_max_position_embeddings": 1e308, "beta_slow": 1e-3},
+                                     {**YARN, "original_max_position_embeddings": 1e308, "truncate": False}],
+                         ids=["beta_fast 5e-324", "beta_slow 5e-324", "L 1e308", "L 1e308 not truncated"])
+def test_yarn_at_the_ends_of_the_float_range_is_its_formula(scaling):
+    """A rotation count of 5e-324 or an original length of 1e308 makes ln(L / (2 pi rotations))
+    overflow in floats (HF's formula raises OverflowError there): the frequencies are the formula's,
+    its logarithms taken in 60-digit decimals, and the turn is finite."""
+    inv_freq, position_factor, magnitude = frequencies(8, scaling=scaling)
+    np.testing.assert_allclose(inv_freq, decimal_yarn(8, scaling), rtol=1e-15, atol=0)
+    assert position_factor == 1.0 and math.isclose(magnitude, 0.1 * math.log(4) + 1)
+    y, _ = na.rope_forward(RNG.standard_normal((3, 8)), np.arange(3), scaling=scaling)
+    assert np.isfinite(y).all()
+
+
+def test_crosschecks_rope_positions_pass_through_ropes_checks():
+    rng = np.random.default_rng(2)
+    q, k = rng.standard_normal((1, 2, 4, 8)), rng.standard_normal((1, 2, 6, 8))
+    positions = np.array([0.0, 1.0, np.nan, 3.0])
+    with pytest.raises(ValueError, match="rope\\['positions_q'\\] must be finite, got rope\\['positions_q'\\]\\[2\\] = nan"):
+        na.crosscheck(q=q, k=k, v=k, out=q, rope_layout="half", rope_positions_q=positions)

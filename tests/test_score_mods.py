@@ -457,3 +457,57 @@ def test_crosscheck_of_a_large_case_with_mods_on_threads_is_its_report_on_one():
     out, cache = na.attention_forward(q, k, v, **mods)
     reports = [na.crosscheck(q=q, k=k, v=v, out=out, lse=cache.lse, workers=w, **mods) for w in (1, 2)]
     assert reports[0] and str(reports[0]) == str(reports[1])
+
+
+# score_mod's -inf (FlexAttention's way to mask) -> the same mask as a -inf bias
+MASKED = RNG.random((H, N_Q, N_K)) < 0.3
+MASKED[:, 2] = True                                             # a row whose every key score_mod masks
+MASKS = {
+    "a column": (lambda s, b, h, i, j: np.where(j == 2, -np.inf, s), np.where(np.arange(N_K) == 2, -np.inf, 0.0), {}),
+    "an added -inf": (lambda s, b, h, i, j: s + np.where((i + j) % 4 == 0, -np.inf, 0.0),
+                      np.where((np.arange(N_Q)[:, None] + np.arange(N_K)) % 4 == 0, -np.inf, 0.0), {}),
+    "entries and a whole row": (lambda s, b, h, i, j: np.where(MASKED[h, i, j], -np.inf, s),
+                                np.where(MASKED, -np.inf, 0.0), {}),
+    "a parameter's -inf": (lambda s, b, h, i, j, p: s + p["bias"][h, i, j], np.where(MASKED, -np.inf, BIAS),
+                           {"score_mod_params": {"bias": np.where(MASKED, -np.inf, BIAS)}}),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+@pytest.mark.parametrize("mask", MASKS)
+def test_a_score_mod_that_masks_with_minus_inf_is_that_mask_as_a_bias(mask, engine):
+    """A score score_mod sets to -inf is a masked score: out, lse, the gradients (dq, dk, dv, and a
+    parameter's 0 where it is -inf) and the tangents are those of the same -inf given as bias, to
+    1e-12 and finite (its derivative once came out NaN, by the entries its self-check sampled)."""
+    mod, bias, params = MASKS[mask]
+    q, k, v, dout = qkv(11)
+    dlse = np.random.default_rng(12).standard_normal((B, H, N_Q))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScoreModDerivativeWarning)
+        out, cache = na.attention_forward(q, k, v, score_mod=mod, **params, **engine)
+        grads = na.attention_backward(dout, cache, dlse)
+        forward_mode = {"implementation": "textbook"} if engine["implementation"] == "blocked" else engine
+        tangents = qkv(13)[:3]
+        jvp = na.attention_jvp(q, k, v, *tangents, score_mod=mod, **params, **forward_mode)
+    out_bias, cache_bias = na.attention_forward(q, k, v, bias=bias, **engine)
+    grads_bias = na.attention_backward(dout, cache_bias, dlse)
+    jvp_bias = na.attention_jvp(q, k, v, *tangents, bias=bias, **forward_mode)
+    pairs = [(out, out_bias), (cache.lse, cache_bias.lse), (grads.dq, grads_bias.dq), (grads.dk, grads_bias.dk),
+             (grads.dv, grads_bias.dv), *zip(jvp, jvp_bias)]
+    if params:
+        pairs.append((grads.dscore_mod_params["bias"], grads_bias.dbias))
+    for ours, theirs in pairs:
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
+    for g in grads[:3]:
+        assert np.isfinite(g).all()
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_complex_step_through_a_minus_inf_score_mod(mask):
+    """gradcheck by complex step (random upstream gradients) of attention whose score_mod masks
+    with -inf: the hand-written backward to 1e-12."""
+    mod, _, params = MASKS[mask]
+    q, k, v, _ = qkv(14)
+    forward = lambda q, k, v: na.attention_forward(q, k, v, score_mod=mod, **params)
+    report = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex", mode="projection")
+    assert report and max(row.max_rel_err for row in report.rows) < 1e-12, report

@@ -176,20 +176,26 @@ def test_nsa_block_indices_select_whole_blocks():
     np.testing.assert_array_equal(tokens, [[0, 1, 2, 3, 8, 9, -1, -1, -1, -1, -1, -1]])
 
 
-def test_memory_holds_a_block_of_gathered_keys_not_the_scores():
+@pytest.mark.parametrize("frozen", [True, False], ids=["read-only inputs", "writeable inputs"])
+def test_memory_holds_a_block_of_gathered_keys_not_the_scores(frozen):
     """N_q = N_k = 4096, K = 256, one head: the forward and backward's peak is within 1.5x of q, k,
-    v and the indices themselves, with blocks of 16 rows (benchmarks/bench_sparse.py measures
-    N = 32768, K = 2048 with the default blocks)."""
+    v and the indices themselves, with blocks of 16 rows, plus the cache's copies of them where
+    the caller can still write into them (benchmarks/bench_sparse.py measures N = 32768, K = 2048
+    with the default blocks)."""
     n, top, d = 4096, 256, 32
     q, k, v = (RNG.standard_normal((1, 1, n, d)) for _ in range(3))
     indices = RNG.integers(0, n, (1, 1, n, top)).astype(np.int32)
+    for x in (q, k, v, indices):
+        x.flags.writeable = not frozen
     own = sum(x.nbytes for x in (q, k, v, indices))
     tracemalloc.start()
     out, _, _, cache = na.sparse_attention_forward(q, k, v, indices, block_rows=16)
     na.sparse_attention_backward(out, cache)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak <= 1.5 * own, (peak / 2 ** 20, own / 2 ** 20)
+    copies = 0 if frozen else own
+    assert all((held is given) is frozen for held, given in zip(cache[:4], (q, k, v, indices)))
+    assert peak <= 1.5 * own + copies, (peak / 2 ** 20, own / 2 ** 20)
 
 
 @pytest.mark.parametrize("change, error, words", [
@@ -200,10 +206,121 @@ def test_memory_holds_a_block_of_gathered_keys_not_the_scores():
     ({"workers": 0}, ValueError, "workers must be a positive integer"),
     ({"fully_masked": "skip"}, ValueError, "fully_masked must be one of"),
     ({"scheduler": 8786}, TypeError, "scheduler must be a dask.distributed Client or a scheduler's address"),
-    ({"k": np.zeros((2, 3, 13, 8))}, ValueError, "H_kv must divide H"),
+    ({"k": np.zeros((2, 3, 13, 8)), "v": np.zeros((2, 3, 13, 8))}, ValueError, "H_kv=3 must divide q's heads H=4"),
+    ({"v": np.zeros((2, 3, 13, 8))}, ValueError, r"k and v must have the same heads and length \[\.\.\., H_kv, N_k\]"),
+    ({"q": np.zeros((2, 4, 7, 0)), "k": np.zeros((2, 2, 13, 0))}, ValueError, "d_k >= 1"),
+    ({"scale": "1"}, TypeError, "scale must be a finite real number > 0, got '1'"),
+    ({"scale": True}, TypeError, "scale must be a finite real number > 0, got True"),
+    ({"scale": 1j}, TypeError, r"scale must be a finite real number > 0, got 1j"),
+    ({"scale": 10 ** 400}, ValueError, "scale must be a finite real number > 0, got an integer of 401 digits"),
+    ({"scale": float("nan")}, ValueError, "scale must be a finite real number > 0, got nan"),
 ])
 def test_bad_input_is_refused_by_name(change, error, words):
     q, k, v, indices = inputs()
     arguments = {"q": q, "k": k, "v": v, "indices": indices, **change}
     with pytest.raises(error, match=words):
         na.sparse_attention_forward(**arguments)
+
+
+def test_a_block_out_of_range_pads_whatever_its_integer_dtype():
+    """A block index outside [0, ceil(N_k / block_size)) is padding, as -1 is: 2^30 blocks of 4
+    keys (int32: 2^32 wraps to token 0), 2^62 (int64), 2^64 - 1 (uint64), 200 > 127 blocks (int8);
+    tokens come back as int64, never float64 (uint64 + int64 is float64 in NumPy)."""
+    for blocks, size, n_k in [(np.array([[2 ** 30, 1]], np.int32), 4, 8), (np.array([[2 ** 62, 1]], np.int64), 4, 8),
+                              (np.array([[2 ** 64 - 1, 1]], np.uint64), 4, 8), (np.array([[-1, 1]], np.int8), 4, 8)]:
+        tokens = block_indices(blocks, size, n_k)
+        assert tokens.dtype == np.int64, blocks.dtype
+        np.testing.assert_array_equal(tokens, [[-1, -1, -1, -1, 4, 5, 6, 7]])
+    many = np.array([[127, 126]], np.int8)
+    np.testing.assert_array_equal(block_indices(many, 2, 256), [[254, 255, 252, 253]])
+    np.testing.assert_array_equal(block_indices(many, 2, 253), [[-1, -1, 252, -1]])
+
+
+def test_a_block_larger_than_the_keys_lists_them_once():
+    """block_size >= 2^31 with int32 blocks (no overflow) and any block_size > N_k: block 0 is
+    every key, each block's width is N_k (the rest of a block could only pad), the others pad."""
+    tokens = block_indices(np.array([[0, 1], [1, -1]], np.int32), 2 ** 31, 3)
+    np.testing.assert_array_equal(tokens, [[0, 1, 2, -1, -1, -1], [-1, -1, -1, -1, -1, -1]])
+    assert block_indices(np.zeros((2, 0), np.int64), 4, 8).shape == (2, 0)
+    assert block_indices(np.zeros((2, 3), np.int64), 4, 0).shape == (2, 0)
+    with pytest.raises(TypeError, match="block_size must be a positive integer"):
+        block_indices(np.zeros((1, 1), int), 2.0, 8)
+    with pytest.raises(TypeError, match=r"blocks must be integer block indices \[\.\.\., K\]"):
+        block_indices(np.array(3), 2, 8)
+
+
+def topk_case(blocks, size, fill=None):
+    """A crosscheck case of key blocks (q [1, 2, 3, 8], k, v [1, 1, 8, 8]) with the candidate our
+    sparse attention over `fill` (default: the blocks' tokens, every out-of-range block padding)."""
+    rng = np.random.default_rng(12)
+    q, dout = rng.standard_normal((1, 2, 3, 8)), rng.standard_normal((1, 2, 3, 8))
+    k, v = rng.standard_normal((1, 1, 8, 8)), rng.standard_normal((1, 1, 8, 8))
+    tokens = block_indices(blocks, size, 8) if fill is None else fill
+    out, lse, _, cache = na.sparse_attention_forward(q, k, v, tokens)
+    g = na.sparse_attention_backward(dout, cache)
+    return dict(q=q, k=k, v=v, dout=dout, topk_indices=blocks, topk_block_size=np.array(size), out=out, lse=lse,
+                dq=g.dq, dk=g.dk, dv=g.dv)
+
+
+def test_crosscheck_of_key_blocks_passes_a_padding_kernel_and_fails_a_wrapping_one():
+    """Block 2^30 of 4 keys (int32): a kernel that pads it passes; one whose int32 product wraps to
+    block 0 (keys 0-3 twice) fails. uint64 blocks and int32 blocks of 2^31 keys are judged too."""
+    blocks = np.array([[[[0, 2 ** 30], [1, 0], [2 ** 30, 1]]]], np.int32)
+    assert na.crosscheck(**topk_case(blocks, 4))
+    wrapped = np.where(blocks == 2 ** 30, 0, blocks)                   # 2^30 * 4 = 2^32 = 0 in int32
+    assert not na.crosscheck(**topk_case(blocks, 4, fill=block_indices(wrapped, 4, 8)))
+    huge = np.array([[[[0, 2 ** 64 - 1], [1, 0], [2 ** 63, 1]]]], np.uint64)
+    assert na.crosscheck(**topk_case(huge, 4))
+    assert na.crosscheck(**topk_case(np.array([[[[0, 1], [1, 0], [-1, 0]]]], np.int32), 2 ** 31))
+
+
+def test_unsigned_indices_out_of_range_pad():
+    """uint64 indices 2^63 and 2^64 - 1 pad (as -1 does), not wrap to the last key."""
+    q, k, v, _ = inputs(batch=1, h_kv=1, groups=1, n_q=2, n_k=6)
+    unsigned = np.array([[[[1, 2 ** 63, 4], [2 ** 64 - 1, 0, 5]]]], np.uint64)
+    signed = np.array([[[[1, -1, 4], [-1, 0, 5]]]])
+    dout = RNG.standard_normal(q.shape)
+    ours, theirs = (na.sparse_attention_forward(q, k, v, lists) for lists in (unsigned, signed))
+    for a, b in zip(ours[:3], theirs[:3]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(na.sparse_attention_backward(dout, ours[3]), na.sparse_attention_backward(dout, theirs[3])):
+        np.testing.assert_array_equal(a, b)
+
+
+EMPTY = {      # q, k, v [1, 4, 5, 3] / [1, 2, 6, 3], lists [1, 2, 5, 4] with one axis emptied
+    "K = 0": lambda q, k, v, idx: (q, k, v, idx[..., :0]),
+    "N_q = 0": lambda q, k, v, idx: (q[..., :0, :], k, v, idx[..., :0, :]),
+    "N_k = 0": lambda q, k, v, idx: (q, k[..., :0, :], v[..., :0, :], idx),
+    "d_v = 0": lambda q, k, v, idx: (q, k, v[..., :0], idx),
+    "B = 0": lambda q, k, v, idx: (q[:0], k[:0], v[:0], idx[:0]),
+}
+
+
+@pytest.mark.parametrize("plan", [{"block_rows": 5, "workers": 1}, {"block_rows": 2, "workers": 1},
+                                  {"block_rows": 2, "workers": 3}], ids=["textbook", "blocks", "threads"])
+@pytest.mark.parametrize("fully_masked", ["zero", "nan"])
+@pytest.mark.parametrize("empty", EMPTY)
+def test_an_empty_axis_gives_what_dense_attention_with_the_lists_keep_mask_gives(empty, fully_masked, plan):
+    """K, N_q, N_k, d_v or the batch 0: forward, backward and forward mode equal dense attention's
+    with the lists' keep-mask (every row without a key where K = 0 or N_k = 0), shapes included."""
+    from numpy_attention.oracle.case import topk_keep
+    q, k, v, indices = EMPTY[empty](*inputs(batch=1, h_kv=2, groups=2, n_q=5, n_k=6, d=3, top=4))
+    dout, dots = RNG.standard_normal(q.shape[:-1] + v.shape[-1:]), [RNG.standard_normal(x.shape) for x in (q, k, v)]
+    keep = topk_keep(indices, None, q.shape, k.shape)
+    if fully_masked == "nan" and empty == "N_k = 0":                  # as dense attention, refused
+        for call in (na.sparse_attention_forward, na.attention_forward):
+            with pytest.raises(ValueError, match="fully_masked='nan' needs at least one key"):
+                call(q, k, v, **({"indices": indices} if call is na.sparse_attention_forward else keep),
+                     fully_masked=fully_masked)
+        return
+    out, lse, _, cache = na.sparse_attention_forward(q, k, v, indices, fully_masked=fully_masked, **plan)
+    grads = na.sparse_attention_backward(dout, cache)
+    jvp = na.sparse_attention_jvp(q, k, v, indices, *dots, fully_masked=fully_masked, **plan)
+    dense_out, dense_cache = na.attention_forward(q, k, v, fully_masked=fully_masked, **keep)
+    dense = na.attention_backward(dout, dense_cache)
+    dense_jvp = na.attention_jvp(q, k, v, *dots, fully_masked=fully_masked, implementation="textbook", **keep)
+    pairs = [(out, dense_out), (lse, dense_cache.lse), (jvp[1], dense_jvp[1]), (jvp[3], dense_jvp[3]),
+             *zip(grads, (dense.dq, dense.dk, dense.dv))]
+    for ours, theirs in pairs:
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-13)      # NaN where theirs is NaN

@@ -395,3 +395,68 @@ def test_cli_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------------------- torch's habits, everywhere
+
+TORCH_CAUSAL = np.triu(np.full((4, 4), -np.inf), 1)      # torch's additive causal mask: 0 / -inf
+SEQ = rng.standard_normal((2, 4, 8))                     # [B, N, d_model = 8]: the module's input
+HEADS = rng.standard_normal((2, 2, 4, 8))                # [B, H, N, d]
+LATENT = rng.standard_normal((2, 1, 4, 8))               # MLA's kv [B, 1, N, r + p]
+
+
+def entry_points(**options):
+    """Every public entry point that takes attention's options, called with `options`."""
+    return {
+        **{f"attention_forward-{engine}": lambda engine=engine: na.attention_forward(
+            HEADS, HEADS, HEADS, implementation=engine, **options) for engine in ("textbook", "blocked", "tiled")},
+        **{f"attention_jvp-{engine}": lambda engine=engine: na.attention_jvp(
+            HEADS, HEADS, HEADS, HEADS, HEADS, HEADS, implementation=engine, **options) for engine in ("textbook", "tiled")},
+        "MultiHeadAttention": lambda: na.MultiHeadAttention(8, 2)(SEQ, SEQ, SEQ, **options),
+        "multihead_forward": lambda: na.multihead_forward(SEQ, SEQ, SEQ, na.MultiHeadAttention(8, 2).state_dict(), 2,
+                                                          **options),
+        "mla_forward": lambda: na.mla_forward(HEADS, LATENT, rope_dim=2, **options),
+    }
+
+
+FLOAT_MASKS = {"mask 0 / -inf": ("mask", TORCH_CAUSAL), "mask 0 / -1e9": ("mask", np.triu(np.full((4, 4), -1e9), 1)),
+               "dropout_mask scaled by 1 / (1 - p)": ("dropout_mask", np.where(TORCH_CAUSAL == 0, 1.25, 0.0))}
+
+
+@pytest.mark.parametrize("call, mask", [(call, mask) for call in entry_points() for mask in FLOAT_MASKS
+                                        if not ("tiled" in call and "dropout" in mask)])   # (no dropout there)
+def test_a_float_mask_holding_anything_but_0_and_1_is_refused_naming_bias(call, mask):
+    """torch's additive mask passed as mask= would keep exactly the keys it masks (nonzero =
+    attend): every entry point refuses a float mask of anything but 0 and 1, naming bias=."""
+    name, value = FLOAT_MASKS[mask]
+    options = {name: value, **({"dropout_p": 0.2} if name == "dropout_mask" else {})}
+    scaled = "; a dropout mask scaled by 1 / \\(1 - p\\) is dropout_mask != 0 with dropout_p=p" if "dropout" in mask else ""
+    with pytest.raises(ValueError, match=f"{name} of shape \\(4, 4\\) and dtype float64 holds entries other than "
+                                         f"0 and 1 .*pass it as bias={scaled}$"):
+        entry_points(**options)[call]()
+
+
+def test_the_same_mask_as_a_bias_or_as_0_and_1_is_causal_attention():
+    causal = na.attention_forward(HEADS, HEADS, HEADS, causal=True)[0]
+    for options in ({"bias": TORCH_CAUSAL}, {"mask": np.tril(np.ones((4, 4)))}, {"mask": TORCH_CAUSAL == 0}):
+        np.testing.assert_allclose(na.attention_forward(HEADS, HEADS, HEADS, **options)[0], causal, rtol=0, atol=1e-15)
+
+
+TORCH_NAMES = {"attn_mask": TORCH_CAUSAL == 0, "is_causal": True, "window_size": (2, 0), "softmax_scale": 0.5,
+               "key_padding_mask": np.zeros((2, 4), bool)}
+
+
+@pytest.mark.parametrize("call, name", [(call, name) for call in entry_points() for name in TORCH_NAMES])
+def test_torchs_and_flashattentions_names_get_crosschecks_advice_everywhere(call, name):
+    """attn_mask=, is_causal=, window_size=, ... at any entry point: a TypeError that says what to
+    pass instead (near_misses.NEAR_MISSES, crosscheck's table), naming no function the caller did
+    not call (MultiHeadAttention reaches attention_forward inside)."""
+    from numpy_attention.near_misses import NEAR_MISSES
+    with pytest.raises(TypeError) as error:
+        entry_points(**{name: TORCH_NAMES[name]})[call]()
+    assert str(error.value) == f"unexpected keyword argument {name!r}: {NEAR_MISSES[name]}"
+
+
+def test_a_misspelt_option_gets_the_closest_name():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'casual': did you mean causal=\\?"):
+        na.MultiHeadAttention(8, 2)(SEQ, SEQ, SEQ, casual=True)

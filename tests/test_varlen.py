@@ -107,7 +107,9 @@ def test_against_torch_float64_per_sequence():
      "count the same B \\+ 1 sequences"),
     ({"cu_seqlens_q": CU_Q * 1.0, "cu_seqlens_k": CU_K}, TypeError, "cu_seqlens_q must be an integer array"),
     ({"cu_seqlens_q": CU_Q, "cu_seqlens_k": CU_K, "seqused_k": [4, 3, 3, 6]}, ValueError,
-     "seqused_k must be \\[B\\]"),
+     "seqused_k must have 0 <= seqused_k\\[b\\] <= sequence b's key length, got seqused_k\\[1\\] = 3 where"),
+    ({"cu_seqlens_q": CU_Q, "cu_seqlens_k": CU_K, "seqused_k": [4, 3, 3]}, ValueError,
+     "seqused_k must be \\[B\\] = \\(4,\\)"),
 ])
 def test_bad_packed_sequences_are_refused(kwargs, exc, message):
     q, k, v, _ = packed()

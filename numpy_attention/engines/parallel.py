@@ -47,7 +47,7 @@ def run_tasks(fn, items, workers=1, shared=None, scheduler=None):
     workers, each value of `shared` sent to every worker once.
     """
     shared = shared or {}
-    if scheduler is not None:
+    if scheduler is not None and items:           # (no task: nothing to send, and Dask's scatter of none fails)
         with cluster(scheduler) as client:
             names = list(shared)                 # one object each (a tuple would be scattered item by item)
             sent = dict(zip(names, client.scatter([shared[name] for name in names], broadcast=True, hash=False)))
