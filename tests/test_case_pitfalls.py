@@ -24,16 +24,17 @@ def refusal(**arrays):
     return message
 
 
-@pytest.mark.parametrize("masked, shown", [(-np.inf, "-inf"), (np.finfo(np.float32).min, "-3.40282e+38"),
+@pytest.mark.parametrize("masked, shown", [(-np.inf, "-inf"), (np.finfo(np.float32).min, "-3.4028234663852886e+38"),
                                            (0.5, "0.5")])
 def test_a_float_mask_other_than_0_and_1_is_refused(masked, shown):
     """0 / -inf (torch's), 0 / finfo.min (Hugging Face's): nonzero would read as attend."""
     additive = np.where(KEEP, 0.0, masked).astype(np.float32)
     out, _ = attention_forward(Q, K, V, mask=KEEP)
     message = refusal(q=Q, k=K, v=V, out=out, mask=additive)
-    assert message == (f"mask of shape (100, 100) and dtype float32 holds {shown}: a float mask is a "
-                       f"keep-mask of 0 and 1 (1 = attend); a float mask of 0 and -inf is an additive "
-                       f"bias: pass it as bias=")
+    assert message == (f"mask of shape (100, 100) and dtype float32 holds entries other than 0 and 1 "
+                       f"(mask[0, 1] = {shown}, mask[0, 2] = {shown}, mask[0, 3] = {shown}, ... (4950 entries)): "
+                       f"a float mask is a keep-mask of 0 and 1 (1 = keep); a float mask of 0 and -inf (or -1e9) "
+                       f"is an additive bias: pass it as bias=")
     for keep in (KEEP, KEEP.astype(np.float32), KEEP.astype(int)):            # still keep-masks
         assert crosscheck(q=Q, k=K, v=V, out=out, mask=keep)
     assert crosscheck(q=Q, k=K, v=V, out=out, bias=np.where(KEEP, 0.0, -np.inf))

@@ -21,7 +21,9 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
                               rope_rotary_dim entries turn), rope_base (0-d float), rope_positions_q
                               [N_q] and rope_positions_k [N_k] (default bottom-right per sequence),
                               rope_scaling 0-d 'linear' / 'yarn' with rope_factor and for YaRN
-                              rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow
+                              rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow,
+                              rope_truncate (0-d bool), rope_mscale, rope_mscale_all_dim,
+                              rope_attention_factor (Hugging Face's YaRN keys)
                 kv            MLA's latent keys [..., 1, N_k, r + p] in place of k and v, with
                               head_dim_v (0-d int r): the values are kv[..., :r] (mla.py)
     candidate   out [..., H, N_q, d_v]   (required)
@@ -34,16 +36,17 @@ tensor is judged in its own, so a float32 lse may come with a float16 out);
 the order of operations is attention.py's: scale -> softcap -> bias -> masks
 -> softmax -> dropout -> @ v.
 """
-import difflib
 import zipfile
 from typing import NamedTuple
 
 import numpy as np
 
-from .._checks import is_float_dtype, require_choice, require_positive_real, require_probability
+from .._checks import (is_float_dtype, require_choice, require_keep_mask, require_positive_real,
+                       require_probability)
 from .._files import replacing
 from .._layout import ALIGNMENTS, check_window, resolve_alignment
 from ..attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
+from ..near_misses import NEAR_MISSES, near_miss
 from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
@@ -61,7 +64,8 @@ OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dro
 CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot", "dkv")
 FORWARD_MODE = ("out_dot", "lse_dot")
 ROPE = ("rope_layout", "rope_rotary_dim", "rope_part", "rope_base", "rope_positions_q", "rope_positions_k", "rope_scaling",
-        "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow")
+        "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+        "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor")
 OPTIONS = OPTIONS + ROPE                              # gathered into attention_forward's rope={...}
 PAGED = ("page_table", "cache_seqlens")
 FLOAT_OPTIONS = ("bias", "sinks", "alibi_slopes")     # float arrays: rounded to the candidate's dtype              # read by _packed_if_paged, not options
@@ -77,23 +81,6 @@ TOPK = ("topk_indices", "topk_length", "topk_block_size")   # sparse top-k: each
 LAYOUTS = ("bhnd", "bnhd")
 LSE_BASES = ("e", "2")
 KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + FP8 + SETTINGS + LATENT + TOPK
-# other libraries' names for a key: how to pass each (unknown keys otherwise get difflib's guess)
-NEAR_MISSES = {
-    "attn_mask": "a boolean attn_mask is mask= (True = attend), a float one is bias=",
-    "is_causal": "torch's is_causal is causal= (True is top-left, as in torch)",
-    "causal_mask": "causal=True draws the causal mask; a mask tensor is mask= (bool, True = attend) "
-                   "or bias= (float, 0 / -inf)",
-    "key_padding_mask": "torch's key_padding_mask [B, N_k] is True = ignore: pass "
-                        "mask=~key_padding_mask[:, None, None, :]",
-    "softmax_scale": "FlashAttention's softmax_scale is scale=",
-    "softmax_lse": "FlashAttention's softmax_lse is lse=",
-    "window_size": "FlashAttention's window_size is window= with align='bottom_right' (its diagonal)",
-    "alibi": "ALiBi's slopes are alibi_slopes= ([H] or [B, H])",
-    "dropout": "dropout is dropout_p= with the kernel's dropout_mask= (the oracle needs the kept entries)",
-    "interleaved": "FlashAttention's rotary interleaved=True is rope_layout='interleaved' (False: 'half')",
-    "rotary_dim": "the rotary width is rope_rotary_dim= (with rope_layout=)",
-    "rope_theta": "Hugging Face's rope_theta is rope_base=",
-}
 # tensors with a head axis and a length axis, in [..., H, N, d] (or FlashAttention's [..., N, H, d])
 _LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot", "kv", "dkv")
 
@@ -145,13 +132,7 @@ def _window(arrays, name):
 
 def _mask(arrays, name):
     """A keep-mask as given; a float one must hold only 0 and 1 (torch's 0 / -inf is a bias)."""
-    x = np.asarray(arrays[name])
-    odd = x[(x != 0) & (x != 1)] if is_float_dtype(x.dtype) else ()
-    if len(odd):
-        raise CaseError(f"{name} of shape {x.shape} and dtype {x.dtype} holds {float(odd[0]):g}: a float "
-                        f"mask is a keep-mask of 0 and 1 (1 = attend); a float mask of 0 and -inf is an "
-                        f"additive bias: pass it as bias=")
-    return x
+    return require_keep_mask(np.asarray(arrays[name]), name)
 
 
 def _word(choices):
@@ -187,7 +168,8 @@ def _integer(arrays, name):
 
 _ROPE_DECODE = {"rope_layout": _word(ROPE_LAYOUTS), "rope_rotary_dim": _integer, "rope_part": _word(PARTS),
                 "rope_base": _real(require_positive_real), "rope_positions_q": _positions,
-                "rope_positions_k": _positions, "rope_scaling": _word(tuple(SCALINGS))}
+                "rope_positions_k": _positions, "rope_scaling": _word(tuple(SCALINGS)),
+                "rope_truncate": lambda arrays, name: _scalar(arrays, name, "bool")}
 
 
 def _rope(arrays):
@@ -248,8 +230,7 @@ def check_keys(names):
 
 def _unknown_key(name):
     """The message for a key a case does not have: how to pass it, a close match, or the keys."""
-    close = difflib.get_close_matches(name, KEYS, n=1)
-    hint = NEAR_MISSES.get(name) or (f"did you mean {close[0]}=?" if close else None)
+    hint = near_miss(name, KEYS)
     return f"unknown key {name!r}: {hint}" if hint else \
         f"unknown key {name!r}; a case has keys {', '.join(KEYS)}"
 
