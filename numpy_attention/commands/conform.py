@@ -33,9 +33,9 @@ the kernel, MODULE:FUNCTION:
   a callable fn(q, k, v, **options) of torch tensors or JAX arrays -> out or (out, lse),
   or of NumPy arrays (with dout=) -> dict of out, lse, dq, dk, dv; or a str, a command line
   with {{in}} and {{out}} (the case .npz it reads, the results .npz it writes); a kernel
-  declared with numpy_attention.conformance.declare brings its dtypes and options
-  a callable runs in a worker process: a case it hangs on (--timeout), crashes, aborts or
-  exits in is a TIMEOUT or ERROR row, and the sweep goes on
+  declared with numpy_attention.conformance.declare brings its dtypes and options.
+  A callable runs in a worker process: a case it hangs on (--timeout), crashes, aborts or
+  exits in is a TIMEOUT or ERROR row, and the sweep goes on.
 dtypes:   {' '.join(DTYPES)}
 options:  {' '.join(OPTIONS)}
 outputs:  {' '.join(OUTPUTS)} (named among --options)

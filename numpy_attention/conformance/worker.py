@@ -70,7 +70,7 @@ class Worker:
         """Start a worker and hand it the kernel: None when it is ready, else what it said."""
         parent, child = socket.socketpair()
         with child:
-            path = os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+            path = os.pathsep.join([p for p in [os.environ.get("PYTHONPATH")] if p] + [ROOT])
             code = f"from numpy_attention.conformance.worker import serve; serve({child.fileno()})"
             self.process = start([sys.executable, "-c", code], pass_fds=(child.fileno(),),
                                  env={**os.environ, "PYTHONPATH": path})
@@ -114,7 +114,8 @@ def _unloadable(name, error):
 
 def serve(fd):
     """The worker's side: load the kernel, then answer cases until the socket closes."""
-    os.dup2(2, 1)                             # what the kernel prints goes to stderr
+    os.dup2(2, 1)                             # what the kernel prints goes to stderr,
+    sys.stdout.reconfigure(line_buffering=True)   # a line at a time (a stopped worker loses none)
     connection = Connection(fd)
     threading.Thread(target=_watch, args=(os.getppid(),), daemon=True).start()
     path, pickled = connection.recv()
