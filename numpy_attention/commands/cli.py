@@ -17,12 +17,14 @@ DESCRIPTION and optionally EPILOG (its --help, as written), add_arguments(parser
 run(args) -> exit code; a command raises UsageError(message) for bad input.
 """
 import argparse                                        # light imports only: a Ctrl-C before
-import importlib                                       # main runs is still the interpreter's
+import contextlib                                      # main runs is still the interpreter's
+import importlib
 import os
 import signal
 import sys
 
 from .. import __version__
+from .._exits import exit_line
 
 PROG = "numpy-attention"
 COMMANDS = ("demo", "gradcheck", "crosscheck", "conform", "vanishing")      # modules of this package
@@ -55,7 +57,8 @@ def integer(minimum, maximum=None):
 
 def import_object(spec, what, example):
     """MODULE:NAME's object, MODULE imported with the current directory on sys.path (as
-    `python -m` does); UsageError (one line) if it cannot be. what, example: for the message,
+    `python -m` does), what it prints sent to stderr (stdout is the report's); UsageError (one
+    line) if it cannot be, a sys.exit at its import included. what, example: for the message,
     e.g. "the kernel", "numpy_attention.conformance.examples:torch_sdpa"."""
     module_name, colon, attribute = spec.partition(":")
     if not (colon and module_name and attribute):
@@ -63,7 +66,10 @@ def import_object(spec, what, example):
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        with contextlib.redirect_stdout(sys.stderr):
+            module = importlib.import_module(module_name)
+    except SystemExit as exc:                 # the module's exit is not the command's
+        raise UsageError(f"cannot import {module_name}: {exit_line(exc)}") from None
     except Exception as exc:                  # whatever the module raises: one line, not a traceback
         raise UsageError(f"cannot import {module_name}: {type(exc).__name__}: {exc}") from None
     try:
@@ -109,12 +115,16 @@ def _run(args):
     that cannot be written fails the command). A UsageError of the command gets the command's
     prefix. An OSError escaping it (a file that cannot be read or written) is bad input too,
     and so is a MemoryError (sizes too large for this machine): the last safety net that keeps
-    a traceback from the user."""
+    a traceback from the user. The commands return their exit codes and never raise
+    SystemExit: one that escapes is a user's code's (a --score-mod that calls sys.exit), an
+    error named in one line, exit 2, never a verdict."""
     prefix = f"{PROG} {args.command}"
     try:
         return int(args.run(args))
     except UsageError as exc:
         raise UsageError(f"{prefix}: {exc}") from None
+    except SystemExit as exc:
+        raise UsageError(f"{prefix}: user code ended the command: {exit_line(exc)}") from None
     except BrokenPipeError:                            # main's, when the reader stopped reading
         raise
     except OSError as exc:

@@ -4,10 +4,13 @@ by crosscheck against the float64 oracle, each failure shrunk to its smallest ca
     supports.py   what a kernel supports: dtypes, options, outputs; declare(); the names checked
     grid.py       the case grid: ConformCase, cases() in the sweep's order, draw() its arrays
     kernels.py    how a torch, JAX or NumPy callable, or a command line, is called on a case
-    judge.py      one case judged: check() (for pytest), evaluate() (PASS / FAIL / ERROR)
+    processes.py  the sweep's child processes: started in a session of their own, stopped
+    worker.py     a Python kernel called in a worker process: a hang or a crash costs one case
+    judge.py      one case judged: check() (for pytest), evaluate() (PASS / FAIL / ERROR / TIMEOUT)
     shrink.py     a failing case shrunk, greedily, to the smallest that still fails
-    progress.py   the sweep's progress bar on stderr
-    report.py     the ConformReport: the option x dtype table, the failures, JSON
+    progress.py   the sweep's lines on stderr as it goes, and its progress bar
+    record.py     the run's record, out_dir/conform.jsonl, one line per case as it is judged
+    report.py     the ConformReport: the verdict, the option x dtype table, the failures, JSON
     run.py        conform(kernel, ...): the sweep, the budget, the shrinks, the saved cases
     examples.py   torch SDPA (math, flash), flex_attention, jax.nn.dot_product_attention, and
                   our own float32 attention, each declared
@@ -18,11 +21,12 @@ na.conform.check and na.conform.declare are its attributes.
 """
 from .grid import ConformCase, cases, draw
 from .judge import CaseResult, check, evaluate
-from .kernels import KernelError, as_kernel
+from .kernels import KernelError, KernelTimeout, as_kernel
 from .report import ConformReport
-from .run import conform
+from .run import ConformInterrupted, conform
 from .shrink import Shrunk
 from .supports import DTYPES, OPTIONS, OUTPUTS, declare
 
-__all__ = ["conform", "cases", "check", "declare", "ConformCase", "ConformReport", "CaseResult",
-           "Shrunk", "KernelError", "draw", "evaluate", "as_kernel", "DTYPES", "OPTIONS", "OUTPUTS"]
+__all__ = ["conform", "cases", "check", "declare", "ConformCase", "ConformReport", "ConformInterrupted",
+           "CaseResult", "Shrunk", "KernelError", "KernelTimeout", "draw", "evaluate", "as_kernel", "DTYPES",
+           "OPTIONS", "OUTPUTS"]

@@ -65,6 +65,7 @@ class ConformCase(NamedTuple):
     id: str                 # e.g. 'bfloat16-causal+gqa-b2h8kv2-q113k239-d72-lse+grad'
     dtype: str              # what the kernel computes in: 'float32', 'bfloat16', 'float16'
     cell: str               # the table row it belongs to: 'plain' or an option
+    role: str               # its role in the cell (ROLES): 'one key', 'decoding', ... 'long'
     options: tuple          # its options (supports.OPTIONS order), e.g. ('causal', 'gqa')
     outputs: tuple          # what the kernel returns besides out: ('lse', 'gradients') or fewer
     batch: int              # B (with varlen or paged: the sequences)
@@ -94,13 +95,13 @@ class ConformCase(NamedTuple):
         return draw(self)
 
 
-def make_case(dtype, cell, options, outputs, batch, kv_heads, groups, n_q, n_k, d, fully_masked, seed):
-    """A ConformCase with its id (the id names every field but the seed and the cell)."""
+def make_case(dtype, cell, role, options, outputs, batch, kv_heads, groups, n_q, n_k, d, fully_masked, seed):
+    """A ConformCase with its id (the id names every field but the seed, the cell and the role)."""
     tags = "+".join(["out"] + [{"lse": "lse", "gradients": "grad"}[name] for name in outputs])
     shape = f"b{batch}h{kv_heads * groups}kv{kv_heads}-q{n_q}k{n_k}-d{d}"
     policy = "" if fully_masked == "zero" else f"-{fully_masked}"
     case_id = f"{dtype}-{'+'.join(options) or PLAIN}-{shape}-{tags}{policy}"
-    return ConformCase(case_id, dtype, cell, tuple(options), tuple(outputs), batch, kv_heads, groups,
+    return ConformCase(case_id, dtype, cell, role, tuple(options), tuple(outputs), batch, kv_heads, groups,
                        n_q, n_k, d, fully_masked, seed)
 
 
@@ -124,11 +125,11 @@ def cases(*, dtypes=DTYPES, supports=DEFAULT_SUPPORTS, seed=0, fully_masked="zer
     for c, (cell, dtype) in enumerate(cells):
         rng = np.random.default_rng([seed, c])
         for j in range(PER_ROLE):
-            for r, (_, pairs) in enumerate(ROLES):
+            for r, (role, pairs) in enumerate(ROLES):
                 n_q, n_k = pairs[(c + seed + 2 * j) % len(pairs)]
                 chosen = _options(rng, cell, options, companions=r >= COMPANION_FROM)
                 rounds[j * len(ROLES) + r].append(
-                    _sized(rng, dtype, cell, chosen, outputs, n_q, n_k, fully_masked, seed))
+                    _sized(rng, dtype, cell, role, chosen, outputs, n_q, n_k, fully_masked, seed))
     ordered, seen = [], set()
     for round_cases in rounds:
         for case in sorted(round_cases, key=lambda case: (case.scores, case.id)):
@@ -152,7 +153,7 @@ def _options(rng, cell, supported, companions):
     return tuple(name for name in supported if name in chosen)
 
 
-def _sized(rng, dtype, cell, options, outputs, n_q, n_k, fully_masked, seed):
+def _sized(rng, dtype, cell, role, options, outputs, n_q, n_k, fully_masked, seed):
     """A case of these lengths with drawn batch, heads and width, within MAX_SCORES."""
     batch = int(rng.integers(1, MAX_BATCH + 1))
     groups = int(rng.choice(GROUPS)) if "gqa" in options else 1
@@ -160,7 +161,7 @@ def _sized(rng, dtype, cell, options, outputs, n_q, n_k, fully_masked, seed):
     d = int(rng.choice(WIDTHS))
     while batch * kv_heads * groups * n_q * n_k > MAX_SCORES and batch * kv_heads > 1:
         batch, kv_heads = (batch // 2, kv_heads) if batch > 1 else (batch, kv_heads // 2)
-    return make_case(dtype, cell, options, outputs, batch, kv_heads, groups, n_q, n_k, d,
+    return make_case(dtype, cell, role, options, outputs, batch, kv_heads, groups, n_q, n_k, d,
                      fully_masked, seed)
 
 

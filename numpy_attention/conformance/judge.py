@@ -1,7 +1,8 @@
 """One case judged: the kernel's results on it, held to the oracle by crosscheck.
 
     report = check(kernel, case)            # a CrosscheckReport; what the kernel raises propagates
-    result, arrays = evaluate(kernel, case) # a CaseResult: PASS, FAIL, or ERROR (the kernel raised)
+    result, arrays = evaluate(kernel, case) # a CaseResult: PASS, FAIL, ERROR (the kernel raised,
+                                            # exited or died), TIMEOUT (it was stopped)
 
 The judged arrays are the case's (grid.draw) with the kernel's results: crosscheck's keyword
 arguments, what save_case writes and `numpy-attention crosscheck FILE.npz` re-judges.
@@ -12,20 +13,21 @@ from typing import NamedTuple
 
 from ..oracle import CaseError, crosscheck
 from .grid import ConformCase
-from .kernels import as_kernel
+from .kernels import KernelTimeout, as_kernel, describe
 
 
 class CaseResult(NamedTuple):
     case: ConformCase
-    status: str             # 'PASS', 'FAIL' or 'ERROR' (the kernel raised, or its results are malformed)
-    report: object          # the CrosscheckReport; None for ERROR
-    error: str              # ERROR: the exception's type and first line; else ''
+    status: str             # 'PASS', 'FAIL', 'ERROR' (the kernel raised, exited or died, or its
+                            # results are malformed) or 'TIMEOUT' (no results within the timeout)
+    report: object          # the CrosscheckReport; None for ERROR and TIMEOUT
+    error: str              # ERROR, TIMEOUT: what happened, in one line; else ''
     seconds: float          # the kernel's call and crosscheck
 
     @property
     def worst(self):
         """(err / bound, tensor): the tensor closest to its bound (1: at it; above: a max-abs
-        failure); (nan, '') for an ERROR."""
+        failure); (nan, '') for an ERROR or a TIMEOUT."""
         if self.report is None:
             return math.nan, ""
         row = max(self.report.rows, key=_share_of_bound)
@@ -47,23 +49,25 @@ def judged(kernel, case):
 
 def check(kernel, case, kind=None):
     """crosscheck's CrosscheckReport of a kernel on one case of grid.cases (truthy iff it passes;
-    str() its table): one test of a pytest parametrize over the grid. kernel: a callable or a
-    command line, its kind told from it unless given (kernels.py)."""
+    str() its table): one test of a pytest parametrize over the grid. kernel: a callable, called
+    in this process, or a command line, its kind told from it unless given (kernels.py)."""
     if not isinstance(case, ConformCase):
         raise TypeError(f"case must be a ConformCase (one of conform.cases(...)), got {type(case).__name__}")
     return judged(as_kernel(kernel, kind), case)[1]
 
 
 def evaluate(kernel, case):
-    """(CaseResult, arrays): the case judged, as judged() does. What the kernel raises, and
-    crosscheck's refusal of its results (CaseError: a wrong shape, a dtype it cannot read), is an
-    ERROR result with the exception's first line, and arrays None; crosscheck's own errors
-    propagate (they are not the kernel's)."""
+    """(CaseResult, arrays): the case judged, as judged() does, with the case's arrays drawn
+    here (what the kernel was given were copies). What the kernel raises (SystemExit too),
+    its death in a worker (worker.py), and crosscheck's refusal of its results (CaseError: a
+    wrong shape, a dtype it cannot read), is an ERROR result with one line saying what, and
+    arrays None; KernelTimeout is a TIMEOUT result. crosscheck's own errors propagate (they
+    are not the kernel's), and so does a KeyboardInterrupt."""
     start = time.perf_counter()
     arrays = case.arrays()
     try:
         arrays.update(kernel.results(arrays, case.outputs))
-    except Exception as exc:                  # anything the kernel raises: a row of the report
+    except (Exception, SystemExit) as exc:    # anything the kernel raises: a row of the report
         return _error(case, exc, start), None
     try:
         report = crosscheck(**arrays)
@@ -74,7 +78,7 @@ def evaluate(kernel, case):
 
 
 def _error(case, exc, start):
-    """The ERROR CaseResult of an exception: its type and the first line of its message."""
-    said = (str(exc).strip().splitlines() or [""])[0]
-    error = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
-    return CaseResult(case, "ERROR", None, error, time.perf_counter() - start)
+    """The ERROR (TIMEOUT) CaseResult of an exception (a KernelTimeout), told in one line."""
+    status = "TIMEOUT" if isinstance(exc, KernelTimeout) else "ERROR"
+    error = str(exc) if status == "TIMEOUT" else describe(exc)
+    return CaseResult(case, status, None, error, time.perf_counter() - start)

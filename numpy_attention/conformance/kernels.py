@@ -23,6 +23,14 @@ arrays holding values of the dtype that its `precision` key names (float32, bflo
 float16); its output file holds out and any of lse, dq, dk, dv, dbias, dsinks, dalibi_slopes,
 in any float dtype crosscheck reads (storage.py).
 
+The kernel cannot change the case it is judged on. Every array it is given is a copy (NumPy
+arrays read-only ones, torch tensors and JAX arrays made from copies), held against the
+case byte for byte after the call: a write into one is a KernelError naming it. Of what it
+returns, only RESULTS are read (a returned 'mask' or 'q' is not): the case is judged as
+drawn. A command's files are its own; it runs with stdin the null device, stdout and stderr
+captured (stderr read as UTF-8, any other byte replaced), and, given a timeout, is stopped
+with everything it started when it runs longer (KernelTimeout).
+
 The kind is told from the kernel when not given: a str is a command; a callable declared
 with supports.declare(kind=...) is that; else 'torch' or 'jax' if its code names torch or JAX
 (the modules of its function, its class, the global names its code uses and the variables it
@@ -42,19 +50,31 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import to_numpy
+from .._exits import exit_line
 from ..oracle.case import FLOAT_OPTIONS, load_case
 from ..oracle.precision import PRECISIONS
+from .processes import ended, start, stop
 from .supports import check_kind, declaration_of
 
 GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks",
                "alibi_slopes": "dalibi_slopes"}         # an input -> its gradient's key
 FLOAT_INPUTS = ("q", "k", "v", "dout") + FLOAT_OPTIONS  # cast to the case's dtype for the kernel
 NOT_OPTIONS = ("q", "k", "v", "dout", "precision", "fully_masked")  # the case keys a kernel is not given
+RESULTS = ("out", "lse") + tuple(GRADIENT_OF.values())  # what is read of a kernel's results
 LIBRARIES = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "flax": "jax"}   # package -> kind
 
 
 class KernelError(Exception):
-    """A kernel's results that cannot be judged (no lse where it declares one, no gradient)."""
+    """A kernel's results that cannot be judged (no lse where it declares one, no gradient), a
+    write into its arguments, or a kernel process that died."""
+
+
+class KernelTimeout(KernelError):
+    """No results within the timeout: the kernel's process was stopped."""
+
+
+class Raised(KernelError):
+    """What the kernel raised in its worker process, as describe() told it there."""
 
 
 class Kernel(NamedTuple):
@@ -62,24 +82,42 @@ class Kernel(NamedTuple):
     name: str               # 'module:function', or the command line
     kind: str               # 'torch', 'jax', 'numpy' or 'command'
     fn: object              # the callable, or the command line's arguments (a list)
+    timeout: object = None  # a command's seconds (None: no limit); a callable's: worker.py
 
     def results(self, arrays, outputs):
         """The kernel's results on a case (grid.draw's arrays): {"out": ..., "lse": ...,
         "dq": ...} as NumPy / ml_dtypes arrays, those that `outputs` asks for."""
-        call = {"torch": _torch, "jax": _jax, "numpy": _numpy, "command": _command}[self.kind]
-        return {name: to_numpy(x, name) for name, x in _wanted(call(self.fn, arrays, outputs), outputs).items()}
+        if self.kind == "command":
+            returned = _command(self.fn, arrays, outputs, self.timeout)
+        else:
+            call = {"torch": _torch, "jax": _jax, "numpy": _numpy}[self.kind]
+            given, returned = call(self.fn, arrays, outputs)
+            _unwritten(given, arrays)
+        return {name: to_numpy(x, name) for name, x in _wanted(returned, outputs).items()}
 
 
-def as_kernel(kernel, kind=None):
-    """The Kernel of a callable or a command line; kind overrides the one told from it."""
+def as_kernel(kernel, kind=None, timeout=None):
+    """The Kernel of a callable or a command line; kind overrides the one told from it;
+    timeout: a command's seconds (None: no limit)."""
     kind = check_kind(kind) or kind_of(kernel)
     if kind == "command":
         if not isinstance(kernel, str):
             raise TypeError(f"kind='command' takes a command line (a str), got {type(kernel).__name__}")
-        return Kernel(kernel, kind, command_args(kernel))
+        return Kernel(kernel, kind, command_args(kernel), timeout)
     if not callable(kernel):
         raise TypeError(f"kernel must be a callable or a command line (a str), got {kernel!r}")
     return Kernel(_name(kernel), kind, kernel)
+
+
+def describe(exc):
+    """What a kernel raised, in one line: its type and its message's first line; a SystemExit
+    with where it was raised (_exits.py); a Raised as told in the worker."""
+    if isinstance(exc, Raised):
+        return str(exc)
+    if isinstance(exc, SystemExit):
+        return exit_line(exc)
+    said = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
 def kind_of(kernel):
@@ -137,14 +175,35 @@ def command_args(line):
 
 def _arguments(arrays, gradients):
     """(q, k, v, options, dout): the case's arrays as a kernel takes them, still NumPy: the
-    float inputs in the case's dtype, 0-d options as Python values, window a tuple."""
+    float inputs in the case's dtype, 0-d options as Python values, window a tuple; each
+    array a read-only copy."""
     storage = PRECISIONS[str(arrays["precision"])].storage
-    value = lambda name, x: (x.astype(storage) if name in FLOAT_INPUTS else
-                             tuple(int(w) for w in x) if name == "window" else
-                             x.item() if x.ndim == 0 else x)
+
+    def value(name, x):
+        if name == "window":
+            return tuple(int(w) for w in x)
+        if x.ndim == 0:
+            return x.item()
+        copy = x.astype(storage) if name in FLOAT_INPUTS else x.copy()
+        copy.flags.writeable = False
+        return copy
+
     given = {name: value(name, np.asarray(x)) for name, x in arrays.items()}
     options = {name: x for name, x in given.items() if name not in NOT_OPTIONS}
     return given["q"], given["k"], given["v"], options, given.get("dout") if gradients else None
+
+
+def _unwritten(given, arrays):
+    """KernelError naming the first argument the kernel wrote into: each array or tensor it was
+    given ({name: value}) held against the case's own array, byte for byte (a float input in
+    the case's float32, which holds its dtype's values exactly)."""
+    for name, x in given.items():
+        if x is None or isinstance(x, (bool, int, float, str, tuple)):
+            continue
+        seen, case = to_numpy(x, name), np.asarray(arrays[name])
+        if seen.shape != case.shape or seen.astype(case.dtype).tobytes() != case.tobytes():
+            raise KernelError(f"the kernel wrote into its argument {name} (a copy of the case's "
+                              f"{name}, which is judged as drawn)")
 
 
 def _out_and_lse(returned):
@@ -161,7 +220,7 @@ def _torch(fn, arrays, outputs):
     gradients = "gradients" in outputs
     dtype = getattr(torch, str(arrays["precision"]))
 
-    def tensor(name, x):                          # a copy: the kernel cannot write into the case
+    def tensor(name, x):                          # a copy of the kernel's own
         if name in FLOAT_INPUTS:
             t = torch.tensor(x.astype(np.float32)).to(dtype)
             return t.requires_grad_(gradients and name in GRADIENT_OF)
@@ -170,14 +229,15 @@ def _torch(fn, arrays, outputs):
     q, k, v, options, dout = _arguments(arrays, gradients)
     q, k, v = (tensor(name, x) for name, x in zip("qkv", (q, k, v)))
     options = {name: tensor(name, x) for name, x in options.items()}
+    given = {"q": q, "k": k, "v": v, **options}
     out, lse = _out_and_lse(fn(q, k, v, **options))
     results = {"out": out, "lse": lse}
     if gradients:
-        out.backward(tensor("dout", dout))
-        leaves = {"q": q, "k": k, "v": v, **options}
-        results.update({GRADIENT_OF[name]: leaves[name].grad for name in GRADIENT_OF
-                        if name in leaves and leaves[name].grad is not None})
-    return results
+        given["dout"] = tensor("dout", dout)
+        out.backward(given["dout"])
+        results.update({GRADIENT_OF[name]: given[name].grad for name in GRADIENT_OF
+                        if name in given and given[name].grad is not None})
+    return given, results
 
 
 def _jax(fn, arrays, outputs):
@@ -187,10 +247,11 @@ def _jax(fn, arrays, outputs):
     import jax.numpy as jnp
     gradients = "gradients" in outputs
     q, k, v, options, dout = _arguments(arrays, gradients)
-    options = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+    options = {name: jnp.array(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
     names = ["q", "k", "v"] + [name for name in GRADIENT_OF if name in options]   # differentiated
     fixed = {name: x for name, x in options.items() if name not in names}
-    primals = [jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)] + [options[name] for name in names[3:]]
+    primals = [jnp.array(q), jnp.array(k), jnp.array(v)] + [options[name] for name in names[3:]]
+    given = {**dict(zip(names, primals)), **fixed}            # JAX arrays: immutable, checked alike
 
     def call(*xs):
         given = dict(zip(names, xs))
@@ -206,40 +267,58 @@ def _jax(fn, arrays, outputs):
 
     if not gradients:
         out, lse = _out_and_lse(jax.jit(call)(*primals))
-        return {"out": out, "lse": lse}
+        return given, {"out": out, "lse": lse}
     returned, grads = jax.jit(forward_and_back)(primals, jnp.asarray(dout))
     out, lse = _out_and_lse(returned)
-    return {"out": out, "lse": lse, **{GRADIENT_OF[name]: g for name, g in zip(names, grads)}}
+    return given, {"out": out, "lse": lse, **{GRADIENT_OF[name]: g for name, g in zip(names, grads)}}
 
 
 def _numpy(fn, arrays, outputs):
     q, k, v, options, dout = _arguments(arrays, "gradients" in outputs)
-    returned = fn(q, k, v, **options, **({} if dout is None else {"dout": dout}))
+    extra = {} if dout is None else {"dout": dout}
+    given = {"q": q, "k": k, "v": v, **options, **extra}
+    try:
+        returned = fn(q, k, v, **options, **extra)
+    except ValueError as exc:                 # NumPy's word for a write into a read-only array
+        if "read-only" not in str(exc):
+            raise
+        raise KernelError(f"the kernel wrote into one of its arguments, read-only copies of the "
+                          f"case ({describe(exc)})") from exc
     if not isinstance(returned, Mapping) or "out" not in returned:
         raise KernelError(f"a numpy kernel returns a dict with 'out' (and 'lse', 'dq', ...), "
                           f"got {type(returned).__name__}")
-    return dict(returned)
+    return given, dict(returned)
 
 
-def _command(args, arrays, outputs):
+def _command(args, arrays, outputs, timeout):
+    """The command's results: the case written to its {in} file, the program run (stopped with
+    its process group after `timeout` seconds), its {out} file read."""
     with tempfile.TemporaryDirectory(prefix="conform-") as directory:
         paths = {"{in}": os.path.join(directory, "case.npz"), "{out}": os.path.join(directory, "results.npz")}
         with open(paths["{in}"], "wb") as f:
             np.savez(f, **{name: x for name, x in arrays.items()
                            if name != "dout" or "gradients" in outputs})
         line = [functools.reduce(lambda a, p: a.replace(p, paths[p]), paths, arg) for arg in args]
-        done = subprocess.run(line, capture_output=True, text=True)
-        if done.returncode != 0:
-            said = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
-            raise KernelError(f"{args[0]} exited with status {done.returncode}: {said}")
+        process = start(line, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except BaseException as exc:          # the timeout, or a Ctrl-C: nothing of it left running
+            stop(process)
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise KernelTimeout(f"no results within {timeout:g} s: {args[0]} was stopped") from None
+            raise
+        if process.returncode != 0:
+            said = (stderr.decode("utf-8", "replace").strip().splitlines() or ["(nothing on stderr)"])[-1]
+            raise KernelError(f"{args[0]} {ended(process.returncode)}: {said}")
         if not os.path.exists(paths["{out}"]):
             raise KernelError(f"{args[0]} exited 0 but wrote no results file")
         return load_case(paths["{out}"])
 
 
 def _wanted(results, outputs):
-    """The results that `outputs` asks for (None is absent); KernelError for one it lacks."""
-    results = {name: x for name, x in results.items() if x is not None}
+    """The results that `outputs` asks for (None is absent; names not in RESULTS are not read);
+    KernelError for one it lacks."""
+    results = {name: x for name, x in results.items() if x is not None and name in RESULTS}
     if "lse" in outputs and "lse" not in results:
         raise KernelError("the kernel returned no lse; its declaration says it returns one "
                           "('lse' in supports): return (out, lse)")

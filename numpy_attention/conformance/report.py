@@ -1,23 +1,35 @@
 """The conformance run's report: a table of option x dtype, the shrunk failures, JSON.
 
-    conform: module:function (torch), seed 0: 216 of 216 cases of the grid run in 312 s -> PASS
-    option        dtype     cases  passed  errors  worst err/bound  smallest failing case
-    plain         float32       7       7       0        0.12 dq
-    causal        bfloat16      7       6       0        38 out     bfloat16-causal-b1h1kv1-q2k2-d8-out
+    conform: module:function (torch), seed 0
+    336 of 336 cases of the grid run in 107 s (budget 600 s, a case at most 60 s) -> PASS
+    coverage: every role of every cell run (7 of 7)
+    option        dtype     cases  roles  passed  failed  errors  timeouts  worst err/bound
+    plain         float32      14    7/7      14       0       0         0       0.12 dq
+    causal        bfloat16     14    7/7      13       1       0         0         38 out
 
-One row per cell (grid.py): its cases run, how many passed, how many raised (ERROR), the
-worst share of its bound any tensor used (max abs err / bound: 1 is at the bound; a failure
-of a 16-bit precision's other checks may fail below 1), and the smallest failing case, shrunk
-(shrink.py). Under the table, each failure's tensors with what they failed and the diagnosis
-(crosscheck's), and the file it was saved to; then each cell's first error.
+One row per cell (grid.py): its cases run, how many of its roles (ROLES) they cover, how many
+passed, failed, raised or died (ERROR) or were stopped (TIMEOUT), and the worst share of its
+bound any tensor used (max abs err / bound: 1 is at the bound; a failure of a 16-bit
+precision's other checks may fail below 1). Under the table, each failing cell's smallest
+failing case, shrunk (shrink.py), with the tensors it failed and the diagnosis (crosscheck's),
+and where it was saved; then each cell's first error. Every line is at most WIDTH columns.
+
+The verdict: PASS when every case run passed and the run covered every role of every cell;
+FAIL when a case did not pass (FAIL, ERROR or TIMEOUT); INCOMPLETE otherwise (a budget too
+short, an interrupted run): a kernel is not passed on cases it was not given.
 """
 import json
 import math
+import os
+import textwrap
 from typing import NamedTuple
 
 from .supports import PLAIN
 
+WIDTH = 100                 # the longest line of the report
 WIDTH_OPTION, WIDTH_DTYPE = 14, 10
+COLUMNS = (("cases", 5), ("roles", 7), ("passed", 8), ("failed", 8), ("errors", 8), ("timeouts", 10),
+           ("worst err/bound", 17))
 
 
 class Failure(NamedTuple):
@@ -32,12 +44,16 @@ class Cell(NamedTuple):
     option: str
     dtype: str
     cases: int              # run
+    roles_run: int          # of its roles (grid.ROLES), those a case run covered
+    roles: int              # its roles in the grid
     passed: int
-    errors: int             # ERROR results: the kernel raised
+    failed: int
+    errors: int             # ERROR results: the kernel raised, exited or died
+    timeouts: int           # TIMEOUT results: the kernel gave no results in time
     worst: float            # the largest max abs err / bound of its tensors (nan: none judged)
     worst_tensor: str
     failure: object         # Failure, or None
-    error: str              # its first ERROR's case id and line, or ''
+    error: str              # its first ERROR's or TIMEOUT's case id and line, or ''
 
 
 class ConformReport(NamedTuple):
@@ -48,18 +64,33 @@ class ConformReport(NamedTuple):
     supports: tuple         # the options and outputs swept
     fully_masked: str
     budget: object          # seconds, or None
-    grid_size: int          # the grid's cases; results may hold fewer (the budget)
+    timeout: object         # a case's seconds, or None (no limit: the kernel ran in this process)
+    grid: tuple             # the grid's cases (grid.cases); results may hold fewer
     results: tuple          # judge.CaseResult of each case run, in the sweep's order
     failures: tuple         # Failure of each cell that failed
     seconds: float          # the sweep's time (the budget bounds it)
     shrink_seconds: float   # the shrinks' time, after the sweep
+    interrupted: bool = False   # a Ctrl-C stopped the run: the report holds what was done
+    unsaved: str = ""       # a file that could not be written, and why ('' if none)
+
+    @property
+    def grid_size(self):
+        return len(self.grid)
+
+    @property
+    def status(self):
+        """'PASS', 'FAIL' or 'INCOMPLETE' (the module's docstring)."""
+        if any(r.status != "PASS" for r in self.results):
+            return "FAIL"
+        covered = self.results and all(c.roles_run == c.roles for c in self.cells())
+        return "PASS" if covered and not self.interrupted else "INCOMPLETE"
 
     def __bool__(self):
-        return bool(self.results) and all(r.status == "PASS" for r in self.results)
+        return self.status == "PASS"
 
     def cells(self):
-        """A Cell per (option, dtype) with a case run, in the grid's order."""
-        present = {(r.case.cell, r.case.dtype) for r in self.results}
+        """A Cell per (option, dtype) of the grid, in the grid's order."""
+        present = {(case.cell, case.dtype) for case in self.grid}
         keys = [(cell, dtype) for cell in (PLAIN,) + self.supports for dtype in self.dtypes
                 if (cell, dtype) in present]
         failures = {(f.option, f.dtype): f for f in self.failures}
@@ -68,64 +99,109 @@ class ConformReport(NamedTuple):
             mine = [r for r in self.results if (r.case.cell, r.case.dtype) == (option, dtype)]
             judged = [r for r in mine if r.report is not None]
             worst, tensor = max((r.worst for r in judged), default=(math.nan, ""), key=lambda w: w[0])
-            errors = [r for r in mine if r.status == "ERROR"]
-            cells.append(Cell(option, dtype, len(mine), sum(r.status == "PASS" for r in mine), len(errors),
-                              worst, tensor, failures.get((option, dtype)),
+            count = lambda status: sum(r.status == status for r in mine)
+            errors = [r for r in mine if r.status in ("ERROR", "TIMEOUT")]
+            roles = {c.role for c in self.grid if (c.cell, c.dtype) == (option, dtype)}
+            cells.append(Cell(option, dtype, len(mine), len({r.case.role for r in mine}), len(roles),
+                              count("PASS"), count("FAIL"), count("ERROR"), count("TIMEOUT"), worst,
+                              tensor, failures.get((option, dtype)),
                               f"{errors[0].case.id}: {errors[0].error}" if errors else ""))
         return cells
 
+    def coverage(self):
+        """One line: how many roles of every cell the run covered."""
+        cells = self.cells()
+        least, roles = min(c.roles_run for c in cells), max(c.roles for c in cells)
+        if least == roles:
+            return f"coverage: every role of every cell run ({roles} of {roles})"
+        why = "the run was interrupted" if self.interrupted else "a larger budget runs more"
+        return f"coverage: {least} of {roles} roles run in every cell: not enough to pass ({why})"
+
     def __str__(self):
         cells = self.cells()
-        budget = "" if self.budget is None else f" (budget {self.budget:g} s)"
+        limits = [f"budget {self.budget:g} s"] if self.budget is not None else []
+        limits += [f"a case at most {self.timeout:g} s"] if self.timeout is not None else []
         shrunk = f", {len(self.failures)} shrunk in {self.shrink_seconds:.0f} s" if self.failures else ""
-        lines = [f"conform: {self.kernel} ({self.kind}), seed {self.seed}: {len(self.results)} of "
-                 f"{self.grid_size} cases of the grid run in {self.seconds:.0f} s{budget}{shrunk} -> "
-                 f"{'PASS' if self else 'FAIL'}",
-                 f"{'option':<{WIDTH_OPTION}}{'dtype':<{WIDTH_DTYPE}}{'cases':>5}{'passed':>8}{'errors':>8}"
-                 f"{'worst err/bound':>17}  smallest failing case"]
+        lines = wrapped(f"conform: {self.kernel} ({self.kind}), seed {self.seed}")
+        lines += wrapped(f"{len(self.results)} of {self.grid_size} cases of the grid run in {self.seconds:.0f} s"
+                         + (f" ({', '.join(limits)})" if limits else "") + f"{shrunk} -> {self.status}")
+        lines += wrapped(self.coverage())
+        lines.append(f"{'option':<{WIDTH_OPTION}}{'dtype':<{WIDTH_DTYPE}}"
+                     + "".join(f"{name:>{width}}" for name, width in COLUMNS))
         for c in cells:
             worst = "" if math.isnan(c.worst) else f"{c.worst:.2g} {c.worst_tensor}"
-            failing = c.failure.shrunk.case.id if c.failure else ""
-            lines.append(f"{c.option:<{WIDTH_OPTION}}{c.dtype:<{WIDTH_DTYPE}}{c.cases:>5}{c.passed:>8}"
-                         f"{c.errors:>8}{worst:>17}  {failing}".rstrip())
-        failing = [c for c in cells if c.failure]
+            values = (c.cases, f"{c.roles_run}/{c.roles}", c.passed, c.failed, c.errors, c.timeouts, worst)
+            lines.append((f"{c.option:<{WIDTH_OPTION}}{c.dtype:<{WIDTH_DTYPE}}"
+                          + "".join(f"{value:>{width}}" for value, (_, width) in zip(values, COLUMNS))).rstrip())
+        failing = [c.failure for c in cells if c.failure]
         if failing:
-            lines.append("failures, each shrunk to its smallest failing case "
-                         "(re-judge one: numpy-attention crosscheck FILE.npz):")
-        for c in failing:
-            shrunk = c.failure.shrunk
-            lines.append(f"  {c.option} {c.dtype}: {shrunk.case.id}  (from {shrunk.original.id}, "
-                         f"{shrunk.steps} runs)")
-            lines += [f"    {row.name} FAIL: {'; '.join(row.failed)}" for row in shrunk.report.rows
-                      if not row.passed]
-            lines += [f"    diagnosis: {line}" for line in shrunk.report.diagnosis]
-            saved = [path for path in (c.failure.file, c.failure.picture) if path]
-            if saved:
-                lines.append(f"    saved: {', '.join(saved)}")
-        errors = [c for c in cells if c.errors]
+            lines.append("failures, each shrunk to its smallest failing case:")
+        for failure in failing:
+            shrunk = failure.shrunk
+            lines += wrapped(f"{failure.option} {failure.dtype}: {shrunk.case.id}", "  ")
+            lines += wrapped(f"shrunk from {shrunk.original.id} in {shrunk.steps} runs", "    ")
+            for row in shrunk.report.rows:
+                if not row.passed:
+                    lines += wrapped(f"{row.name} FAIL: {'; '.join(row.failed)}", "    ")
+            for line in shrunk.report.diagnosis:
+                lines += wrapped(f"diagnosis: {line}", "    ")
+        saved = [f for f in failing if f.file]
+        if saved:
+            pictures = ", its error maps as <id>.png" if any(f.picture for f in saved) else ""
+            lines += wrapped(f"saved in {os.path.dirname(saved[0].file) or '.'}: each case as <id>.npz "
+                             f"(re-judge it: numpy-attention crosscheck FILE.npz){pictures}")
+        errors = [c for c in cells if c.error]
         if errors:
-            lines.append("errors (the kernel raised, or returned what crosscheck cannot judge):")
-        lines += [f"  {c.option} {c.dtype}: {c.errors} of {c.cases} cases, e.g. {c.error}" for c in errors]
+            lines.append("errors (the kernel raised, exited, died or hung, or gave what crosscheck cannot judge):")
+        for c in errors:
+            lines += wrapped(f"{c.option} {c.dtype}: {c.errors + c.timeouts} of {c.cases} cases, e.g. "
+                             f"{c.error}", "  ")
+        if self.unsaved:
+            lines += wrapped(f"not saved: {self.unsaved}")
         return "\n".join(lines)
 
     def to_json(self):
-        """The report as a JSON string: the settings, one object per cell and one per case run
-        (infinities as the strings "inf" / "-inf", NaN as null)."""
+        """The report as a JSON string: the settings, the verdict, one object per cell and one
+        per case run. A number JSON cannot hold (NaN, an infinite ratio) is null."""
+        cells = self.cells()
         return json.dumps({
-            "passed": bool(self), "kernel": self.kernel, "kind": self.kind, "seed": self.seed,
-            "dtypes": list(self.dtypes), "supports": list(self.supports), "fully_masked": self.fully_masked,
-            "budget": self.budget, "grid_cases": self.grid_size, "cases_run": len(self.results),
+            "passed": bool(self), "status": self.status, "kernel": self.kernel, "kind": self.kind,
+            "seed": self.seed, "dtypes": list(self.dtypes), "supports": list(self.supports),
+            "fully_masked": self.fully_masked, "budget": self.budget, "timeout": self.timeout,
+            "grid_cases": self.grid_size, "cases_run": len(self.results),
+            "roles": max(c.roles for c in cells), "least_roles_run": min(c.roles_run for c in cells),
+            "interrupted": self.interrupted, "unsaved": self.unsaved or None,
             "seconds": self.seconds, "shrink_seconds": self.shrink_seconds,
-            "cells": [_cell_json(c) for c in self.cells()],
-            "cases": [{"id": r.case.id, "cell": r.case.cell, "dtype": r.case.dtype, "status": r.status,
-                       "worst_ratio": _number(r.worst[0]), "worst_tensor": r.worst[1] or None,
-                       "error": r.error or None, "seconds": r.seconds} for r in self.results],
+            "cells": [_cell_json(c) for c in cells],
+            "cases": [case_json(r) for r in self.results],
         }, indent=2)
 
 
+def case_line(result):
+    """One line for a case that did not pass: its status, id and what happened."""
+    worst, tensor = result.worst
+    said = result.error or f"{tensor} at {worst:.2g} times its bound"
+    return "\n".join(wrapped(f"{result.status} {result.case.id}: {said}"))
+
+
+def case_json(result):
+    """A CaseResult as a JSON object (what to_json's "cases" and the run's record hold)."""
+    return {"id": result.case.id, "cell": result.case.cell, "dtype": result.case.dtype,
+            "role": result.case.role, "status": result.status, "worst_ratio": _number(result.worst[0]),
+            "worst_tensor": result.worst[1] or None, "error": result.error or None,
+            "seconds": result.seconds}
+
+
+def wrapped(text, indent=""):
+    """text as lines of at most WIDTH columns, the first indented by `indent`, the others by
+    two more spaces; ids stay whole (no break at their hyphens)."""
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False)
+
+
 def _number(x):
-    """A float for JSON: NaN as None, infinities as strings."""
-    return None if math.isnan(x) else x if math.isfinite(x) else str(x)
+    """A float for JSON: NaN and the infinities as None."""
+    return x if math.isfinite(x) else None
 
 
 def _cell_json(c):
@@ -137,7 +213,7 @@ def _cell_json(c):
                                for row in shrunk.report.rows if not row.passed],
                    "diagnosis": list(shrunk.report.diagnosis),
                    "file": c.failure.file, "picture": c.failure.picture}
-    return {"option": c.option, "dtype": c.dtype, "cases": c.cases, "passed": c.passed,
-            "failed": c.cases - c.passed - c.errors, "errors": c.errors,
-            "worst_ratio": _number(c.worst), "worst_tensor": c.worst_tensor or None,
+    return {"option": c.option, "dtype": c.dtype, "cases": c.cases, "roles_run": c.roles_run,
+            "roles": c.roles, "passed": c.passed, "failed": c.failed, "errors": c.errors,
+            "timeouts": c.timeouts, "worst_ratio": _number(c.worst), "worst_tensor": c.worst_tensor or None,
             "smallest_failing": failure, "error": c.error or None}

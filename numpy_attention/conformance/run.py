@@ -1,19 +1,29 @@
 """The conformance run: sweep a kernel over the grid, judge each case, shrink each failure.
 
     report = conform(kernel, dtypes=..., supports=..., budget=..., seed=..., out_dir=...)
-    print(report); assert report                 # a ConformReport, truthy iff every case passes
+    print(report); assert report                 # a ConformReport, truthy iff the run passed
 
 1. the grid (grid.cases): one cell per (option, dtype) the kernel supports, in round-robin order;
-2. the sweep: each case drawn, given to the kernel (kernels.py), judged by crosscheck (judge.py);
-   a kernel that raises gives an ERROR row. With a budget, no case starts once it is spent
-   (the first always runs); the report says how many of the grid's cases ran;
+   with out_dir, the run's record opened there (record.py): a directory that cannot be
+   written is refused before any kernel runs;
+2. the sweep: each case drawn, given to the kernel (kernels.py), judged by crosscheck (judge.py),
+   and written to the record and, if it does not pass, to stderr (progress.py) as it comes.
+   A Python kernel runs in a worker process (worker.py) unless isolate=False: a case it
+   raises on, exits in, or dies in (a segfault, os.abort) is an ERROR row, one with no
+   results within `timeout` seconds a TIMEOUT row, and the sweep goes on. With a budget, no
+   case starts once it is spent (the first always runs);
 3. each failing cell's smallest failing case shrunk (shrink.py), and with out_dir saved there
    as a crosscheck case with the kernel's results (`numpy-attention crosscheck FILE.npz`
    re-judges it), with a picture of its errors where matplotlib is installed.
 
-conform.cases and conform.check are the grid and one case's judgement, for a pytest
-parametrize of the same cases (docs/conform.md); conform.declare declares a kernel's support.
+The run passes only when every case run passed and it covered every role of every cell
+(report.py); a Ctrl-C raises ConformInterrupted, a KeyboardInterrupt that carries the report
+of what was done (the command prints it).
+conform.cases and conform.check are the grid and one case's judgement, in this process, for a
+pytest parametrize of the same cases (docs/conform.md); conform.declare declares a kernel's
+support.
 """
+import contextlib
 import os
 from time import monotonic
 
@@ -24,14 +34,26 @@ from .grid import cases
 from .judge import check, evaluate
 from .kernels import as_kernel
 from .progress import progress_bar
-from .report import ConformReport, Failure
-from .shrink import shrink
+from .record import Record
+from .report import ConformReport, Failure, case_json, case_line, wrapped
+from .shrink import MAX_STEPS, shrink
 from .supports import (DEFAULT_SUPPORTS, DTYPES, check_dtypes, check_fully_masked, check_supports,
                        declaration_of, declare)
+from .worker import Worker
+
+TIMEOUT = 60.0              # seconds a case may take by default
+
+
+class ConformInterrupted(KeyboardInterrupt):
+    """A Ctrl-C during a conformance run; .report: the ConformReport of what was done."""
+
+    def __init__(self, report):
+        super().__init__("the conformance run was interrupted")
+        self.report = report
 
 
 def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=None, kind=None,
-            fully_masked=None, progress=None):
+            fully_masked=None, progress=None, timeout=TIMEOUT, isolate=True):
     """Run the kernel on the grid's cases and judge each against the oracle.
 
     Args:
@@ -42,49 +64,96 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
             the defaults: every dtype; 'causal', 'gqa', 'gradients'.
         budget: seconds, or None (the whole grid): no case starts after them.
         seed: an integer >= 0: the grid and its values (grid.py).
-        out_dir: a directory for each shrunk failing case (.npz, .png), made if needed;
-            None writes no file.
+        out_dir: a directory for the run's record (conform.jsonl) and each shrunk failing case
+            (.npz, .png), made if needed; None writes no file.
         kind: 'torch', 'jax', 'numpy' or 'command': overrides the kind told from the kernel.
         fully_masked: the kernel's policy for a row with no key ('zero', 'uniform', 'nan');
             None: its declaration's, else 'zero'.
-        progress: a bar on stderr (progress.py); None: iff stderr is a terminal.
+        progress: lines on stderr as the run goes (progress.py); None: iff stderr is a terminal.
+        timeout: seconds a case may take (the kernel's call), or None (no limit); a case that
+            takes longer is stopped, a TIMEOUT row. It holds for a command line, and for a
+            Python kernel in its worker process.
+        isolate: True: a Python kernel runs in a worker process (worker.py; it must be
+            importable there: TypeError naming it if not). False: in this process, with no
+            timeout; what it raises or exits with is still an ERROR row, but a crash or a
+            hang is the run's.
     Returns:
-        ConformReport (report.py): truthy iff every case run passed; str() the table, to_json().
+        ConformReport (report.py): truthy iff the run passed; str() the table, to_json().
+    Raises:
+        ConformInterrupted (a KeyboardInterrupt) on a Ctrl-C, with the report so far;
+        OSError naming the path for an out_dir that cannot be written, before the sweep.
     """
     declared = declaration_of(kernel)
     dtypes = check_dtypes(_given(dtypes, declared.dtypes, DTYPES))
     fully_masked = check_fully_masked(_given(fully_masked, declared.fully_masked, "zero"))
     options, outputs = check_supports(_given(supports, declared.supports, DEFAULT_SUPPORTS), fully_masked)
     budget = None if budget is None else require_positive_real(budget, "budget")
+    timeout = None if timeout is None else require_positive_real(timeout, "timeout")
     if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
         raise TypeError(f"out_dir must be a path (str or os.PathLike) or None, got {out_dir!r}")
-    runner = as_kernel(kernel, kind)
+    if not isinstance(isolate, bool):
+        raise TypeError(f"isolate must be True or False, got {isolate!r}")
+    runner = as_kernel(kernel, kind, timeout)
+    isolated = isolate and runner.kind != "command"    # a command is a process of its own
+    caller = Worker(runner, timeout) if isolated else contextlib.nullcontext(runner)
+    timeout = timeout if isolate or runner.kind == "command" else None
     grid = cases(dtypes=dtypes, supports=options + outputs, seed=seed, fully_masked=fully_masked)
-    start = monotonic()
-    results, smallest = [], {}              # (cell, dtype) -> (result, arrays) of its smallest failure
+    settings = dict(kernel=runner.name, kind=runner.kind, seed=seed, dtypes=dtypes,
+                    supports=options + outputs, fully_masked=fully_masked, budget=budget, timeout=timeout)
+    record = Record(out_dir, {**settings, "grid_cases": len(grid)})
     bar = progress_bar(len(grid), progress)
+    results, failures, times = [], [], {"start": monotonic()}
+
+    def report(interrupted=False):
+        end = monotonic()
+        swept = times.get("swept", end)
+        return ConformReport(**settings, grid=tuple(grid), results=tuple(results),
+                             failures=tuple(failures), seconds=swept - times["start"],
+                             shrink_seconds=end - swept, interrupted=interrupted, unsaved=record.unsaved)
+
+    bar.say(_plan(grid, budget, timeout))
     try:
-        for case in grid:
-            if budget is not None and results and monotonic() - start >= budget:
-                break
-            result, arrays = evaluate(runner, case)
-            results.append(result)
-            cell = (case.cell, case.dtype)
-            if result.status == "FAIL" and (cell not in smallest or case.scores < smallest[cell][0].case.scores):
-                smallest[cell] = (result, arrays)
-            bar.update(result.status != "PASS")
+        with record, caller as called:
+            smallest = _sweep(called, grid, budget, times, results, record, bar)
+            times["swept"] = monotonic()
+            for (option, dtype), (result, arrays) in smallest.items():
+                shrunk = shrink(called, result.case, result.report, arrays)
+                file, picture = _save(shrunk, out_dir, record) if out_dir is not None else (None, None)
+                failures.append(Failure(option, dtype, shrunk, file, picture))
+        return report()
+    except KeyboardInterrupt:
+        raise ConformInterrupted(report(interrupted=True)) from None
     finally:
         bar.close()
-    swept = monotonic()
-    failures = []
-    for (option, dtype), (result, arrays) in smallest.items():
-        shrunk = shrink(runner, result.case, result.report, arrays)
-        file, picture = _save(shrunk, out_dir) if out_dir is not None else (None, None)
-        failures.append(Failure(option, dtype, shrunk, file, picture))
-    return ConformReport(kernel=runner.name, kind=runner.kind, seed=seed, dtypes=dtypes,
-                         supports=options + outputs, fully_masked=fully_masked, budget=budget,
-                         grid_size=len(grid), results=tuple(results), failures=tuple(failures),
-                         seconds=swept - start, shrink_seconds=monotonic() - swept)
+
+
+def _sweep(kernel, grid, budget, times, results, record, bar):
+    """Run the grid's cases within the budget, appending each CaseResult to `results` as it
+    comes (and to the record, and to stderr when it does not pass); {(cell, dtype): (result,
+    arrays)} of each cell's smallest failing case."""
+    smallest = {}
+    for case in grid:
+        if budget is not None and results and monotonic() - times["start"] >= budget:
+            break
+        result, arrays = evaluate(kernel, case)
+        results.append(result)
+        record.add(case_json(result))
+        if result.status != "PASS":
+            bar.say(case_line(result))
+        cell = (case.cell, case.dtype)
+        if result.status == "FAIL" and (cell not in smallest or case.scores < smallest[cell][0].case.scores):
+            smallest[cell] = (result, arrays)
+        bar.update(result.status != "PASS")
+    return smallest
+
+
+def _plan(grid, budget, timeout):
+    """What the run will do, said before it starts: the cases, the time they may take, the shrinks."""
+    cells = len({(case.cell, case.dtype) for case in grid})
+    limits = "" if budget is None else f"; no case starts after {budget:g} s"
+    limits += "" if timeout is None else f", and a case runs at most {timeout:g} s"
+    return "\n".join(wrapped(f"conform: {len(grid)} cases in {cells} cells{limits}; then each failing "
+                             f"cell is shrunk, in at most {MAX_STEPS} more runs of the kernel"))
 
 
 def _given(argument, declared, default):
@@ -92,21 +161,28 @@ def _given(argument, declared, default):
     return argument if argument is not None else declared if declared is not None else default
 
 
-def _save(shrunk, out_dir):
+def _save(shrunk, out_dir, record):
     """(the .npz path, the .png path or None): the shrunk case with the kernel's results saved
-    as a crosscheck case in out_dir, named by its id, and its error maps."""
-    os.makedirs(out_dir, exist_ok=True)
+    as a crosscheck case in out_dir, named by its id, and its error maps; (None, None) for a
+    file that cannot be written (remembered in the record: the report says which)."""
     path = os.path.join(os.fspath(out_dir), f"{shrunk.case.id}.npz")
-    save_case(path, **shrunk.arrays)
-    return path, _picture(path.removesuffix(".npz") + ".png", shrunk.arrays)
+    try:
+        save_case(path, **shrunk.arrays)
+    except OSError as exc:
+        record.failed(path, exc)
+        return None, None
+    return path, _picture(path.removesuffix(".npz") + ".png", shrunk.arrays, record)
 
 
-def _picture(path, arrays):
+def _picture(path, arrays, record):
     """The case's error maps written to path (oracle/errormap.py); None where matplotlib
-    is not installed."""
+    is not installed, or the file cannot be written."""
     try:
         plot_error_maps(path, **arrays)
     except ImportError:                     # matplotlib, imported when it draws
+        return None
+    except OSError as exc:
+        record.failed(path, exc)
         return None
     return path
 

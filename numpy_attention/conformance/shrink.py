@@ -7,8 +7,8 @@ Greedy, like the shrinkers of QuickCheck and Hypothesis. Each move makes the cas
     drop one output (lse, then the gradients: a forward that fails alone says so)
     N_k - 1, N_q - 1 (after halving: 3 keys may fail where 1 passes)
 
-and is kept while the kernel still FAILs crosscheck on the new case (a PASS or an ERROR undoes
-it); a kept move is tried again at once (halving until it stops failing), and the passes over
+and is kept while the kernel still FAILs crosscheck on the new case (a PASS, an ERROR or a
+TIMEOUT undoes it); a kept move is tried again at once (halving until it stops failing), and the passes over
 all moves repeat until none is kept, within MAX_STEPS runs of the kernel (a case once undone
 is not run again). The new case's arrays are drawn anew (grid.draw): the shrunk case is a
 case of the grid's kind, with its id.
