@@ -70,10 +70,11 @@ HEAD_DIMS = (32, 64, 128)
 WORK_CAPS = {"small": 2 ** 14, "mid": 2 ** 17, "large": 2 ** 21}
 MID_EVERY = 20                  # every 20th case (or layout) of a campaign is mid-sized
 BUGS = ("scale", "dq_entry", "lse_row", "causal_row", "window", "gqa_group")
-DECODE = ("decode", "decode_causal", "single_key", "alibi_decode")   # one query row, or one key
+DECODE = ("decode", "decode_causal", "single_key")      # one query row, or one key
 # ALiBi's large scores where a row sees one key or few (top-left causal where the kernel has it):
 # one query row over up to 2048 keys, and N_q >> N_k (biases near -1000 at N_q = 2048)
 ALIBI_LARGE = ("alibi_decode", "alibi_tall")
+ONE_ROW = DECODE + ALIBI_LARGE[:1]                      # the variants of one query row or one key
 RECOMPILE_LIMIT = 64            # compiled flex's graphs (a layout and dtype each), torch's default 8
 FA_RTOL = 2.0                   # FlashAttention's tests: err <= 2 * err(reference in dtype) + atol
 FAILURES_DIR = os.path.join(tempfile.gettempdir(), "real_kernel_failures")
@@ -101,7 +102,7 @@ class Kernel(NamedTuple):
 
 
 _SDPA_VARIANTS = ("plain", "padding", "mask", "bias", "causal", "bottom_right", "window", "alibi",
-                  "scale") + DECODE + ALIBI_LARGE[1:]
+                  "scale") + DECODE + ALIBI_LARGE
 KERNELS = {
     "sdpa_math": Kernel("torch", _SDPA_VARIANTS, True, False, "top_left", "top_left", "zero", True,
                         True, True, 1, ("scale", "dq_entry", "causal_row", "window", "gqa_group")),
@@ -111,18 +112,18 @@ KERNELS = {
                         "top_left", "zero", False, False, True, 1,
                         ("scale", "dq_entry", "lse_row", "causal_row", "gqa_group")),
     "flex": Kernel("torch", ("plain", "padding", "bias", "causal", "bottom_right", "window", "softcap",
-                             "softcap_window", "alibi", "scale") + DECODE + ALIBI_LARGE[1:],
+                             "softcap_window", "alibi", "scale") + DECODE + ALIBI_LARGE,
                    False, True, "top_left", "bottom_right", "zero", False, False, True, 1,
                    ("scale", "lse_row", "causal_row", "window", "gqa_group")),
     "flex_compiled": Kernel("torch", ("plain", "padding", "bottom_right", "window", "alibi"), False, False,
                             "bottom_right", "bottom_right", "zero", False, False, True, 0,
                             ("causal_row", "window")),
     "jax_xla": Kernel("jax", ("causal", "window", "mask", "padding", "bias", "alibi", "scale",
-                              "plain") + DECODE + ALIBI_LARGE[1:],   # (its few layouts: causal, window early)
+                              "plain") + DECODE + ALIBI_LARGE,   # (its few layouts: causal, window early)
                       True, True, "top_left", "top_left", "uniform", True, True, True, 10,
                       ("scale", "dq_entry", "lse_row", "causal_row", "window", "gqa_group")),
     "mlx_sdpa": Kernel("mlx", ("plain", "padding", "mask", "bias", "causal", "window", "alibi",
-                               "scale") + DECODE + ALIBI_LARGE[1:],
+                               "scale") + DECODE + ALIBI_LARGE,
                        True, False, "bottom_right", "bottom_right", "uniform", True, True, True, 1,
                        ("scale", "dq_entry", "causal_row", "window", "gqa_group")),
 }
@@ -149,7 +150,7 @@ def work(layout):
 
 def random_layout(rng, variant, kernel, size="small", gqa=None):
     """The shape (and window) of a random case of `variant` for `kernel`, its work within
-    WORK_CAPS[size]: lengths from LENGTHS with N_q != N_k (1 only in DECODE's variants, 1024 and
+    WORK_CAPS[size]: lengths from LENGTHS with N_q != N_k (1 only in ONE_ROW's variants, 1024 and
     2048 only in a decoding case
     or at size "large", where one length is 1024 or 2048, the other 64 or more; "alibi_tall":
     N_q >= 256 and 4 N_k <= N_q, at least "mid" sized), batch 1-4, 1-8 heads, grouped-query
@@ -158,8 +159,8 @@ def random_layout(rng, variant, kernel, size="small", gqa=None):
     with at least 2 kv heads (a layout that shows the bug gqa_group), where the kernel has them."""
     spec = KERNELS[kernel]
     cap = WORK_CAPS["mid" if variant == "alibi_tall" and size == "small" else size]   # its rows are long
-    longest = 2048 if size == "large" or variant in DECODE else 799
-    lengths = [n for n in LENGTHS if n <= longest and (n > 1 or variant in DECODE)]
+    longest = 2048 if size == "large" or variant in ONE_ROW else 799
+    lengths = [n for n in LENGTHS if n <= longest and (n > 1 or variant in ONE_ROW)]
     while True:
         if variant in ("decode", "decode_causal", "alibi_decode"):
             n_q, n_k = 1, int(rng.choice([n for n in lengths if n > 1]))
@@ -701,7 +702,7 @@ def campaign(kernel, precision, cases, seed, bugs=BUGS, large=0, plant_all=False
         slot = i if spec.repeats == 0 else i // group      # the variant's turn (a layout's, repeated)
         variant = spec.variants[(first + slot) % len(spec.variants)]
         if i >= cases:
-            longer = [v for v in spec.variants if v not in DECODE]
+            longer = [v for v in spec.variants if v not in ONE_ROW]
             variant = longer[i % len(longer)]
             layout = random_layout(rng, variant, kernel, "large")
         elif layout is None or (spec.repeats and i % group == 0):

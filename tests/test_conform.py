@@ -283,6 +283,18 @@ def test_a_planted_bug_fails_and_shrinks_to_a_few_tokens(bug, changes, tensor, d
     assert any(diagnosis in line for line in shrunk.report.diagnosis), shrunk.report
 
 
+def test_the_diagnosis_prefers_what_holds_on_the_failing_case():
+    """causal_shifted shrinks to one query row and two keys, where the bug is also bottom-right
+    causal: the failing case's explanation (the mask off by one) is the one shown."""
+    kernel = as_kernel(conform_bugs.causal_shifted)
+    grid = cases(dtypes=("float32",), supports=conform_bugs.SUPPORTS)
+    case = min((c for c in grid if c.cell == "causal" and several_keys(c) and c.tokens > 100), key=lambda c: c.scores)
+    result, arrays = evaluate(kernel, case)
+    shrunk = shrink(kernel, case, result.report, arrays)
+    assert shrunk.diagnosis() == list(result.report.diagnosis) and "causal masking off by one" in shrunk.diagnosis()[0]
+    assert any("causal='bottom_right'" in line for line in shrunk.report.diagnosis)     # what it alone says
+
+
 def test_a_failing_run_saves_each_shrunk_case_for_crosscheck(tmp_path, clock, monkeypatch, capsys):
     drawn = []
 
@@ -300,7 +312,7 @@ def test_a_failing_run_saves_each_shrunk_case_for_crosscheck(tmp_path, clock, mo
     assert drawn == [(failure.picture, sorted(load_case(failure.file)))]
     text = str(report)
     assert f"9 of {PER_ROLE * 21} cases of the grid run" in text and failure.shrunk.case.id in text
-    assert "diagnosis: out matches interleaved grouped-query heads" in " ".join(text.split())
+    assert "diagnosis: out, dq, dk, dv match interleaved grouped-query heads" in " ".join(text.split())
     assert f"saved in {tmp_path / 'out'}: each case as <id>.npz" in " ".join(text.split())
     assert main(["crosscheck", failure.file]) == 1                         # the file, re-judged
     assert "FAIL" in capsys.readouterr().out

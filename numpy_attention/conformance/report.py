@@ -11,7 +11,8 @@ One row per cell (grid.py): its cases run, how many of its roles (ROLES) they co
 passed, failed, raised or died (ERROR) or were stopped (TIMEOUT), and the worst share of its
 bound any tensor used (max abs err / bound: 1 is at the bound; a failure of a 16-bit
 precision's other checks may fail below 1). Under the table, each failing cell's smallest
-failing case, shrunk (shrink.py), with the tensors it failed and the diagnosis (crosscheck's),
+failing case, shrunk (shrink.py), with the tensors it failed and the diagnosis (crosscheck's, of
+the failing case before it was shrunk, or of the shrunk case where that has none),
 and where it was saved; then each cell's first error. Every line is at most WIDTH columns.
 
 The verdict: PASS when every case run passed and the run covered every role of every cell;
@@ -143,7 +144,7 @@ class ConformReport(NamedTuple):
             for row in shrunk.report.rows:
                 if not row.passed:
                     lines += wrapped(f"{row.name} FAIL: {'; '.join(row.failed)}", "    ")
-            for line in shrunk.report.diagnosis:
+            for line in shrunk.diagnosis():
                 lines += wrapped(f"diagnosis: {line}", "    ")
         saved = [f for f in failing if f.file]
         if saved:
@@ -211,7 +212,7 @@ def _cell_json(c):
         failure = {"case": shrunk.case.id, "shrunk_from": shrunk.original.id, "runs": shrunk.steps,
                    "tensors": [{"name": row.name, "failed": list(row.failed)}
                                for row in shrunk.report.rows if not row.passed],
-                   "diagnosis": list(shrunk.report.diagnosis),
+                   "diagnosis": shrunk.diagnosis(),
                    "file": c.failure.file, "picture": c.failure.picture}
     return {"option": c.option, "dtype": c.dtype, "cases": c.cases, "roles_run": c.roles_run,
             "roles": c.roles, "passed": c.passed, "failed": c.failed, "errors": c.errors,

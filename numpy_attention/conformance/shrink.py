@@ -28,6 +28,15 @@ class Shrunk(NamedTuple):
     report: object          # its CrosscheckReport
     arrays: dict            # its arrays with the kernel's results (crosscheck's keywords, save_case's)
     steps: int              # runs of the kernel spent
+    original_report: object = None   # the failing case's CrosscheckReport
+
+    def diagnosis(self):
+        """The diagnosis lines to show: the failing case's, which explain the bug as the sweep met
+        it; the shrunk case's where that one has none. A case of a few tokens matches more than
+        the bug: a causal mask off by one key is, on one query row and two keys, also bottom-right
+        causal."""
+        original = self.original_report.diagnosis if self.original_report is not None else ()
+        return list(original or self.report.diagnosis)
 
 
 def _remade(case, **changes):
@@ -74,7 +83,7 @@ def moves(case):
 def shrink(kernel, case, report, arrays, max_steps=MAX_STEPS):
     """A Shrunk: the smallest case found that the kernel (a kernels.Kernel) still fails, from a
     failing case with its report and judged arrays (judge.judged's)."""
-    best = Shrunk(case, case, report, arrays, 0)
+    best = Shrunk(case, case, report, arrays, 0, report)
     tried = set()                               # ids of the cases that passed or raised
     changed = True
     while changed and best.steps < max_steps:
@@ -89,6 +98,6 @@ def shrink(kernel, case, report, arrays, max_steps=MAX_STEPS):
                     tried.add(smaller.id)
                     best = best._replace(steps=best.steps + 1)
                     break
-                best = Shrunk(case, smaller, result.report, judged_arrays, best.steps + 1)
+                best = Shrunk(case, smaller, result.report, judged_arrays, best.steps + 1, report)
                 changed = True
     return best
