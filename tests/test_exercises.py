@@ -52,14 +52,25 @@ def test_a_function_not_written_yet():
 
 
 def test_a_function_that_raises_is_reported_with_the_shapes():
-    def attention_backward(dout, q, k, v, p):                    # dP = dout v, not dout v^T
+    def attention_backward(dout, q, k, v, p):
         dq, dk, dv = solutions.attention_backward(dout, q, k, v, p)
-        return dq, dk, dv + 0 * (dout @ v)[..., :1, :1]           # fine while d_v = N_k (the square case)
+        return dq, dk, dv + 0 * (dout @ q)[..., :1, :1]           # fine while d_v = d_k (the square case)
     result = exercises.check("attention_backward", attention_backward)
     assert not result
     assert result.message.startswith("it raised ValueError: matmul")
     assert "(on the rectangular case; the square one passes" in result.message
     assert "Shapes: dout (2, 3, 6), q (2, 3, 8), k (2, 5, 8)" in result.message
+
+
+def test_an_error_a_known_mistake_raises_is_named():
+    def attention_backward(dout, q, k, v, p):                    # dP = dout v, not dout v^T
+        dq, dk, dv = solutions.attention_backward(dout, q, k, v, p)
+        return dq, dk, dv + 0 * (dout @ v)[..., :1, :1]           # fine while d_v = N_k (the square case)
+    result = exercises.check("attention_backward", attention_backward)
+    assert not result
+    assert result.message.startswith("dP is a transposed product: out = P v gives dP = dout v^T")
+    assert "(it raised ValueError: matmul" in result.message
+    assert "(on the rectangular case; the square one passes" in result.message
 
 
 def test_a_function_that_writes_into_its_argument():
@@ -111,6 +122,28 @@ def test_a_wrong_shape_on_the_rectangular_case_only():
     result = exercises.check("attention_backward", attention_backward)
     assert result.message.startswith("dk has shape (2, 3, 8), expected (2, 5, 8); right: dq, dv")
     assert "(on the rectangular case; the square one passes" in result.message
+
+
+@pytest.mark.parametrize("wrong, said", [
+    (lambda dy, x, W: (dy @ W, *solutions.linear_backward(dy, x, W)[1:]), "dx is a transposed product"),
+    (lambda dy, x, W: (dy @ W.T, np.einsum("bni,bnj->bij", x, dy), dy.sum((0, 1))),
+     "dW is not summed over the batch: x^T dy of each batch entry is [B, d_in, d_out]"),
+    (lambda dy, x, W: (dy @ W.T, x.T @ dy, dy.sum((0, 1))), "dW = x.T @ dy: x.T of x [B, N, d_in] is [d_in, N, B]"),
+])
+def test_the_common_linear_mistakes_are_named_on_a_square_W(wrong, said):
+    """With d_in = d_out a forgotten transpose keeps every shape; the sum over the batch left out
+    gives dW [B, d_in, d_out], whose last two axes are W's own."""
+    result = exercises.check("linear_backward", wrong)
+    assert not result and result.message.startswith(said), result.message
+    assert "off by up to" not in result.message and "(transposed:" not in result.message
+
+
+def test_a_gradient_with_an_axis_too_many_is_told_to_sum_it():
+    """dW [3, d_in, d_out] for W [d_in, d_out], square: one per entry of an axis, not a transpose."""
+    result = exercises.check("linear_backward", lambda dy, x, W: (dy @ W.T, np.tile(W, (3, 1, 1)), dy.sum((0, 1))))
+    assert not result and "(transposed:" not in result.message
+    assert ("dW has shape (3, 4, 4), expected (4, 4) (one per entry of the leading axes (3,): every entry "
+            "used the same parameter, so its gradient sums over them)") in result.message, result.message
 
 
 def test_a_transposed_shape_is_named():
