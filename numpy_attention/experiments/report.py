@@ -23,7 +23,8 @@ SWEEP_COLUMNS = (("d_k", "d_k", "{:d}"), ("n_keys", "N_k", "{:d}"), ("scaled", "
                  ("max_weight", "max p", "{:.3g}"), ("jacobian_norm", "||J||_F", "{:.3g}"),
                  ("grad_norm", "||dq||", "{:.3g}"), ("grad_norm_min", "min", "{:.2g}"),
                  ("complex_step_err", "err CS", "{:.1e}"), ("central_diff_err", "err CD", "{:.1e}"))
-ALPHA_COLUMNS = (("alpha", "alpha", "{:.2f}"), ("scale", "scale", "{:.3g}")) + SWEEP_COLUMNS[1:2] + SWEEP_COLUMNS[3:]
+ALPHA_COLUMNS = ((("alpha", "alpha", "{:.2f}"), ("scale", "scale", "{:.3g}")) + SWEEP_COLUMNS[1:2]
+                 + SWEEP_COLUMNS[3:])                     # d_k is one, in the heading; no `scaled`
 
 
 def format_table(records, columns=SWEEP_COLUMNS):

@@ -65,7 +65,8 @@ class GradcheckReport(NamedTuple):
         atol = "floor" if self.atol is None else f"{self.atol:g}"
         head = (f"{self.check}  method={self.method}  mode={self.mode}  dtype={self.dtype}  "
                 f"h={self.eps:g}  rtol={self.rtol:g}  atol={atol}  -> {'PASS' if self else 'FAIL'}")
-        return [head] + ([f"note: {self.batching}"] if self.batching not in (None, "vectorized", "looped") else [])
+        said = self.batching not in (None, "vectorized", "looped")
+        return [head] + ([f"note: {self.batching}"] if said else [])
 
     def __str__(self):
         first = max([len("input")] + [len(row.name) for row in self.rows] +
