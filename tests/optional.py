@@ -1,7 +1,7 @@
 """The optional extras some tests need: torch (the cross-checks), jax (its forward mode),
 mlx (its arrays and its SDPA kernel), matplotlib (the figures), dask.distributed (the cluster),
 triton (a FlashAttention kernel of the tests', run by Triton's CPU interpreter) and learn (the
-tutorial notebook: nbclient, ipykernel, matplotlib).
+tutorial notebook: JupyterLab, nbclient, ipykernel, matplotlib).
 
 Without one, its tests skip and say how to install it; every other test still runs, so
 `pip install '.[test]' && python3 -m pytest -q` passes on numpy and scipy alone (.ci/run's
@@ -17,8 +17,8 @@ JAX_REASON = "jax is an optional extra: pip install 'numpy-attention[jax]'"
 MLX_REASON = "mlx is an optional extra: pip install 'numpy-attention[mlx]' (on Linux its CPU build, mlx[cpu])"
 DASK_REASON = "dask.distributed is an optional extra: pip install 'numpy-attention[dask]'"
 TRITON_REASON = "triton is an optional extra of the tests: pip install 'numpy-attention[triton]'"
-LEARN_REASON = ("the tutorial notebook runs with the optional extra `learn` (nbclient, ipykernel, "
-                "matplotlib): pip install 'numpy-attention[learn]'")
+LEARN_REASON = ("the tutorial notebook runs with the optional extra `learn` (JupyterLab, nbclient, "
+                "ipykernel, matplotlib): pip install 'numpy-attention[learn]'")
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                       reason=MATPLOTLIB_REASON)

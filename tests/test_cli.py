@@ -35,6 +35,22 @@ def test_gradcheck_command_checks_every_op(capsys):
     assert out.count("-> PASS") >= 15 and "FAIL" not in out
 
 
+@pytest.mark.parametrize("argv", [["demo"], ["gradcheck"]])
+def test_the_package_checks_its_own_functions_without_a_note(argv, capsys):
+    """A note on how gradcheck evaluated the functions is for a user's functions: the demo and
+    gradcheck check the package's own, some of which take no stack of inputs by their
+    contract (batched=False there)."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out and "stacked" not in out and "batched" not in out
+
+
+def test_the_cases_gradcheck_takes_one_at_a_time_are_cases():
+    from numpy_attention.commands.gradcheck import ONE_AT_A_TIME
+    from numpy_attention.examples import cases
+    assert set(ONE_AT_A_TIME) <= set(cases(np.random.default_rng(0)))
+
+
 def test_python_dash_m_is_the_same_command():
     run = subprocess.run([sys.executable, "-m", "numpy_attention", "demo"],
                          capture_output=True, text=True, timeout=120)

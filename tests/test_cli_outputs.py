@@ -78,6 +78,31 @@ def test_the_command_to_a_full_device_exits_2_with_one_line(argv, unbuffered):
     assert FULL in one_line_error(run.stderr, "demo" if argv == ["demo"] else None)
 
 
+CLOSED_STDOUT_ARGV = {"demo": ["demo"], "gradcheck": ["gradcheck"], "crosscheck": ["crosscheck", "CASE"],
+                      "conform": ["conform", "numpy_attention.conformance.examples:numpy_float32"],
+                      "vanishing": SMALL_SWEEP}
+
+
+@pytest.mark.parametrize("argv", [*CLOSED_STDOUT_ARGV.values(), ["crosscheck", "--write-example", "NEW"],
+                                  ["demo", "--help"], ["--version"]], ids=" ".join)
+def test_a_closed_stdout_is_one_line_and_exit_2_before_the_work(argv, example_case, tmp_path):
+    """`numpy-attention demo >&-`: stdout closed when the process starts (Python's sys.stdout
+    is None then). Every command answers one line and exit 2, and does none of its work (the
+    example case is not written)."""
+    new = tmp_path / "new.npz"
+    argv = [{"CASE": example_case, "NEW": str(new)}.get(a, a) for a in argv]
+    run = subprocess.run([sys.executable, "-m", "numpy_attention", *argv], stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: os.close(1), timeout=120)
+    assert run.returncode == 2
+    command = argv[0] if argv[0] in cli.COMMANDS else None
+    assert "cannot write stdout: it is closed" in one_line_error(run.stderr, command)
+    assert not new.exists()
+
+
+def test_every_command_is_tested_with_a_closed_stdout():
+    assert set(CLOSED_STDOUT_ARGV) == set(cli.COMMANDS)
+
+
 @pytest.mark.parametrize("argv, option", [
     (["crosscheck", "--write-example", "OUT"], "crosscheck"),
     (SMALL_SWEEP + ["--json", "OUT"], "--json"), (SMALL_SWEEP + ["--csv", "OUT"], "--csv"),

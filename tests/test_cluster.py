@@ -1,6 +1,11 @@
 """The tiled engine, sparse attention and crosscheck on a Dask cluster: a LocalCluster of two worker processes
 gives bitwise the results of a local run, forward, backward, JVP and a large crosscheck (its
 oracle and its baselines in slices). The tests that need no cluster run without dask."""
+import os
+import socket
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -8,6 +13,7 @@ from optional import DASK_REASON
 
 import numpy_attention as na
 from numpy_attention.commands.cli import main
+from numpy_attention.engines.plan import check_scheduler
 from numpy_attention.oracle import blocks, crosscheck, save_case, split_case
 from numpy_attention.oracle.check import _baseline, _ways
 from numpy_attention.oracle.slices import case_slices, put_together
@@ -191,6 +197,46 @@ def test_the_command_without_dask_exits_2_with_one_line(monkeypatch, tmp_path, c
     assert len(err.splitlines()) == 1 and "needs dask.distributed" in err
 
 
+
+
+def long_case(path):
+    """A case of more than SCORE_BUDGET scores (the oracle would run in slices on the cluster),
+    q = k = v = out [1, 1, 4200, 4] float32 (the verdict does not matter: it is never reached)."""
+    q = np.random.default_rng(5).standard_normal((1, 1, 4200, 4)).astype(np.float32)
+    assert 4200 ** 2 > blocks.SCORE_BUDGET
+    save_case(path, q=q, k=q, v=q, out=q)
+    return str(path)
+
+
+def crosscheck_process(case, address, **env):
+    """`numpy-attention crosscheck CASE --scheduler ADDRESS` in a process of its own, `env` added."""
+    return subprocess.run([sys.executable, "-m", "numpy_attention", "crosscheck", case, "--scheduler", address],
+                          capture_output=True, text=True, timeout=30, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("address", ["not-an-address", "tcp://host", "tcp://host:x", "nosuch://host:8786"])
+def test_an_address_that_is_none_fails_at_once_with_one_line(address, tmp_path):
+    """Not a dask address: one line and exit 2 within seconds, nothing after it (a Client opened on
+    such an address fails half made, and its clean-up at exit waited 60 s, then printed a traceback)."""
+    pytest.importorskip("distributed", reason=DASK_REASON)
+    run = crosscheck_process(long_case(tmp_path / "long.npz"), address)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    assert f"scheduler {address!r} is not a scheduler's address such as 'tcp://host:8786'" in run.stderr
+    with pytest.raises(ValueError, match="is not a scheduler's address"):
+        check_scheduler(address)
+
+
+def test_an_address_where_no_scheduler_answers_fails_with_one_line(tmp_path):
+    """After dask's connect timeout (2 s here, 30 s by default): one line, exit 2, nothing after it."""
+    pytest.importorskip("distributed", reason=DASK_REASON)
+    with socket.socket() as free:                       # a port nothing listens on once closed
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    run = crosscheck_process(long_case(tmp_path / "long.npz"), f"tcp://127.0.0.1:{port}",
+                             DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT="2s")
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.count("\n") == 1 and "Timed out trying to connect" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])

@@ -197,3 +197,35 @@ def test_cli_plot_to_a_file_it_cannot_write_is_one_line_exit_2(tmp_path, capsys)
     err = usage_error(["crosscheck", str(tmp_path / "case.npz"), "--plot", str(tmp_path / "no" / "x.png")],
                       capsys)
     assert err.startswith("numpy-attention crosscheck: --plot: cannot write") and "No such file" in err
+
+
+@needs_matplotlib
+def test_a_small_case_has_whole_index_ticks_and_a_title_in_words(tmp_path, monkeypatch):
+    """Three rows, two heads, a tensor of one entry per head (dsinks): every tick an integer
+    index inside its panel, none across one column; the title says what the colour is."""
+    from matplotlib.figure import Figure
+    drawn, save = [], Figure.savefig
+
+    def noting_savefig(fig, *args, **kwargs):
+        drawn.append(fig)
+        return save(fig, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", noting_savefig)
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(4))
+    sinks = np.array([0.3, -1.0], np.float32)
+    out, cache = na.attention_forward(q, k, v, sinks=sinks)
+    g = na.attention_backward(dout, cache)
+    plot_error_maps(tmp_path / "small.png", q=q, k=k, v=v, dout=dout, sinks=sinks, out=out, lse=cache.lse,
+                    dq=g.dq, dk=g.dk, dv=g.dv, dsinks=g.dsinks)
+    (fig,) = drawn
+    panels = [ax for ax in fig.axes if ax.images]
+    assert len(panels) == 6 + 4                                 # six maps, four of them with features
+    for ax in panels:
+        for ticks, (low, high) in ((ax.get_xticks(), ax.get_xlim()), (ax.get_yticks(), ax.get_ylim())):
+            inside = [t for t in ticks if min(low, high) <= t <= max(low, high)]
+            assert all(float(t).is_integer() for t in inside), (ax.get_title(), list(ticks))
+        columns = ax.images[0].get_array().shape[1]
+        assert len([t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]) == \
+            (0 if columns == 1 else columns)
+    (title,) = [text.get_text() for text in fig.texts]          # the suptitle
+    assert ".py" not in title and "over the bound its tensor is held to (above 1 fails)" in title

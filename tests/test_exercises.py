@@ -51,13 +51,19 @@ def test_a_function_not_written_yet():
     assert not result and result.message.startswith("not written yet (it raises NotImplementedError)")
 
 
-def test_a_function_that_raises_is_reported_with_the_shapes():
-    def attention_backward(dout, q, k, v, p):                    # dP = dout v, not dout v^T
+@pytest.mark.parametrize("operand, said", [("q", "it raised ValueError: matmul"),
+                                            ("v", "dP is a transposed product: out = P v gives dP = dout v^T")],
+                         ids=["an error of no known mistake", "the error of dP = dout v"])
+def test_a_function_that_raises_is_reported_with_the_shapes(operand, said):
+    """dout @ q, or dout @ v (dP without its transpose), added to dv times 0: fine while d_v =
+    d_k = N_k (the square case), a matmul error on the rectangular one, named when it is the
+    error of a known mistake."""
+    def attention_backward(dout, q, k, v, p):
         dq, dk, dv = solutions.attention_backward(dout, q, k, v, p)
-        return dq, dk, dv + 0 * (dout @ v)[..., :1, :1]           # fine while d_v = N_k (the square case)
+        return dq, dk, dv + 0 * (dout @ {"q": q, "v": v}[operand])[..., :1, :1]
     result = exercises.check("attention_backward", attention_backward)
-    assert not result
-    assert result.message.startswith("it raised ValueError: matmul")
+    assert not result and result.message.startswith(said), result.message
+    assert "ValueError: matmul" in result.message
     assert "(on the rectangular case; the square one passes" in result.message
     assert "Shapes: dout (2, 3, 6), q (2, 3, 8), k (2, 5, 8)" in result.message
 
@@ -111,6 +117,28 @@ def test_a_wrong_shape_on_the_rectangular_case_only():
     result = exercises.check("attention_backward", attention_backward)
     assert result.message.startswith("dk has shape (2, 3, 8), expected (2, 5, 8); right: dq, dv")
     assert "(on the rectangular case; the square one passes" in result.message
+
+
+@pytest.mark.parametrize("wrong, said", [
+    (lambda dy, x, W: (dy @ W, *solutions.linear_backward(dy, x, W)[1:]), "dx is a transposed product"),
+    (lambda dy, x, W: (dy @ W.T, np.einsum("bni,bnj->bij", x, dy), dy.sum((0, 1))),
+     "dW is not summed over the batch: x^T dy of each batch entry is [B, d_in, d_out]"),
+    (lambda dy, x, W: (dy @ W.T, x.T @ dy, dy.sum((0, 1))), "dW = x.T @ dy: x.T of x [B, N, d_in] is [d_in, N, B]"),
+])
+def test_the_common_linear_mistakes_are_named_on_a_square_W(wrong, said):
+    """With d_in = d_out a forgotten transpose keeps every shape; the sum over the batch left out
+    gives dW [B, d_in, d_out], whose last two axes are W's own."""
+    result = exercises.check("linear_backward", wrong)
+    assert not result and result.message.startswith(said), result.message
+    assert "off by up to" not in result.message and "(transposed:" not in result.message
+
+
+def test_a_gradient_with_an_axis_too_many_is_told_to_sum_it():
+    """dW [3, d_in, d_out] for W [d_in, d_out], square: one per entry of an axis, not a transpose."""
+    result = exercises.check("linear_backward", lambda dy, x, W: (dy @ W.T, np.tile(W, (3, 1, 1)), dy.sum((0, 1))))
+    assert not result and "(transposed:" not in result.message
+    assert ("dW has shape (3, 4, 4), expected (4, 4) (one per entry of the leading axes (3,): every entry "
+            "used the same parameter, so its gradient sums over them)") in result.message, result.message
 
 
 def test_a_transposed_shape_is_named():

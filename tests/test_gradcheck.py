@@ -308,3 +308,20 @@ def test_block_functions_restrict_the_jacobian_to_a_block():
     f(*[blk + 1 for blk in blocks])                                       # f writes into copies
     for before, after in zip(untouched, [x, W, b]):
         np.testing.assert_array_equal(before, after)
+
+
+def test_block_functions_take_a_stack_when_the_functions_do():
+    """Attention broadcasts over leading axes, and so do its block functions: gradcheck stacks
+    them (batched=True), to the numbers of one entry at a time."""
+    rng = np.random.default_rng(9)
+    q, k, v = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 6, 4)), rng.standard_normal((2, 2, 6, 3))
+    forward = lambda q, k, v: na.attention_forward(q, k, v, causal=True)
+    in_blocks = [(slice(0, 1), slice(1, 2), slice(2, 4))] * 3
+    f, f_backward, blocks = block_functions(forward, na.attention_backward, [q, k, v], in_blocks,
+                                            (slice(1, 2), slice(0, 1), slice(1, 4)))
+    stacked = na.gradcheck(f, f_backward, blocks, method="complex", batched=True)
+    looped = na.gradcheck(f, f_backward, blocks, method="complex", batched=False)
+    assert stacked and stacked.batching == "vectorized" and looped.batching == "looped"
+    for a, b in zip(stacked.rows, looped.rows):
+        assert a.max_abs_err <= 1e-15 and b.max_abs_err <= 1e-15
+        np.testing.assert_allclose(a.analytic, b.analytic, rtol=1e-14)

@@ -31,7 +31,7 @@ def test_a_fallback_that_worked_is_said_once_in_words_not_as_an_error():
     text = str(report)
     assert report and "Error" not in text and "must have 2 axes" not in text
     assert "the forward took one perturbed input at a time" in text
-    assert text.count("at a time") == 1 and "batched=True says why" in text
+    assert text.count("at a time") == 1 and "batched=True shows why" in text
     with pytest.raises(ValueError, match="must have 2 axes"):     # the detail, for who asks for it
         na.gradcheck(tanh_layer_forward, tanh_layer_backward, [x, W], batched=True)
 
@@ -49,10 +49,12 @@ def test_the_fallback_names_the_inputs_it_holds_for_and_the_backward():
         return [dout @ W.T, x.T @ dout]
     report = na.gradcheck(forward, backward, [x, W], names=["x", "W"])
     assert report.batching.startswith("the forward took one perturbed W at a time, the backward one "
-                                      "upstream gradient: a stacked call did not work")
+                                      "upstream gradient: they take no stack along a new leading axis")
 
 
-def test_nothing_is_said_of_a_stacked_check_and_batched_false_is_said_as_asked():
+def test_nothing_is_said_of_a_stacked_check_nor_of_batched_false():
+    """batched=False is the caller's choice: "looped", and no note (the package's own commands
+    pass it for their functions that take no stack)."""
     z = np.random.default_rng(1).standard_normal((3, 5))
     backward = lambda dp, cache: [na.softmax_backward(dp, cache)]
     stacked = na.gradcheck(na.softmax_forward, backward, [z])
@@ -60,9 +62,26 @@ def test_nothing_is_said_of_a_stacked_check_and_batched_false_is_said_as_asked()
     projection = na.gradcheck(na.softmax_forward, backward, [z], mode="projection")
     assert stacked.batching == "vectorized" and "vectorized" not in str(stacked)
     assert projection.batching is None and "note" not in str(projection)
-    assert looped.batching == ("the forward took one perturbed input at a time, the backward one "
-                               "upstream gradient, as batched=False asks")
-    assert " ".join(str(looped).splitlines()[1:3]) == f"note: {looped.batching}"      # wrapped
+    assert looped.batching == "looped" and "note" not in str(looped) and "looped" not in str(looped)
+    rows = lambda report: [row[:2] for row in report.rows]
+    assert rows(looped) == rows(stacked)
+
+
+def test_a_fallback_note_is_plain_and_wrapped():
+    """A function of the caller's that takes no stack: a note in plain words, wrapped to WIDTH."""
+    def gather_forward(x):                                    # x[[0, 2]] indexes the first axis
+        return x[[0, 2]], None
+
+    def gather_backward(dy, _):
+        dx = np.zeros(4)
+        np.add.at(dx, [0, 2], dy)
+        return [dx]
+    report = na.gradcheck(gather_forward, gather_backward, [np.arange(4.0)])
+    lines = str(report).splitlines()
+    assert " ".join(lines[1:3]) == f"note: {report.batching}" and all(len(line) <= WIDTH for line in lines)
+    assert report.batching == ("the forward took one perturbed input at a time, the backward one upstream "
+                               "gradient: they take no stack along a new leading axis (batched=True shows why); "
+                               "the same numbers, only slower")
 
 
 def indexing_forward(x, index, scale, bias, empty):

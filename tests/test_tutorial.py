@@ -3,6 +3,7 @@ fresh kernel with no warning, printing exactly what it stores (it is seeded); ev
 labelled axes and a legend (or a labelled colour bar)."""
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(ROOT / "docs"))
 import make_tutorial  # noqa: E402  (docs/make_tutorial.py: the build)
 
 STORED = json.loads(make_tutorial.NOTEBOOK.read_text())
+OPEN_COMMAND = "jupyter lab docs/tutorial.ipynb"          # README's way to open it (the `learn` extra)
 learn = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                ("nbformat", "nbclient", "ipykernel", "matplotlib")), reason=LEARN_REASON)
 
@@ -102,6 +104,68 @@ def test_a_fresh_kernel_runs_it_and_prints_what_it_stores():
         plots = [ax for ax in figure["axes"] if not ax["colorbar"]]
         assert plots and all(ax["x"] and ax["y"] for ax in plots), figure
         assert figure["legends"] or any(ax["colorbar"] and (ax["x"] or ax["y"]) for ax in figure["axes"]), figure
+
+
+def test_the_readme_says_how_to_open_it_and_the_learn_extra_installs_that():
+    """README: `jupyter lab docs/tutorial.ipynb`; setup.cfg's extra `learn` has JupyterLab."""
+    import configparser
+    assert f"`{OPEN_COMMAND}`" in (ROOT / "README.md").read_text()
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    learn = config["options.extras_require"]["learn"].split()
+    assert any(requirement.startswith("jupyterlab") for requirement in learn), learn
+
+
+def get(port, path, token):
+    """The body of GET http://127.0.0.1:port/path from the Jupyter server, authenticated by token."""
+    from urllib.request import Request, urlopen
+    with urlopen(Request(f"http://127.0.0.1:{port}/{path}", headers={"Authorization": f"token {token}"}),
+                 timeout=30) as answer:
+        return answer.read()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason=LEARN_REASON)
+def test_jupyter_lab_opens_it_and_starts_its_kernel(tmp_path):
+    """The README's command, headless (no browser, a free port, a token): the server, serving the
+    notebook's folder docs/, gives the stored notebook and the lab page of it, and starts the
+    notebook's kernel for it."""
+    import socket
+    import subprocess
+    import time
+    from urllib.request import Request, urlopen
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    token = "tutorial-test"
+    command = [sys.executable, "-m", "jupyterlab", *OPEN_COMMAND.split()[2:], "--no-browser",
+               f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:                 # as root (CI), Jupyter asks for this
+        command.append("--allow-root")
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path)}        # its connection files here
+    with open(tmp_path / "server.log", "w") as log, \
+            subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env) as server:
+        try:
+            for _ in range(240):                             # up to a minute to start
+                try:
+                    get(port, "api/status", token)
+                    break
+                except OSError:
+                    assert server.poll() is None, (tmp_path / "server.log").read_text()
+                    time.sleep(0.25)
+            notebook = json.loads(get(port, "api/contents/tutorial.ipynb", token))["content"]
+            assert [source(c) for c in notebook["cells"]] == [source(c) for c in STORED["cells"]]
+            assert b"JupyterLab" in get(port, "lab/tree/tutorial.ipynb", token)
+            body = json.dumps({"path": "tutorial.ipynb", "type": "notebook",
+                               "kernel": {"name": STORED["metadata"]["kernelspec"]["name"]}}).encode()
+            request = Request(f"http://127.0.0.1:{port}/api/sessions", data=body, method="POST",
+                              headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+            with urlopen(request, timeout=60) as answer:
+                kernel = json.loads(answer.read())["kernel"]
+            assert kernel["name"] == "python3"
+            assert json.loads(get(port, f"api/kernels/{kernel['id']}", token))["execution_state"] != "dead"
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 def test_the_exercise_cells_are_skeletons_that_check_reports_as_not_written():

@@ -3,6 +3,7 @@ import csv
 import json
 import sys
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from optional import needs_matplotlib
 
 from numpy_attention import attention_backward, attention_forward
 from numpy_attention.commands.cli import main
-from numpy_attention.experiments import directional_error, measure, scale_sweep, sweep, train
+from numpy_attention.experiments import compare, directional_error, measure, scale_sweep, sweep, train
 from test_cli import usage_error
 
 KEYS = {"d_k": int, "n_keys": int, "scaled": bool, "logit_var": float, "entropy": float,
@@ -254,3 +255,47 @@ def test_library_sweeps_refuse_a_negative_seed():
         sweep(d_ks=(4,), n_keys=(8,), trials=2, seed=-1)
     with pytest.raises(ValueError, match="seed"):
         scale_sweep(d_k=4, n_keys=(8,), trials=2, seed=-1)
+
+
+def test_cli_sweep_tables_fit_in_100_columns(capsys):
+    """Var S's theory and log N_k are said above the table, not in columns of their own."""
+    assert main(["vanishing", "--d-k", "1,4096", "--n-keys", "8,128", "--trials", "20"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert "theory: Var S = d_k unscaled, 1 scaled; entropy <= log N_k: 2.08 (8 keys), 4.85 (128 keys)" in out
+
+
+def test_cli_training_tables_fit_in_100_columns(monkeypatch, capsys):
+    """300 steps evaluated every 25: 13 losses per curve, of which step 0, 25, then every other
+    one to 300 are shown (8 columns); the figure of --plot draws them all."""
+    from numpy_attention.commands import vanishing as command
+    from numpy_attention.experiments import Curve
+    steps = np.arange(0, 301, 25)
+    curves = [Curve(scaled, lr, steps, np.geomspace(6.51, 4.98e-06, 13), np.linspace(0.1, 1, 13), 0.34)
+              for scaled in (True, False) for lr in (0.001, 0.01, 0.1, 1.0)]
+    monkeypatch.setattr(command.training, "compare", lambda *args, **kwargs: curves)
+    assert main(["vanishing", "--train"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100, lines
+    header = next(line for line in lines if line.startswith("scale") and "300" in line)
+    assert header.split() == ["scale", "lr", "0", "25", "50", "100", "150", "200", "250", "300"]
+    row = next(line for line in lines if line.startswith("unscaled") and " 0.01 " in line)
+    assert row.split()[2:] == [f"{curves[5].loss[i]:.3g}" for i in (0, 1, 2, 4, 6, 8, 10, 12)]
+
+
+def test_training_reports_progress_after_every_step():
+    calls = []
+    compare(lrs=(0.1,), steps=3, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(done, 6) for done in range(1, 7)]
+
+
+def test_cli_progress_waits_a_second_then_says_at_most_one_line_every_few_seconds(monkeypatch, capsys):
+    """A short run prints no progress; a long one a line after a second, then one per 5 s."""
+    from numpy_attention.commands import vanishing as command
+    clock = iter([0.0, 0.5, 1.5, 3.0, 6.6, 7.0, 11.7])
+    monkeypatch.setattr(command, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    progress = command._progress("training", " steps")
+    for done in range(1, 7):
+        progress(done, 6)
+    assert capsys.readouterr().err.splitlines() == ["training: 2/6 steps, 2 s", "training: 4/6 steps, 7 s",
+                                                    "training: 6/6 steps, 12 s"]

@@ -142,7 +142,10 @@ def _write_out(prefix, text=""):
     """Write text to stdout and flush it, so that a lost output is known before the exit code
     (at the interpreter's exit it would print 'Exception ignored' and exit 120): UsageError
     ('<prefix>: cannot write stdout: <reason>'), stdout pointed at the null device first so
-    that exiting cannot fail again. BrokenPipeError, the reader gone, is raised as it is."""
+    that exiting cannot fail again. BrokenPipeError, the reader gone, is raised as it is.
+    A stdout closed before the start (`numpy-attention demo >&-`) is None in Python: the same."""
+    if sys.stdout is None:
+        raise UsageError(f"{prefix}: cannot write stdout: it is closed")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -178,6 +181,7 @@ def main(argv=None):
                 print(f"{parser.format_help()}\n{PROG}: no command given; run one of {', '.join(COMMANDS)}, "
                       f"e.g. '{PROG} demo'", file=sys.stderr)
                 return 2
+            _write_out(f"{PROG} {args.command}")      # a closed stdout fails before the work
             code = _run(args)
             lost.check()
             return code

@@ -54,7 +54,8 @@ def run_demo(seed=0, out=print):
     out("\nfull mode on a sampled block: the whole Jacobian between a block of every tensor"
         "\n(1x2x2 of each input, 2x2 of each weight, 2 of each bias) and a 1x2x3 block of the output:")
     block_forward, block_backward, blocks = block_functions(forward, backward, inputs, *_blocks(inputs))
-    full = gradcheck(block_forward, block_backward, blocks, method="complex", mode="full", names=names)
+    full = gradcheck(block_forward, block_backward, blocks, method="complex", mode="full", names=names,
+                     batched=False)           # the module takes [B, N, D] and W [d_in, d_out]: no stack
     out(str(full))
     out("(W_k.bias's gradient is exactly zero: adding b_k to every key adds the same q.b_k to a"
         "\nwhole row of scores, and softmax ignores that; what is left is rounding)")

@@ -6,9 +6,10 @@
 
 Prints the sweep table and the scale = d_k^-alpha table (unless --json or --csv writes to
 stdout); --json / --csv hold the sweep's records. Progress goes to stderr once a run has
-taken more than a second. An option of the other mode (--json with --train, --lr without
-it) is bad input, as are sizes beyond SIZE_MAX and output paths that cannot be written,
-checked before the work starts.
+taken more than a second, then one line every few seconds at most (the training counts its
+steps). An option of the other mode (--json with --train, --lr without it) is bad input, as
+are sizes beyond SIZE_MAX and output paths that cannot be written, checked before the work
+starts.
 """
 import argparse
 import math
@@ -22,6 +23,7 @@ from ..experiments import plot, report, training, vanishing
 from .cli import UsageError, integer
 
 SIZE_MAX = 2 ** 31 - 1                   # d_k, n_keys, trials: sizes of array axes
+PROGRESS_AFTER, PROGRESS_EVERY = 1.0, 5.0     # seconds: the first progress line, then at most one per
 # each mode's options and their defaults (the parser's default is None: "not given")
 SWEEP_OPTIONS = {"d_k": vanishing.DEFAULT_D_K, "n_keys": vanishing.DEFAULT_N_KEYS,
                  "trials": vanishing.DEFAULT_TRIALS, "alpha_d_k": 256, "json": None, "csv": None}
@@ -81,14 +83,19 @@ def add_arguments(parser):
                         help=f"training demo learning rates (default {_listed(TRAINING_OPTIONS['lr'])})")
 
 
-def _progress(what):
-    """A progress callback that reports on stderr once the run has taken more than 1 s."""
-    start = time.monotonic()
+def _progress(what, unit=""):
+    """A progress callback, (done, total, *where): a line on stderr once the run has taken more
+    than PROGRESS_AFTER seconds (a short run prints none), then at most one every PROGRESS_EVERY
+    seconds; where, if given, is the sweep's (d_k, n_keys)."""
+    start, last = time.monotonic(), None
 
     def report_progress(done, total, *where):
-        if time.monotonic() - start > 1.0:
+        nonlocal last
+        now = time.monotonic()
+        if now - start > PROGRESS_AFTER and (last is None or now - last >= PROGRESS_EVERY):
+            last = now
             at = f" (d_k={where[0]}, n_keys={where[1]})" if where else ""
-            print(f"{what}: {done}/{total}{at}, {time.monotonic() - start:.0f} s", file=sys.stderr)
+            print(f"{what}: {done}/{total}{unit}{at}, {now - start:.0f} s", file=sys.stderr)
     return report_progress
 
 
@@ -121,9 +128,11 @@ def run_sweep(args):
     alphas = vanishing.scale_sweep(args.alpha_d_k, args.n_keys, trials=args.trials, seed=args.seed)
     if "-" not in (args.json, args.csv):
         print(f"float64, {args.trials} trials per cell, seed {args.seed}; medians over trials, "
-              f"Var S pooled, err = max over trials\n")
+              f"Var S pooled, err = max over trials")
+        print(f"{report.sweep_legend(args.n_keys)}\n")
         print(report.format_table(records))
-        print(f"\nscale = d_k^-alpha at d_k = {args.alpha_d_k} (0.5 keeps Var S = 1)\n")
+        print(f"\nscale = d_k^-alpha at d_k = {args.alpha_d_k} (0.5 keeps Var S = 1; in theory "
+              f"Var S = scale^2 d_k)\n")
         print(report.format_table(alphas, report.ALPHA_COLUMNS))
     if args.json is not None:
         _save(report.write_json, records, args.json, "--json")
@@ -138,17 +147,10 @@ def run_training(args):
     task = training.Task()
     with np.errstate(over="ignore", invalid="ignore"):    # a diverging lr shows as inf / nan losses
         curves = training.compare(task, lrs=args.lr, optimizer=args.optimizer, steps=args.steps,
-                                  seed=args.seed, progress=_progress("training"))
+                                  seed=args.seed, progress=_progress("training", " steps"))
     print(f"retrieval task {task}, optimizer {args.optimizer}, seed {args.seed}")
-    print(f"{'scale':<10}{'lr':>8}  held-out loss at steps {', '.join(map(str, curves[0].steps))}")
-    for curve in curves:
-        print(f"{'1/sqrt(d_k)' if curve.scaled else 'unscaled':<11}{curve.lr:>7g}  "
-              + " ".join(f"{loss:.3g}" for loss in curve.loss))
-    print(f"\n{'scale':<10}{'lr':>8}{'final loss':>12}{'accuracy':>10}{'vanished steps':>16}")
-    for curve in curves:
-        print(f"{'1/sqrt(d_k)' if curve.scaled else 'unscaled':<11}{curve.lr:>7g}{curve.loss[-1]:>12.3g}"
-              f"{curve.accuracy[-1]:>10.2f}{curve.vanished:>16.0%}")
-    print(f"(vanished: the step's ||dW|| < {training.VANISHED:g})")
+    print(report.format_curves(curves))
+    print(f"\n{report.format_outcomes(curves, training.VANISHED)}")
     if args.plot is not None:
         _save(plot.plot_training, curves, args.plot, "--plot")
     return 0

@@ -214,14 +214,39 @@ def _apply(fn, item, **shared):
 @contextlib.contextmanager
 def cluster(scheduler):
     """The dask.distributed Client of `scheduler`: the Client itself (or None), or one opened
-    on the address (a string such as 'tcp://host:8786') for the block's duration."""
+    on the address (a string such as 'tcp://host:8786', check_address) for the block's
+    duration."""
     if not isinstance(scheduler, str):
         yield scheduler
         return
+    with _distributed().Client(scheduler, set_as_default=False) as client:
+        yield client
+
+
+def check_address(address):
+    """ValueError now for a string that dask.distributed cannot read as a scheduler's address
+    (no port, an unknown scheme): a Client opened on it would fail half made, and its
+    clean-up at the interpreter's exit would wait 60 s and print a traceback. A well-formed
+    address where no scheduler answers fails when the Client connects, after dask's connect
+    timeout (distributed.comm.timeouts.connect), with an OSError."""
+    comm = _distributed().comm
     try:
-        from distributed import Client
+        scheme, location = comm.parse_address(address)
+        backend = comm.registry.get_backend(scheme)
+        try:
+            backend.get_address_host_port(location)
+        except NotImplementedError:             # a scheme without host and port (inproc://)
+            pass
+    except ValueError as exc:
+        raise ValueError(f"scheduler {address!r} is not a scheduler's address such as "
+                         f"'tcp://host:8786' ({exc})") from None
+
+
+def _distributed():
+    """The module dask.distributed, or ImportError naming the extra that installs it."""
+    try:
+        import distributed
     except ImportError:
         raise ImportError("a scheduler address needs dask.distributed (the extra 'dask': "
                           "pip install 'numpy-attention[dask]')") from None
-    with Client(scheduler, set_as_default=False) as client:
-        yield client
+    return distributed

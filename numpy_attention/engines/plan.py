@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .._checks import require_choice, require_positive_int
+from .parallel import check_address
 
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
 TILE_SIZE = 256             # the tiled engine's default block size (rows and columns per tile)
@@ -82,7 +83,8 @@ def resolve_workers(workers, implementation, scores, projections=0):
 
 def check_scheduler(scheduler, implementation="tiled"):
     """scheduler checked: None, a dask.distributed Client (anything with submit, scatter and
-    gather), or a scheduler's address string; it runs the tiled engine's slices."""
+    gather), or a scheduler's address string that dask reads as one (parallel.check_address);
+    it runs the tiled engine's slices."""
     if scheduler is None:
         return None
     if not isinstance(scheduler, str) and not all(hasattr(scheduler, name) for name in
@@ -94,6 +96,8 @@ def check_scheduler(scheduler, implementation="tiled"):
     if implementation != "tiled":
         raise ValueError(f"scheduler= runs the tiled engine's slices on a Dask cluster; "
                          f"implementation={implementation!r} runs here (use implementation='tiled')")
+    if isinstance(scheduler, str):
+        check_address(scheduler)
     return scheduler
 
 

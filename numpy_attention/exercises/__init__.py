@@ -17,9 +17,10 @@ The functions to write (each with NumPy alone; shapes as in solutions.py):
 
 check() runs each on two cases against the truth (for a backward: the forward's gradient by
 complex step under a random upstream gradient) and says what is wrong in words: a known
-mistake (mistakes.py: a transposed product, a missing rowsum term, a missing 1 / sqrt(d_k),
-the gradient of sum() instead of the upstream gradient, heads merged without the transpose,
-...), a result that ignores the upstream gradient, a wrong shape or factor, the step where a
+mistake (mistakes.py: a transposed product, .T on an array with a batch axis, a sum over the
+batch left out or over the wrong axis, a missing rowsum term, a missing 1 / sqrt(d_k), the
+gradient of sum() instead of the upstream gradient, heads merged without the transpose, ...),
+a result that ignores the upstream gradient, a wrong shape or factor, the step where a
 module's backward goes wrong. solutions.py holds the reference solutions, and
 multihead_forward, the forward whose cache multihead_backward receives.
 """

@@ -8,12 +8,14 @@ output. Every exercise runs on two cases: a square one (N_q = N_k, d_in = d_out)
 transposed product has the right shape and shows as wrong numbers, then a rectangular one.
 
 When the function is wrong, the verdict says why, trying in this order:
-    1. it raised (NotImplementedError: not written yet), returned the wrong kind of thing, or
+    1. it raised (NotImplementedError: not written yet; the error a known mistake raises, as
+       x.T of a batched x does: that mistake's message), returned the wrong kind of thing, or
        wrote into its arguments;
     2. it computes exactly what a known mistake computes (mistakes.py): that mistake's message;
     3. its result does not change with the upstream gradient: the gradient of sum();
-    4. otherwise each wrong output: its shape, a constant factor, or its largest error; and
-       for the module's backward, the step where the error enters.
+    4. otherwise each wrong output: its shape (transposed, or one per batch entry: a sum
+       missing), a constant factor, or its largest error; and for the module's backward, the
+       step where the error enters.
 """
 from typing import Callable, NamedTuple
 
@@ -160,6 +162,8 @@ def check(name, function):
     errors = []
     for number, case in enumerate(cases):
         got, problem = _run(function, case, exercise)
+        if problem is not None:
+            problem = _known_error(name, exercise, case, problem)
         if problem is None and _same(got, case.truth, case.truth):
             largest = max(float(np.max(np.abs(t), initial=0)) for t in case.truth)
             errors += [float(np.max(np.abs(g - t), initial=0)) / largest for g, t in zip(got, case.truth)]
@@ -204,6 +208,15 @@ def _run(function, case, exercise, args=None):
         return [np.asarray(x, dtype=np.complex128) for x in returned], None
     except (TypeError, ValueError):
         return None, f"it must return arrays of numbers ({', '.join(outputs)})"
+
+
+def _known_error(name, exercise, case, problem):
+    """A known mistake's message, then `problem`, if that mistake meets `problem` too (_run's
+    text of what went wrong: an error raised, the same one); else `problem` as it is."""
+    for mistake, message in MISTAKES[name]:
+        if _run(mistake, case, exercise)[1] == problem:
+            return f"{message} ({problem})"
+    return problem
 
 
 def _relative_error(got, truth):
@@ -258,9 +271,15 @@ def _diagnosis(name, exercise, case, function, got):
 def _what_is_wrong(name, got, truth, case):
     """One wrong output, in words: its shape, 0, a constant factor, or its largest error."""
     if got.shape != truth.shape:
-        flipped = " (transposed: a product's operands in the wrong order?)" \
-            if got.ndim >= 2 and got.shape[-2:] == truth.shape[-2:][::-1] else ""
-        return f"{name} has shape {got.shape}, expected {truth.shape}{flipped}"
+        extra = got.ndim - truth.ndim
+        if extra > 0 and got.shape[extra:] == truth.shape:
+            why = (f" (one per entry of the leading axes {got.shape[:extra]}: every entry used the same "
+                   f"parameter, so its gradient sums over them)")
+        elif extra == 0 and got.ndim >= 2 and got.shape[:-2] + got.shape[-2:][::-1] == truth.shape:
+            why = " (transposed: a product's operands in the wrong order?)"
+        else:
+            why = ""
+        return f"{name} has shape {got.shape}, expected {truth.shape}{why}"
     if not np.any(got):
         return f"{name} is 0 everywhere"
     factor = np.vdot(truth, got) / np.vdot(truth, truth)

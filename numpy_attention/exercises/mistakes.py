@@ -1,5 +1,7 @@
 """The mistakes learners make in each exercise, planted in the reference solutions, with what
-to say when a learner's function computes exactly what one of them computes.
+to say when a learner's function computes exactly what one of them computes, or raises exactly
+the error one of them raises (a .T on an array with a batch axis): transposed products, sums
+over too few, too many or the wrong axes, a lost axis, the gradient of sum().
 
 Each entry of MISTAKES[exercise] is (function with the exercise's signature, message). The
 message says which line is wrong, what the error looks like, and the right formula.
@@ -15,6 +17,21 @@ def _t(x):
 
 # ----------------------------------------------------------------------------- linear
 
+def _linear_dx_untransposed(dy, x, W):
+    _, dW, db = ref.linear_backward(dy, x, W)
+    return dy @ W, dW, db
+
+
+def _linear_dW_dot_T(dy, x, W):
+    dx, _, db = ref.linear_backward(dy, x, W)
+    return dx, x.T @ dy, db
+
+
+def _linear_dW_per_batch(dy, x, W):
+    dx, _, db = ref.linear_backward(dy, x, W)
+    return dx, _t(x) @ dy, db
+
+
 def _linear_dW_transposed(dy, x, W):
     dx, _, db = ref.linear_backward(dy, x, W)
     return dx, dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1]), db
@@ -23,6 +40,16 @@ def _linear_dW_transposed(dy, x, W):
 def _linear_db_one_axis(dy, x, W):
     dx, dW, _ = ref.linear_backward(dy, x, W)
     return dx, dW, dy.sum(axis=0)
+
+
+def _linear_db_last_axis(dy, x, W):
+    dx, dW, _ = ref.linear_backward(dy, x, W)
+    return dx, dW, dy.sum(axis=-1)
+
+
+def _linear_db_every_axis(dy, x, W):
+    dx, dW, _ = ref.linear_backward(dy, x, W)
+    return dx, dW, dy.sum()
 
 
 def _linear_dW_first_row(dy, x, W):
@@ -52,6 +79,10 @@ def _softmax_sum_first_axis(dp, p):
     return p * (dp - np.sum(p * dp, axis=0, keepdims=True))
 
 
+def _softmax_sum_without_keepdims(dp, p):
+    return p * (dp - np.sum(p * dp, axis=-1))
+
+
 # ----------------------------------------------------------------------------- attention
 
 def _attention_no_scale(dout, q, k, v, p):
@@ -59,14 +90,42 @@ def _attention_no_scale(dout, q, k, v, p):
     return dq * np.sqrt(q.shape[-1]), dk * np.sqrt(q.shape[-1]), dv
 
 
-def _attention_no_rowsum(dout, q, k, v, p):
-    dS = p * (dout @ _t(v))
+def _attention_from_dS(dS, dout, q, k, p):
+    """(dq, dk, dv) of the reference's last steps, from a (mistaken) dS."""
     return dS @ k / np.sqrt(q.shape[-1]), _t(dS) @ q / np.sqrt(q.shape[-1]), _t(p) @ dout
+
+
+def _attention_no_rowsum(dout, q, k, v, p):
+    return _attention_from_dS(p * (dout @ _t(v)), dout, q, k, p)
+
+
+def _attention_rowsum_over_queries(dout, q, k, v, p):
+    dP = dout @ _t(v)
+    return _attention_from_dS(p * (dP - np.sum(p * dP, axis=-2, keepdims=True)), dout, q, k, p)
+
+
+def _attention_dP_untransposed(dout, q, k, v, p):
+    return _attention_from_dS(ref.softmax_backward(dout @ v, p), dout, q, k, p)
+
+
+def _attention_dP_dot_T(dout, q, k, v, p):
+    return _attention_from_dS(ref.softmax_backward(dout @ v.T, p), dout, q, k, p)
+
+
+def _attention_dv_dot_T(dout, q, k, v, p):
+    dq, dk, _ = ref.attention_backward(dout, q, k, v, p)
+    return dq, dk, p.T @ dout
 
 
 def _attention_dv_untransposed(dout, q, k, v, p):
     dq, dk, _ = ref.attention_backward(dout, q, k, v, p)
     return dq, dk, p @ dout
+
+
+def _attention_dq_transposed(dout, q, k, v, p):
+    _, dk, dv = ref.attention_backward(dout, q, k, v, p)
+    dS = ref.softmax_backward(dout @ _t(v), p)
+    return dS @ _t(k) / np.sqrt(q.shape[-1]), dk, dv
 
 
 def _attention_dk_untransposed(dout, q, k, v, p):
@@ -115,8 +174,16 @@ def _multihead_split_without_transpose(dout, cache):
     return _multihead_with(cache, dout, split=_split_without_transpose)
 
 
+def _multihead_dx_untransposed(dout, cache):
+    return _multihead_with(cache, dout, linear=_linear_dx_untransposed)
+
+
 def _multihead_dW_transposed(dout, cache):
     return _multihead_with(cache, dout, linear=_linear_dW_transposed)
+
+
+def _multihead_dW_per_batch(dout, cache):
+    return _multihead_with(cache, dout, linear=_linear_dW_per_batch)
 
 
 def _multihead_db_one_axis(dout, cache):
@@ -127,14 +194,33 @@ TRANSPOSE_HEADS = ("[B, H, N, d_k] must become [B, N, H, d_k] (swap the heads an
                    "before the reshape to [B, N, D]; without the swap each row of the result mixes "
                    "different tokens")
 
+DOT_T = (".T reverses every axis of an array, not only the last two: with a batch axis in front it "
+         "is no matrix transpose; np.swapaxes(x, -1, -2) transposes the last two axes")
+
 MISTAKES = {
     "linear_backward": (
+        (_linear_dx_untransposed,
+         "dx is a transposed product: y = x W gives dx = dy W^T, [..., d_out] @ [d_out, d_in]; dy W is "
+         "another matrix (with a square W it even has the right shape)"),
+        (_linear_dW_dot_T,
+         "dW = x.T @ dy: x.T of x [B, N, d_in] is [d_in, N, B]. " + DOT_T + ", or flatten x and dy to "
+         "[B N, d_in] and [B N, d_out] first, so that x^T dy also sums over every position"),
+        (_linear_dW_per_batch,
+         "dW is not summed over the batch: x^T dy of each batch entry is [B, d_in, d_out]; every entry "
+         "multiplies the same W, so dW is their sum, [d_in, d_out] (flatten x and dy to [B N, d_in] and "
+         "[B N, d_out] first)"),
         (_linear_dW_transposed,
          "dW is transposed: dy^T x is [d_out, d_in]; y = x W gives dW = x^T dy, [d_in, N] @ [N, d_out], "
          "with x and dy flattened to [N, d_in] and [N, d_out]"),
         (_linear_db_one_axis,
          "db is summed over the first axis only: b is added at every position of every leading axis, "
          "so db sums dy over all of them, down to [d_out]"),
+        (_linear_db_last_axis,
+         "db is summed over the last axis, d_out: b has one entry per output feature, so db sums dy "
+         "over every axis but the last, down to [d_out]"),
+        (_linear_db_every_axis,
+         "db is summed over every axis, d_out too, to one number: b has one entry per output feature, "
+         "so sum over the leading axes only, down to [d_out]"),
         (_linear_dW_first_row,
          "dW uses only the first batch entry: every position of every leading axis multiplies the same "
          "W, so dW = x^T dy sums the outer products over all of them (flatten x and dy to [N, ...])"),
@@ -156,6 +242,10 @@ MISTAKES = {
         (_softmax_sum_first_axis,
          "rowsum(p * dp) is summed over the first axis: the softmax runs along the last axis, so "
          "sum there, np.sum(p * dp, axis=-1, keepdims=True)"),
+        (_softmax_sum_without_keepdims,
+         "rowsum(p * dp) lost its axis: np.sum(p * dp, axis=-1) is [..., N], and subtracting it from "
+         "dp [..., N, n] lines it up with the last axis, across the rows instead of down them; keep "
+         "the axis: np.sum(p * dp, axis=-1, keepdims=True)"),
     ),
     "attention_backward": (
         (_attention_no_scale,
@@ -164,9 +254,20 @@ MISTAKES = {
         (_attention_no_rowsum,
          "dq and dk are wrong while dv is right: the softmax step lacks its - rowsum(P * dP) term, "
          "dS = P * (dP - rowsum(P * dP)), not P * dP"),
+        (_attention_rowsum_over_queries,
+         "the rowsum in dS is summed over the queries (axis -2): each row of P is a softmax over the "
+         "keys, so dS = P * (dP - rowsum(P * dP)) sums over the last axis"),
+        (_attention_dP_untransposed,
+         "dP is a transposed product: out = P v gives dP = dout v^T, [N_q, d_v] @ [d_v, N_k]; dout v is "
+         "another matrix (with d_v = N_k it even has the right shape)"),
+        (_attention_dP_dot_T, "dP = dout @ v.T: " + DOT_T),
+        (_attention_dv_dot_T, "P.T (or dS.T) in dv = P^T dout (or dk = dS^T q): " + DOT_T),
         (_attention_dv_untransposed,
          "dv is a transposed product: out = P v gives dv = P^T dout, [N_k, N_q] @ [N_q, d_v]; "
          "P dout is another matrix (with N_q = N_k it even has the right shape)"),
+        (_attention_dq_transposed,
+         "dq is a transposed product: S = q k^T / sqrt(d_k) gives dq = dS k / sqrt(d_k), "
+         "[N_q, N_k] @ [N_k, d_k]; dS k^T is another matrix"),
         (_attention_dk_untransposed,
          "dk is a transposed product: S = q k^T / sqrt(d_k) gives dk = dS^T q / sqrt(d_k), "
          "[N_k, N_q] @ [N_q, d_k]; dS q is another matrix"),
@@ -190,6 +291,13 @@ MISTAKES = {
         (_multihead_split_without_transpose,
          "step 4's backward (split_heads of dconcat) splits without the transpose: [B, N, D] must "
          "become [B, N, H, d_k], then [B, H, N, d_k]; only W_o and b_o (step 5) are right"),
+        (_multihead_dx_untransposed,
+         "the input gradients of the linear steps are transposed products: y = x W gives dx = dy W^T; "
+         "every W here is square [D, D], so dy W has the right shape and wrong numbers (only W_o and b_o "
+         "come out right)"),
+        (_multihead_dW_per_batch,
+         "every weight's gradient is not summed over the batch: x^T dy per batch entry is [B, D, D]; "
+         "every entry multiplies the same W, so dW is their sum (flatten x and dy to [B N, D] first)"),
         (_multihead_dW_transposed,
          "every weight's gradient is transposed: in the math layout y = x W, dW = x^T dy is "
          "[d_in, d_out], W's own shape (torch's state_dict stores W^T: transpose only there)"),

@@ -85,8 +85,9 @@ def optimizer_step(name, W, g, state, lr, t):
 
 
 def train(task=Task(), *, scaled=True, lr=0.1, optimizer="sgd", steps=300, batch=64,
-          eval_every=25, seed=0):
-    """Train W_q, W_k from the same initialization and data whatever scaled, lr and optimizer."""
+          eval_every=25, seed=0, progress=None):
+    """Train W_q, W_k from the same initialization and data whatever scaled, lr and optimizer;
+    progress(t), if given, is called after each step t = 1 .. steps."""
     require_choice(optimizer, "optimizer", OPTIMIZERS)
     steps, batch = require_positive_int(steps, "steps"), require_positive_int(batch, "batch")
     eval_every = require_positive_int(eval_every, "eval_every")
@@ -106,16 +107,20 @@ def train(task=Task(), *, scaled=True, lr=0.1, optimizer="sgd", steps=300, batch
             weights[i], states[i] = optimizer_step(optimizer, weights[i], g, states[i], lr, t)
         if t % eval_every == 0 or t == steps:
             evals.append(evaluate(t))
+        if progress:
+            progress(t)
     steps_, loss, accuracy = (np.array(c) for c in zip(*evals))
     return Curve(scaled, lr, steps_, loss, accuracy, vanished / steps)
 
 
 def compare(task=Task(), *, lrs=LEARNING_RATES, optimizer="sgd", steps=300, seed=0, progress=None):
-    """Curves for scaled and unscaled at every learning rate: a list of Curve."""
-    curves = []
+    """Curves for scaled and unscaled at every learning rate: a list of Curve. progress(done,
+    total), if given, is called after every step of every run: done of the total steps."""
+    curves, total = [], 2 * len(lrs) * steps
     for scaled in (True, False):
         for lr in lrs:
-            curves.append(train(task, scaled=scaled, lr=lr, optimizer=optimizer, steps=steps, seed=seed))
-            if progress:
-                progress(len(curves), 2 * len(lrs))
+            done = len(curves) * steps
+            step = (lambda t, done=done: progress(done + t, total)) if progress else None
+            curves.append(train(task, scaled=scaled, lr=lr, optimizer=optimizer, steps=steps, seed=seed,
+                                progress=step))
     return curves

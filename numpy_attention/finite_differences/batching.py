@@ -12,8 +12,10 @@ at a time (`over`); a probe may perturb several at once. `choose` picks the vect
 when a two-entry probe gives the looped numbers to sqrt(eps_mach); `evaluate_chunk` falls
 back to looped when a real chunk trips a vectorized function the probe did not (a stack of 2
 may align with an axis of size 2 by chance). `summary` says in the report's `batching` which
-functions took one entry at a time: a fallback that worked is no error, so the report names
-no exception; batched=True raises the one a stacked call met.
+functions took one entry at a time when the caller left it to the probe (batched=None), and
+the report prints it as a note: a fallback that worked is no error, so it names no exception;
+batched=True raises the one a stacked call met. batched=False, the caller's own choice, is
+"looped" and needs no note.
 
 Only STACKING_ERRORS count as "does not broadcast": any other exception (a NameError, an
 AttributeError, a TypeError) is a bug of the function and propagates.
@@ -156,12 +158,15 @@ def chunks(n, inputs, out_size, chunk_size):
 
 
 def summary(forward_over, backward, names, batched):
-    """The report's `batching`: "vectorized" if every function took stacks; else which took one
-    entry per call, and why: batched=False, or a stacked call that did not work (the same
-    numbers, only slower), e.g. "the forward took one perturbed W at a time: ...".
+    """The report's `batching`: "vectorized" if every function took stacks; "looped" for
+    batched=False (one entry per call, as asked); else which functions took one entry per call
+    because they take no stack (the same numbers, only slower), e.g. "the forward took one
+    perturbed W at a time: it takes no stack ...", the note the report prints.
 
     forward_over: {i: the Evaluator of the forward over input i}; backward: the backward's.
     """
+    if batched is False:
+        return "looped"
     inputs = [names[i] for i, evaluator in forward_over.items() if not evaluator.vectorized]
     if not inputs and backward.vectorized:
         return "vectorized"
@@ -170,7 +175,6 @@ def summary(forward_over, backward, names, batched):
     if not backward.vectorized:
         parts.append("the backward one upstream gradient" if parts else
                      "the backward took one upstream gradient at a time")
-    if batched is False:
-        return f"{', '.join(parts)}, as batched=False asks"
-    return (f"{', '.join(parts)}: a stacked call did not work, so the check ran slower, to the same "
-            f"numbers (batched=True says why)")
+    they = "they take" if len(parts) == 2 else "it takes"
+    return (f"{', '.join(parts)}: {they} no stack along a new leading axis (batched=True shows why); "
+            f"the same numbers, only slower")

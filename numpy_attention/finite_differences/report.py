@@ -5,7 +5,7 @@ Verdict per input: max |analytic - numeric| <= atol + rtol * scale, scale = the 
 A NaN on one side only is an infinite error; NaN on both sides agrees.
 
     print(report)       gradcheck  method=complex  mode=full  dtype=float64  ...  -> PASS
-                        note: the forward took one perturbed input at a time ...  if it did
+                        note: the forward took one perturbed input at a time ...  if so (batched=None)
                         input  max abs err max rel err  worst index (out, in)        analytic ...
                         x         1.27e-10    9.53e-11  ((4,1),(4,0))             -5.2920e-01 ...
                         index  skipped: an array of int64, not floating-point (or complex)
@@ -49,8 +49,9 @@ class GradcheckReport(NamedTuple):
     rtol: float
     atol: Optional[float]   # None: the default roundoff floor (differences.py)
     dtype: str
-    batching: Optional[str] = None   # full mode: "vectorized", or which functions took one entry at
-                                     # a time and why (batching.summary); None in projection mode
+    batching: Optional[str] = None   # full mode: "vectorized", "looped" (batched=False), or which
+                                     # functions took one entry at a time as they take no stack, the
+                                     # note under the header (batching.summary); None in projection mode
     hints: tuple = ()                # lines printed under the table: likely causes of a failure
     check: str = "gradcheck"         # which check made it: "gradcheck" or "jvpcheck"
     skipped: tuple = ()              # (name, why) of each input not checked, e.g. an integer array
@@ -59,11 +60,13 @@ class GradcheckReport(NamedTuple):
         return all(row.passed for row in self.rows)
 
     def _header(self):
-        """The settings and the verdict; then, if some function took one entry at a time, that."""
+        """The settings and the verdict; then, if some function took one entry at a time though the
+        caller let the check stack them, that."""
         atol = "floor" if self.atol is None else f"{self.atol:g}"
         head = (f"{self.check}  method={self.method}  mode={self.mode}  dtype={self.dtype}  "
                 f"h={self.eps:g}  rtol={self.rtol:g}  atol={atol}  -> {'PASS' if self else 'FAIL'}")
-        return [head] + ([f"note: {self.batching}"] if self.batching not in (None, "vectorized") else [])
+        said = self.batching not in (None, "vectorized", "looped")
+        return [head] + ([f"note: {self.batching}"] if said else [])
 
     def __str__(self):
         first = max([len("input")] + [len(row.name) for row in self.rows] +

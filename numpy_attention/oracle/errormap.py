@@ -166,18 +166,24 @@ def draw_error_maps(path, report, ratios):
             right.set_axis_off()
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), extend="both", shrink=min(1.0, 4 / len(names)))
     bar.set_label("log10(|err| / bound): <= 0 passes")
-    fig.suptitle(f"crosscheck {'PASS' if report else 'FAIL'}: each entry's |candidate - oracle| over "
-                 f"its bound (rule.py), the max over the batch", fontsize=10)
+    fig.suptitle(f"crosscheck {'PASS' if report else 'FAIL'}: each entry's error |candidate - oracle| over "
+                 f"the bound its tensor is held to (above 1 fails), the largest over the batch", fontsize=10)
     with replacing(os.fspath(path), "wb") as f:           # a failure part-way leaves path as it was
         fig.savefig(f, format="png", dpi=DPI)
     return path
 
 
 def _panel(ax, ratio_map, cmap, norm):
-    """Draw a [down, across] ratio map as log10, clipped to +-DECADES; return the image."""
+    """Draw a [down, across] ratio map as log10, clipped to +-DECADES; return the image. Ticks
+    on whole indices only (a tick per head or feature up to 16); none across one column."""
+    from matplotlib.ticker import MaxNLocator
     with np.errstate(divide="ignore"):
         shown = np.clip(np.log10(ratio_map), -DECADES, DECADES)
     image = ax.imshow(shown, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if shown.shape[0] <= 16:                              # a tick per head (or feature)
         ax.set_yticks(range(shown.shape[0]))
+    if shown.shape[1] == 1:                               # one entry per head: no index across
+        ax.set_xticks([])
     return image
