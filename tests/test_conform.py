@@ -291,7 +291,8 @@ def test_the_diagnosis_prefers_what_holds_on_the_failing_case():
     case = min((c for c in grid if c.cell == "causal" and several_keys(c) and c.tokens > 100), key=lambda c: c.scores)
     result, arrays = evaluate(kernel, case)
     shrunk = shrink(kernel, case, result.report, arrays)
-    assert shrunk.diagnosis() == list(result.report.diagnosis) and "causal masking off by one" in shrunk.diagnosis()[0]
+    lines, before = shrunk.diagnosis()
+    assert before and lines == list(result.report.diagnosis) and "causal masking off by one" in lines[0]
     assert any("causal='bottom_right'" in line for line in shrunk.report.diagnosis)     # what it alone says
 
 
@@ -312,7 +313,7 @@ def test_a_failing_run_saves_each_shrunk_case_for_crosscheck(tmp_path, clock, mo
     assert drawn == [(failure.picture, sorted(load_case(failure.file)))]
     text = str(report)
     assert f"9 of {PER_ROLE * 21} cases of the grid run" in text and failure.shrunk.case.id in text
-    assert "diagnosis: out, dq, dk, dv match interleaved grouped-query heads" in " ".join(text.split())
+    assert "diagnosis (before shrinking): out, dq, dk, dv match interleaved grouped-query heads" in " ".join(text.split())
     assert f"saved in {tmp_path / 'out'}: each case as <id>.npz" in " ".join(text.split())
     assert main(["crosscheck", failure.file]) == 1                         # the file, re-judged
     assert "FAIL" in capsys.readouterr().out

@@ -144,8 +144,9 @@ class ConformReport(NamedTuple):
             for row in shrunk.report.rows:
                 if not row.passed:
                     lines += wrapped(f"{row.name} FAIL: {'; '.join(row.failed)}", "    ")
-            for line in shrunk.diagnosis():
-                lines += wrapped(f"diagnosis: {line}", "    ")
+            said, before = shrunk.diagnosis()
+            for line in said:
+                lines += wrapped(f"diagnosis{' (before shrinking)' * before}: {line}", "    ")
         saved = [f for f in failing if f.file]
         if saved:
             pictures = ", its error maps as <id>.png" if any(f.picture for f in saved) else ""
@@ -212,7 +213,7 @@ def _cell_json(c):
         failure = {"case": shrunk.case.id, "shrunk_from": shrunk.original.id, "runs": shrunk.steps,
                    "tensors": [{"name": row.name, "failed": list(row.failed)}
                                for row in shrunk.report.rows if not row.passed],
-                   "diagnosis": shrunk.diagnosis(),
+                   "diagnosis": shrunk.diagnosis()[0], "diagnosis_before_shrinking": shrunk.diagnosis()[1],
                    "file": c.failure.file, "picture": c.failure.picture}
     return {"option": c.option, "dtype": c.dtype, "cases": c.cases, "roles_run": c.roles_run,
             "roles": c.roles, "passed": c.passed, "failed": c.failed, "errors": c.errors,

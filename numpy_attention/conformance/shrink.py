@@ -31,12 +31,12 @@ class Shrunk(NamedTuple):
     original_report: object = None   # the failing case's CrosscheckReport
 
     def diagnosis(self):
-        """The diagnosis lines to show: the failing case's, which explain the bug as the sweep met
-        it; the shrunk case's where that one has none. A case of a few tokens matches more than
-        the bug: a causal mask off by one key is, on one query row and two keys, also bottom-right
-        causal."""
+        """(the diagnosis lines to show, whether they are the failing case's): the failing case's
+        before it was shrunk, which explain the bug as the sweep met it; the shrunk case's where
+        that one has none. A case of a few tokens matches more than the bug: a causal mask off
+        by one key is, on one query row and two keys, also bottom-right causal."""
         original = self.original_report.diagnosis if self.original_report is not None else ()
-        return list(original or self.report.diagnosis)
+        return list(original or self.report.diagnosis), bool(original) and self.case != self.original
 
 
 def _remade(case, **changes):
