@@ -89,9 +89,9 @@ def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_the_flex_way_is_flex_attentions_eager_forward(precision):
     """flex_attention's eager kernel takes the scores in float32 from the product on (an ALiBi
-    score_mod whose slopes are a tensor of the dtype: its distances and terms in T): the recipe's scores32
-    way gives its out bit for bit in bfloat16, all but a few entries (< 1%, by one ulp) in
-    float16; the ways that round the scores differ in half of them."""
+    score_mod whose slopes are a tensor of the dtype: its distances and terms in T): the recipe's
+    scores="float32" way gives its out bit for bit in bfloat16, all but a few entries (< 1%, by
+    one ulp) in float16; the ways that round the scores differ in half of them."""
     torch = pytest.importorskip("torch", reason=TORCH_REASON)
     from torch.nn.attention.flex_attention import flex_attention
     from numpy_attention import attention_options
@@ -107,7 +107,7 @@ def test_the_flex_way_is_flex_attentions_eager_forward(precision):
         warnings.simplefilter("ignore")
         out = flex_attention(tq, tk, tv, score_mod=alibi).float().numpy()
     q3, k3, v3, record = attention_options(q, k, v, alibi_slopes=slopes)
-    ours = recipe_attention(q3, k3, v3, record, p, reorder=False, scores32=True)["out"]
+    ours = recipe_attention(q3, k3, v3, record, p, reorder=False, scores="float32")["out"]
     rounded_scores = recipe_attention(q3, k3, v3, record, p, reorder=False)["out"]
     finfo = ml_dtypes.finfo(p.storage)                     # one ulp of out, its subnormals' too
     ulp = np.maximum(np.abs(out) * float(finfo.eps), float(finfo.smallest_subnormal))

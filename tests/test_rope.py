@@ -373,11 +373,3 @@ def test_yarn_at_the_ends_of_the_float_range_is_its_formula(scaling):
     assert position_factor == 1.0 and math.isclose(magnitude, 0.1 * math.log(4) + 1)
     y, _ = na.rope_forward(RNG.standard_normal((3, 8)), np.arange(3), scaling=scaling)
     assert np.isfinite(y).all()
-
-
-def test_crosschecks_rope_positions_pass_through_ropes_checks():
-    rng = np.random.default_rng(2)
-    q, k = rng.standard_normal((1, 2, 4, 8)), rng.standard_normal((1, 2, 6, 8))
-    positions = np.array([0.0, 1.0, np.nan, 3.0])
-    with pytest.raises(ValueError, match="rope\\['positions_q'\\] must be finite, got rope\\['positions_q'\\]\\[2\\] = nan"):
-        na.crosscheck(q=q, k=k, v=k, out=q, rope_layout="half", rope_positions_q=positions)

@@ -50,7 +50,7 @@ ORACLE_TILE = 256           # the tiled oracle's block_size on a large case
 SCALE_STEP = 2.0 ** -20     # the rule's scale check: d oracle / d log(scale) by this step
 HINT_PRECISIONS = ("bfloat16", "float16")   # a float32 result may hold a 16-bit kernel's values
 PROGRESS_SCORES = 2 ** 22   # a case this large (some seconds and up) reports its stages to `progress`
-ZERO_ATOLS = 16            # a tensor this many atols large that an all-zero result passes: unjudgeable
+ZERO_ULPS = 64             # a tensor this many ulps (of T) of its terms large that zeros pass: unjudgeable
 HINT_VALUES = 8             # nonzero values a result must hold for the hint (chance: 2^-128)
 
 
@@ -247,11 +247,11 @@ def _baseline(case, way, gradients, block_rows):
     back = None
     if rope is not None:                               # turned in T (rotary.py)
         q, k, back = turn_qk(q, k, rope, record, p.compute)
-    backward, reorder, reads, mlx, scores32 = _ways(case, gradients)[way][1]
+    backward, reorder, reads, mlx, scores = _ways(case, gradients)[way][1]
     saved = rounded(case.candidates["out"]) if reads else None
     result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
                               reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx,
-                              scores32=scores32)
+                              scores=scores)
     if back is not None and "dq" in result:
         result["dq"], result["dk"] = back(result["dq"], result["dk"])
     return result
@@ -260,22 +260,23 @@ def _baseline(case, way, gradients, block_rows):
 def _ways(case, gradients):
     """The recipe's ways of computing the case (precision.recipe_attention's arguments), each
     with its names for a forward result and for a gradient: [((name of its forward, name
-    with its backward), (backward, reorder, reads the kernel's out, MLX's order, scores in
-    float32))]; the naive baseline's one way in float32 / float64."""
+    with its backward), (backward, reorder, reads the kernel's out, MLX's order, how the
+    scores round))]; the naive baseline's one way in float32 / float64."""
     if not case.precision.recipe:
         return [(("naive, sums left to right",) * 2, None)]
     named = lambda scale, backward: (scale, f"{scale}, {backward}")
-    ways = [(named("scale on k", "eager backward"), ("eager", True, False, False, False)),
-            (named("scale on S", "eager backward"), ("eager", False, False, False, False)),
-            (named("scale on q (MLX)", "eager backward"), ("eager", True, False, True, False))]
-    flash = [(named("scale on k", "flash backward"), ("flash", True, False, False, False)),
-             (named("S in float32 (flex)", "flash backward"), ("flash", False, False, False, True))]
+    ways = [(named("scale on k", "eager backward"), ("eager", True, False, False, "rounded")),
+            (named("scale on S", "eager backward"), ("eager", False, False, False, "rounded")),
+            (named("scale on q (MLX)", "eager backward"), ("eager", True, False, True, "rounded"))]
+    flash = [(named("scale on k", "flash backward"), ("flash", True, False, False, "rounded")),
+             (named("S in float32 (flex)", "flash backward"), ("flash", False, False, False, "float32")),
+             (named("S rounded once (fused)", "flash backward"), ("flash", False, False, False, "fused"))]
     if gradients and "dout" in case.inputs:
         ways += flash
-    else:                                              # the forward of the flex way
-        ways.append(flash[1])
+    else:                                              # the forwards of the flex and fused ways
+        ways += flash[1:]
     if _reads_kernel_out(case, gradients):
-        ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False, False)))
+        ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False, "rounded")))
     return ways
 
 
@@ -478,7 +479,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                                     len(bases) - reads_out + with_out))
         verdicts = [verdicts[name] for name in case.candidates]
         zeros = lambda name: verdict(name, len(bases) - reads_out, np.zeros_like(case.candidates[name]), rule.judge)
-        _require_judged(case, verdicts, against, None if atol is not None else zeros)
+        _require_judged(case, verdicts, against, mags, None if atol is not None else zeros)
         failing = [row.name for row in verdicts if not row.passed]
         if failing:
             say("the diagnosis")
@@ -490,14 +491,16 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
 
 
-def _require_judged(case, verdicts, against, verdict_of_zeros):
+def _require_judged(case, verdicts, against, mags, verdict_of_zeros):
     """CaseError naming the first tensor that the case's precision cannot judge:
     - its bound is not finite where its oracle is (rule.py: it judges nothing): a baseline
       that overflows the precision, or term magnitudes that overflow float64;
-    - an all-zero result would pass (verdict_of_zeros(name), the default atol only) though
-      the oracle's largest entry is over ZERO_ATOLS atols: the honest baseline's error is as
-      large as the tensor, the result of that precision is noise (rope angles at positions
-      where float32 cannot hold them), and garbage passes as well as an honest kernel."""
+    - an all-zero result would pass (verdict_of_zeros(name), with the default atol) though
+      the oracle's largest entry is over ZERO_ULPS ulps of the compute dtype T of its terms
+      (mags: a tensor that cancels to its terms' rounding is rounding noise in every kernel,
+      zeros as good as any): the honest baseline's error is as large as the tensor, the
+      result of that precision is noise (rope angles at positions where float32 cannot hold
+      them), and garbage passes as well as an honest kernel."""
     for row in verdicts:
         oracle = against[row.name]
         if not math.isfinite(row.bound) and np.isfinite(oracle).any():
@@ -506,7 +509,8 @@ def _require_judged(case, verdicts, against, verdict_of_zeros):
                    else "the sums of its terms overflow float64 (atol is infinite): the inputs are too large")
             raise CaseError(f"{row.name} cannot be judged: {why}; no kernel can be held to an infinite bound")
         largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
-        if verdict_of_zeros is not None and largest > ZERO_ATOLS * row.atol and verdict_of_zeros(row.name).passed:
+        floor = ZERO_ULPS * eps(case.precision.compute) * mags.get(row.name, math.inf)
+        if verdict_of_zeros is not None and largest > floor and verdict_of_zeros(row.name).passed:
             raise CaseError(f"{row.name} cannot be judged in {case.precision.name}: the honest baseline's error "
                             f"{row.baseline_err:.3g} is as large as {row.name} itself (largest entry "
                             f"{largest:.3g}), so an all-zero {row.name} would pass{_noise_hint(case)}")

@@ -152,7 +152,7 @@ def precision_of(dtype):
 
 
 def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", reorder=True,
-                     block_rows=None, saved_out=None, mlx=False, scores32=False):
+                     block_rows=None, saved_out=None, mlx=False, scores="rounded"):
     """The recipe of the module docstring: out, lse (and dq, dk, dv, dbias with dout).
 
     q, k, v (and dout): float32 arrays holding values of the compute dtype (float8 inputs
@@ -173,9 +173,11 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     kernel that repeats k and v for each query head does (torch's kernels and MLX's;
     FlashAttention's dk_expanded): in float32 and rounded (eager), or added head by head in
     T (flash: torch's CPU flash kernel accumulates a group's heads in its T output).
-    scores32: the scores in float32 from the product on (the scale, softcap and the sums with
-    the bias and ALiBi's terms, those in T, not rounded; P still is), as flex_attention's eager
-    kernel computes them.
+    scores: how the score pipeline rounds: 'rounded' (each step to T, as above); 'float32'
+    (from the product on, the scale, softcap and the sums with the bias and ALiBi's terms,
+    those in T, not rounded; P still is), as flex_attention's eager kernel computes them;
+    'fused' (the same in float32, then S rounded to T once: a kernel that fuses the scale and
+    the bias into its product's epilogue, as ONNX Runtime's Attention does in float16).
     Blocks change no result: every product and every sum over rows goes a tile of TILE_ROWS
     rows at a time, in the same order for any block size.
     Results are float32 arrays holding values of the output dtype (lse: float32).
@@ -183,7 +185,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     T = precision.compute
     rnd = partial(round_to, dtype=T)                                             # round to T
     again = partial(recipe_attention, precision=precision, dout=dout, backward=backward, reorder=reorder,
-                    block_rows=block_rows, saved_out=saved_out, mlx=mlx, scores32=scores32)
+                    block_rows=block_rows, saved_out=saved_out, mlx=mlx, scores=scores)
     if mlx and options.scale != 1.0:                                             # S = (round(scale) q) k^T
         scale = rnd(np.float32(options.scale))
         result = again(rnd(q * scale), k, v, options._replace(scale=1.0))
@@ -222,7 +224,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     for rows in row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, rows, slice(None))
         f = _forward_rows(rnd, q3[..., rows, :], k3, v3, used, o, precision, score_shape, index,
-                          reorder, (lambda x: np.asarray(x, np.float32)) if scores32 else rnd)
+                          reorder, scores)
         out[..., rows, :], lse[..., rows] = f.out, f.lse
         if saved3 is not None:                                                   # D from the kernel's out
             f = f._replace(out=saved3[..., rows, :])
@@ -281,10 +283,11 @@ class _Forward(NamedTuple):
     p_sink: np.ndarray      # [..., H, b, 1] the sink's weight (float32), or [..., H, b, 0] without
 
 
-def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder, srnd):
+def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder, mode):
     """The recipe's forward on the rows of q [..., H, b, d_k] (index: their block of the scores);
-    srnd rounds the score pipeline's steps (rnd, or float32 for scores32; the bias and ALiBi
-    terms are rounded to T either way)."""
+    mode: recipe_attention's `scores`, how the score pipeline's steps are rounded (the bias and
+    ALiBi terms are rounded to T either way)."""
+    srnd = rnd if mode == "rounded" else (lambda x: np.asarray(x, np.float32))
     scale, inv_keep = np.float32(o.scale), np.float32(1 / (1 - o.dropout_p))
     bits = precision.accumulator
     if reorder:                                                                  # S = q (scale k)^T
@@ -294,6 +297,8 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
     keep = keep_mask(o, score_shape, index)
     rounding = scores.Rounding(step=srnd, term=rnd, distance=None if reorder else rnd)  # torch: distances in T
     s, saved = scores.forward(s, o, score_shape, index, keep, rounding)          # 2-4. (scores.py), rounded
+    if mode == "fused":                                                          # S rounded once
+        s = rnd(s)
     p32, lse = _softmax32(with_sink(s, o, score_shape, index),                   # sinks: one more logit
                           masked_row_weight(o.fully_masked, s.shape[-1]))
     p, p_sink = rnd(p32[..., :s.shape[-1]]), p32[..., s.shape[-1]:]
