@@ -235,3 +235,32 @@ def test_sixteen_bit_baselines_follow_the_fully_masked_policy(precision):
         zeroed[..., :6, :] = wrong                               # the rows with no key, as 'zero' fills them
         assert not na.crosscheck(**arrays, **{**{n: x.astype(dtype) for n, x in honest.items()},
                                               "out": zeroed.astype(dtype)})
+
+
+def test_cases_with_no_key_and_gradients_are_judged():
+    """N_k = 0 with gradients (dense, MLA, packed sequences that are all empty, a paged cache
+    with no cached key) raised 'cannot reshape array of size 0'; now judged: zeros pass (the
+    'zero' policy), ones fail."""
+    rng = np.random.default_rng(19)
+    q = rng.standard_normal((1, 2, 3, 12)).astype(np.float32)
+    zeros_out = np.zeros((1, 2, 3, 8), np.float32)
+    cases = {
+        "dense": dict(q=q[..., :8], k=np.zeros((1, 2, 0, 8), np.float32), v=np.zeros((1, 2, 0, 8), np.float32),
+                      dq=np.zeros_like(q[..., :8]), dk=np.zeros((1, 2, 0, 8), np.float32),
+                      dv=np.zeros((1, 2, 0, 8), np.float32)),
+        "mla": dict(q=q, kv=np.zeros((1, 1, 0, 12), np.float32), head_dim_v=np.array(8), dq=np.zeros_like(q),
+                    dkv=np.zeros((1, 1, 0, 12), np.float32)),
+        "varlen": dict(q=q[0, :, :, :8], k=np.zeros((2, 0, 8), np.float32), v=np.zeros((2, 0, 8), np.float32),
+                       cu_seqlens_q=np.array([0, 1, 3], np.int32), cu_seqlens_k=np.array([0, 0, 0], np.int32),
+                       dq=np.zeros((2, 3, 8), np.float32), dk=np.zeros((2, 0, 8), np.float32),
+                       dv=np.zeros((2, 0, 8), np.float32)),
+        "paged": dict(q=q[..., :1, :8].repeat(2, 0), k=np.ones((2, 2, 4, 8), np.float32),
+                      v=np.ones((2, 2, 4, 8), np.float32), page_table=np.array([[0], [1]], np.int32),
+                      cache_seqlens=np.array([0, 0], np.int32), dq=np.zeros((2, 2, 1, 8), np.float32),
+                      dk=np.zeros((2, 2, 4, 8), np.float32), dv=np.zeros((2, 2, 4, 8), np.float32)),
+    }
+    for name, arrays in cases.items():
+        out = np.zeros(arrays["q"].shape[:-1] + (8,), np.float32) if name != "dense" else zeros_out
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        assert na.crosscheck(**arrays, dout=dout, out=out), name
+        assert not na.crosscheck(**arrays, dout=dout, out=out + 1), name

@@ -137,7 +137,7 @@ def _lengths(x):
 def _kv_column_max(col_sum, h_kv):
     """The largest sum down a column of a kv head's G query heads: col_sum [..., H, N_k] summed
     to [..., H_kv, N_k], then its max (0 when no block had terms: col_sum is 0)."""
-    if np.ndim(col_sum) == 0:
+    if np.ndim(col_sum) == 0 or col_sum.size == 0:                   # no block, or no key
         return 0.0
     return col_sum.reshape(col_sum.shape[:-2] + (h_kv, -1) + col_sum.shape[-1:]).sum(-2).max(initial=0)
 
