@@ -511,3 +511,21 @@ def test_complex_step_through_a_minus_inf_score_mod(mask):
     forward = lambda q, k, v: na.attention_forward(q, k, v, score_mod=mod, **params)
     report = na.gradcheck(forward, na.attention_backward, [q, k, v], method="complex", mode="projection")
     assert report and max(row.max_rel_err for row in report.rows) < 1e-12, report
+
+
+def test_what_a_score_mod_prints_stays_off_the_json(tmp_path, monkeypatch, capsys):
+    """A --score-mod that prints wrote into crosscheck's --json; its prints now go to stderr."""
+    import json
+
+    from numpy_attention.commands.cli import main
+    (tmp_path / "chatty.py").write_text("def bias(score, b, h, q_idx, kv_idx):\n"
+                                        "    print('computing a score')\n    return score + 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rng = np.random.default_rng(17)
+    q, k, v = (rng.standard_normal((1, 2, 5, 4)).astype(np.float32) for _ in range(3))
+    out, _ = na.attention_forward(q, k, v)                         # + 1 on every score changes nothing
+    np.savez(tmp_path / "case.npz", q=q, k=k, v=v, out=out)
+    assert main(["crosscheck", "case.npz", "--json", "--score-mod", "chatty:bias"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["passed"] is True and "computing a score" in captured.err

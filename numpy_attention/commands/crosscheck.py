@@ -10,6 +10,7 @@ the same; no matplotlib, or a figure that cannot be written, is bad input (2).
 `--write-example CASE.npz` writes an example case instead.
 """
 import argparse
+import contextlib
 import importlib.util
 import math
 import sys
@@ -155,10 +156,11 @@ def run(args):
             spec = getattr(args, name)
             if spec is not None:
                 settings[name] = import_object(spec, f"--{name.replace('_', '-')}", "mymods:rel_bias")
-        if args.plot is None:
-            report, ratios = crosscheck(**arrays, **settings), None
-        else:                                          # the same verdicts, and each entry's ratio
-            report, ratios = crosscheck_errors(**arrays, **settings)
+        with contextlib.redirect_stdout(sys.stderr):   # what a --score-mod prints is not the report
+            if args.plot is None:
+                report, ratios = crosscheck(**arrays, **settings), None
+            else:                                      # the same verdicts, and each entry's ratio
+                report, ratios = crosscheck_errors(**arrays, **settings)
     except (ValueError, TypeError) as exc:             # CaseError, and any argument refused by name
         raise UsageError(f"{args.case}: {exc}") from None
     if args.plot is not None:
