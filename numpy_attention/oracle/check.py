@@ -249,7 +249,8 @@ def _baseline(case, way, gradients, block_rows):
         q, k, back = turn_qk(q, k, rope, record, p.compute)
     backward, reorder, reads, mlx, scores = _ways(case, gradients)[way][1]
     saved = rounded(case.candidates["out"]) if reads else None
-    result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward,
+    gradients = gradients and backward is not None                  # None: a forward-only way
+    result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward or "eager",
                               reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx,
                               scores=scores)
     if back is not None and "dq" in result:
@@ -261,7 +262,8 @@ def _ways(case, gradients):
     """The recipe's ways of computing the case (precision.recipe_attention's arguments), each
     with its names for a forward result and for a gradient: [((name of its forward, name
     with its backward), (backward, reorder, reads the kernel's out, MLX's order, how the
-    scores round))]; the naive baseline's one way in float32 / float64."""
+    scores round))], backward None for a way of the forward only (the fused one: ONNX Runtime's
+    inference kernel has no backward); the naive baseline's one way in float32 / float64."""
     if not case.precision.recipe:
         return [(("naive, sums left to right",) * 2, None)]
     named = lambda scale, backward: (scale, f"{scale}, {backward}")
@@ -269,13 +271,13 @@ def _ways(case, gradients):
             (named("scale on S", "eager backward"), ("eager", False, False, False, "rounded")),
             (named("scale on q (MLX)", "eager backward"), ("eager", True, False, True, "rounded"))]
     flash = [(named("scale on k", "flash backward"), ("flash", True, False, False, "rounded")),
-             (named("S in float32 (flex)", "flash backward"), ("flash", False, False, False, "float32")),
-             (named("S rounded once (fused)", "flash backward"), ("flash", False, False, False, "fused"))]
+             (named("S in float32 (flex)", "flash backward"), ("flash", False, False, False, "float32"))]
     if gradients and "dout" in case.inputs:
         ways += flash
-    else:                                              # the forwards of the flex and fused ways
-        ways += flash[1:]
-    if _reads_kernel_out(case, gradients):
+    else:                                              # the forward of the flex way
+        ways.append(flash[1])
+    ways.append((named("S rounded once (fused)", "no backward"), (None, False, False, False, "fused")))
+    if _reads_kernel_out(case, gradients):                 # last: the verdicts take it apart
         ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False, "rounded")))
     return ways
 
@@ -457,16 +459,17 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         names = [names for names, _ in ways]             # each way's (forward, gradient) names
         offsets = _scale_offsets(case, ways)
         def verdict(name, count, cand=None, by=judge):    # judged by the first `count` baselines
-            cand = case.candidates[name] if cand is None else cand
+            cand = case.candidates[name] if cand is None else cand   # (those that compute the tensor)
+            held = [i for i in range(count) if name in bases[i]]
             return by(name, _in_base_e(case, name, cand), against[name],
-                         [b[name].astype(cand.dtype) for b in bases[:count]],
-                         baseline_names=[way[name in GRADIENTS] for way in names[:count]],
-                         baseline_oracle=truth[name],
-                         k=k_factors.get(name), dtype=cand.dtype,
-                         atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
-                         l2_k=K_L2 if low else None, rows=low,
-                         scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
-                         scale_atol=_summed_in_t(case, name), scale_offsets=offsets[:count])
+                      [bases[i][name].astype(cand.dtype) for i in held],
+                      baseline_names=[names[i][name in GRADIENTS] for i in held],
+                      baseline_oracle=truth[name],
+                      k=k_factors.get(name), dtype=cand.dtype,
+                      atol=_atol(case, name, cand.dtype, truth[name], mags.get(name), atol),
+                      l2_k=K_L2 if low else None, rows=low,
+                      scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
+                      scale_atol=_summed_in_t(case, name), scale_offsets=[offsets[i] for i in held])
 
         def verdicts_of(names, count):                   # {name: verdict}, the tensors on threads
             return _concurrently({name: partial(verdict, name, count) for name in names}, workers)
@@ -610,8 +613,8 @@ def _diagnosis(arrays, case, truth, bases, failing, whole):
     if not whole:
         return ["not run: the case is too large to rerun the oracle under each mix-up "
                 f"(more than {blocks.SCORE_BUDGET:,} scores)"]
-    noise = {name: max(rel_l2(b[name], truth[name]) for b in bases) for name in failing
-             if all(name in b for b in bases)}
+    noise = {name: max(rel_l2(b[name], truth[name]) for b in bases if name in b) for name in failing
+             if any(name in b for b in bases)}
     if case.paged is not None:
         return diagnose(case, truth, failing, noise, laid_out=lambda results: _unpaged(results, case.paged))
     return diagnose(case, truth, failing, noise) or _layout_mixup(arrays, case, failing)
