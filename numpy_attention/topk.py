@@ -123,20 +123,23 @@ def counts(lists, score_shape, index=(Ellipsis, slice(None), slice(None))):
     scores.keep_mask takes it (slices of the leading axes and heads before them, or an Ellipsis).
     """
     axes = [np.arange(n)[part] for n, part in zip(score_shape, index_ranges(index, score_shape))]
-    *lead, rows, cols = axes
-    heads = lead.pop() if lead else np.zeros(1, np.int64)           # [N_q, N_k] scores: one head
+    *lead, rows, cols = axes                                         # the block's indices, axis by axis
+    heads = lead.pop() if lead else np.zeros(1, np.int64)           # ([N_q, N_k] scores: one head)
     batch = np.ravel_multi_index(np.ix_(*lead), lists.rows[:-2]) if lead else np.zeros((), np.int64)
-    row = (batch[..., None] * lists.rows[-2] + heads // lists.groups)[..., None] * lists.rows[-1] + rows
-    first = row * (lists.n_k + 1) + (cols[0] if cols.size else 0)    # [..., heads, rows]: each row's
-    span = int(cols[-1]) - int(cols[0]) + 1 if cols.size else 0      # key cols[0] and its columns' span
-    start = np.searchsorted(lists.keys, first).ravel()
-    n = np.searchsorted(lists.keys, first + span).ravel() - start    # each row's entries in the block
-    before = np.cumsum(n) - n
-    at = np.arange(before[-1] + n[-1] if n.size else 0) + np.repeat(start - before, n)
-    col = lists.keys[at] - np.repeat(first.ravel(), n)               # in the span
+    # 1. the list row r of each of the block's rows [..., heads, rows]: its batch index, its
+    #    head's list (h // G), its query
+    r = (batch[..., None] * lists.rows[-2] + heads // lists.groups)[..., None] * lists.rows[-1] + rows
+    # 2. its entries in the block's columns c0 ... c0 + span - 1: the keys from r (N_k + 1) + c0 on
+    c0, span = (int(cols[0]), int(cols[-1]) - int(cols[0]) + 1) if cols.size else (0, 0)
+    low = (r * (lists.n_k + 1) + c0).ravel()
+    start = np.searchsorted(lists.keys, low)
+    n = np.searchsorted(lists.keys, low + span) - start
+    # 3. those entries, each as (its block row, its column - c0), counted
+    at = np.arange(n.sum()) + np.repeat(start - (np.cumsum(n) - n), n)     # their places in keys
     block_row = np.repeat(np.arange(n.size), n)
-    found = np.bincount(block_row * span + col, minlength=n.size * span).reshape(row.shape + (span,))
-    step = cols[1] - cols[0] if cols.size > 1 else 1
+    column = lists.keys[at] - np.repeat(low, n)
+    found = np.bincount(block_row * span + column, minlength=n.size * span).reshape(r.shape + (span,))
+    step = int(cols[1] - cols[0]) if cols.size > 1 else 1
     return found[..., ::step].reshape(tuple(len(a) for a in axes))
 
 

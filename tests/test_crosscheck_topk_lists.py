@@ -5,8 +5,8 @@ variant: token lists per kv head or per query head, key blocks, topk_length, -1 
 out-of-range padding, repeated keys, rows with no key, causal and the other options a top-k case
 takes, gradients, tangents, the 16- and 8-bit precisions, whole and in blocks of rows (the
 large-case path) on threads. The dense form is built here, by counting the lists with
-np.add.at (test_topk.dense_counts). A large case (2^27 scores) is judged in a small part of the 9 bytes a score its
-dense keep-mask took."""
+np.add.at (test_topk.dense_counts). A large case (2^27 scores) is judged in a small part of
+the 9 bytes a score a dense keep-mask and its counts take."""
 import importlib
 import os
 import subprocess
@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.oracle import CaseError
 from test_topk import dense_counts
 
 blocks = importlib.import_module("numpy_attention.oracle.blocks")
@@ -157,8 +156,9 @@ def test_in_blocks_of_rows_and_slices_on_threads_too(name, monkeypatch):
     same_reports(na.crosscheck(**listed, workers=8), na.crosscheck(**dense, workers=8))
 
 
-def test_the_diagnosis_names_the_mixups_it_named_on_the_dense_form():
-    """The lists read one key over: named from the lists' own reruns."""
+def test_the_diagnosis_reruns_the_oracle_on_changed_lists():
+    """A candidate over the lists read one key over is named so: the mix-up's rerun takes the
+    changed lists (topk_indices), no dense keep-mask."""
     listed, _ = case("tokens per kv head")
     wrong = np.where(listed["topk_indices"] >= 0, listed["topk_indices"] + 1, -1)
     q, k, v, dout = (listed[n].astype(np.float64) for n in ("q", "k", "v", "dout"))
@@ -194,10 +194,9 @@ print("PASS" if report else "FAIL", before, peak_mib())
 
 def test_a_large_case_is_judged_far_below_the_dense_keep_masks_memory():
     """q [1, 1, 32768, 16] over 4096 keys, 64 listed a row (one twice): 2^27 scores, whose dense
-    keep-mask and counts took 9 bytes a score (1.1 GiB; with the log-multiplicity bias and its
-    copies, 45 bytes a score were measured). Judged from the lists with gradients on two
-    threads, the peak (VmHWM, in a child process) grows by under 3 bytes a score (measured: 1.9,
-    the baselines' blocks of rows, as for the case without lists)."""
+    keep-mask and counts take 9 bytes a score (1.1 GiB). Judged from the lists with gradients on
+    two threads, the peak (VmHWM, in a child process) grows by under 3 bytes a score (measured
+    here: 1.9, the blocks of rows, as for the same case causal without lists)."""
     n_q, n_k = 32768, 4096
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run([sys.executable, "-c", LARGE_CASE.format(n_q=n_q, n_k=n_k)], env=env,
@@ -207,14 +206,3 @@ def test_a_large_case_is_judged_far_below_the_dense_keep_masks_memory():
     scores = n_q * n_k
     assert verdict == "PASS" and scores == 8 * blocks.SCORE_BUDGET
     assert (float(after) - float(before)) * 2 ** 20 < 3 * scores, (before, after)
-
-
-def test_topk_keys_refused_by_name():
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((1, 2, 3, 8))
-    with pytest.raises(ValueError, match="topk_length counts entries of topk_indices: pass topk_indices too"):
-        na.attention_forward(q, q, q, topk_length=np.array([[1, 1, 1]]))
-    with pytest.raises(ValueError, match=r"topk_indices must be \[\.\.\., H_kv or H, N_q, K\]"):
-        na.attention_forward(q, q, q, topk_indices=np.zeros((1, 3, 3, 2), int))
-    with pytest.raises(CaseError, match="takes no mask, bias or paged KV cache"):
-        na.crosscheck(q=q, k=q, v=q, out=q, topk_indices=np.zeros((1, 2, 3, 2), int), bias=np.zeros((3, 3)))

@@ -103,6 +103,10 @@ def test_attention_forward_over_the_lists_is_sparse_attention(engine, lists):
 
 def test_bad_lists_are_refused_by_name():
     q = RNG.standard_normal((1, 2, 3, 8))
+    with pytest.raises(ValueError, match="topk_length counts entries of topk_indices: pass topk_indices too"):
+        na.attention_forward(q, q, q, topk_length=np.array([[1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"topk_indices must be \[\.\.\., H_kv or H, N_q, K\] = \[\.\.\., 2 or 2, 3, K\]"):
+        na.attention_forward(q, q, q, topk_indices=np.zeros((1, 3, 3, 2), int))
     with pytest.raises(TypeError, match="topk_indices must be integers, got dtype float64"):
         na.attention_forward(q, q, q, topk_indices=np.zeros((1, 2, 3, 2)))
     with pytest.raises(ValueError, match=r"topk_length must be integers \[\.\.\., N_q\] = \(1, 3\)"):
