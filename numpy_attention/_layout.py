@@ -20,6 +20,17 @@ def tiles(n, b):
     return [slice(i, min(i + b, n)) for i in range(0, n, b)]
 
 
+def index_ranges(index, shape):
+    """index (a tuple of slices, maybe with an Ellipsis, maybe short) as a slice of each axis
+    of an array of `shape`, explicit: slice(start, stop, step)."""
+    index = tuple(index)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    index = index + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*part.indices(n)) for part, n in zip(index, shape))
+
+
 def with_head_axis(x):
     """[N, X] -> [1, N, X] (a single head); arrays with >= 3 axes unchanged. A view."""
     return x if x.ndim >= 3 else x[None]

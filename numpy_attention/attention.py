@@ -12,11 +12,13 @@ Arrays with two axes ([N, d]) are a single head.
 Forward, in this order (the blog's, with every option in its place):
     1. S = scale * q k^T                    scale defaults to 1 / sqrt(d_k)
     2. S = softcap * tanh(S / softcap)      only when softcap is set
-    3. S = S + bias + alibi                 bias broadcasts to [..., H, N_q, N_k];
+    3. S = S + bias + log c + alibi         bias broadcasts to [..., H, N_q, N_k]; c > 1 the times
+                                            a top-k list names the key (topk_indices, a constant);
                                             alibi = -slope |i + N_k - N_q - j|, each row's slope
                                             its head's, or its sequence's with [B, H] slopes
        S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's, when given
-    4. S = -inf where not kept              keep = mask & causal & window & mask_mod (True = attend)
+    4. S = -inf where not kept              keep = mask & causal & window & mask_mod & listed
+                                            (True = attend)
     (steps 2-4 are scores.py's, the score pipeline every engine applies to its blocks)
     5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy;
                                             sinks: one more logit per row, with no value
@@ -158,7 +160,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
                       sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
                       seqused_k=None, page_table=None, cache_seqlens=None, workers=None,
                       scheduler=None, score_mod=None, mask_mod=None, score_mod_params=None,
-                      score_mod_vjps=None, rope=None, **keep_steps):
+                      score_mod_vjps=None, rope=None, topk_indices=None, topk_length=None, **keep_steps):
     """out = softmax(scale * q k^T [+ options]) v: checks every argument once, then one engine.
 
     Args:
@@ -191,6 +193,13 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
             other name is a TypeError.
         mask_mod: FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool (True = attend),
             called on a block's index arrays; a block it removes entirely is skipped.
+        topk_indices: [..., H_kv or H, N_q, K] int, sparse top-k attention's lists: each query
+            attends to the keys it lists alone (a list per kv head, for its query heads, or per
+            query head; -1 or any index outside [0, N_k) pads), a key listed c times with c
+            times its weight (S + log c, as a kernel that gathers it c times computes); the
+            engines take each block's keep-mask from the lists (topk.py), never [N_q, N_k] of
+            them. sparse_attention_forward gathers the keys instead: the same results.
+        topk_length: [..., N_q] int: only each row's first topk_length entries of topk_indices.
         score_mod_params: {name: array}: parameters of score_mod, passed to it as a sixth
             argument; their gradients come back in grads.dscore_mod_params. score_mod may
             index one (params["rel"][h, q_idx - kv_idx]) or use a 0-d one as a scalar.
@@ -250,9 +259,10 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
     """
     paged = None
     if page_table is not None or cache_seqlens is not None:          # gather the pages: packed sequences
-        if mask is not None or bias is not None or cu_seqlens_q is not None or seqused_k is not None:
-            raise ValueError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens or "
-                             "seqused_k: each sequence's keys are its cache_seqlens rows")
+        if mask is not None or bias is not None or cu_seqlens_q is not None or seqused_k is not None \
+                or topk_indices is not None:
+            raise ValueError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens, seqused_k or "
+                             "topk_indices: each sequence's keys are its cache_seqlens rows")
         q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
         paged = check_pages(q, k, v, page_table, cache_seqlens)
         sinks, alibi_slopes = check_per_head(q.shape, sinks, alibi_slopes, q.shape[0])   # the caller's q
@@ -264,7 +274,7 @@ def attention_forward(q, k, v, *, mask=None, bias=None, causal=False, align=None
         fully_masked=fully_masked, check_finite=check_finite, sinks=sinks, alibi_slopes=alibi_slopes,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
         score_mod=score_mod, mask_mod=mask_mod, score_mod_params=score_mod_params,
-        score_mod_vjps=score_mod_vjps, **keep_steps)
+        score_mod_vjps=score_mod_vjps, topk_indices=topk_indices, topk_length=topk_length, **keep_steps)
     plan = attention_plan(options, q.shape, k.shape, implementation=implementation,   # where and how
                           block_size=block_size, workers=workers, scheduler=scheduler)
     turned = None

@@ -23,6 +23,7 @@ from ._checks import (SHOWN, as_float_array, as_mask, broadcast_shape_to, offend
 from ._layout import check_window, resolve_alignment
 from .positions import sequence_lengths
 from .scores import check_keep_steps, numpy_mod
+from .topk import topk_lists
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
 
@@ -50,13 +51,16 @@ class AttentionOptions(NamedTuple):
     mask_mod: object = None             # FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool, or None
     score_mod_params: Optional[dict] = None   # {name: read-only array}: score_mod's parameters
     score_mod_vjps: Optional[dict] = None     # {name: vjp}: the user's VJPs of parameters used whole
+    topk: object = None                 # topk.TopkLists: each query's listed keys (kept, a repeat's log
+                                        # multiplicity added), or None
 
 
 def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
                       scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
                       fully_masked="zero", check_finite=False, sinks=None, alibi_slopes=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, score_mod=None,
-                      mask_mod=None, score_mod_params=None, score_mod_vjps=None, **keep_steps):
+                      mask_mod=None, score_mod_params=None, score_mod_vjps=None, topk_indices=None,
+                      topk_length=None, **keep_steps):
     """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
@@ -104,8 +108,10 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
     score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
     score_mod_vjps = _check_vjps(score_mod_vjps, score_mod_params)
     keep_steps = check_keep_steps(keep_steps, KEYWORDS)          # scores.KEEP_STEPS, by name
+    topk = _topk(topk_indices, topk_length, q.shape, k.shape)
     masked = (keep is not None or causal or window is not None or packed[0] is not None or bool(keep_steps)
-              or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any())))
+              or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any()))
+              or topk is not None)
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
         causal=causal, align=align, window=window, dropout_scale=read_only_copy(dropout_scale),
@@ -114,7 +120,7 @@ def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),
         masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod,
-        score_mod_params=score_mod_params, score_mod_vjps=score_mod_vjps)
+        score_mod_params=score_mod_params, score_mod_vjps=score_mod_vjps, topk=topk)
 
 
 # the options' keyword names (attention_options' own, after q, k, v): an unknown name's closest
@@ -245,6 +251,15 @@ def check_qkv(q, k, v):
                          f"(grouped-query attention), got q {q.shape}, k {k.shape}; the layout is "
                          f"[..., H, N, d] (torch's and FlashAttention's [B, N, H, d] need a transpose)")
     return q, k, v
+
+
+def _topk(topk_indices, topk_length, q_shape, k_shape):
+    """The TopkLists of each query's listed keys (topk.py), or None without topk_indices."""
+    if topk_indices is None:
+        if topk_length is not None:
+            raise ValueError("topk_length counts entries of topk_indices: pass topk_indices too")
+        return None
+    return topk_lists(topk_indices, topk_length, q_shape, k_shape)
 
 
 def _check_mods(score_mod, mask_mod, score_mod_params):

@@ -8,11 +8,13 @@ textbook's block is all of S, the blocked engine's a block of rows, the tiled en
     1. S = scale q k^T                     the engine's product, on its own block of q and k
     2. S = softcap tanh(S / softcap)       softcap
     3. S = S + bias                        bias, broadcast to the scores
+       S = S + log c                       top-k lists (topk.py): c the times the row lists the key,
+                                           where it is over 1 (a constant)
        S = S - slope |i + N_k - N_q - j|   ALiBi: each row's slope, its distance from the diagonal
        S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's (its parameters: score_mod_params)
     4. S = -inf where not kept             keep = mask & causal & window & packed sequences
                                            & KEEP_STEPS (attention_chunk) & mask_mod & (bias != -inf)
-                                           (True = attend; positions.py)
+                                           & listed (top-k lists: c > 0) (True = attend; positions.py)
     5. [S, sink]                           sinks: one more logit per row, with no value
 
 Each step, on any block:
@@ -32,7 +34,7 @@ Backward and tangent, step by step (docs/derivations.md):
     3. dS = dS f'(S) for score_mod f, f' by complex step; a parameter it reads gets dS df/dp
        scattered back to the entries read;  S_dot = f'(S) S_dot  (f' and df/dp 0 where f is -inf:
        a score score_mod masks)
-       dbias = dS_3 summed to bias's shape,  S_dot_3 = S_dot_2 + bias_dot
+       dbias = dS_3 summed to bias's shape,  S_dot_3 = S_dot_2 + bias_dot   (log c: constant, nothing)
        dslope = -sum dS_3 |i + N_k - N_q - j| over the slope's rows,  S_dot_3 -= slope_dot |..|
     4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
 """
@@ -44,9 +46,10 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from ._checks import as_scalar, require_positive_int
-from ._layout import grouped_matmul, scaled, unbroadcast
+from ._layout import grouped_matmul, index_ranges, scaled, unbroadcast
 from .near_misses import unexpected_keyword
 from .positions import band_keep, distance, positions, sequence_of
+from .topk import counts, log_multiplicity
 
 WHOLE = (Ellipsis, slice(None), slice(None))     # the index of all of the scores
 UNKNOWN = object()                               # keep= not given: the step computes it
@@ -99,7 +102,7 @@ def check_keep_steps(steps, known=()):
 
 def keep_mask(options, score_shape, index=WHOLE):
     """Which scores of S[index] are kept: mask & causal & window & packed & KEEP_STEPS
-    & mask_mod & (bias != -inf).
+    & mask_mod & (bias != -inf) & listed (top-k lists).
 
     score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two
     entries are the slices of rows and columns.
@@ -118,6 +121,8 @@ def keep_mask(options, score_shape, index=WHOLE):
             ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])
     if o.mask_mod is not None:
         parts.append(mask_mod_keep(o.mask_mod, score_shape, index))
+    if o.topk is not None:
+        parts.append(counts(o.topk, score_shape, index) > 0)
     for part in parts:
         keep = part if keep is None else keep & part
     return keep
@@ -223,7 +228,7 @@ def block_indices(score_shape, index=WHOLE):
     broadcastable to the block, as FlexAttention's score_mod and mask_mod see them: b the
     batch index (the flat index over the leading axes; 0 without any), h the query head,
     q_idx and kv_idx the row and the column (in the packed axes, with packed sequences)."""
-    ranges, ndim = _ranges(index, score_shape), len(score_shape)
+    ranges, ndim = index_ranges(index, score_shape), len(score_shape)
     along = lambda axis, values: values.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
     lead = tuple(score_shape[:-3])
     b = np.arange(int(np.prod(lead, dtype=np.int64))).reshape(lead)[ranges[:-3]]
@@ -242,7 +247,7 @@ def _broadcasts(shape, to):
 
 def mask_mod_keep(mask_mod, score_shape, index=WHOLE):
     """mask_mod(b, h, q_idx, kv_idx) on the block S[index]: a bool array broadcastable to it."""
-    block = tuple(len(range(r.start, r.stop, r.step)) for r in _ranges(index, score_shape))
+    block = tuple(len(range(r.start, r.stop, r.step)) for r in index_ranges(index, score_shape))
     keep = np.asarray(mask_mod(*block_indices(score_shape, index)))
     if keep.dtype != bool:
         raise TypeError(f"mask_mod must return booleans (True = attend), got dtype {keep.dtype}")
@@ -507,6 +512,9 @@ def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN, rounding=NO
     if o.bias is not None:                          # 3. S = S + bias
         s += r.term(_block(o.bias, shape, index))
         s = r.step(s)
+    if o.topk is not None and o.topk.repeats:       #    S = S + log c (a key listed c > 1 times)
+        s += r.term(log_multiplicity(o.topk, shape, index, s.dtype))
+        s = r.step(s)
     if o.alibi_slopes is not None:                  #    S = S - slope |i + N_k - N_q - j|
         s += r.term(alibi_bias(o, shape, index, rounded=r.distance))
         s = r.step(s)
@@ -573,20 +581,9 @@ def tangent(s_dot, options, score_shape=None, index=WHOLE, saved=Saved(), keep=U
 
 # ----------------------------------------------------------------------------- the parameters' gradients
 
-def _ranges(index, shape):
-    """index (a tuple of slices, maybe with an Ellipsis, maybe short) as a slice of each axis
-    of an array of `shape`, explicit: slice(start, stop, step)."""
-    index = tuple(index)
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
-    index = index + (slice(None),) * (len(shape) - len(index))
-    return tuple(slice(*part.indices(n)) for part, n in zip(index, shape))
-
-
 def _bounds(indices, shape):
     """The smallest slices (of step 1) of each axis of `shape` that hold every index of the list."""
-    ranges = [_ranges(index, shape) for index in indices]
+    ranges = [index_ranges(index, shape) for index in indices]
     return tuple(slice(min(r[a].start for r in ranges), max(r[a].stop for r in ranges)) for a in range(len(shape)))
 
 
@@ -621,7 +618,7 @@ class ScoreGrads:
 
     def add(self, ds, index):
         """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there."""
-        ranges = _ranges(index, self.score_shape)
+        ranges = index_ranges(index, self.score_shape)
         within = lambda parts, region: tuple(slice(p.start - r.start, p.stop - r.start, p.step)
                                              for p, r in zip(parts, region))
         if self.dbias is not None:

@@ -1,6 +1,7 @@
 """Sparse top-k attention: each query attends only to the keys it lists (DeepSeek Sparse
 Attention's selected tokens, FlashMLA's sparse kernels; NSA's selected blocks and MoBA through
-`block_indices`).
+topk.py's `block_indices`). The lists are topk.py's; attention_forward(topk_indices=...) computes
+the same attention densely, on any engine.
 
 Shape legend:  ... leading axes,  H query heads,  H_kv kv heads (G = H / H_kv),  N_q, N_k
 lengths,  K the length of each query's list,  d_k, d_v widths.
@@ -45,12 +46,13 @@ from typing import NamedTuple, Optional
 import numpy as np
 import scipy.sparse
 
-from ._checks import (as_float_array, brief, kept, require_cache, require_positive_int,
-                      require_positive_real, require_same_shape, result_dtype)
+from ._checks import (as_float_array, brief, kept, require_cache, require_positive_real, require_same_shape,
+                      result_dtype)
 from ._layout import tiles, with_head_axis
 from .engines.parallel import run_tasks
 from .engines.plan import check_scheduler, resolve_workers
 from .options import check_fully_masked, check_qkv
+from .topk import check_lists, listed
 
 GATHER_ROWS = 2 ** 15   # a block gathers at most this many keys (block_rows K) by default
 TASK_ROWS = 2 ** 10     # a task of the forward or JVP takes about this many query rows (whole blocks)
@@ -75,61 +77,6 @@ class SparseGrads(NamedTuple):
     dq: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
-
-
-def block_indices(blocks, block_size, n_k):
-    """Token indices [..., N_q, K * w] (int64) of the key blocks [..., N_q, K] a query selects
-    (NSA's selection branch, MoBA), w = min(block_size, n_k): block b lists keys b * block_size
-    ... b * block_size + w - 1 (a block's keys from the n_k-th on are never in range). -1 pads: the
-    tokens of a block outside [0, ceil(n_k / block_size)) (-1, or any index too large, of any
-    integer dtype: padding, as a token index outside [0, n_k) is), and of the last block past n_k.
-    """
-    blocks = np.asarray(blocks)
-    if blocks.dtype.kind not in "iu" or blocks.ndim < 1:
-        raise TypeError(f"blocks must be integer block indices [..., K], got dtype {blocks.dtype} "
-                        f"with shape {blocks.shape}")
-    block_size = require_positive_int(block_size, "block_size")
-    n_k = require_positive_int(n_k, "n_k", minimum=0)
-    width = min(block_size, n_k)
-    valid = (blocks >= 0) & (blocks < -(-n_k // block_size))                     # [..., K] in range
-    # a valid block starts at b * block_size < n_k, an int64; with block_size > n_k only block 0
-    # is valid, so b * width is its start either way
-    tokens = np.where(valid, blocks, 0).astype(np.int64)[..., None] * width + np.arange(width)   # [..., K, w]
-    tokens = np.where(valid[..., None] & (tokens < n_k), tokens, -1)
-    return tokens.reshape(blocks.shape[:-1] + (blocks.shape[-1] * width,))
-
-
-def check_lists(indices, topk_length, q_shape, k_shape, name="indices"):
-    """(indices, topk_length) as arrays, checked against q's and k's shapes: indices integers
-    [..., H_kv or H, N_q, K] ([N_q, K] for one head), topk_length integers [..., N_q] or None.
-    TypeError / ValueError naming `name` and the shapes."""
-    indices = np.asarray(indices)
-    if len(q_shape) == 2 and indices.ndim == 2:                    # one head: [N_q, K]
-        indices = indices[None]
-    if indices.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be integers, got dtype {indices.dtype}")
-    q3, k3 = (shape if len(shape) >= 3 else (1,) + tuple(shape) for shape in (q_shape, k_shape))
-    heads = (k3[-3], q3[-3])
-    if indices.ndim != len(q3) or indices.shape[:-3] != tuple(q3[:-3]) or indices.shape[-3] not in heads \
-            or indices.shape[-2] != q3[-2]:
-        raise ValueError(f"{name} must be [..., H_kv or H, N_q, K] = [..., {heads[0]} or {heads[1]}, "
-                         f"{q3[-2]}, K] (q {tuple(q_shape)}, k {tuple(k_shape)}), got {indices.shape}")
-    if topk_length is not None:
-        topk_length = np.asarray(topk_length)
-        rows = tuple(q3[:-3]) + (q3[-2],)
-        if topk_length.dtype.kind not in "iu" or topk_length.shape != rows:
-            raise ValueError(f"topk_length must be integers [..., N_q] = {rows}, "
-                             f"got dtype {topk_length.dtype} with shape {topk_length.shape}")
-    return indices, topk_length
-
-
-def listed(indices, lengths, n_k):
-    """Which entries of the lists [..., N_q, K] name a key: inside [0, n_k) and, with lengths
-    [..., N_q] (the lists' leading axes but their head), among each row's first lengths."""
-    valid = (indices >= 0) & (indices < n_k)
-    if lengths is not None:
-        valid &= np.arange(indices.shape[-1]) < lengths[..., None, :, None]
-    return valid
 
 
 def _check(q, k, v, indices, topk_length, scale, block_rows, workers, scheduler, fully_masked):

@@ -31,6 +31,8 @@ OPTIONS = {
     "score_mod and mask_mod": {"score_mod": lambda s, b, h, i, j, p: s / p["t"] + p["rel"][h, i - j + 55],
                                "score_mod_params": {"t": np.array(1.1), "rel": RNG.standard_normal((4, 95))},
                                "mask_mod": lambda b, h, i, j: (i + j) % 5 != 0},
+    "top-k lists, topk_length": {"topk_indices": RNG.integers(-1, 60, (2, 2, 40, 12)),
+                                 "topk_length": RNG.integers(0, 13, (2, 40))},
 }
 # crosscheck's baselines in slices (oracle/slices.py): options -> (batch size, slices)
 SLICED = {
@@ -42,6 +44,9 @@ SLICED = {
     "alibi per batch and head": ({"alibi_slopes": RNG.uniform(0, 1, (2, 4))}, 2, 4),
     "sinks broadcast over the batch": ({"sinks": np.array([0.3, -1.0, 0.0, 2.0])}, 2, 1),
     "sinks, one batch index": ({"sinks": np.array([0.3, -1.0, 0.0, 2.0])}, 1, 2),
+    "top-k lists per kv head": ({"topk_indices": RNG.integers(-1, 60, (2, 2, 40, 12))}, 2, 4),
+    "top-k lists per query head, topk_length": ({"topk_indices": RNG.integers(-1, 60, (2, 4, 40, 12)),
+                                                 "topk_length": RNG.integers(0, 13, (2, 40))}, 2, 4),
 }
 
 
@@ -158,7 +163,8 @@ def large_case(tmp_path=None, options=None, batch=2):
 
 @pytest.mark.parametrize("gradients", [True, False])
 @pytest.mark.parametrize("option", ["mask, causal", "bias per head", "alibi per batch and head",
-                                    "sinks broadcast over the batch", "sinks, one batch index"])
+                                    "sinks broadcast over the batch", "sinks, one batch index",
+                                    "top-k lists per kv head", "top-k lists per query head, topk_length"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_crosscheck_of_a_large_case_on_a_cluster_gives_the_local_report(client, monkeypatch, precision,
                                                                          option, gradients):

@@ -7,7 +7,7 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
-from numpy_attention.oracle.case import CaseError, topk_keep
+from numpy_attention.oracle.case import CaseError
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 import topk_kernels  # noqa: E402  (needs torch)
@@ -34,13 +34,16 @@ def test_each_planted_bug_is_caught_and_named(counts, dtype, bug):
 
 
 def test_a_repeated_key_is_a_log_multiplicity_bias_and_ours_passes():
-    """Key 2 listed twice in row 0: the case is attention with log 2 on it; our sparse attention's
-    float64 results pass to a few ulps."""
+    """Key 2 listed twice in row 0: the case is attention with log 2 on it (-inf on the keys not
+    listed); our sparse attention's float64 results pass to a few ulps."""
     rng = np.random.default_rng(4)
     q, k, v, dout = (rng.standard_normal(shape) for shape in [(1, 2, 3, 8), (1, 1, 6, 8), (1, 1, 6, 8), (1, 2, 3, 8)])
     indices = np.array([[[[2, 2, 0], [1, -1, 5], [-1, -1, -1]]]])
-    keep = topk_keep(indices, None, q.shape, k.shape)
-    assert set(keep) == {"bias"} and np.isclose(keep["bias"][0, 0, 0, 2], np.log(2)) and np.isneginf(keep["bias"][0, 0, 2]).all()
+    bias = np.full((3, 6), -np.inf)
+    bias[0, [2, 0]], bias[1, [1, 5]] = [np.log(2), 0], 0
+    listed, biased = (na.attention_forward(q, k, v, **option)[0]
+                      for option in ({"topk_indices": indices}, {"bias": bias}))
+    np.testing.assert_allclose(listed, biased, rtol=0, atol=1e-15)
     out, lse, _, cache = na.sparse_attention_forward(q, k, v, indices)
     g = na.sparse_attention_backward(dout, cache)
     report = na.crosscheck(q=q, k=k, v=v, dout=dout, topk_indices=indices, out=out, lse=lse, dq=g.dq, dk=g.dk, dv=g.dv)
@@ -100,5 +103,5 @@ def test_with_key_blocks_topk_length_counts_blocks():
     arrays = dict(q=rng.standard_normal((1, 1, 1, 8)), k=rng.standard_normal((1, 1, 10, 8)),
                   v=rng.standard_normal((1, 1, 10, 8)), out=np.zeros((1, 1, 1, 8)),
                   topk_indices=np.array([[[[0, 2, 1]]]]), topk_block_size=np.array(4), topk_length=np.array([[2]]))
-    mask = split_case(arrays).options["mask"]
-    np.testing.assert_array_equal(np.flatnonzero(mask[0, 0, 0]), [0, 1, 2, 3, 8, 9])
+    tokens = split_case(arrays).options["topk_indices"]
+    np.testing.assert_array_equal(np.sort(tokens[tokens >= 0]), [0, 1, 2, 3, 8, 9])

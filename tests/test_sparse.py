@@ -11,7 +11,7 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
-from numpy_attention.sparse import block_indices
+from numpy_attention.topk import block_indices
 
 RNG = np.random.default_rng(31)
 
@@ -115,14 +115,13 @@ def test_a_row_with_no_key_follows_fully_masked_as_dense_attention_does(fully_ma
     """Rows whose lists hold no key (all -1, out of range or past topk_length) give what dense
     attention with the lists' keep-mask gives under the same policy: out, lse, gradients, tangents
     (NaN where it has NaN)."""
-    from numpy_attention.oracle.case import topk_keep
     q, k, v, indices = inputs()
     indices[0, 1, 4] = -1
     dout, dots = RNG.standard_normal(q.shape), [RNG.standard_normal(x.shape) for x in (q, k, v)]
     out, lse, _, cache = na.sparse_attention_forward(q, k, v, indices, fully_masked=fully_masked, block_rows=3)
     grads = na.sparse_attention_backward(dout, cache)
     jvp = na.sparse_attention_jvp(q, k, v, indices, *dots, fully_masked=fully_masked, workers=2)
-    keep = topk_keep(indices, None, q.shape, k.shape)
+    keep = {"topk_indices": indices}                                  # dense attention over the lists
     dense_out, dense_cache = na.attention_forward(q, k, v, fully_masked=fully_masked, **keep)
     dense = na.attention_backward(dout, dense_cache)
     dense_jvp = na.attention_jvp(q, k, v, *dots, fully_masked=fully_masked, implementation="textbook", **keep)
@@ -303,10 +302,9 @@ EMPTY = {      # q, k, v [1, 4, 5, 3] / [1, 2, 6, 3], lists [1, 2, 5, 4] with on
 def test_an_empty_axis_gives_what_dense_attention_with_the_lists_keep_mask_gives(empty, fully_masked, plan):
     """K, N_q, N_k, d_v or the batch 0: forward, backward and forward mode equal dense attention's
     with the lists' keep-mask (every row without a key where K = 0 or N_k = 0), shapes included."""
-    from numpy_attention.oracle.case import topk_keep
     q, k, v, indices = EMPTY[empty](*inputs(batch=1, h_kv=2, groups=2, n_q=5, n_k=6, d=3, top=4))
     dout, dots = RNG.standard_normal(q.shape[:-1] + v.shape[-1:]), [RNG.standard_normal(x.shape) for x in (q, k, v)]
-    keep = topk_keep(indices, None, q.shape, k.shape)
+    keep = {"topk_indices": indices}                                  # dense attention over the lists
     if fully_masked == "nan" and empty == "N_k = 0":                  # as dense attention, refused
         for call in (na.sparse_attention_forward, na.attention_forward):
             with pytest.raises(ValueError, match="fully_masked='nan' needs at least one key"):

@@ -185,29 +185,33 @@ def test_layout_bnhd_on_a_bhnd_case_says_to_drop_it():
 
 
 def test_a_case_too_large_for_this_machine_is_refused_before_its_scores_are_allocated(monkeypatch):
-    """A 13 MB top-k case asked for 95 GiB (its lists become a dense keep-mask) and was refused
-    only by a MemoryError after gigabytes were allocated. The peak is estimated from the shapes
-    first (oracle/memory.py): here against an available memory set to 1 GiB."""
+    """A 13 MB top-k case of 2^28 scores was refused only by a MemoryError after gigabytes were
+    allocated. The peak is estimated from the shapes first (oracle/memory.py): here against an
+    available memory set to 256 MiB. Its lists count by their entries, not by the scores (they
+    are never a dense keep-mask): DeepSeek's sizes, 2^30 scores and 2048 listed keys a row, are
+    estimated below the 9 GiB that their dense keep-mask alone took."""
     import tracemalloc
 
     from numpy_attention.oracle import memory
 
-    monkeypatch.setattr(memory, "available_bytes", lambda: 2 ** 30)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2 ** 28)
     q = RNG.standard_normal((1, 1, 4096, 8)).astype(np.float32)
     k = RNG.standard_normal((1, 1, 65536, 8)).astype(np.float32)
     indices = RNG.integers(0, 65536, (1, 1, 4096, 4)).astype(np.int32)
     tracemalloc.start()
     try:
         with pytest.raises(CaseError, match=r"the case needs about \d+\.\d GiB \(its arrays 0\.00 GiB, "
-                                            r"268,435,456 scores in blocks.*the dense keep-mask its top-k lists.*"
-                                            r"this machine has 1\.0 GiB available"):
+                                            r"268,435,456 scores in blocks of rows on \d+ threads, top-k lists of "
+                                            r"16,384 entries\); this machine has 0\.2 GiB available"):
             na.crosscheck(q=q, k=k, v=k, out=q, topk_indices=indices)
         assert tracemalloc.get_traced_memory()[1] < 64 * 2 ** 20           # nothing of the scores' size
     finally:
         tracemalloc.stop()
     whole_q, whole_k = (RNG.standard_normal((1, 8, 1024, 8)).astype(np.float32) for _ in range(2))
-    with pytest.raises(CaseError, match=r"8,388,608 scores formed whole.*1\.0 GiB available"):
+    with pytest.raises(CaseError, match=r"8,388,608 scores formed whole.*0\.2 GiB available"):
         na.crosscheck(q=whole_q, k=whole_k, v=whole_k, out=whole_q)
+    deepseek = memory.peak_bytes(2 ** 28, (1, 1, 32768, 32768), tokens=32768 * 2048, threads=2)[0]
+    assert deepseek < 9 * 2 ** 30
     monkeypatch.setattr(memory, "available_bytes", lambda: 4 * 2 ** 30)
     small_q, small_k, small_v, small_out = _case()
     assert na.crosscheck(q=small_q, k=small_k, v=small_v, out=small_out.astype(np.float32))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import variant_sweeps
-from numpy_attention.sparse import block_indices
+from numpy_attention.topk import block_indices
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BUGS = {"off_by_one": "the indices read one key over", "minus_one_last": "-1 read as the last key",

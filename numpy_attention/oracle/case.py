@@ -51,7 +51,7 @@ from ..options import attention_options
 from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS, rope_qk
 from ..scores import KEEP_STEPS
-from ..sparse import block_indices, check_lists, listed
+from ..topk import block_indices, check_lists, listed
 from .precision import ACCUMULATOR_BITS, PRECISIONS, Precision, round_to
 from .memory import too_large
 from .npz import read_npz
@@ -97,7 +97,7 @@ class Case(NamedTuple):
     latent: object = None   # MLA's head_dim_v r: k is the case's kv, v = kv[..., :r], dkv judged
     scales: object = None   # float8: {'q' / 'k' / 'v': (stored values, descale [..., H, N, 1])}
     topk: object = None     # sparse top-k: (token indices [..., H_kv or H, N_q, K], topk_length or None,
-                            # (block indices, block size) or None)
+                            # (block indices, block size) or None); options has the first two
 
 
 class CaseError(ValueError):
@@ -383,14 +383,17 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None, memory=Fal
                                             if n in tensors}})
     inputs, options, paged = _packed_if_paged(arrays, inputs, options)
     _check_qkv(inputs, layout)
+    lists = _topk(arrays, inputs, options, paged)                    # checked, not yet made tokens
+    n_k = inputs["k"].shape[-2]
     if memory:                                                       # before the scores' size is taken
         refused = too_large(sum(np.asarray(x).nbytes for x in arrays.values()),
-                            inputs["q"].shape[:-1] + inputs["k"].shape[-2:-1], "topk_indices" in arrays)
+                            inputs["q"].shape[:-1] + (n_k,), 0 if lists is None else _tokens(lists, n_k))
         if refused:
             raise CaseError(refused)
-    topk = _topk(arrays, inputs, options, paged)
-    if topk is not None:
-        options = {**options, **topk_keep(topk[0], topk[1], inputs["q"].shape, inputs["k"].shape)}
+    topk = None if lists is None else _token_lists(*lists, n_k)
+    if topk is not None:                                             # the lists stay lists (topk.py)
+        options = {**options, "topk_indices": topk[0],
+                   **({} if topk[1] is None else {"topk_length": topk[1]})}
     try:
         plain = {name: x for name, x in options.items() if name != "rope"}
         record = attention_options(inputs["q"], inputs["k"], inputs["v"], **plain)[3]
@@ -500,9 +503,9 @@ def _fp8_settings(arrays, precision):
 
 
 def _topk(arrays, inputs, options, paged):
-    """(token indices, topk_length or None, (block indices, block size) or None) of a sparse
-    top-k case, or None: topk_indices [..., H_kv or H, N_q, K] int, key blocks with
-    topk_block_size (sparse.block_indices; topk_length then counts blocks)."""
+    """(indices, topk_length or None, topk_block_size or None) of a sparse top-k case, checked, or
+    None: topk_indices [..., H_kv or H, N_q, K] int, each query's keys, or with topk_block_size
+    its key blocks (topk_length then counts blocks)."""
     given = [name for name in TOPK if name in arrays]
     if not given:
         return None
@@ -524,35 +527,24 @@ def _topk(arrays, inputs, options, paged):
     size = _integer(arrays, "topk_block_size")
     if size < 1:
         raise CaseError(f"topk_block_size must be a positive number of keys, got {size}")
+    return indices, length, size
+
+
+def _tokens(lists, n_k):
+    """The entries of the token lists that _topk's checked lists make (key blocks: their tokens)."""
+    indices, _, size = lists
+    return indices.size * (1 if size is None else min(size, n_k))
+
+
+def _token_lists(indices, length, size, n_k):
+    """Case.topk of _topk's checked lists: (token indices [..., H_kv or H, N_q, K'], topk_length or
+    None, (block indices, block size) or None); key blocks become their tokens (block_indices),
+    the blocks past a row's topk_length -1 first."""
+    if size is None:
+        return indices, length, None
     if length is not None:                                         # it counts blocks
         indices = np.where(listed(indices, length, np.inf), indices, -1)
-    return block_indices(indices, size, k.shape[-2]), None, (indices, size)
-
-
-def topk_counts(indices, length, q_shape, k_shape):
-    """[..., H, N_q, N_k] int: how many times each query's list names each key (0: not listed);
-    a kv head's list counts for each of its query heads."""
-    n_k = k_shape[-2]
-    valid = listed(indices, length, n_k)
-    counts = np.zeros(indices.shape[:-1] + (n_k,), np.int64)
-    lead = np.indices(indices.shape[:-1])
-    rows = tuple(np.broadcast_to(axis[..., None], indices.shape)[valid] for axis in lead)
-    np.add.at(counts, rows + (indices[valid],), 1)
-    if counts.shape[-3] != q_shape[-3]:                               # a kv head's list for its queries
-        counts = np.repeat(counts, q_shape[-3] // counts.shape[-3], axis=-3)
-    return counts
-
-
-def topk_keep(indices, length, q_shape, k_shape):
-    """attention_forward's options for the keys each query lists: a keep-mask [..., H, N_q, N_k],
-    or where a key is listed more than once in a row, a bias of log(times listed) (-inf for
-    the others): attention over a list that repeats a key is attention with that key's weight
-    times the repeats, as a kernel that gathers it twice computes (sparse.py)."""
-    counts = topk_counts(indices, length, q_shape, k_shape)
-    if counts.max(initial=0) <= 1:
-        return {"mask": counts > 0}
-    with np.errstate(divide="ignore"):
-        return {"bias": np.log(counts.astype(np.float64))}
+    return block_indices(indices, size, n_k), None, (indices, size)
 
 
 def latent_sum(results, latent, dtype=None):

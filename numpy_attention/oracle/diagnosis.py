@@ -43,8 +43,8 @@ import numpy as np
 
 from ..attention import attention_backward, attention_forward
 from ..scores import numpy_mod
-from ..sparse import block_indices
-from .case import GRADIENTS, topk_counts, topk_keep
+from ..topk import block_indices, counts, listed, topk_lists
+from .case import GRADIENTS
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
 NEAR = 1e-2             # and within this rel L2 of it;
@@ -88,6 +88,9 @@ def _rerun(inputs, options, gradients, mixup, latent=None):
     groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     if mixup.interleaved:
         k, v = (np.concatenate([x] * groups, axis=-3) for x in (k, v))
+        lists = options.get("topk_indices")
+        if lists is not None and lists.shape[-3] != q.shape[-3]:     # a kv head's list, for its queries
+            options["topk_indices"] = np.repeat(lists, groups, axis=-3)
     unscaled = 1.0
     if mixup.latent == "values_last":
         v = k[..., k.shape[-1] - latent:]
@@ -237,21 +240,29 @@ def _topk_mixups(case, q_shape, k_shape):
     twice or half the case's."""
     indices, length, blocks = case.topk
     said = "the case's queries attend to the keys topk_indices list"
-    keep = lambda x: (lambda o: {"mask": o.get("mask"), "bias": o.get("bias")})(topk_keep(x, length, q_shape, k_shape))
     valid = indices >= 0
-    yield Mixup("the indices read one key over (index + 1)", said, keep(np.where(valid, indices + 1, -1)))
+    yield Mixup("the indices read one key over (index + 1)", said, {"topk_indices": np.where(valid, indices + 1, -1)})
     if (indices == -1).any():
         yield Mixup("-1 read as the last key (negative indexing)", said,
-                    keep(np.where(indices == -1, k_shape[-2] - 1, indices)))
-    if "bias" in case.options:                               # some row lists a key more than once
-        once = {"mask": np.isfinite(case.options["bias"]), "bias": None}
-        yield Mixup("a key listed twice counted once", said, once)
+                    {"topk_indices": np.where(indices == -1, k_shape[-2] - 1, indices)})
+    if topk_lists(indices, length, q_shape, k_shape).repeats:          # some row lists a key more than once
+        yield Mixup("a key listed twice counted once", said,
+                    {"topk_indices": _once(indices, length, k_shape[-2]), "topk_length": None})
     if blocks is not None:
-        listed, size = blocks
+        chosen, size = blocks
         for other in (2 * size, size // 2):
             if other >= 1 and other != size:
                 yield Mixup(f"topk_block_size={other}", f"the case's is {size}",
-                            keep(block_indices(listed, other, k_shape[-2])))
+                            {"topk_indices": block_indices(chosen, other, k_shape[-2])})
+
+
+def _once(indices, length, n_k):
+    """The lists [..., N_q, K] (and topk_length, or None) with each row's keys listed once: sorted,
+    -1 for each repeat and for each entry that names no key (listed)."""
+    ordered = np.sort(np.where(listed(indices, length, n_k), indices, -1), axis=-1)
+    again = np.zeros(ordered.shape, bool)
+    again[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    return np.where(again, -1, ordered)
 
 
 def _causal_keep(n_q, n_k, align, shift):
@@ -399,7 +410,8 @@ def _written_once(candidates, truth, case, judge):
     k_shape = case.inputs["k"].shape
     scale = case.options.get("scale") or 1 / math.sqrt(q.shape[-1])
     shape = q.shape[:-3] + (k_shape[-3], q.shape[-3] // k_shape[-3], q.shape[-2], k_shape[-2])
-    copies = topk_counts(case.topk[0], case.topk[1], q.shape, k_shape).reshape(shape)   # [..., H_kv, G, N_q, N_k]
+    lists = topk_lists(case.topk[0], case.topk[1], q.shape, k_shape)
+    copies = counts(lists, q.shape[:-1] + k_shape[-2:-1]).reshape(shape)        # [..., H_kv, G, N_q, N_k]
     uses = np.nonzero(copies)                                                    # (..., g, h of g, i, j)
     at = lambda x: np.reshape(x, shape)[uses]                                    # each use's
     rows = lambda x: x.reshape(shape[:-1] + x.shape[-1:])[uses[:-1]]             # its query row's

@@ -4,10 +4,11 @@ The baselines (naive.py, precision.py) compute every (batch index, kv head) on i
 query heads meet only its k and v, and dk, dv sum over those heads' rows alone. So a slice is
 a case of its own, with q, dout [1, .., G, N_q, d] and k, v [1, .., 1, N_k, d] of one batch
 index and kv head and its options cut to match (an axis an option broadcasts along stays
-whole): its results are the whole case's there, bitwise, and put back together they are the
-whole case's. A bias, sinks or ALiBi slopes broadcast along the batch or the heads have a
-gradient summed over them: a case with gradients and such an option stays whole, one slice
-(without gradients it is cut like any other).
+whole; top-k lists [..., H_kv or H, N_q, K] to its kv head's or its query heads'): its results
+are the whole case's there, bitwise, and put back together they are the whole case's. A
+bias, sinks or ALiBi slopes broadcast along the batch or the heads have a gradient summed
+over them: a case with gradients and such an option stays whole, one slice (without
+gradients it is cut like any other).
 
     slices = case_slices(case)                       # [(at, case of the slice)]
     whole = put_together(case, [at for at, _ in slices], [results of each slice])
@@ -42,6 +43,9 @@ def case_slices(case):
         kv = kv_index(at, group)
         inputs = {name: x[kv if name in ("k", "v", "k_dot", "v_dot") else at] for name, x in case.inputs.items()}
         options = {name: _cut_option(name, x, at, len(score_shape)) for name, x in case.options.items()}
+        if "topk_indices" in options:                # a list per kv head (for its queries) or per query head
+            lists = case.options["topk_indices"]
+            options["topk_indices"] = lists[kv if lists.shape[-3] == k.shape[-3] else at]
         out = {"out": case.candidates["out"][at]} if "out" in case.candidates else {}   # the kernel's,
         cut.append((at, case._replace(inputs=inputs, options=options, candidates=out)))  # for D
     return cut
@@ -73,11 +77,14 @@ def put_together(case, ats, results):
 
 def _cut_option(name, x, at, ndim):
     """The case's option `name` for the slice at (scores of ndim axes): mask, bias, dropout
-    cut along the scores' axes, ALiBi slopes along [..., H], sinks [H] to the slice's heads."""
+    cut along the scores' axes, ALiBi slopes along [..., H], sinks [H] to the slice's heads,
+    topk_length [..., N_q] to its leading indices."""
     if x is None or at == (Ellipsis,):
         return x
     if name == "sinks":
         return np.asarray(x)[at[-1]]
+    if name == "topk_length":                        # [..., N_q]: the slice's leading indices
+        return x[at[:-1]]
     if name in BY_SCORE or name in BY_HEAD:
         return cut(x, at, ndim if name in BY_SCORE else ndim - 2)
     return x
