@@ -281,7 +281,7 @@ def _require_finite(tensors, inputs):
         bad = ~np.isfinite(x) & ~np.isin(x, allowed)
         if bad.any():
             where = tuple(int(i) for i in np.argwhere(bad)[0])
-            stored = tensors.get(name, x)[where] if name in tensors else x[where]
+            stored = tensors.get(name, x)[where]
             descaled = f" times {name}_descale" if np.isfinite(np.float64(stored)) else ""
             said = "; -inf masks a score" if allowed else ""
             raise CaseError(f"{name}{descaled} holds {int(bad.sum())} value(s) that are not finite, e.g. "

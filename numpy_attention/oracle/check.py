@@ -337,12 +337,12 @@ def _atol(case, name, dtype, oracle, magnitude, given):
     """The tensor's atol (rule.py): the given one; 4 ulps of its largest sum of terms in a
     float32 / float64 precision (of its largest entry for a tangent, which has no term
     magnitudes), ulps of the precision or of the tensor's dtype, the coarser (float32 results
-    stored as float64 are still a float32 kernel's). In a 16- or 8-bit one: half an ulp of its largest entry, in the precision's
-    output dtype at least (a bfloat16 result may come as float32 values), but in its own
-    dtype for lse, which kernels keep in float32, and then at least eps(T) / 2 (_summed_in_t);
-    and at least 4 float32 ulps of its largest sum of terms, the rounding of the kernel's
-    float32 sums, for a tensor that cancels to 0 or near it (dq and dk with one key in a row:
-    exactly 0, and a kernel's rounding noise)."""
+    stored as float64 are still a float32 kernel's). In a 16- or 8-bit one: half an ulp of its
+    largest entry, in the precision's output dtype at least (a bfloat16 result may come as
+    float32 values), but in its own dtype for lse, which kernels keep in float32, and then at
+    least eps(T) / 2 (_summed_in_t); and at least 4 float32 ulps of its largest sum of terms,
+    the rounding of the kernel's float32 sums, for a tensor that cancels to 0 or near it (dq and
+    dk with one key in a row: exactly 0, and a kernel's rounding noise)."""
     if given is not None:
         return given
     largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
