@@ -81,6 +81,7 @@ def recursive_matmul(a, b):
     m, n, p = a.shape[-2], a.shape[-1], b.shape[-1]
     acc = np.zeros(batch + (m, p), dtype)
     columns = np.swapaxes(a, -1, -2).astype(dtype)                 # [..., n, m]: a's columns as rows, in dtype
+    b = np.ascontiguousarray(b, dtype)                             # its rows contiguous: twice as fast as k^T's
     rows = max(1, SUM_TILE // max(1, math.prod(batch) * p))
     product = np.empty(batch + (min(rows, m), p), dtype)
     for top in range(0, m, rows):
