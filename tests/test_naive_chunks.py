@@ -86,8 +86,8 @@ def reference(q, k, v, o, dout):
     ds = scores.backward(p * (dp - D), o, shape, saved=saved, grads=grads)
     dq = o.scale * over_keys(ds, kh)
     grouped = lambda x: x.reshape(B, h_kv, G, n_q, x.shape[-1])      # kv head, its query heads g
-    over_rows = lambda a, b: chunked(lambda g, t: a[:, :, g, t, :, None].astype(F64) * b[:, :, g, t, None, :].astype(F64),
-                                     n_q, G)                          # head 0's rows, head 1's, ...
+    over_rows = lambda a, b: chunked(lambda g, t: a[:, :, g, t, :, None].astype(F64)   # head 0's rows,
+                                     * b[:, :, g, t, None, :].astype(F64), n_q, G)     # head 1's, ...
     dk = o.scale * over_rows(grouped(ds), grouped(q))
     dv = over_rows(grouped(p_drop), grouped(dout))
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsinks": dsinks,
