@@ -4,7 +4,7 @@
     storage.py    how a case stores its arrays (ml_dtypes, raw bits, floats) and its precision
     precision.py  the precisions and their recipes: what a kernel at float16, bfloat16, float8 does
     rule.py       the tolerance rule: err(candidate) <= k * err(baseline) + atol
-    naive.py      the naive baseline: every sum left to right, FlashAttention's backward
+    naive.py      the naive baseline: head-width sums left to right, FlashAttention's backward
     rotary.py     rotary embeddings in a case: q and k turned as the candidate's precision turns them
     blocks.py     a large case in blocks of query rows: O(N) memory for oracle and baselines
     npz.py        reading a case file from a stranger: checked before any data is read

@@ -2,16 +2,16 @@
 
 A case is large when its scores [..., H, N_q, N_k] have more than SCORE_BUDGET entries
 (one float64 array of them is then over 128 MiB; a (1, 16, 16384, 128) case's P is 32 GiB).
-crosscheck (check.py) then runs the oracle on the tiled engine, and the baselines
-(naive.py, precision.py) and the term magnitudes in blocks of query rows, one block of
-scores [..., H, b, N_k] at a time: nothing of size N_q x N_k is formed besides the case's
-own arrays (a mask or bias it gives whole).
+crosscheck (check.py) then runs the oracle on the tiled engine, and the recipe (precision.py)
+and the term magnitudes in blocks of query rows, one block of scores [..., H, b, N_k] at a
+time (the naive baseline, naive.py, always goes a tile of 32 rows at a time): nothing of
+size N_q x N_k is formed besides the case's own arrays (a mask or bias it gives whole).
 
 Softmax is row-wise: out, lse and dq of a block of rows need only that block. dk, dv and
-dbias are sums over rows: each baseline continues its own sums across the blocks, in its
-own order (naive.py: one running sum left to right; the recipe: float32 sums rounded once,
-or the flash backward's tiles). Masks, bias, causal, window and ALiBi are taken at the
-block's absolute positions, so a block of the scores is exactly those rows of the whole.
+dbias are sums over rows: the recipe continues its own sums across the blocks, in its own
+order (float32 sums rounded once, or the flash backward's tiles). Masks, bias, causal,
+window and ALiBi are taken at the block's absolute positions, so a block of the scores is
+exactly those rows of the whole.
 
 Shape legend (attention.py): ... batch axes, H query heads, N_q / N_k lengths, b rows of a
 block. An index into the scores is a tuple (Ellipsis, ..., rows, cols) of slices, as

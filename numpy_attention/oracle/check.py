@@ -39,7 +39,7 @@ from .case import (CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError
                    split_case)
 from .diagnosis import diagnose, rel_l2
 from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
-from .naive import naive_attention
+from .naive import WAY as NAIVE_WAY, naive_attention
 from .rotary import angle_error, turn_qk, turned_case
 from .tangents import add_tangents
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
@@ -141,18 +141,17 @@ def _from_candidate_forward(cache, forward_of, dtype):
     return cache._replace(out=out, lse=lse, weights=weights, plan=TEXTBOOK)
 
 
-def baseline(inputs, options, dtype, gradients=True, block_rows=None):
+def baseline(inputs, options, dtype, gradients=True):
     """The naive baseline (naive.py) in the candidate's dtype: dict out, lse (dq, dk, dv, dbias).
 
     Its scale is one ulp off, scale * (1 + eps): a kernel holds the scale in its own
     precision (1/sqrt(d_k) rounded, or torch's sqrt(scale) applied to q and to k), and
     that error is systematic over a whole row of scores; with a sharp softmax it is what
-    the result is most sensitive to. block_rows: query rows per block (blocks.py), None: all.
+    the result is most sensitive to. It takes O(N) memory on any case (a tile of rows at a time).
     """
     work = np.result_type(dtype, np.float32)
     q, k, v, dout, record, scale, back = _case_in(inputs, options, dtype, 1 + np.finfo(work).eps)
-    result = naive_attention(q, k, v, record, dout=dout if gradients else None,
-                             block_rows=block_rows)
+    result = naive_attention(q, k, v, record, dout=dout if gradients else None)
     if "dq" in result:
         result["dq"] = scale * result["dq"]
         if back is not None:
@@ -238,7 +237,7 @@ def _baseline(case, way, gradients, block_rows):
     (_ways): a task of baselines."""
     p = case.precision
     if not p.recipe:
-        return baseline(case.inputs, case.options, p.compute, gradients, block_rows)
+        return baseline(case.inputs, case.options, p.compute, gradients)
     rounded = lambda x: None if x is None else round_to(x, p.compute)
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
@@ -265,7 +264,7 @@ def _ways(case, gradients):
     scores round))], backward None for a way of the forward only (the fused one: ONNX Runtime's
     inference kernel has no backward); the naive baseline's one way in float32 / float64."""
     if not case.precision.recipe:
-        return [(("naive, sums left to right",) * 2, None)]
+        return [((NAIVE_WAY,) * 2, None)]
     named = lambda scale, backward: (scale, f"{scale}, {backward}")
     ways = [(named("scale on k", "eager backward"), ("eager", True, False, False, "rounded")),
             (named("scale on S", "eager backward"), ("eager", False, False, False, "rounded")),
@@ -489,7 +488,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         diagnosis = _diagnosis(arrays, case, truth, bases, failing, whole) if failing else []
     if failing:
         diagnosis = _precision_hint(arrays, case, settings) + diagnosis
-    kind = "recipe" if case.precision.recipe else "naive, sums left to right"
+    kind = "recipe" if case.precision.recipe else NAIVE_WAY
     return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
 

@@ -5,7 +5,8 @@ float16, bfloat16, and for forward-only checks float8_e4m3fn and float8_e5m2 wit
 FlashAttention-3's per-(batch, kv head) descales. The baseline the rule holds a
 candidate to is an honest implementation at that precision:
 
-    float64, float32   naive.py: the textbook's steps in that dtype, every sum left to right
+    float64, float32   naive.py: the textbook's steps in that dtype, the head-width sums left
+                       to right, the long ones in float64 chunks added in that dtype
     float16, bfloat16  the recipe below, like FlashAttention's own same-precision reference
                        (attention_ref(..., upcast=False, reorder_ops=True))
     float8_*           the same recipe computing in bfloat16, with P rounded to float8 before

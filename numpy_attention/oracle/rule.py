@@ -14,8 +14,9 @@ accurate as PyTorch's naive implementation in the same dtype"):
 - oracle: attention computed in float64 (np.longdouble for a float64 precision) on
   the values the kernel read.
 - baseline: an honest implementation at the case's precision (precision.py): the
-  naive one (every sum left to right) in float32 and float64, the recipe in float16,
-  bfloat16 and float8 (the largest error of its ways of computing).
+  naive one (head-width sums left to right, long sums in chunks; naive.py) in float32 and
+  float64, the recipe in float16, bfloat16 and float8 (the largest error of its ways of
+  computing).
 - k: 2 for `out` and `lse`, 3 for the gradients (FlashAttention's factors).
 - the normwise check (K_L2 = 2) catches what the max-abs one cannot see in a low
   precision: an error spread over the whole tensor that no single entry shows above
