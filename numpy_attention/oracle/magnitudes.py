@@ -33,6 +33,7 @@ from ..scores import slopes_sum
 from .rule import ATOL_ULPS
 
 EXPONENT_ULPS = 1           # the rounding of a weight's argument S - lse, in ulps of its terms
+_LARGEST = np.finfo(np.float64).max     # a masked score's |S| in the sums: a finite number times P = 0
 
 
 def term_magnitudes(stage_blocks, inputs, options):
@@ -77,12 +78,12 @@ def term_sums(stage_blocks, inputs, options):
     c = EXPONENT_ULPS / ATOL_ULPS
     for index, stages in stage_blocks:
         s, lse = stages["S"], stages.get("lse")
-        a = np.abs(s, out=np.zeros(s.shape), where=np.isfinite(s))    # |S_ij|, 0 where masked
+        a = np.abs(np.maximum(s, -_LARGEST))                           # |S_ij|; where masked (P = 0) any finite
         u = 1 + c * (0 if lse is None else np.where(np.isfinite(lse), np.abs(lse), 0)) * np.ones(s.shape[:-1])
         p_drop, p_drop_rows = _without_nan(stages["P~"])
         pa_drop = p_drop * a
         row_max["out"] = max(row_max["out"], (u * p_drop_rows + c * pa_drop.sum(-1)).max(initial=0))
-        row_max["lse"] = max(row_max["lse"], a.max(initial=0))
+        row_max["lse"] = max(row_max["lse"], np.max(a, where=a < _LARGEST, initial=0))
         if "dP" not in stages:
             continue
         p, p_rows = (p_drop, p_drop_rows) if stages["P~"] is stages["P"] else _without_nan(stages["P"])
@@ -102,9 +103,8 @@ def term_sums(stage_blocks, inputs, options):
                 + p * (dl[..., None] * (v_lengths[..., None, :] + out_lengths[..., None]))
             block = bias_block(dbias, index)
             block += unbroadcast(terms, block.shape)
-        down = np.matmul(np.stack([u, D * u + dl * out_lengths, dl], -2), p)   # P^T of each: [..., H, 3, N_k]
-        dv_cols = (down[..., 0, :] if p is p_drop else _vecmat(u, p_drop)) + c * pa_drop.sum(-2)
-        dk_cols = _vecmat(u, y) + down[..., 1, :] + v_lengths * down[..., 2, :] + c * _vecmat(D, pa)
+        dv_cols = _vecmat(u, p_drop) + c * pa_drop.sum(-2)
+        dk_cols = _vecmat(u, y) + _vecmat(D * u + dl * out_lengths, p) + v_lengths * _vecmat(dl, p) + c * _vecmat(D, pa)
         p_v = out_lengths if p is p_drop else _matvec(p, v_lengths)
         dq_rows = u * y.sum(-1) + D * (u * p_rows + c * pa.sum(-1)) + dl * (p_v + out_lengths * p_rows)
         y *= a                                                         # Y |S|
