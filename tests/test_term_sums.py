@@ -12,11 +12,13 @@ WHOLE = (Ellipsis, slice(None), slice(None))
 
 def stages_of(rng, dropout=False, nan_row=False):
     """Random float64 stages [B, H, N_q, N_k] of a masked case: S (-inf where masked), P, P~,
-    dP, D and lse; nan_row: one row of NaN weights and D (the 'nan' policy's fully masked row)."""
+    dP, D and lse, with a fully masked row of uniform weights; nan_row: one row of NaN weights
+    and D (the 'nan' policy's fully masked row)."""
     s = rng.standard_normal((B, H, N_Q, N_K)) * 30
     s[rng.random(s.shape) < 0.3] = -np.inf
     lse = rng.standard_normal((B, H, N_Q)) * 20
     p = np.where(np.isneginf(s), 0, rng.random(s.shape)) / N_K
+    s[0, 1, 2], lse[0, 1, 2], p[0, 1, 2] = -np.inf, -np.inf, 1 / N_K   # the 'uniform' policy's masked row
     d_out = rng.standard_normal((B, H, N_Q))
     if nan_row:
         p[1, 2, 3], d_out[1, 2, 3] = np.nan, np.nan

@@ -33,7 +33,6 @@ from ..scores import slopes_sum
 from .rule import ATOL_ULPS
 
 EXPONENT_ULPS = 1           # the rounding of a weight's argument S - lse, in ulps of its terms
-_LARGEST = np.finfo(np.float64).max     # a masked score's |S| in the sums: a finite number times P = 0
 
 
 def term_magnitudes(stage_blocks, inputs, options):
@@ -78,12 +77,13 @@ def term_sums(stage_blocks, inputs, options):
     c = EXPONENT_ULPS / ATOL_ULPS
     for index, stages in stage_blocks:
         s, lse = stages["S"], stages.get("lse")
-        a = np.abs(np.maximum(s, -_LARGEST))                           # |S_ij|; where masked (P = 0) any finite
+        a = np.abs(s)                                                  # |S_ij|, 0 where masked (the 'uniform'
+        np.copyto(a, 0, where=np.isinf(a))                             # policy's weights are there)
         u = 1 + c * (0 if lse is None else np.where(np.isfinite(lse), np.abs(lse), 0)) * np.ones(s.shape[:-1])
         p_drop, p_drop_rows = _without_nan(stages["P~"])
         pa_drop = p_drop * a
         row_max["out"] = max(row_max["out"], (u * p_drop_rows + c * pa_drop.sum(-1)).max(initial=0))
-        row_max["lse"] = max(row_max["lse"], np.max(a, where=a < _LARGEST, initial=0))
+        row_max["lse"] = max(row_max["lse"], a.max(initial=0))
         if "dP" not in stages:
             continue
         p, p_rows = (p_drop, p_drop_rows) if stages["P~"] is stages["P"] else _without_nan(stages["P"])
