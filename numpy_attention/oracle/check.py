@@ -167,14 +167,14 @@ def _recomputed_stages(truth, inputs, options, block_rows):
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
     score_shape = q3.shape[:-1] + k3.shape[-2:-1]
     lse = truth["lse"].astype(np.float64).reshape(score_shape[:-1])
+    shift = np.where(np.isneginf(lse), np.inf, lse)     # a fully masked row's: P = exp(-inf) = 0
     out = with_head_axis(truth["out"]).astype(np.float64)
     for r in blocks.row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, r, slice(None))
         s, keep, _ = tile_scores(record, q3[..., r, :], k3, score_shape, index)
         if keep is False:                               # nothing kept: no term
             continue
-        with np.errstate(invalid="ignore"):
-            p = np.where(np.isneginf(lse[..., r, None]), 0, np.exp(s - lse[..., r, None]))
+        p = np.exp(s - shift[..., r, None])
         stages = {"S": s, "P": p, "P~": p, "lse": lse[..., r]}
         if dout is not None and "dq" in truth:
             dout_r = with_head_axis(dout)[..., r, :]

@@ -51,42 +51,68 @@ def term_sums(stage_blocks, inputs, options):
     """The largest sums of the terms' weights (P, |dS|'s terms) along each tensor's rows or
     columns, before they are scaled by the inputs' largest entries (magnitudes_of). The case
     cut in (batch index, kv head) slices (slices.py) gives the whole case's: the largest of
-    its slices' (max_sums)."""
-    q, k = (np.abs(inputs[name]).astype(np.float64) for name in ("q", "k"))
-    h_kv = with_head_axis(k).shape[-3]
-    groups = with_head_axis(q).shape[-3] // h_kv
-    v_lengths = np.repeat(_lengths(with_head_axis(inputs["v"]))[..., None, :], groups, axis=-3)
+    its slices' (max_sums).
+
+    Each weight's rounding is w_ij = 1 + c (|S_ij| + |lse_i|) = u_i + c |S_ij| (c =
+    EXPONENT_ULPS / ATOL_ULPS), and with Y = P |dP| and o_i = (P~ ||v||)_i >= ||out_i|| the
+    sums are row sums and matrix-vector products (a matrix of terms only for dbias):
+        out  sum_j P~_ij w_ij = u_i rowsum(P~)_i + c rowsum(P~ |S|)_i
+        dv   sum_i P~_ij w_ij = (P~^T u)_j + c colsum(P~ |S|)_j
+        dq   sum_j P_ij ((|dP_ij| + |D_i|) w_ij + ||dout_i|| (||v_j|| + o_i))
+             = u_i rowsum(Y)_i + c rowsum(Y |S|)_i + |D_i| (u_i rowsum(P)_i + c rowsum(P |S|)_i)
+               + ||dout_i|| ((P ||v||)_i + o_i rowsum(P)_i)
+        dk   the same terms down a column j: (Y^T u)_j + c colsum(Y |S|)_j
+             + (P^T (|D| u + ||dout|| o))_j + ||v_j|| (P^T ||dout||)_j + c ((P |S|)^T |D|)_j
+    """
+    h_kv = with_head_axis(inputs["k"]).shape[-3]
+    groups = with_head_axis(inputs["q"]).shape[-3] // h_kv
+    v_lengths = np.repeat(_lengths(with_head_axis(inputs["v"])), groups, axis=-2)   # [..., H, N_k]
     dout_lengths = _lengths(with_head_axis(inputs["dout"])) if "dout" in inputs else None
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
     dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
     head_sums = {"dsinks": 0.0}                        # [..., H] sums over rows
-    slope_rows = np.zeros(with_head_axis(q).shape[:-1])   # [..., H, N_q] each row's ALiBi terms
-    reach = q.shape[-2] + k.shape[-2]                  # ALiBi's distances are below N_q + N_k
+    slope_rows = np.zeros(with_head_axis(inputs["q"]).shape[:-1])   # [..., H, N_q] each row's ALiBi terms
+    reach = inputs["q"].shape[-2] + inputs["k"].shape[-2]         # ALiBi's distances are below N_q + N_k
+    c = EXPONENT_ULPS / ATOL_ULPS
     for index, stages in stage_blocks:
-        kept = stages["S"]
-        weight = 1 + EXPONENT_ULPS / ATOL_ULPS * _exponent_terms(kept, stages.get("lse"))
-        p_drop = np.nan_to_num(stages["P~"])
-        rounded = p_drop * weight                               # each weight with its own rounding
-        row_max["out"] = max(row_max["out"], np.sum(rounded, -1).max(initial=0))
-        row_max["lse"] = max(row_max["lse"], np.abs(kept[np.isfinite(kept)]).max(initial=0))
+        s, lse = stages["S"], stages.get("lse")
+        a = np.abs(s)                                                  # |S_ij|, 0 where masked (the 'uniform'
+        np.copyto(a, 0, where=np.isinf(a))                             # policy's weights are there)
+        u = 1 + c * (0 if lse is None else np.where(np.isfinite(lse), np.abs(lse), 0)) * np.ones(s.shape[:-1])
+        p_drop, p_drop_rows = _without_nan(stages["P~"])
+        pa_drop = p_drop * a
+        row_max["out"] = max(row_max["out"], (u * p_drop_rows + c * pa_drop.sum(-1)).max(initial=0))
+        row_max["lse"] = max(row_max["lse"], a.max(initial=0))
         if "dP" not in stages:
             continue
-        # dP_ij = dout_i . v_j and D_i = dout_i . out_i are sums of terms too: at most
-        # ||dout_i|| ||v_j|| and ||dout_i|| ||out_i||, ||out_i|| <= sum_j P~_ij ||v_j||
-        out_lengths = np.sum(p_drop * v_lengths, -1, keepdims=True)
-        dots = dout_lengths[index[:-1]][..., None] * (v_lengths + out_lengths)
-        terms = np.nan_to_num(stages["P"] * ((np.abs(stages["dP"]) + np.abs(stages["D"])[..., None]) * weight
-                                             + dots))
-        row_max["dq"] = max(row_max["dq"], np.sum(terms, -1).max(initial=0))    # |dS|'s terms
-        col_sum = {"dv": col_sum["dv"] + np.sum(rounded, -2),
-                   "dk": col_sum["dk"] + np.sum(terms, -2)}
-        p_sink = np.clip(1 - np.sum(np.nan_to_num(stages["P"]), -1), 0, None)      # a sink's weight
-        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(p_sink * np.abs(stages["D"]), -1)}
-        slope_rows[index[:-1]] = reach * np.sum(terms, -1)
-        if dbias is not None:
+        p, p_rows = (p_drop, p_drop_rows) if stages["P~"] is stages["P"] else _without_nan(stages["P"])
+        pa = pa_drop if p is p_drop else p * a
+        D = np.abs(stages["D"])
+        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(np.clip(1 - p_rows, 0, None) * D, -1)}  # the sink's
+        if np.isnan(D).any():                                          # NaN rows (out NaN): no term
+            dead = np.isnan(D)
+            p, pa = (np.where(dead[..., None], 0, x) for x in (p, pa))
+            p_rows, D = np.where(dead, 0, p_rows), np.where(dead, 0, D)
+        dl = dout_lengths[index[:-1]]                                  # [..., H, b] ||dout_i||
+        out_lengths = _matvec(p_drop, v_lengths)                       # o_i
+        y = np.abs(stages["dP"])
+        y *= p                                                         # Y = P |dP|
+        if dbias is not None:                                          # each term, summed to the bias
+            terms = (y + D[..., None] * p) * (u[..., None] + c * a) \
+                + p * (dl[..., None] * (v_lengths[..., None, :] + out_lengths[..., None]))
             block = bias_block(dbias, index)
             block += unbroadcast(terms, block.shape)
+        dv_cols = _vecmat(u, p_drop) + c * pa_drop.sum(-2)
+        dk_cols = _vecmat(u, y) + _vecmat(D * u + dl * out_lengths, p) + v_lengths * _vecmat(dl, p) + c * _vecmat(D, pa)
+        p_v = out_lengths if p is p_drop else _matvec(p, v_lengths)
+        dq_rows = u * y.sum(-1) + D * (u * p_rows + c * pa.sum(-1)) + dl * (p_v + out_lengths * p_rows)
+        y *= a                                                         # Y |S|
+        dq_rows += c * y.sum(-1)
+        dk_cols += c * y.sum(-2)
+        row_max["dq"] = max(row_max["dq"], dq_rows.max(initial=0))
+        col_sum = {"dv": col_sum["dv"] + dv_cols, "dk": col_sum["dk"] + dk_cols}
+        slope_rows[index[:-1]] = reach * dq_rows
     sums = {**row_max, "dv": _kv_column_max(col_sum["dv"], h_kv), "dk": _kv_column_max(col_sum["dk"], h_kv)}
     if dbias is not None:
         sums["dbias"] = float(dbias.max(initial=0))
@@ -120,13 +146,24 @@ def magnitudes_of(sums, inputs, options):
     return mags
 
 
-def _exponent_terms(scores, lse):
-    """|S_ij| + |lse_i| [..., b, N_k], the terms of a weight's argument (0 where a score is
-    masked or an lse is not finite); |S| alone without lse."""
-    terms = np.where(np.isfinite(scores), np.abs(scores), 0)
-    if lse is not None:
-        terms = terms + np.where(np.isfinite(lse), np.abs(lse), 0)[..., None]
-    return terms
+def _without_nan(p):
+    """(p with NaN weights as 0, its row sums [..., b]): the 'nan' policy's fully masked rows are
+    terms of 0 (a copy only where a row holds NaN)."""
+    rows = p.sum(-1)
+    if not np.isnan(rows).any():
+        return p, rows
+    p = np.where(np.isnan(p), 0, p)
+    return p, p.sum(-1)
+
+
+def _matvec(m, x):
+    """(m x)_i = sum_j m_ij x_j for m [..., b, n] and x [..., n]: [..., b]."""
+    return np.matmul(m, x[..., None])[..., 0]
+
+
+def _vecmat(x, m):
+    """(m^T x)_j = sum_i x_i m_ij for x [..., b] and m [..., b, n]: [..., n]."""
+    return np.matmul(x[..., None, :], m)[..., 0, :]
 
 
 def _lengths(x):
@@ -145,6 +182,8 @@ def _kv_column_max(col_sum, h_kv):
 def whole_stages(truth):
     """The oracle's stages as one block of all rows (for term_magnitudes), as [..., H, N_q, N_k]."""
     shape = with_head_axis(truth["S"]).shape
-    stages = {name: truth[name].reshape(shape[:-1] if name in ("D", "lse") else shape).astype(np.float64)
+    stages = {name: truth[name].reshape(shape[:-1] if name in ("D", "lse") else shape).astype(np.float64, copy=False)
               for name in ("S", "P", "P~", "dP", "D", "lse") if name in truth}
+    if truth["P~"] is truth["P"]:                       # no dropout: one array (term_sums reads it once)
+        stages["P~"] = stages["P"]
     return [((Ellipsis, slice(None), slice(None)), stages)]
