@@ -97,8 +97,8 @@ def _round_bits(x, fmt):
     rounded += np.uint32((1 << (dropped - 1)) - 1)
     rounded += bits
     rounded &= ~np.uint32((1 << dropped) - 1)
-    nan = np.isnan(x)
-    if nan.any():
+    if np.isnan(x.max()):                                   # (a NaN is the max)
+        nan = np.isnan(x)
         rounded[nan] = (bits[nan] & SIGN) | QUIET_NAN
     return rounded
 
