@@ -1,25 +1,18 @@
-"""crosscheck's fast paths give its plain paths' bits: the rounding to bfloat16 and float16
-on float32 arithmetic (precision.round_to) is the dtype conversions', the naive baseline's
-tiled sums over the head width (naive.recursive_matmul) are the textbook loop's, and a report computed on
-threads is the one computed on one thread with the plain forms: on a fixed set of cases
-(report_cases.py), every field of every row and every diagnosis line."""
+"""crosscheck's fast paths give its plain paths' bits: the naive baseline's tiled sums over the
+head width (naive.recursive_matmul) are the textbook loop's, and a report computed on threads is
+the one computed on one thread with the plain forms (the rounding to a 16- or 8-bit dtype by the
+dtype conversions: test_rounding.py holds precision.round_to to them), on a fixed set of cases
+(report_cases.py): every field of every row and every diagnosis line."""
 import importlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from report_cases import report_cases, report_record
+from test_rounding import converted
 from numpy_attention.oracle import naive, precision
-from numpy_attention.oracle.precision import round_to
 
-BF16, F16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
 CHECK = importlib.import_module("numpy_attention.oracle.check")      # the package's crosscheck is a function
-
-
-def converted(x, dtype):
-    """round_to's plain form: the dtype conversions."""
-    return np.asarray(x, np.float32).astype(dtype).astype(np.float32)
 
 
 def plain_recursive_matmul(a, b):
@@ -29,52 +22,6 @@ def plain_recursive_matmul(a, b):
     for i in range(a.shape[-1]):
         acc = acc + a[..., :, i:i + 1] * b[..., i:i + 1, :]
     return acc
-
-
-def hard_float32_values(dtype):
-    """float32 values where rounding to dtype is hardest: every value of dtype, the halfway
-    points between neighbours and the float32 values next to them (ties to even both ways),
-    the subnormals and the overflow threshold, infinities, NaNs with any payload, and random
-    bit patterns."""
-    info = ml_dtypes.finfo(dtype)
-    bits = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16).view(dtype)
-    values = np.sort(bits[np.isfinite(bits)].astype(np.float32))
-    halfway = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)
-    near = np.concatenate([np.nextafter(halfway, np.float32(np.inf)), np.nextafter(halfway, -np.float32(np.inf))])
-    top = np.float32(info.max) * np.float32(1 + float(info.eps) / 2)          # the overflow threshold
-    edges = np.array([0.0, -0.0, np.inf, -np.inf, top, -top, np.nextafter(top, np.float32(0)),
-                      float(info.smallest_normal), float(info.smallest_subnormal) / 2], np.float32)
-    payloads = (np.uint32(0x7F800000) | np.arange(1, 2 ** 16, 97, dtype=np.uint32)).view(np.float32)
-    rng = np.random.default_rng(0)
-    random = rng.integers(0, 2 ** 32, 2 ** 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
-    return np.concatenate([values, halfway, near, edges, payloads, -payloads, random])
-
-
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
-def test_round_to_is_the_conversions(dtype):
-    """Every hard case bitwise as the conversions round it (NaN stays NaN); x is not written.
-    (Checked once over all 2^32 float32 bit patterns: the same.)"""
-    x = hard_float32_values(dtype)
-    kept = x.copy()
-    with np.errstate(all="ignore"):
-        got, want = round_to(x, dtype), converted(x, dtype)
-    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
-    assert same.all(), x[~same][:5]
-    assert np.array_equal(x.view(np.uint32), kept.view(np.uint32))
-
-
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
-def test_round_to_takes_a_scalar_and_an_empty_array(dtype):
-    for x in (np.float32(1 / 3), np.array(np.nan, np.float32), np.float32(70000.0), np.zeros((2, 0), np.float32)):
-        with np.errstate(over="ignore"):
-            got, want = round_to(x, dtype), converted(x, dtype)
-        assert got.shape == want.shape and np.array_equal(got, want, equal_nan=True)
-
-
-def test_round_to_a_float8_converts():
-    x = np.linspace(-500, 500, 1001, dtype=np.float32)
-    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
-    assert np.array_equal(round_to(x, f8), converted(x, f8), equal_nan=True)
 
 
 @pytest.mark.parametrize("a_shape, b_shape, dtype", [

@@ -58,6 +58,7 @@ from .. import scores
 from ..scores import alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask, with_sink
 from .blocks import block_of, row_slices
 from .naive import masked_row_weight
+from .rounding import FORMATS, round_float32
 
 
 TILE_ROWS, TILE_COLS = 32, 512
@@ -99,48 +100,13 @@ def eps(dtype):
 
 def round_to(x, dtype):
     """x (float32 values) rounded to `dtype`, held in float32: the bits of
-    x.astype(dtype).astype(np.float32), for bfloat16 and float16 without the conversions
-    (slower through ml_dtypes and NumPy's float16, at every step of the recipe). Round to
-    nearest, ties to even:
-
-        bfloat16   on the bits: add 0x7FFF plus the last kept bit, clear the low 16 bits
-                   (NaN kept as it is: the carry would make some NaNs infinite)
-        float16    Veltkamp's split, hi = t - (t - x) with t = (2^13 + 1) x, keeps 11 bits;
-                   below 2^-14 (float16's subnormals, multiples of 2^-24) (x + 0.75) - 0.75
-                   with x's sign; from 65520 (half way past float16's largest, 65504) +-inf
-    Other dtypes (float8) convert. A new array; x is not written."""
+    x.astype(dtype).astype(np.float32). bfloat16, float16 and float8 without the conversions,
+    on float32 and integer arithmetic (rounding.py: round to nearest, ties to even; NaN as
+    ml_dtypes' quiet NaN); other dtypes (float32, float64) convert. A new array; x is not
+    written."""
     x = np.asarray(x, np.float32)
-    dtype = np.dtype(dtype)
-    if x.ndim == 0:                                                 # the steps below write arrays
-        return round_to(x.reshape(1), dtype).reshape(())
-    if dtype == _BF16:
-        bits = x.view(np.uint32)
-        kept = bits >> 16
-        kept &= 1                                                   # the last bit kept: ties to even
-        kept += 0x7FFF
-        kept += bits
-        kept &= np.uint32(0xFFFF0000)
-        rounded = kept.view(np.float32)
-        nan = np.isnan(x)
-        if nan.any():
-            rounded[nan] = x[nan]
-        return rounded
-    if dtype == np.float16:
-        with np.errstate(over="ignore", invalid="ignore"):           # +-inf and huge x: set below
-            rounded = x * np.float32(2 ** 13 + 1)
-            low = rounded - x
-            rounded -= low
-        size = np.abs(x)
-        tiny = size < np.float32(2.0 ** -14)
-        if tiny.any():                                              # (softmax weights often are)
-            np.add(x, np.float32(0.75), out=low)
-            low -= np.float32(0.75)
-            np.copysign(low, x, out=low)
-            np.copyto(rounded, low, where=tiny)
-        huge = np.greater_equal(size, np.float32(65520), out=tiny)
-        if huge.any():
-            np.copyto(rounded, np.copysign(np.float32(np.inf), x), where=huge)
-        return rounded
+    if np.dtype(dtype) in FORMATS:
+        return round_float32(x, dtype)
     return x.astype(dtype).astype(np.float32)
 
 
