@@ -38,7 +38,7 @@ from . import blocks, rule
 from .case import (CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, check_keys, latent_sum,
                    split_case)
 from .diagnosis import diagnose, rel_l2
-from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
+from .precision import PRECISIONS, TILE_ROWS, eps, recipe_backwards, round_to
 from .naive import naive_attention
 from .rotary import angle_error, turn_qk, turned_case
 from .tangents import add_tangents
@@ -196,27 +196,36 @@ def _check_k_factors(k_factors):
     return dict(k_factors)
 
 
-def baselines(case, gradients=True, block_rows=None, scheduler=None, workers=1):
+def baselines(case, gradients=True, block_rows=None, scheduler=None, workers=1, ways=None):
     """The baselines of the case's precision (precision.py): a list of result dicts.
 
     float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
     recipe, with the scale on k, on the scores and on q (MLX's order), its two backwards (the
     eager one and the tiled flash one; the rule takes the largest error of them all, since a
     kernel may be built any of these ways), and last the flash one with D from the
-    candidate's out where _reads_kernel_out.
+    candidate's out where _reads_kernel_out. Ways that compute the same forward (_forwards)
+    compute it once.
+    ways: the numbers (_ways) of the baselines wanted, in the list's order; None: all of them.
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
-    workers: threads for the ways, and for the slices of a case of at least PARALLEL_SCORES
+    workers: threads for the forwards, and for the slices of a case of at least PARALLEL_SCORES
     scores (engines.parallel.run_tasks), with the same results.
     """
-    count = len(_ways(case, gradients))
-    slices = _slices(case, scheduler, workers, count)
-    results = run_tasks(_baseline, [(piece, way) for _, piece in slices for way in range(count)],
+    every = _ways(case, gradients)
+    ways = range(len(every)) if ways is None else ways
+    groups = [tuple(way for way in group if way in ways) for group in _forwards(every)]
+    groups = [group for group in groups if group]
+    slices = _slices(case, scheduler, workers, len(groups))
+    results = run_tasks(_baseline, [(piece, group) for _, piece in slices for group in groups],
                         workers=workers, shared={"gradients": gradients, "block_rows": block_rows},
                         scheduler=scheduler)
     ats = [at for at, _ in slices]
-    return [put_together(case, ats, results[way::count]) for way in range(count)]
+    by_way = {}
+    for g, group in enumerate(groups):
+        pieces = results[g::len(groups)]                 # the group's results in each slice
+        by_way.update({way: put_together(case, ats, [piece[i] for piece in pieces]) for i, way in enumerate(group)})
+    return [by_way[way] for way in ways]
 
 
 def _score_shape(case):
@@ -233,12 +242,12 @@ def _slices(case, scheduler, workers, tasks=1):
     return case_slices(case) if scheduler is not None or threads else [((Ellipsis,), case)]
 
 
-def _baseline(case, way, gradients, block_rows):
-    """The baseline of `case` (a whole case, or one slice of it) computed its way number `way`
-    (_ways): a task of baselines."""
+def _baseline(case, ways, gradients, block_rows):
+    """The baselines of `case` (a whole case, or one slice of it) computed its ways numbered
+    `ways` (_ways), which compute one forward (_forwards): a task of baselines, their list."""
     p = case.precision
     if not p.recipe:
-        return baseline(case.inputs, case.options, p.compute, gradients, block_rows)
+        return [baseline(case.inputs, case.options, p.compute, gradients, block_rows)]
     rounded = lambda x: None if x is None else round_to(x, p.compute)
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
@@ -247,15 +256,18 @@ def _baseline(case, way, gradients, block_rows):
     back = None
     if rope is not None:                               # turned in T (rotary.py)
         q, k, back = turn_qk(q, k, rope, record, p.compute)
-    backward, reorder, reads, mlx, scores = _ways(case, gradients)[way][1]
-    saved = rounded(case.candidates["out"]) if reads else None
-    gradients = gradients and backward is not None                  # None: a forward-only way
-    result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward or "eager",
-                              reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx,
-                              scores=scores)
-    if back is not None and "dq" in result:
-        result["dq"], result["dk"] = back(result["dq"], result["dk"])
-    return result
+    every = _ways(case, gradients)
+    _, reorder, _, mlx, scores = every[ways[0]][1]     # the forward they share
+    saved = rounded(case.candidates.get("out")) if any(every[way][1][2] for way in ways) else None
+    backwards = [(backward, saved if reads else None) for backward, _, reads, _, _ in (every[way][1] for way in ways)]
+    gradients = gradients and any(backward is not None for backward, _ in backwards)   # None: a forward-only way
+    results = recipe_backwards(q, k, v, record, p, dout=dout if gradients else None, backwards=backwards,
+                               reorder=reorder, block_rows=block_rows, mlx=mlx, scores=scores)
+    if back is not None:
+        for result in results:
+            if "dq" in result:
+                result["dq"], result["dk"] = back(result["dq"], result["dk"])
+    return results
 
 
 def _ways(case, gradients):
@@ -280,6 +292,16 @@ def _ways(case, gradients):
     if _reads_kernel_out(case, gradients):                 # last: the verdicts take it apart
         ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False, "rounded")))
     return ways
+
+
+def _forwards(ways):
+    """The ways (_ways) by the forward they compute: [tuple of way numbers], a group's ways
+    sharing the scale's place, MLX's order and the scores' rounding (its forward computed once,
+    precision.recipe_backwards), the groups in the order of their first ways."""
+    groups = {}
+    for number, (_, way) in enumerate(ways):
+        groups.setdefault(None if way is None else (way[1],) + way[3:], []).append(number)
+    return [tuple(group) for group in groups.values()]
 
 
 def _scale_offsets(case, ways):
