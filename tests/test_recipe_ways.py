@@ -7,8 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from numpy_attention.oracle import split_case
-from numpy_attention.oracle import check
+from numpy_attention.oracle import check, crosscheck, rule, split_case
 from numpy_attention.oracle.case import FLOAT_OPTIONS
 from numpy_attention.oracle.precision import PRECISIONS, recipe_attention, round_to
 from numpy_attention.oracle.rotary import turn_qk
@@ -106,3 +105,96 @@ def test_baselines_gives_the_ways_asked_for_in_their_order():
     asked = [4, 0, 6]
     for way, result in zip(asked, check.baselines(case, ways=asked)):
         assert all(np.array_equal(result[t], every[way][t], equal_nan=True) for t in every[way])
+
+
+# ----------------------------------------------------------------------------- the envelope, lazily
+
+def scaled_case(precision="bfloat16"):
+    """A case with scale 0.3, its candidate our float64 attention rounded to the precision."""
+    rng = np.random.default_rng(3)
+    storage = PRECISIONS[precision].storage
+    q, k, v, dout = (rng.standard_normal((1, 4, 64, 32)).astype(storage) for _ in range(4))
+    arrays = dict(q=q, k=k, v=v, dout=dout, scale=0.3)
+    case = split_case(dict(arrays, out=q))
+    return arrays, case
+
+
+def recorded(calls):
+    """rule.judge, each call's (tensor, the baselines' way names, passed) appended to calls."""
+    def judge(name, *args, **kwargs):
+        verdict = rule.judge(name, *args, **kwargs)
+        calls.append((name, tuple(kwargs["baseline_names"]), verdict.passed))
+        return verdict
+    return judge
+
+
+def ways_asked(monkeypatch):
+    """A list of the way numbers each call of check.baselines computes."""
+    asked, baselines = [], check.baselines
+    def counted(case, *args, ways=None, **kwargs):
+        asked.append(list(range(len(check._ways(case, args[0])))) if ways is None else list(ways))
+        return baselines(case, *args, ways=ways, **kwargs)
+    monkeypatch.setattr(check, "baselines", counted)
+    return asked
+
+
+def candidate_of_way(case, way):
+    """The case's baseline of a way, as a candidate's tensors in the precision."""
+    base = check.baselines(case, ways=[way])[0]
+    storage = case.precision.storage
+    return {**{name: base[name].astype(storage) for name in ("out", "dq", "dk", "dv")}, "lse": base["lse"]}
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_candidate_that_passes_the_first_forwards_ways_is_judged_by_them_alone(precision, monkeypatch):
+    """An honest candidate passes against the scale on k's ways (eager, flash, D of its out):
+    the other ways are not computed, every tensor's bound is from those ways."""
+    arrays, case = scaled_case(precision)
+    candidate = candidate_of_way(case, 0)
+    asked, calls = ways_asked(monkeypatch), []
+    report = crosscheck(**arrays, **candidate, judge=recorded(calls))
+    assert report
+    first = list(check._forwards(check._ways(case, True))[0])
+    assert asked == [first] and first == [0, 3, 6]
+    assert all(row.baseline_way.startswith("scale on k") for row in report.rows)
+    assert {name for name, _, _ in calls} == set(candidate)
+
+
+def test_a_candidate_that_fails_the_first_forwards_ways_is_judged_by_every_way(monkeypatch):
+    """A candidate computed with the scale on S fails the scale on k's row check on out, and
+    passes against every way: the other ways are computed, each tensor judged again against
+    all of them (out and lse against all but the one that reads the kernel's out)."""
+    arrays, case = scaled_case()
+    ways = check._ways(case, True)
+    candidate = candidate_of_way(case, 1)
+    asked, calls = ways_asked(monkeypatch), []
+    report = crosscheck(**arrays, **candidate, judge=recorded(calls))
+    assert report
+    assert asked == [[0, 3, 6], [1, 2, 4, 5]]
+    assert ("out", ("scale on k", "scale on k"), False) in calls         # ways 0 and 3's forward
+    last = {name: names for name, names, _ in calls}                     # each tensor's final verdict
+    forward = [ways[i][0][0] for i in range(6)]
+    assert last["out"] == tuple(forward) and last["lse"] == tuple(forward)
+    gradients = tuple(ways[i][0][1] for i in range(7) if ways[i][1][0] is not None)
+    assert last["dq"] == last["dk"] == last["dv"] == gradients
+
+
+def test_a_failing_candidates_report_is_the_one_against_every_way(monkeypatch):
+    """A wrong out (a scale 1% off) fails: the report, its verdicts and diagnosis are those of
+    judging against every way at once (check._forwards as one group for the verdicts)."""
+    arrays, case = scaled_case()
+    candidate = candidate_of_way(case, 0)
+    wrong = check.baselines(split_case(dict(arrays, scale=0.303, out=arrays["q"])), ways=[0])[0]
+    candidate["out"] = wrong["out"].astype(case.precision.storage)
+    report = crosscheck(**arrays, **candidate)
+    assert not report
+    forwards, baselines = check._forwards, check.baselines
+
+    def grouped_by_forward(*args, **kwargs):                            # the baselines as they are
+        with monkeypatch.context() as patch:
+            patch.setattr(check, "_forwards", forwards)
+            return baselines(*args, **kwargs)
+    monkeypatch.setattr(check, "baselines", grouped_by_forward)
+    monkeypatch.setattr(check, "_forwards", lambda ways: [tuple(range(len(ways)))])   # crosscheck's first: all
+    every_way = crosscheck(**arrays, **candidate)
+    assert str(report) == str(every_way) and report.to_json() == every_way.to_json()

@@ -12,6 +12,11 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
               largest sum of absolute terms that makes an entry of X, e.g. for dq
               scale * max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|: rounding error is relative
               to the terms, not to the result (a gradient that cancels to 0 still rounds).
+In float16, bfloat16 and float8 the baseline is the largest error of the recipe's ways (_ways).
+Every bound only grows with the ways (rule.py), so each tensor is judged first against the
+ways of the recipe's first forward, the scale on k (_forwards); only when one fails are the
+other ways computed and every tensor judged again against all of them: a report that fails
+is the one against every way, one that passes computes the first forward alone.
 
 A large case (scores [..., H, N_q, N_k] over blocks.SCORE_BUDGET entries) runs in O(N)
 memory plus its own arrays: the oracle on the tiled engine (no softcap, dropout or
@@ -462,12 +467,20 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         if forward_of is not None:                         # but the truth where the candidate's forward
             against.update({name: np.where(np.isfinite(value) | ~np.isfinite(truth[name]), value, truth[name])
                             for name, value in done["own"].items() if name in GRADIENTS})   # is not finite
-        count = len(_ways(case, want_grads))
-        say(f"the {case.precision.name} baselines ({count} way{'s' * (count > 1)})")
-        bases = baselines(case, want_grads, block_rows, client, workers)
-        bases = [latent_sum(b, case.latent, case.precision.output if low else None) for b in bases]
-        if tangents:
-            add_tangents(case, truth, bases, wide)
+        ways = _ways(case, want_grads)
+        first = _forwards(ways)[0]                         # the scale on k's forward and its backwards
+        bases = [None] * len(ways)                         # each way's baseline, once computed
+
+        def compute(numbers):                            # the baselines of those ways, put in bases
+            computed = baselines(case, want_grads, block_rows, client, workers, ways=numbers)
+            for number, base in zip(numbers, computed):
+                base = latent_sum(base, case.latent, case.precision.output if low else None)
+                bases[number] = base if case.paged is None else _unpaged(base, case.paged)
+
+        say(f"the {case.precision.name} baselines ({len(first)} way{'s' * (len(first) > 1)})")
+        compute(first)
+        if tangents:                                     # (float32, float64: one way, the first)
+            add_tangents(case, truth, [bases[number] for number in first], wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
         say("the term magnitudes")
         mags = _magnitudes(case, truth, whole, block_rows, client, workers)
@@ -476,13 +489,11 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         directions = _scale_directions(truth, done["shifted"]) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
-            bases = [_unpaged(b, case.paged) for b in bases]
-        ways = _ways(case, want_grads)
         names = [names for names, _ in ways]             # each way's (forward, gradient) names
         offsets = _scale_offsets(case, ways)
-        def verdict(name, count, cand=None, by=judge):    # judged by the first `count` baselines
+        def verdict(name, held, cand=None, by=judge):     # judged by the baselines of the ways `held`
             cand = case.candidates[name] if cand is None else cand   # (those that compute the tensor)
-            held = [i for i in range(count) if name in bases[i]]
+            held = [i for i in held if name in bases[i]]
             return by(name, _in_base_e(case, name, cand), against[name],
                       [bases[i][name].astype(cand.dtype) for i in held],
                       baseline_names=[names[i][name in GRADIENTS] for i in held],
@@ -493,17 +504,28 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                       scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
                       scale_atol=_summed_in_t(case, name), scale_offsets=[offsets[i] for i in held])
 
-        def verdicts_of(names, count):                   # {name: verdict}, the tensors on threads
-            return _concurrently({name: partial(verdict, name, count) for name in names}, workers)
+        def verdicts_of(names, held):                    # {name: verdict}, the tensors on threads
+            return _concurrently({name: partial(verdict, name, held) for name in names}, workers)
+
+        reads_out = len(ways) - 1 if _reads_kernel_out(case, want_grads) else None   # D from the kernel's out
+
+        def judged(numbers):                             # the verdicts against the ways `numbers`
+            forward = [i for i in numbers if i != reads_out]
+            verdicts = verdicts_of([name for name in case.candidates if name not in GRADIENTS], forward)
+            with_out = reads_out is not None and verdicts["out"].passed      # an out that passes is a kernel's
+            verdicts.update(verdicts_of([name for name in case.candidates if name in GRADIENTS],
+                                        numbers if with_out else forward))
+            zeros = lambda name: verdict(name, forward, np.zeros_like(case.candidates[name]), rule.judge)
+            return [verdicts[name] for name in case.candidates], zeros
 
         say("the verdicts")
-        reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
-        verdicts = verdicts_of([name for name in case.candidates if name not in GRADIENTS], len(bases) - reads_out)
-        with_out = reads_out and verdicts["out"].passed            # an out that passes is one a kernel's
-        verdicts.update(verdicts_of([name for name in case.candidates if name in GRADIENTS],
-                                    len(bases) - reads_out + with_out))
-        verdicts = [verdicts[name] for name in case.candidates]
-        zeros = lambda name: verdict(name, len(bases) - reads_out, np.zeros_like(case.candidates[name]), rule.judge)
+        verdicts, zeros = judged(first)                  # a pass against some baselines passes against all
+        if not all(row.passed for row in verdicts):      # (rule.py): the other ways only for a failure
+            rest = [number for number in range(len(ways)) if number not in first]
+            if rest:
+                say(f"the other {case.precision.name} baselines, for a tensor that failed ({len(rest)} ways)")
+                compute(rest)
+                verdicts, zeros = judged(range(len(ways)))
         _require_judged(case, verdicts, against, mags, None if atol is not None else zeros)
         failing = [row.name for row in verdicts if not row.passed]
         if failing:
