@@ -22,7 +22,7 @@ A large case (scores [..., H, N_q, N_k] over blocks.SCORE_BUDGET entries) runs i
 memory plus its own arrays: the oracle on the tiled engine (no softcap, dropout or
 fully_masked other than 'zero': CaseError), the baselines and the term magnitudes in blocks
 of query rows (blocks.py), with the same results as whole arrays; no diagnosis.
-The oracle's runs, the baselines' ways (a large case's slices) and the tensors' verdicts run
+The oracle's runs, the baselines' forwards (a large case's slices) and the tensors' verdicts run
 on `workers` threads (engines/parallel.py), the report bitwise the same for any number.
 """
 import math
@@ -241,7 +241,7 @@ def _score_shape(case):
 
 def _slices(case, scheduler, workers, tasks=1):
     """The case in (batch index, kv head) slices (slices.py) for a cluster, or for threads
-    when it has at least PARALLEL_SCORES scores and its `tasks` (the baselines' ways) are
+    when it has at least PARALLEL_SCORES scores and its `tasks` (the baselines' forwards) are
     fewer than the workers; else whole."""
     threads = workers > tasks and blocks.score_entries(_score_shape(case)) >= PARALLEL_SCORES
     return case_slices(case) if scheduler is not None or threads else [((Ellipsis,), case)]
@@ -412,7 +412,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         scheduler: a dask.distributed Client, or a scheduler's address: a large case's tiled
             oracle, baselines and term magnitudes run their slices there (bitwise the same
             report); a case small enough to form its scores whole runs here.
-        workers: threads for the oracle's runs, the baselines' ways and a large case's slices
+        workers: threads for the oracle's runs, the baselines' forwards and a large case's slices
             (an int >= 1); default every core this process may use from PARALLEL_SCORES
             scores up (plan.resolve_workers), else 1. The report is bitwise the same for
             any number.
