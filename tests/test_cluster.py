@@ -15,7 +15,7 @@ import numpy_attention as na
 from numpy_attention.commands.cli import main
 from numpy_attention.engines.plan import check_scheduler
 from numpy_attention.oracle import blocks, crosscheck, save_case, split_case
-from numpy_attention.oracle.check import _baseline, _ways
+from numpy_attention.oracle.check import _baseline, _forwards, _ways
 from numpy_attention.oracle.slices import case_slices, put_together
 
 RNG = np.random.default_rng(3)
@@ -264,10 +264,12 @@ def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precisi
 
 def assert_slices_put_together_are_whole(case, slices, gradients):
     """Each way's baselines of the slices, put together, bitwise those of the whole case."""
-    ways = range(len(_ways(case, gradients)))
-    whole = [_baseline(case, way, gradients, 32) for way in ways]
-    pieces = [[_baseline(piece, way, gradients, 32) for way in ways] for _, piece in slices]
-    for way, expected in enumerate(whole):
+    groups = _forwards(_ways(case, gradients))               # the ways of each forward, computed together
+    by_way = lambda c: {way: result for group in groups
+                        for way, result in zip(group, _baseline(c, group, gradients, 32))}
+    whole = by_way(case)
+    pieces = [by_way(piece) for _, piece in slices]
+    for way, expected in whole.items():
         got = put_together(case, [at for at, _ in slices], [piece[way] for piece in pieces])
         assert got.keys() == expected.keys()
         for name in expected:

@@ -12,12 +12,17 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
               largest sum of absolute terms that makes an entry of X, e.g. for dq
               scale * max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|: rounding error is relative
               to the terms, not to the result (a gradient that cancels to 0 still rounds).
+In float16, bfloat16 and float8 the baseline is the largest error of the recipe's ways (_ways).
+Every bound only grows with the ways (rule.py), so each tensor is judged first against the
+ways of the recipe's first forward, the scale on k (_forwards); only when one fails are the
+other ways computed and every tensor judged again against all of them: a report that fails
+is the one against every way, one that passes computes the first forward alone.
 
 A large case (scores [..., H, N_q, N_k] over blocks.SCORE_BUDGET entries) runs in O(N)
 memory plus its own arrays: the oracle on the tiled engine (no softcap, dropout or
 fully_masked other than 'zero': CaseError), the baselines and the term magnitudes in blocks
 of query rows (blocks.py), with the same results as whole arrays; no diagnosis.
-The oracle's runs, the baselines' ways (a large case's slices) and the tensors' verdicts run
+The oracle's runs, the baselines' forwards (a large case's slices) and the tensors' verdicts run
 on `workers` threads (engines/parallel.py), the report bitwise the same for any number.
 """
 import math
@@ -38,7 +43,7 @@ from . import blocks, rule
 from .case import (CANDIDATES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, CaseError, check_keys, latent_sum,
                    split_case)
 from .diagnosis import diagnose, rel_l2
-from .precision import PRECISIONS, TILE_ROWS, eps, recipe_attention, round_to
+from .precision import PRECISIONS, TILE_ROWS, eps, recipe_backwards, round_to
 from .naive import WAY as NAIVE_WAY, naive_attention
 from .rotary import angle_error, turn_qk, turned_case
 from .tangents import add_tangents
@@ -195,27 +200,36 @@ def _check_k_factors(k_factors):
     return dict(k_factors)
 
 
-def baselines(case, gradients=True, block_rows=None, scheduler=None, workers=1):
+def baselines(case, gradients=True, block_rows=None, scheduler=None, workers=1, ways=None):
     """The baselines of the case's precision (precision.py): a list of result dicts.
 
     float32 / float64: the naive baseline in that dtype. float16, bfloat16, float8: the
     recipe, with the scale on k, on the scores and on q (MLX's order), its two backwards (the
     eager one and the tiled flash one; the rule takes the largest error of them all, since a
     kernel may be built any of these ways), and last the flash one with D from the
-    candidate's out where _reads_kernel_out.
+    candidate's out where _reads_kernel_out. Ways that compute the same forward (_forwards)
+    compute it once.
+    ways: the numbers (_ways) of the baselines wanted, in the list's order; None: all of them.
     block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
-    workers: threads for the ways, and for the slices of a case of at least PARALLEL_SCORES
+    workers: threads for the forwards, and for the slices of a case of at least PARALLEL_SCORES
     scores (engines.parallel.run_tasks), with the same results.
     """
-    count = len(_ways(case, gradients))
-    slices = _slices(case, scheduler, workers, count)
-    results = run_tasks(_baseline, [(piece, way) for _, piece in slices for way in range(count)],
+    every = _ways(case, gradients)
+    ways = range(len(every)) if ways is None else ways
+    groups = [tuple(way for way in group if way in ways) for group in _forwards(every)]
+    groups = [group for group in groups if group]
+    slices = _slices(case, scheduler, workers, len(groups))
+    results = run_tasks(_baseline, [(piece, group) for _, piece in slices for group in groups],
                         workers=workers, shared={"gradients": gradients, "block_rows": block_rows},
                         scheduler=scheduler)
     ats = [at for at, _ in slices]
-    return [put_together(case, ats, results[way::count]) for way in range(count)]
+    by_way = {}
+    for g, group in enumerate(groups):
+        pieces = results[g::len(groups)]                 # the group's results in each slice
+        by_way.update({way: put_together(case, ats, [piece[i] for piece in pieces]) for i, way in enumerate(group)})
+    return [by_way[way] for way in ways]
 
 
 def _score_shape(case):
@@ -226,18 +240,18 @@ def _score_shape(case):
 
 def _slices(case, scheduler, workers, tasks=1):
     """The case in (batch index, kv head) slices (slices.py) for a cluster, or for threads
-    when it has at least PARALLEL_SCORES scores and its `tasks` (the baselines' ways) are
+    when it has at least PARALLEL_SCORES scores and its `tasks` (the baselines' forwards) are
     fewer than the workers; else whole."""
     threads = workers > tasks and blocks.score_entries(_score_shape(case)) >= PARALLEL_SCORES
     return case_slices(case) if scheduler is not None or threads else [((Ellipsis,), case)]
 
 
-def _baseline(case, way, gradients, block_rows):
-    """The baseline of `case` (a whole case, or one slice of it) computed its way number `way`
-    (_ways): a task of baselines."""
+def _baseline(case, ways, gradients, block_rows):
+    """The baselines of `case` (a whole case, or one slice of it) computed its ways numbered
+    `ways` (_ways), which compute one forward (_forwards): a task of baselines, their list."""
     p = case.precision
     if not p.recipe:
-        return baseline(case.inputs, case.options, p.compute, gradients)
+        return [baseline(case.inputs, case.options, p.compute, gradients)]
     rounded = lambda x: None if x is None else round_to(x, p.compute)
     q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
     options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
@@ -246,15 +260,18 @@ def _baseline(case, way, gradients, block_rows):
     back = None
     if rope is not None:                               # turned in T (rotary.py)
         q, k, back = turn_qk(q, k, rope, record, p.compute)
-    backward, reorder, reads, mlx, scores = _ways(case, gradients)[way][1]
-    saved = rounded(case.candidates["out"]) if reads else None
-    gradients = gradients and backward is not None                  # None: a forward-only way
-    result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward or "eager",
-                              reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx,
-                              scores=scores)
-    if back is not None and "dq" in result:
-        result["dq"], result["dk"] = back(result["dq"], result["dk"])
-    return result
+    every = _ways(case, gradients)
+    _, reorder, _, mlx, scores = every[ways[0]][1]     # the forward they share
+    saved = rounded(case.candidates.get("out")) if any(every[way][1][2] for way in ways) else None
+    backwards = [(backward, saved if reads else None) for backward, _, reads, _, _ in (every[way][1] for way in ways)]
+    gradients = gradients and any(backward is not None for backward, _ in backwards)   # None: a forward-only way
+    results = recipe_backwards(q, k, v, record, p, dout=dout if gradients else None, backwards=backwards,
+                               reorder=reorder, block_rows=block_rows, mlx=mlx, scores=scores)
+    if back is not None:
+        for result in results:
+            if "dq" in result:
+                result["dq"], result["dk"] = back(result["dq"], result["dk"])
+    return results
 
 
 def _ways(case, gradients):
@@ -279,6 +296,16 @@ def _ways(case, gradients):
     if _reads_kernel_out(case, gradients):                 # last: the verdicts take it apart
         ways.append((named("scale on k", "flash backward, D of its out"), ("flash", True, True, False, "rounded")))
     return ways
+
+
+def _forwards(ways):
+    """The ways (_ways) by the forward they compute: [tuple of way numbers], a group's ways
+    sharing the scale's place, MLX's order and the scores' rounding (its forward computed once,
+    precision.recipe_backwards), the groups in the order of their first ways."""
+    groups = {}
+    for number, (_, way) in enumerate(ways):
+        groups.setdefault(None if way is None else (way[1],) + way[3:], []).append(number)
+    return [tuple(group) for group in groups.values()]
 
 
 def _scale_offsets(case, ways):
@@ -384,7 +411,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         scheduler: a dask.distributed Client, or a scheduler's address: a large case's tiled
             oracle, baselines and term magnitudes run their slices there (bitwise the same
             report); a case small enough to form its scores whole runs here.
-        workers: threads for the oracle's runs, the baselines' ways and a large case's slices
+        workers: threads for the oracle's runs, the baselines' forwards and a large case's slices
             (an int >= 1); default every core this process may use from PARALLEL_SCORES
             scores up (plan.resolve_workers), else 1. The report is bitwise the same for
             any number.
@@ -439,12 +466,20 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         if forward_of is not None:                         # but the truth where the candidate's forward
             against.update({name: np.where(np.isfinite(value) | ~np.isfinite(truth[name]), value, truth[name])
                             for name, value in done["own"].items() if name in GRADIENTS})   # is not finite
-        count = len(_ways(case, want_grads))
-        say(f"the {case.precision.name} baselines ({count} way{'s' * (count > 1)})")
-        bases = baselines(case, want_grads, block_rows, client, workers)
-        bases = [latent_sum(b, case.latent, case.precision.output if low else None) for b in bases]
-        if tangents:
-            add_tangents(case, truth, bases, wide)
+        ways = _ways(case, want_grads)
+        first = _forwards(ways)[0]                         # the scale on k's forward and its backwards
+        bases = [None] * len(ways)                         # each way's baseline, once computed
+
+        def compute(numbers):                            # the baselines of those ways, put in bases
+            computed = baselines(case, want_grads, block_rows, client, workers, ways=numbers)
+            for number, base in zip(numbers, computed):
+                base = latent_sum(base, case.latent, case.precision.output if low else None)
+                bases[number] = base if case.paged is None else _unpaged(base, case.paged)
+
+        say(f"the {case.precision.name} baselines ({len(first)} way{'s' * (len(first) > 1)})")
+        compute(first)
+        if tangents:                                     # (float32, float64: one way, the first)
+            add_tangents(case, truth, [bases[number] for number in first], wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
         say("the term magnitudes")
         mags = _magnitudes(case, truth, whole, block_rows, client, workers)
@@ -453,13 +488,11 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         directions = _scale_directions(truth, done["shifted"]) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (_unpaged(x, case.paged) for x in (truth, against, directions))
-            bases = [_unpaged(b, case.paged) for b in bases]
-        ways = _ways(case, want_grads)
         names = [names for names, _ in ways]             # each way's (forward, gradient) names
         offsets = _scale_offsets(case, ways)
-        def verdict(name, count, cand=None, by=judge):    # judged by the first `count` baselines
+        def verdict(name, held, cand=None, by=judge):     # judged by the baselines of the ways `held`
             cand = case.candidates[name] if cand is None else cand   # (those that compute the tensor)
-            held = [i for i in range(count) if name in bases[i]]
+            held = [i for i in held if name in bases[i]]
             return by(name, _in_base_e(case, name, cand), against[name],
                       [bases[i][name].astype(cand.dtype) for i in held],
                       baseline_names=[names[i][name in GRADIENTS] for i in held],
@@ -470,17 +503,28 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
                       scale_direction=directions.get(name), scale_tol=eps(case.precision.compute) / 2,
                       scale_atol=_summed_in_t(case, name), scale_offsets=[offsets[i] for i in held])
 
-        def verdicts_of(names, count):                   # {name: verdict}, the tensors on threads
-            return _concurrently({name: partial(verdict, name, count) for name in names}, workers)
+        def verdicts_of(names, held):                    # {name: verdict}, the tensors on threads
+            return _concurrently({name: partial(verdict, name, held) for name in names}, workers)
+
+        reads_out = len(ways) - 1 if _reads_kernel_out(case, want_grads) else None   # D from the kernel's out
+
+        def judged(numbers):                             # the verdicts against the ways `numbers`
+            forward = [i for i in numbers if i != reads_out]
+            verdicts = verdicts_of([name for name in case.candidates if name not in GRADIENTS], forward)
+            with_out = reads_out is not None and verdicts["out"].passed      # an out that passes is a kernel's
+            verdicts.update(verdicts_of([name for name in case.candidates if name in GRADIENTS],
+                                        numbers if with_out else forward))
+            zeros = lambda name: verdict(name, forward, np.zeros_like(case.candidates[name]), rule.judge)
+            return [verdicts[name] for name in case.candidates], zeros
 
         say("the verdicts")
-        reads_out = _reads_kernel_out(case, want_grads)            # the last baseline: D from its out
-        verdicts = verdicts_of([name for name in case.candidates if name not in GRADIENTS], len(bases) - reads_out)
-        with_out = reads_out and verdicts["out"].passed            # an out that passes is one a kernel's
-        verdicts.update(verdicts_of([name for name in case.candidates if name in GRADIENTS],
-                                    len(bases) - reads_out + with_out))
-        verdicts = [verdicts[name] for name in case.candidates]
-        zeros = lambda name: verdict(name, len(bases) - reads_out, np.zeros_like(case.candidates[name]), rule.judge)
+        verdicts, zeros = judged(first)                  # a pass against some baselines passes against all
+        if not all(row.passed for row in verdicts):      # (rule.py): the other ways only for a failure
+            rest = [number for number in range(len(ways)) if number not in first]
+            if rest:
+                say(f"the other {case.precision.name} baselines, for a tensor that failed ({len(rest)} ways)")
+                compute(rest)
+                verdicts, zeros = judged(range(len(ways)))
         _require_judged(case, verdicts, against, mags, None if atol is not None else zeros)
         failing = [row.name for row in verdicts if not row.passed]
         if failing:

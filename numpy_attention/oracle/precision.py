@@ -149,29 +149,45 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     rows at a time, in the same order for any block size.
     Results are float32 arrays holding values of the output dtype (lse: float32).
     """
+    return recipe_backwards(q, k, v, options, precision, dout, [(backward, saved_out)], reorder=reorder,
+                            block_rows=block_rows, mlx=mlx, scores=scores)[0]
+
+
+def recipe_backwards(q, k, v, options, precision, dout=None, backwards=(("eager", None),), reorder=True,
+                     block_rows=None, mlx=False, scores="rounded"):
+    """One forward of the recipe and several backwards from it: a result dict for each of
+    `backwards`, bitwise recipe_attention's with that backward (out and lse are the same
+    arrays in every dict, computed once).
+
+    backwards: (backward, saved_out) pairs, recipe_attention's arguments: 'eager' or 'flash',
+    and the out the flash backward reads for D (None: the recipe's); backward None: the
+    forward only (out, lse), as is every result without dout. The other arguments are
+    recipe_attention's. On each block of rows the forward runs once, then each backward on it.
+    """
     T = precision.compute
     rnd = partial(round_to, dtype=T)                                             # round to T
-    again = partial(recipe_attention, precision=precision, dout=dout, backward=backward, reorder=reorder,
-                    block_rows=block_rows, saved_out=saved_out, mlx=mlx, scores=scores)
+    again = partial(recipe_backwards, precision=precision, dout=dout, backwards=backwards, reorder=reorder,
+                    block_rows=block_rows, mlx=mlx, scores=scores)
     if mlx and options.scale != 1.0:                                             # S = (round(scale) q) k^T
         scale = rnd(np.float32(options.scale))
-        result = again(rnd(q * scale), k, v, options._replace(scale=1.0))
-        return {**result, "dq": rnd(result["dq"] * scale)} if "dq" in result else result
+        results = again(rnd(q * scale), k, v, options._replace(scale=1.0))
+        return [{**result, "dq": rnd(result["dq"] * scale)} if "dq" in result else result for result in results]
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:                              # k, v for each query head
         h_kv, g = k.shape[-3], q.shape[-3] // k.shape[-3]
-        result = again(q, np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), options)
-        for name in ("dk", "dv"):                                                # the group's sum, rounded
-            if name in result:
-                x = result[name]
-                heads = x.reshape(x.shape[:-3] + (h_kv, g) + x.shape[-2:])
-                if backward == "flash":                                          # added head by head in T
-                    total = heads[..., 0, :, :]
-                    for h in range(1, g):
-                        total = rnd(total + heads[..., h, :, :])
-                else:                                                            # in float32, rounded once
-                    total = rnd(np.sum(heads, axis=-3))
-                result[name] = total
-        return result
+        results = again(q, np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), options)
+        for (backward, _), result in zip(backwards, results):
+            for name in ("dk", "dv"):                                            # the group's sum, rounded
+                if name in result:
+                    x = result[name]
+                    heads = x.reshape(x.shape[:-3] + (h_kv, g) + x.shape[-2:])
+                    if backward == "flash":                                      # added head by head in T
+                        total = heads[..., 0, :, :]
+                        for h in range(1, g):
+                            total = rnd(total + heads[..., h, :, :])
+                    else:                                                        # in float32, rounded once
+                        total = rnd(np.sum(heads, axis=-3))
+                    result[name] = total
+        return results
     o = options
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))
     score_shape = q3.shape[:-1] + k3.shape[-2:-1]                              # [..., H, N_q, N_k]
@@ -181,45 +197,65 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], np.float32)
     lse = np.empty(q3.shape[:-1], np.float32)
     dout3 = None if dout is None else rnd(with_head_axis(dout))
-    saved3 = None if saved_out is None else rnd(with_head_axis(saved_out))
-    step = _flash_rows if backward == "flash" else partial(_eager_rows, mlx=mlx)
-    dq, sums = np.empty(q3.shape, np.float32), {"dk": np.zeros(k3.shape, np.float32),
-                                               "dv": np.zeros(v3.shape, np.float32)}
-    dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], np.float32)      # [..., H], float32 sums
-    dslope_rows = None if o.alibi_slopes is None else np.empty(score_shape[:-1], np.float32)   # [..., H, N_q]
-    dbias = None if o.bias is None else np.zeros(o.bias.shape, np.float32)
+    runs = [None if dout3 is None or backward is None else _backward_run(rnd, backward, saved, q3, k3, v3, o,
+                                                                         score_shape, mlx)
+            for backward, saved in backwards]
     for rows in row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, rows, slice(None))
         f = _forward_rows(rnd, q3[..., rows, :], k3, v3, used, o, precision, score_shape, index,
                           reorder, scores)
         out[..., rows, :], lse[..., rows] = f.out, f.lse
-        if saved3 is not None:                                                   # D from the kernel's out
-            f = f._replace(out=saved3[..., rows, :])
-        if dout3 is not None:
-            dq[..., rows, :], ds, sums = step(rnd, dout3[..., rows, :], o, f, sums)
-            if dbias is not None:                                                # dbias += dS, a tile at a time
-                for r in range(0, ds.shape[-2], TILE_ROWS):
-                    tile = slice(rows.start + r, rows.start + r + TILE_ROWS)
-                    block = bias_block(dbias, (Ellipsis, tile, slice(None)))
-                    block += unbroadcast(ds[..., r:r + TILE_ROWS, :], block.shape)
-            if dsinks is not None:                                               # -sum P_sink D
-                dsinks -= np.sum(f.p_sink[..., 0] * np.sum(dout3[..., rows, :] * f.out, axis=-1), axis=-1)
-            if dslope_rows is not None:                                          # each row's -sum dS |..|
-                dslope_rows[..., rows] = alibi_row_gradient(ds, o, score_shape, index,
-                                                            rounded=rnd if backward == "eager" else None)
+        for run in runs:
+            if run is not None:
+                _backward_rows(rnd, run, dout3[..., rows, :], o, f, rows)
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
-    if dout3 is None:
-        return result
-    if backward != "flash":
-        sums = _eager_sums_rounded(rnd, sums, o, reorder)
-    result.update(dq=dq.reshape(q.shape), dk=sums["dk"].reshape(k.shape),
-                  dv=sums["dv"].reshape(v.shape))
-    if dbias is not None:
-        result["dbias"] = rnd(dbias)
-    if dsinks is not None:
-        result["dsinks"] = rnd(head_gradient(dsinks, o.sinks))
-    if dslope_rows is not None:
-        result["dalibi_slopes"] = rnd(alibi_slopes_gradient(dslope_rows, o))
+    return [result if run is None else {**result, **_gradients(rnd, run, o, reorder, q.shape, k.shape, v.shape)}
+            for run in runs]
+
+
+def _backward_run(rnd, backward, saved_out, q3, k3, v3, o, score_shape, mlx):
+    """A backward's state over the blocks of rows (_backward_rows continues it): its step
+    (_eager_rows or _flash_rows), the out it reads for D (rounded; None: the forward's), dq by
+    rows and the float32 sums over rows (dk, dv; dbias, the sinks' and the ALiBi rows' terms)."""
+    return {"backward": backward,
+            "step": _flash_rows if backward == "flash" else partial(_eager_rows, mlx=mlx),
+            "saved": None if saved_out is None else rnd(with_head_axis(saved_out)),
+            "dq": np.empty(q3.shape, np.float32),
+            "sums": {"dk": np.zeros(k3.shape, np.float32), "dv": np.zeros(v3.shape, np.float32)},
+            "dsinks": None if o.sinks is None else np.zeros(score_shape[:-2], np.float32),     # [..., H]
+            "dslope_rows": None if o.alibi_slopes is None else np.empty(score_shape[:-1], np.float32),  # [.., H, N_q]
+            "dbias": None if o.bias is None else np.zeros(o.bias.shape, np.float32)}
+
+
+def _backward_rows(rnd, run, dout, o, f, rows):
+    """The backward of `run` (_backward_run) on the block `rows` of the forward f (_Forward),
+    dout its rows [..., H, b, d_v]: its dq rows written, its sums continued."""
+    if run["saved"] is not None:                                                 # D from the kernel's out
+        f = f._replace(out=run["saved"][..., rows, :])
+    run["dq"][..., rows, :], ds, run["sums"] = run["step"](rnd, dout, o, f, run["sums"])
+    if run["dbias"] is not None:                                                 # dbias += dS, a tile at a time
+        for r in range(0, ds.shape[-2], TILE_ROWS):
+            tile = slice(rows.start + r, rows.start + r + TILE_ROWS)
+            block = bias_block(run["dbias"], (Ellipsis, tile, slice(None)))
+            block += unbroadcast(ds[..., r:r + TILE_ROWS, :], block.shape)
+    if run["dsinks"] is not None:                                                # -sum P_sink D
+        run["dsinks"] -= np.sum(f.p_sink[..., 0] * np.sum(dout * f.out, axis=-1), axis=-1)
+    if run["dslope_rows"] is not None:                                           # each row's -sum dS |..|
+        run["dslope_rows"][..., rows] = alibi_row_gradient(
+            ds, o, f.score_shape, f.index, rounded=rnd if run["backward"] == "eager" else None)
+
+
+def _gradients(rnd, run, o, reorder, q_shape, k_shape, v_shape):
+    """The gradients of a finished backward run (_backward_run): dq, dk, dv (of q's, k's, v's
+    shapes) and dbias, dsinks, dalibi_slopes where the options have them, rounded to T."""
+    sums = run["sums"] if run["backward"] == "flash" else _eager_sums_rounded(rnd, run["sums"], o, reorder)
+    result = {"dq": run["dq"].reshape(q_shape), "dk": sums["dk"].reshape(k_shape), "dv": sums["dv"].reshape(v_shape)}
+    if run["dbias"] is not None:
+        result["dbias"] = rnd(run["dbias"])
+    if run["dsinks"] is not None:
+        result["dsinks"] = rnd(head_gradient(run["dsinks"], o.sinks))
+    if run["dslope_rows"] is not None:
+        result["dalibi_slopes"] = rnd(alibi_slopes_gradient(run["dslope_rows"], o))
     return result
 
 

@@ -17,6 +17,14 @@ accurate as PyTorch's naive implementation in the same dtype"):
   naive one (head-width sums left to right, long sums in chunks; naive.py) in float32 and
   float64, the recipe in float16, bfloat16 and float8 (the largest error of its ways of
   computing).
+- several baselines: each check takes the largest of their errors (the max-abs error, the
+  L2 norm, each row's error and the rms floor, the scale check's spread, and s(baseline),
+  past eps(T) / 2 of which the scale check is not applied), and atol does not depend on
+  them: so every bound only grows as baselines are added, and a candidate that passes
+  against some of them passes against all of them (crosscheck judges against the recipe's
+  first forward, check._forwards, and computes the other ways only when a tensor fails).
+  Except where an added baseline is not finite and the oracle is: its bound, infinite,
+  judges nothing (below).
 - k: 2 for `out` and `lse`, 3 for the gradients (FlashAttention's factors).
 - the normwise check (K_L2 = 2) catches what the max-abs one cannot see in a low
   precision: an error spread over the whole tensor that no single entry shows above
@@ -202,7 +210,7 @@ def judge(name, candidate, oracle, baseline, *, k=None, atol=None, dtype=None, l
             "lse", +inf counts as -inf where the oracle is -inf.
         oracle: the reference in a wider dtype.
         baseline: an array of the oracle's shape, or a list of them: err(baseline) is then
-            the largest of their errors (in every check).
+            the largest of their errors (in every check; each bound grows with the list).
         k: default K_DEFAULT[name] (3 for a name it does not know).
         atol: default atol_for(dtype, max|oracle| over its finite entries).
         dtype: the candidate's dtype as reported and for atol (default candidate.dtype;
