@@ -58,23 +58,27 @@ VARIANTS = ("plain", "causal", "mask", "bias_gqa_causal")
 FIGURES = ("baseline_err", "max_abs_err", "bound", "atol")
 HONEST = ("ours", "torch")
 
-PROBE = """
-import numpy as np, threadpoolctl
-a = np.ones((300, 300))
-assert (a @ a)[0, 0] == 300
-print("KERNEL", ", ".join(i.get("architecture") for i in threadpoolctl.threadpool_info() if i["internal_api"] == "openblas"))
+SAY_KERNEL = """
+import threadpoolctl
+print("KERNEL", ", ".join(lib.get("architecture") for lib in threadpoolctl.threadpool_info()
+                          if lib["internal_api"] == "openblas"))
 """
 
+PROBE = """
+import numpy as np
+a = np.ones((300, 300))
+assert (a @ a)[0, 0] == 300
+""" + SAY_KERNEL
+
 JUDGE = """
-import json, time, threadpoolctl
+import json, time
 from numpy_attention.oracle import crosscheck, load_case
 start = time.perf_counter()
 for name, path in {cases!r}:
     report = crosscheck(**load_case(path), workers={workers})
     print("REPORT", name, json.dumps(json.loads(report.to_json())))
 print("SECONDS", time.perf_counter() - start)
-print("KERNEL", ", ".join(i.get("architecture") for i in threadpoolctl.threadpool_info() if i["internal_api"] == "openblas"))
-"""
+""" + SAY_KERNEL
 
 
 def said(stdout, key):
