@@ -27,7 +27,7 @@ dbias) rounded to the precision, and "torch" torch's SDPA math backend run in th
 seeing one key past the diagonal.
 
 Every configuration judges every case in its own child process, which prints each report as
-JSON (CrosscheckReport.to_json). The table: per configuration, the kernel the child's
+JSON (CrosscheckReport.to_json); a line on stderr as each one is done. The table: per configuration, the kernel the child's
 threadpool_info reported, the child's seconds judging, how many tensor verdicts differ from
 the default configuration's (must be 0), and the largest relative difference
 |a - b| / max(|a|, |b|) of a printed figure (FIGURES, per tensor) from the default's, and where.
@@ -221,7 +221,10 @@ def main():
                                                           for name, kernel, why in found]))
     with tempfile.TemporaryDirectory() as directory:
         cases = write_cases(directory, large=not args.no_large)
-        results = [(config, judge(cases, *config)) for config in configurations(found)]
+        configs, results = configurations(found), []
+        for i, config in enumerate(configs, 1):
+            results.append((config, judge(cases, *config)))
+            print(f"configuration {i} of {len(configs)} judged", file=sys.stderr, flush=True)
     default = results[0][1][2]
     honest = [name for name in default if name.rsplit("/", 1)[1] in HONEST]
     print(f"\n{len(cases)} cases; the default configuration: {sum(default[n]['passed'] for n in honest)} of "
