@@ -9,6 +9,7 @@ resident set size (VmHWM), so one configuration's peak cannot hide another's.
 import importlib.metadata
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,23 +37,32 @@ def median_time(fn, repeats=5, budget=20.0):
     return statistics.median(times)
 
 
-def median_times_apart(codes, rounds=4, calls=3):
+def median_times_apart(codes, rounds=4, calls=3, warmups=2, failures=False):
     """Median wall time of each contender's step(), each one timed alone in its own process.
 
     `codes` are Python snippets that each define step(). Per round, every contender runs in
-    a fresh interpreter (allocator settled: SETTLE_ALLOCATOR): two untimed calls (BLAS
+    a fresh interpreter (allocator settled: SETTLE_ALLOCATOR): `warmups` untimed calls (BLAS
     threads, caches), then `calls` timed
     ones; the rounds alternate the contenders, spreading a shared machine's noise over all
     alike. Alone, because two libraries in one process slow each other: after a call each
     one's idle threads keep spinning on the cores (OpenMP's for up to 200 ms, OpenBLAS's
     too), so whoever runs next is measured against them. Timed in one process, torch's
     step at the seed's shape varied 2.5x from run to run (and favoured us); alone, +-20%.
+    failures: a contender whose child fails (ChildFailed) runs no more, and its entry is the
+    failure's one-line reason (a str) instead of a time; False: the failure is raised.
     """
     times = [[] for _ in codes]
     for _ in range(rounds):
-        for code, ts in zip(codes, times):
-            ts += child_times(code, calls)
-    return [statistics.median(ts) for ts in times]
+        for i, code in enumerate(codes):
+            if isinstance(times[i], str):
+                continue
+            try:
+                times[i] += child_times(code, calls, warmups)
+            except ChildFailed as failure:
+                if not failures:
+                    raise
+                times[i] = failure.reason
+    return [ts if isinstance(ts, str) else statistics.median(ts) for ts in times]
 
 
 # Run first in every timed child: numpy allocates and frees one 16 MiB array. glibc serves an
@@ -66,11 +76,11 @@ def median_times_apart(codes, rounds=4, calls=3):
 SETTLE_ALLOCATOR = "import numpy\nnumpy.ones(2 << 20)\n"
 
 
-def child_times(code, calls):
+def child_times(code, calls, warmups=2):
     """The wall times of `calls` calls of the step() that `code` defines, in a fresh
-    interpreter (its allocator settled first: SETTLE_ALLOCATOR), after two untimed calls."""
+    interpreter (its allocator settled first: SETTLE_ALLOCATOR), after `warmups` untimed calls."""
     code = SETTLE_ALLOCATOR + code
-    timing = (f"\nimport time\nstep()\nstep()\nfor _ in range({calls}):\n"
+    timing = (f"\nimport time\nfor _ in range({warmups}):\n    step()\nfor _ in range({calls}):\n"
               f"    t0 = time.perf_counter()\n    step()\n    print('TIME', time.perf_counter() - t0)\n")
     out = run_child(code + timing)[1]
     return [float(line.split()[1]) for line in out.splitlines() if line.startswith("TIME")]
@@ -108,15 +118,32 @@ def softmax_passes(shape, dtype, workers, fresh_p=False):
                              shared={"p": np.empty(shape, dtype) if fresh_p else p})
 
 
-def run_child(code):
-    """Run `code` (a Python snippet) in a fresh interpreter; return (peak RSS in MiB, stdout)."""
+class ChildFailed(RuntimeError):
+    """A child process that failed; .reason says why in one line: its error's last line, or
+    the signal that killed it (SIGKILL: most likely the kernel's out-of-memory killer)."""
+
+    def __init__(self, returncode, stderr):
+        lines = stderr.strip().splitlines()
+        if returncode < 0:
+            name = signal.Signals(-returncode).name
+            self.reason = f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+        else:
+            self.reason = lines[-1] if lines else f"exit status {returncode}"
+        super().__init__(f"child failed: {self.reason}\n{stderr[-2000:]}")
+
+
+def run_child(code, env=None):
+    """Run `code` (a Python snippet) in a fresh interpreter; return (peak RSS in MiB, stdout).
+    env: environment variables for the child over this process's (a None value: unset).
+    Raises ChildFailed if it fails."""
     probe = ("\nfor line in open('/proc/self/status'):\n"
              "    if line.startswith('VmHWM'):\n"
              "        print('VMHWM', int(line.split()[1]))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root()] + sys.path))
+    env = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
+    env["PYTHONPATH"] = os.pathsep.join([repo_root()] + sys.path)
     res = subprocess.run([sys.executable, "-c", code + probe], capture_output=True, text=True, env=env)
     if res.returncode:
-        raise RuntimeError(f"child failed:\n{res.stderr[-2000:]}")
+        raise ChildFailed(res.returncode, res.stderr)
     kib = [int(l.split()[1]) for l in res.stdout.splitlines() if l.startswith("VMHWM")][0]
     return kib / 1024, res.stdout
 

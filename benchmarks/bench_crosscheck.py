@@ -1,6 +1,6 @@
 """crosscheck's time against a float64 reference's, and its peak memory on long cases.
 
-    python3 benchmarks/bench_crosscheck.py [--lengths 128 512 2048] [--precisions ...]
+    python3 benchmarks/bench_crosscheck.py [--lengths 128 512 2048 8192] [--precisions ...]
                                            [--rounds 3] [--heads 8] [--d 64]
     python3 benchmarks/bench_crosscheck.py --memory [--lengths 2048 8192] [--budget N]
 
@@ -12,7 +12,10 @@ random normal values of the precision, the candidate our float64 attention round
 it. Per N, precision and causal or not: the median time of each, timed alone in its own
 process, the processes alternating (_common.median_times_apart), and the ratio
 crosscheck / torch (the figure to read: the machine is shared and noisy). Without torch,
-crosscheck's times alone.
+crosscheck's times alone. Up to N = ROUNDS_MAX_N, --rounds rounds of two untimed calls and
+one timed; above, where one call takes from a minute to several, one round of one call. A
+contender that cannot run a size (out of memory, say) has why in its cell. torch picks its
+kernel as its users get it: on the CPU, float64 goes to its flash kernel (O(N) memory).
 
 Memory (--memory): crosscheck's wall time and peak RSS on a causal bfloat16 case with
 gradients and lse. It is written to a .npz file by one child process; a fresh child then
@@ -35,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import OtherLoad, machine_line, median_times_apart, run_child, table  # noqa: E402
 
 PRECISIONS = ("float32", "bfloat16", "float16")
+ROUNDS_MAX_N = 2048          # above: one round of one call, no untimed ones
 
 CROSSCHECK_STEP = """
 import numpy as np, ml_dtypes
@@ -48,7 +52,7 @@ g = attention_backward(wide[3], cache)
 case = dict(q=q, k=k, v=v, dout=dout, causal={causal}, out=out.astype(T), lse=cache.lse.astype(np.float32),
             dq=g.dq.astype(T), dk=g.dk.astype(T), dv=g.dv.astype(T))
 def step():
-    assert crosscheck(**case)
+    assert crosscheck(**case), "an honest candidate failed"
 """
 
 TORCH_STEP = """
@@ -107,19 +111,23 @@ def time_table(args):
     """The time table: crosscheck and torch's float64 forward + backward, and their ratio."""
     has_torch = importlib.util.find_spec("torch") is not None
     print(f"crosscheck of out, lse, dq, dk, dv [1, {args.heads}, N, {args.d}] against torch's float64 "
-          f"SDPA forward + backward of the same case (median of {args.rounds} rounds, each alone in "
-          f"its own process)")
+          f"SDPA forward + backward of the same case (median of {args.rounds} rounds up to "
+          f"N = {ROUNDS_MAX_N}, one call above; each alone in its own process)")
     rows = []
     for n in args.lengths:
+        few = n > ROUNDS_MAX_N
         for precision in args.precisions:
             for causal in (False, True):
                 fields = dict(h=args.heads, n=n, d=args.d, causal=causal)
                 codes = [CROSSCHECK_STEP.format(precision=precision, **fields)]
                 codes += [TORCH_STEP.format(**fields)] if has_torch else []
-                times = median_times_apart(codes, rounds=args.rounds, calls=1)
-                ratio = f"{times[0] / times[1]:.1f}" if has_torch else "-"
-                rows.append([str(n), precision, "yes" if causal else "no", f"{times[0]:.3f}",
-                             f"{times[1]:.3f}" if has_torch else "-", ratio])
+                times = median_times_apart(codes, rounds=1 if few else args.rounds, calls=1,
+                                           warmups=0 if few else 2, failures=True)
+                cells = [t if isinstance(t, str) else f"{t:.3f}" for t in times]     # a str: why it failed
+                cells += [] if has_torch else ["-"]
+                timed = has_torch and not any(isinstance(t, str) for t in times)
+                ratio = f"{times[0] / times[1]:.1f}" if timed else "-"
+                rows.append([str(n), precision, "yes" if causal else "no", *cells, ratio])
     print(table(["N", "precision", "causal", "crosscheck s", "torch float64 s", "ratio"], rows))
 
 
@@ -143,16 +151,17 @@ def main():
                                  epilog=__doc__.split("\n\n", 2)[2])
     ap.add_argument("--memory", action="store_true", help="the memory table instead of the time table")
     ap.add_argument("--lengths", type=int, nargs="+",
-                    help="sequence lengths N (default 128 512 2048; --memory: 2048 8192)")
+                    help="sequence lengths N (default 128 512 2048 8192; --memory: 2048 8192)")
     ap.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
                     help="the candidates' precisions (time table; default all three)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the time table (default 3)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help=f"rounds of the time table up to N = {ROUNDS_MAX_N} (default 3; one above)")
     ap.add_argument("--heads", type=int, help="heads H (default 8; --memory: 4)")
     ap.add_argument("--d", type=int, default=64, help="head width d (default 64)")
     ap.add_argument("--budget", type=int, default=2 ** 24,
                     help="blocks.SCORE_BUDGET in the child (--memory; default 2**24 = 16777216, the library's)")
     args = ap.parse_args()
-    args.lengths = args.lengths or ([2048, 8192] if args.memory else [128, 512, 2048])
+    args.lengths = args.lengths or ([2048, 8192] if args.memory else [128, 512, 2048, 8192])
     args.heads = args.heads or (4 if args.memory else 8)
     print(machine_line())
     load = OtherLoad()
