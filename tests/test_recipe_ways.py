@@ -8,10 +8,7 @@ import numpy as np
 import pytest
 
 from numpy_attention.oracle import check, crosscheck, rule, split_case
-from numpy_attention.oracle.case import FLOAT_OPTIONS
 from numpy_attention.oracle.precision import PRECISIONS, recipe_attention, round_to
-from numpy_attention.oracle.rotary import turn_qk
-from numpy_attention.options import attention_options
 
 precision_module = importlib.import_module("numpy_attention.oracle.precision")
 blocks = importlib.import_module("numpy_attention.oracle.blocks")
@@ -44,16 +41,9 @@ def way_alone(case, way, gradients, block_rows):
     """The baseline of one way (check._ways) by recipe_attention alone: what check computed
     way by way, each way with its own forward."""
     p = case.precision
-    rounded = lambda x: None if x is None else round_to(x, p.compute)
-    q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
-    options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
-    rope = options.pop("rope", None)
-    q, k, v, record = attention_options(q, k, v, **options)
-    back = None
-    if rope is not None:
-        q, k, back = turn_qk(q, k, rope, record, p.compute)
+    q, k, v, dout, record, back = check.recipe_case_in(case)
     backward, reorder, reads, mlx, scores = check._ways(case, gradients)[way][1]
-    saved = rounded(case.candidates["out"]) if reads else None
+    saved = round_to(case.candidates["out"], p.compute) if reads else None
     gradients = gradients and backward is not None
     result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward or "eager",
                               reorder=reorder, block_rows=block_rows, saved_out=saved, mlx=mlx, scores=scores)

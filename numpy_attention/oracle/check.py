@@ -252,17 +252,11 @@ def _baseline(case, ways, gradients, block_rows):
     p = case.precision
     if not p.recipe:
         return [baseline(case.inputs, case.options, p.compute, gradients)]
-    rounded = lambda x: None if x is None else round_to(x, p.compute)
-    q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
-    options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
-    rope = options.pop("rope", None)
-    q, k, v, record = attention_options(q, k, v, **options)
-    back = None
-    if rope is not None:                               # turned in T (rotary.py)
-        q, k, back = turn_qk(q, k, rope, record, p.compute)
+    q, k, v, dout, record, back = recipe_case_in(case)
     every = _ways(case, gradients)
     _, reorder, _, mlx, scores = every[ways[0]][1]     # the forward they share
-    saved = rounded(case.candidates.get("out")) if any(every[way][1][2] for way in ways) else None
+    reads = any(every[way][1][2] for way in ways)
+    saved = round_to(case.candidates["out"], p.compute) if reads and "out" in case.candidates else None
     backwards = [(backward, saved if reads else None) for backward, _, reads, _, _ in (every[way][1] for way in ways)]
     gradients = gradients and any(backward is not None for backward, _ in backwards)   # None: a forward-only way
     results = recipe_backwards(q, k, v, record, p, dout=dout if gradients else None, backwards=backwards,
@@ -272,6 +266,23 @@ def _baseline(case, ways, gradients, block_rows):
             if "dq" in result:
                 result["dq"], result["dk"] = back(result["dq"], result["dk"])
     return results
+
+
+def recipe_case_in(case):
+    """(q, k, v, dout, record, back): the case as the recipe reads it (precision.py), its inputs
+    rounded to the compute dtype T and held in float32 (dout None if absent), its options'
+    float arrays in float32, its AttentionOptions record; with rope, q and k turned in T
+    (rotary.py) and back(dq, dk) turning their gradients back (else back is None)."""
+    p = case.precision
+    rounded = lambda x: None if x is None else round_to(x, p.compute)
+    q, k, v, dout = (rounded(case.inputs.get(name)) for name in ("q", "k", "v", "dout"))
+    options = {name: x.astype(np.float32) if name in FLOAT_OPTIONS else x for name, x in case.options.items()}
+    rope = options.pop("rope", None)
+    q, k, v, record = attention_options(q, k, v, **options)
+    back = None
+    if rope is not None:
+        q, k, back = turn_qk(q, k, rope, record, p.compute)
+    return q, k, v, dout, record, back
 
 
 def _ways(case, gradients):
