@@ -27,10 +27,11 @@ dbias) rounded to the precision, and "torch" torch's SDPA math backend run in th
 seeing one key past the diagonal.
 
 Every configuration judges every case in its own child process, which prints each report as
-JSON (CrosscheckReport.to_json); a line on stderr as each one is done. The table: per configuration, the kernel the child's
-threadpool_info reported, the child's seconds judging, how many tensor verdicts differ from
-the default configuration's (must be 0), and the largest relative difference
-|a - b| / max(|a|, |b|) of a printed figure (FIGURES, per tensor) from the default's, and where.
+JSON (CrosscheckReport.to_json); a line on stderr as each one is done. The table: per
+configuration, the kernel the child's threadpool_info reported, the child's seconds judging,
+how many tensor verdicts differ from the default configuration's (must be 0), and the largest
+relative difference |a - b| / max(|a|, |b|) of a printed figure (FIGURES, per tensor) from the
+default's, and where.
 """
 import argparse
 import importlib.util

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from numpy_attention import attention_forward
 from numpy_attention.oracle import check, crosscheck, rule, split_case
 from numpy_attention.oracle.precision import PRECISIONS, recipe_attention, round_to
 
@@ -188,3 +189,35 @@ def test_a_failing_candidates_report_is_the_one_against_every_way(monkeypatch):
     monkeypatch.setattr(check, "_forwards", lambda ways: [tuple(range(len(ways)))])   # crosscheck's first: all
     every_way = crosscheck(**arrays, **candidate)
     assert str(report) == str(every_way) and report.to_json() == every_way.to_json()
+
+
+def overflowing_case():
+    """A float16 case whose unscaled products q . k (about 64 * 40^2 = 1e5) overflow float16's
+    65504 though the scaled scores do not: the recipe's way with the scale on S cannot compute
+    it. The candidate is our float64 attention rounded to float16 (lse in float32)."""
+    rng = np.random.default_rng(3)
+    q, k = ((40 + 3 * rng.standard_normal((1, 2, 16, 64))).astype(np.float16) for _ in range(2))
+    v, dout = (rng.standard_normal((1, 2, 16, 64)).astype(np.float16) for _ in range(2))
+    out, cache = attention_forward(*(x.astype(np.float64) for x in (q, k, v)), scale=1e-3)
+    return dict(q=q, k=k, v=v, scale=1e-3, out=out.astype(np.float16), lse=cache.lse.astype(np.float32))
+
+
+def test_a_way_whose_scores_overflow_computes_nan_not_weights_made_up():
+    """The scale on S overflows to +inf in every row: its out and lse are NaN there (a row with
+    an infinite score was once taken for a fully masked one, its weights made 0, and out 0)."""
+    case = split_case(overflowing_case())
+    ways = check._ways(case, False)
+    on_s = [number for number, (names, _) in enumerate(ways) if names[0] == "scale on S"]
+    base = check.baselines(case, gradients=False, ways=on_s)[0]
+    assert np.isnan(base["out"]).all() and np.isnan(base["lse"]).all()
+
+
+def test_a_way_that_overflows_is_left_out_and_cannot_excuse_zeros():
+    """The honest candidate passes against the ways that compute the case, lazily or not, and
+    an all-zero out fails: the overflowing way neither refuses the case nor widens the bound."""
+    arrays = overflowing_case()
+    report = crosscheck(**arrays)
+    assert report, str(report)
+    assert all("scale on S" not in row.baseline_way for row in report.rows)
+    zeros = crosscheck(**{**arrays, "out": np.zeros_like(arrays["out"])})
+    assert not zeros and not zeros.rows[0].passed, str(zeros)

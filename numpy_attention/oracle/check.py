@@ -12,8 +12,9 @@ The keyword names are the .npz keys (case.py). For each candidate tensor X:
               largest sum of absolute terms that makes an entry of X, e.g. for dq
               scale * max_i sum_j P_ij (|dP_ij| + |D_i|) max|k|: rounding error is relative
               to the terms, not to the result (a gradient that cancels to 0 still rounds).
-In float16, bfloat16 and float8 the baseline is the largest error of the recipe's ways (_ways).
-Every bound only grows with the ways (rule.py), so each tensor is judged first against the
+In float16, bfloat16 and float8 the baseline is the largest error of the recipe's ways (_ways)
+that compute the tensor without overflowing (_computes). Every bound only grows with such
+ways (rule.py), so each tensor is judged first against the
 ways of the recipe's first forward, the scale on k (_forwards); only when one fails are the
 other ways computed and every tensor judged again against all of them: a report that fails
 is the one against every way, one that passes computes the first forward alone.
@@ -210,7 +211,8 @@ def baselines(case, gradients=True, block_rows=None, scheduler=None, workers=1, 
     candidate's out where _reads_kernel_out. Ways that compute the same forward (_forwards)
     compute it once.
     ways: the numbers (_ways) of the baselines wanted, in the list's order; None: all of them.
-    block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all.
+    block_rows: the recipe's query rows per block (blocks.py; a multiple of TILE_ROWS), None:
+    all (the naive baseline runs on tiles of rows of its own).
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
     workers: threads for the forwards, and for the slices of a case of at least PARALLEL_SCORES
@@ -255,8 +257,8 @@ def _baseline(case, ways, gradients, block_rows):
     q, k, v, dout, record, back = recipe_case_in(case)
     every = _ways(case, gradients)
     _, reorder, _, mlx, scores = every[ways[0]][1]     # the forward they share
-    reads = any(every[way][1][2] for way in ways)
-    saved = round_to(case.candidates["out"], p.compute) if reads and "out" in case.candidates else None
+    any_reads = any(every[way][1][2] for way in ways)
+    saved = round_to(case.candidates["out"], p.compute) if any_reads and "out" in case.candidates else None
     backwards = [(backward, saved if reads else None) for backward, _, reads, _, _ in (every[way][1] for way in ways)]
     gradients = gradients and any(backward is not None for backward, _ in backwards)   # None: a forward-only way
     results = recipe_backwards(q, k, v, record, p, dout=dout if gradients else None, backwards=backwards,
@@ -504,8 +506,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         def verdict(name, held, cand=None, by=judge):     # judged by the baselines of the ways `held`
             cand = case.candidates[name] if cand is None else cand   # (those that compute the tensor)
             held = [i for i in held if name in bases[i]]
-            return by(name, _in_base_e(case, name, cand), against[name],
-                      [bases[i][name].astype(cand.dtype) for i in held],
+            base = {i: bases[i][name].astype(cand.dtype) for i in held}
+            held = [i for i in held if _computes(base[i], truth[name])] or held   # overflowing ways left out
+            return by(name, _in_base_e(case, name, cand), against[name], [base[i] for i in held],
                       baseline_names=[names[i][name in GRADIENTS] for i in held],
                       baseline_oracle=truth[name],
                       k=k_factors.get(name), dtype=cand.dtype,
@@ -546,6 +549,17 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     kind = "recipe" if case.precision.recipe else NAIVE_WAY
     return CrosscheckReport(rows=verdicts, oracle_dtype=str(wide),
                             baseline_dtype=f"{case.precision.name} ({kind})", diagnosis=tuple(diagnosis))
+
+
+def _computes(base, oracle):
+    """Whether a baseline (in the candidate's dtype) is finite wherever the oracle is. A way of
+    the recipe whose values overflow the precision there (NaN or inf: a score past float16's
+    65504 when the scale is applied after the product) computes nothing a kernel could be held
+    to; crosscheck leaves it out of the tensor's envelope while another way computes the
+    tensor, and refuses the case when none does (_require_judged). Leaving such ways out keeps
+    the envelope's bound growing with every way added, so judging against the first forward's
+    ways first (crosscheck) gives the verdict of judging against all of them."""
+    return bool(np.all(np.isfinite(base) | ~np.isfinite(oracle)))
 
 
 def _require_judged(case, verdicts, against, mags, verdict_of_zeros):

@@ -35,8 +35,9 @@ Two kinds of sums, added two ways (CHUNK = 32):
   This runs at BLAS speed where a left-to-right sum takes N NumPy passes, and changes the
   baseline's error little: its max-abs error is 0.83-1.00 times that of the long sums left
   to right (each tensor's median over 20 random float32 cases; 0.42-1.19 in any one case:
-  benchmarks/naive_chunks.py). In float64 the chunks are float64 sums of float64 products,
-  whose last bits may depend on the BLAS's kernel.
+  benchmarks/naive_chunks.py). A chunk's float64 sum is rounded once more, so BLAS's kernel
+  (its order of the 32 terms) may move a float32 result by an ulp, about once in 2^28 entries;
+  in float64 the chunks are float64 sums of float64 products, whose last bits may depend on it.
 exp and log are computed in float64 and rounded to the dtype (in float64: numpy's own), so
 that float32's results do not depend on the SIMD code numpy picks for float32 on a processor.
 
@@ -45,7 +46,8 @@ heads (heads g, g + G, ...), so that the tile meets the kv heads one to one, and
 fixed positions (0..31, 32..63, ...); the tiles go group head by group head, rows in order,
 and dk, dv continue one running sum over them. Each BLAS product is of one chunk of keys and
 one tile of rows, of the same shapes wherever they are: the results do not depend on how a
-case is cut (crosscheck's slices, oracle/slices.py) and take O(CHUNK N_k) memory.
+case is cut (crosscheck's slices, oracle/slices.py), and a tile's arrays are O(CHUNK N_k) per
+kv head.
 
 Chunks of keys that the keep-mask (scores.keep_mask: causal, a window, the mask, a -inf
 bias, ...) removes from every row of a tile are skipped: no score, product or sum of them is
@@ -157,7 +159,7 @@ def naive_attention(q, k, v, options, dout=None):
     q, k, v and options (an AttentionOptions record) as `attention_options` returns them:
     naive_attention(*attention_options(q, k, v, **kwargs), dout=dout). Without dout, the
     forward alone. Computed a tile of CHUNK query rows at a time (module docstring): a
-    tile's scores are [..., H_kv, CHUNK, N_k].
+    tile's scores are [..., H_kv, r, W], r <= CHUNK rows on the W keys of its kept chunks.
     """
     o = options
     q3, k3, v3 = (with_head_axis(x) for x in (q, k, v))

@@ -209,8 +209,8 @@ def recipe_backwards(q, k, v, options, precision, dout=None, backwards=(("eager"
             if run is not None:
                 _backward_rows(rnd, run, dout3[..., rows, :], o, f, rows)
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
-    return [result if run is None else {**result, **_gradients(rnd, run, o, reorder, q.shape, k.shape, v.shape)}
-            for run in runs]
+    shapes = (q.shape, k.shape, v.shape)
+    return [dict(result) if run is None else {**result, **_gradients(rnd, run, o, reorder, *shapes)} for run in runs]
 
 
 def _backward_run(rnd, backward, saved_out, q3, k3, v3, o, score_shape, mlx):
@@ -347,13 +347,15 @@ def _narrow_matmul(x, y, bits):
 
 def _softmax32(s, fill):
     """(P, lse) of the scores in float32; a row of all -inf: P = fill (the fully_masked
-    policy's weight, naive.masked_row_weight), lse = -inf."""
+    policy's weight, naive.masked_row_weight), lse = -inf. A row with a score of +inf (one that
+    overflowed T) is NaN: the precision cannot compute it, and no weight stands in for it."""
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    e = np.exp(s - np.where(np.isneginf(m), 0, m))
-    total = np.sum(e, axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = (np.where(np.isneginf(m), 0, m) + np.log(total))[..., 0]
-        return np.where(total > 0, e / total, fill).astype(np.float32), lse.astype(np.float32)
+    dead = np.isneginf(m)
+    with np.errstate(divide="ignore", invalid="ignore"):              # inf - inf: NaN, as it should
+        e = np.exp(s - np.where(dead, 0, m))
+        total = np.sum(e, axis=-1, keepdims=True)
+        lse = (np.where(dead, 0, m) + np.log(total))[..., 0]
+        return np.where(dead, fill, e / total).astype(np.float32), lse.astype(np.float32)
 
 
 def _eager_rows(rnd, dout, o, f, sums, mlx=False):

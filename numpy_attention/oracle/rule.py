@@ -24,7 +24,7 @@ accurate as PyTorch's naive implementation in the same dtype"):
   against some of them passes against all of them (crosscheck judges against the recipe's
   first forward, check._forwards, and computes the other ways only when a tensor fails).
   Except where an added baseline is not finite and the oracle is: its bound, infinite,
-  judges nothing (below).
+  judges nothing (below); crosscheck leaves such a way out while another computes the tensor.
 - k: 2 for `out` and `lse`, 3 for the gradients (FlashAttention's factors).
 - the normwise check (K_L2 = 2) catches what the max-abs one cannot see in a low
   precision: an error spread over the whole tensor that no single entry shows above
