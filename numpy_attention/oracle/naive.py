@@ -129,19 +129,23 @@ def _wide(dtype):
 def _chunked_keys(x):
     """x [..., r, W] in float64, cut into chunks of CHUNK keys, the last padded with zeros:
     [..., n, r, CHUNK] (a view of one fresh array)."""
-    n = -(-x.shape[-1] // CHUNK)
-    wide = np.zeros(x.shape[:-1] + (n * CHUNK,), _wide(x.dtype))
-    wide[..., :x.shape[-1]] = x
-    return np.moveaxis(wide.reshape(x.shape[:-1] + (n, CHUNK)), -2, -3)
+    return np.moveaxis(_padded_chunks(x, -1), -2, -3)
 
 
 def _in_chunks(x):
     """k or v [..., N_k, c] in float64, cut into chunks of CHUNK keys, the last padded with
     zeros: [..., n, CHUNK, c]."""
-    n = -(-x.shape[-2] // CHUNK)
-    wide = np.zeros(x.shape[:-2] + (n * CHUNK,) + x.shape[-1:], _wide(x.dtype))
-    wide[..., :x.shape[-2], :] = x
-    return wide.reshape(x.shape[:-2] + (n, CHUNK) + x.shape[-1:])
+    return _padded_chunks(x, -2)
+
+
+def _padded_chunks(x, axis):
+    """x in float64 padded with zeros along `axis` (-1 or -2) to n * CHUNK entries, that axis
+    cut into two, (n, CHUNK)."""
+    axis += x.ndim
+    n = -(-x.shape[axis] // CHUNK)
+    wide = np.zeros(x.shape[:axis] + (n * CHUNK,) + x.shape[axis + 1:], _wide(x.dtype))
+    wide[(slice(None),) * axis + (slice(0, x.shape[axis]),)] = x
+    return wide.reshape(x.shape[:axis] + (n, CHUNK) + x.shape[axis + 1:])
 
 
 def _in_float64(f, x):
@@ -264,6 +268,7 @@ class _Keys:
 
     def at(self, runs):
         """{k, v: [..., H_kv, W, d]; k_chunks, v_chunks: [..., H_kv, n, CHUNK, d]} on the runs of keys."""
+        # kept_runs' runs start at multiples of CHUNK and only a run ending at N_k ends short of one
         chunks = [slice(run.start // CHUNK, -(-run.stop // CHUNK)) for run in runs]
         return {"k": _on_runs(self.k, runs, -2), "v": _on_runs(self.v, runs, -2),
                 "k_chunks": _on_runs(self.k_chunks, chunks, -3), "v_chunks": _on_runs(self.v_chunks, chunks, -3)}
