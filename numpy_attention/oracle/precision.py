@@ -200,14 +200,16 @@ def recipe_backwards(q, k, v, options, precision, dout=None, backwards=(("eager"
     runs = [None if dout3 is None or backward is None else _backward_run(rnd, backward, saved, q3, k3, v3, o,
                                                                          score_shape, mlx)
             for backward, saved in backwards]
+    flash = any(run is not None and run["backward"] == "flash" for run in runs)
     for rows in row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, rows, slice(None))
         f = _forward_rows(rnd, q3[..., rows, :], k3, v3, used, o, precision, score_shape, index,
                           reorder, scores)
         out[..., rows, :], lse[..., rows] = f.out, f.lse
+        stages = _flash_stages(dout3[..., rows, :], o, f) if flash else None   # the flash backwards' S, P, dP
         for run in runs:
             if run is not None:
-                _backward_rows(rnd, run, dout3[..., rows, :], o, f, rows)
+                _backward_rows(rnd, run, dout3[..., rows, :], o, f, rows, stages)
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     shapes = (q.shape, k.shape, v.shape)
     return [dict(result) if run is None else {**result, **_gradients(rnd, run, o, reorder, *shapes)} for run in runs]
@@ -227,12 +229,14 @@ def _backward_run(rnd, backward, saved_out, q3, k3, v3, o, score_shape, mlx):
             "dbias": None if o.bias is None else np.zeros(o.bias.shape, np.float32)}
 
 
-def _backward_rows(rnd, run, dout, o, f, rows):
+def _backward_rows(rnd, run, dout, o, f, rows, stages):
     """The backward of `run` (_backward_run) on the block `rows` of the forward f (_Forward),
-    dout its rows [..., H, b, d_v]: its dq rows written, its sums continued."""
+    dout its rows [..., H, b, d_v]: its dq rows written, its sums continued. stages: the
+    block's _flash_stages, which every flash backward shares (they differ in D alone)."""
     if run["saved"] is not None:                                                 # D from the kernel's out
         f = f._replace(out=run["saved"][..., rows, :])
-    run["dq"][..., rows, :], ds, run["sums"] = run["step"](rnd, dout, o, f, run["sums"])
+    step = partial(run["step"], stages=stages) if run["backward"] == "flash" else run["step"]
+    run["dq"][..., rows, :], ds, run["sums"] = step(rnd, dout, o, f, run["sums"])
     if run["dbias"] is not None:                                                 # dbias += dS, a tile at a time
         for r in range(0, ds.shape[-2], TILE_ROWS):
             tile = slice(rows.start + r, rows.start + r + TILE_ROWS)
@@ -400,21 +404,30 @@ def _eager_sums_rounded(rnd, sums, o, reorder):
     return {**sums, "dk": dk, "dv": dv}
 
 
-def _flash_rows(rnd, dout, o, f, sums):
-    """FlashAttention's backward on a block of rows: P = exp(S - lse) and dS = P (dP - D) in
-    float32 from float32 scores, P and dS rounded to T for the products, dq, dk, dv accumulated
-    in T over tiles (TILE_ROWS query rows for dk, dv, continuing `sums` over the block's
-    tiles; TILE_COLS keys for dq), as torch's CPU kernel does. Returns (dq, dS for dbias, sums)."""
-    q, k, v = f.q, f.k, f.v
-    h_kv = k.shape[-3]
-    inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
-    s = _tile_matmul(q, np.swapaxes(k, -1, -2)) * scale                        # 1-4. in float32, the terms
+def _flash_stages(dout, o, f):
+    """FlashAttention's backward's recomputation on a block of rows (f its forward, dout
+    [..., H, b, d_v]), in float32 from float32 scores: (P = exp(S - lse), dP = dout v^T
+    (dropped, / (1 - p)), the score steps' Saved)."""
+    inv_keep = np.float32(1 / (1 - o.dropout_p))
+    s = _tile_matmul(f.q, np.swapaxes(f.k, -1, -2)) * np.float32(o.scale)     # 1-4. in float32, the terms
     s, saved32 = scores.forward(s, o, f.score_shape, f.index, f.keep, scores.Rounding(   # in float32
         term=lambda x: x.astype(np.float32), distance=f.distance))
     with np.errstate(invalid="ignore"):                                          # a row of no key: its fill
         p32 = np.where(np.isneginf(f.lse)[..., None], np.float32(masked_row_weight(o.fully_masked, s.shape[-1])),
                        np.exp(s - f.lse[..., None]))
-    dp = _tile_matmul(dout, np.swapaxes(v, -1, -2)) * f.drop * inv_keep
+    return p32, _tile_matmul(dout, np.swapaxes(f.v, -1, -2)) * f.drop * inv_keep, saved32
+
+
+def _flash_rows(rnd, dout, o, f, sums, stages):
+    """FlashAttention's backward on a block of rows, from its recomputed P, dP (stages:
+    _flash_stages): dS = P (dP - D) in float32, P and dS rounded to T for the products, dq, dk,
+    dv accumulated in T over tiles (TILE_ROWS query rows for dk, dv, continuing `sums` over the
+    block's tiles; TILE_COLS keys for dq), as torch's CPU kernel does. Returns (dq, dS for
+    dbias, sums)."""
+    q, k = f.q, f.k
+    h_kv = k.shape[-3]
+    inv_keep, scale = np.float32(1 / (1 - o.dropout_p)), np.float32(o.scale)
+    p32, dp, saved32 = stages
     ds = p32 * (dp - np.sum(dout * f.out, axis=-1, keepdims=True))
     ds, ds_bias = scores.backward(ds, o, f.score_shape, f.index, saved32, f.keep, stage=True)   # 4-2.
     p_T, ds_T = rnd(p32 * f.drop), rnd(ds)
