@@ -7,6 +7,8 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     softmax_jacobian, logsumexp                J = diag(p) - p p^T
     plain_softmax                              exp(z - max z) / sum: the formula in two lines
     split_heads / merge_heads                  [B, N, D] <-> [B, H, N, D/H]
+    plain_attention_forward / _backward        softmax(q k^T / sqrt(d_k)) v in three lines, its backward in
+                                               five: the textbook's first page (textbook.py)
     rope_forward / rope_backward / rope_jvp    rotary position embeddings (two layouts, scalings)
     attention_forward / attention_backward     softmax(scale * q k^T + ...) v (textbook, blocked, tiled)
     attention_options, AttentionOptions        the options, checked once, as one frozen record
@@ -25,6 +27,18 @@ Each name is imported from its module on first use (PEP 562's module __getattr__
 inside this package, gets control at once and handles a Ctrl-C during the heavy imports
 (one line, exit 130; commands/cli.py). `import numpy_attention as na; na.attention_forward`
 and `from numpy_attention import *` work as with eager imports.
+
+Layers, bottom up: a module imports only from the lines above its own and from the names
+before it on its line; a subpackage named on a line (oracle, ...) is one name there, whose
+modules import each other freely (tests/test_layers.py walks every import):
+
+    helpers      numpy_attention _checks _exits _files near_misses positions _layout engines.parallel
+    ops          linear softmax heads rope params paged combine topk
+    scores       scores options caches
+    textbook     textbook
+    engines      engines engines.plan engines.projections engines.blocked engines.tiled
+    attention    attention forward_mode sparse mla multihead_threads multihead examples
+    tools        finite_differences experiments exercises oracle conformance commands __main__
 """
 import importlib
 
@@ -35,6 +49,7 @@ _EXPORTS = {                                           # module of this package 
     "softmax": ("softmax_forward", "softmax_backward", "softmax_jvp", "softmax_jacobian", "logsumexp",
                 "plain_softmax", "SoftmaxCache"),
     "heads": ("split_heads", "merge_heads"),
+    "textbook": ("plain_attention_forward", "plain_attention_backward"),
     "rope": ("rope_forward", "rope_backward", "rope_jvp", "RopeCache"),
     "attention": ("attention_forward", "attention_backward", "AttentionCache", "AttentionGrads",
                   "AttentionStages", "TiledAttentionCache"),

@@ -1,148 +1,32 @@
-"""Scaled dot-product attention, forward and hand-written backward: the textbook.
+"""attention_forward and attention_backward: the public pair, which checks its arguments and runs an engine.
 
-Shape legend:
-    ...   leading batch axes (any number, the same for q, k and v)
-    H     query heads,  H_kv key/value heads (H_kv divides H; G = H / H_kv queries share a kv head)
-    N_q   query length,  N_k key length,  d_k query/key width,  d_v value width
-
-    q [..., H, N_q, d_k]   k [..., H_kv, N_k, d_k]   v [..., H_kv, N_k, d_v]   ->   out [..., H, N_q, d_v]
-
-Arrays with two axes ([N, d]) are a single head.
-
-Forward, in this order (the blog's, with every option in its place):
-    1. S = scale * q k^T                    scale defaults to 1 / sqrt(d_k)
-    2. S = softcap * tanh(S / softcap)      only when softcap is set
-    3. S = S + bias + log c + alibi         bias broadcasts to [..., H, N_q, N_k]; c > 1 the times
-                                            a top-k list names the key (topk_indices, a constant);
-                                            alibi = -slope |i + N_k - N_q - j|, each row's slope
-                                            its head's, or its sequence's with [B, H] slopes
-       S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's, when given
-    4. S = -inf where not kept              keep = mask & causal & window & mask_mod & listed
-                                            (True = attend)
-    (steps 2-4 are scores.py's, the score pipeline every engine applies to its blocks)
-    5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy;
-                                            sinks: one more logit per row, with no value
-    6. P~ = P * dropout_mask / (1 - dropout_p)
-    7. out = P~ v
-
-Backward, the same steps in reverse (derivations in docs/derivations.md):
-    7. dv = P~^T dout,  dP~ = dout v^T
-    6. dP = dP~ * dropout_mask / (1 - dropout_p)
-    5. dS = P * (dP - rowsum(P * dP))       = P * (dP - D),  D = rowsum(dout * out)
-       (+ P * dlse for a gradient of lse;  dsink = P_sink * (dlse - D) summed over rows)
-    4. dS = 0 where S = -inf                 (masked scores do not depend on anything)
-    3. score_mod: dS = dS * score_mod'(S) (complex step), and its parameters' gradients;
-       dbias = dS summed to bias's shape;  dalibi_slopes = -sum dS * |i + N_k - N_q - j|
-       over each slope's rows (its head's; with [B, H] slopes, its sequence's)
-    2. dS = dS * (1 - tanh^2(S / softcap))
-    1. dq = scale * dS k,  dk = scale * dS^T q   (dk, dv summed over each query group)
-
-`textbook_forward` and `textbook_backward` below are these steps on whole arrays, the
-spec. `attention_forward` checks its arguments once (options.py), then runs one of three
+Shapes, the steps and their gradients: textbook.py, the spec. attention_forward checks its
+arguments once (options.py), makes the plan (engines/plan.py), then runs one of three
 engines that compute the same thing, each tested equal to the textbook:
-    'textbook'  this module: whole arrays, every [..., H, N_q, N_k] stage formed
+    'textbook'  textbook.py: whole arrays, every [..., H, N_q, N_k] stage formed
     'blocked'   engines/blocked.py: the same steps on blocks of query rows (the cache
                 holds P whole); faster, the default
     'tiled'     engines/tiled.py: FlashAttention's online softmax, O(N) memory, no
                 [N_q, N_k] array; the default when block_size is given
+Around the engine: rope turns q and k first (rope.py); a paged KV cache or packed sequences
+(cu_seqlens) are packed into one problem and its results unpacked (paged.py).
 """
 import numpy as np
 
 from ._checks import as_float_array, require_cache, require_choice, require_same_shape, result_dtype
-from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache
 from .engines.blocked import blocked_backward, blocked_forward
-from .engines.plan import TEXTBOOK, attention_plan
+from .engines.plan import attention_plan
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .rope import rope_backward, rope_qk
-from . import scores
 from .options import FULLY_MASKED_POLICIES, attention_options, check_per_head
-from .scores import ScoreGrads, attention_scores, head_gradient, with_sink, with_sink_weight
-from .softmax import SoftmaxCache, logsumexp, softmax_backward, softmax_forward, softmax_jacobian
+from .textbook import textbook_backward, textbook_forward
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
 
-__all__ = ["attention_forward", "attention_backward", "attention_scores", "textbook_forward", "ENGINES",
-           "textbook_backward", "AttentionCache", "AttentionGrads", "AttentionStages",
-           "TiledAttentionCache", "FULLY_MASKED_POLICIES", "BACKWARD_METHODS"]
-
-
-def _t(x):
-    """x^T: the transpose of the last two axes (a view)."""
-    return np.swapaxes(x, -1, -2)
-
-
-# ----------------------------------------------------------------------------- the textbook
-
-def textbook_forward(q, k, v, options, plan=TEXTBOOK):
-    """out = softmax(scale q k^T [+ options]) v on whole arrays, the steps of the module docstring.
-
-    q, k, v and options as `attention_options` returns them; the plan is the textbook's.
-    Returns out [..., H, N_q, d_v] and an AttentionCache.
-    """
-    o = options
-    S, saved = attention_scores(q, k, o)            # 1-4.                    [..., H, N_q, N_k]
-    S_row = with_sink(S, o)                         # 5. (sinks: one more logit per row, no value)
-    P, softmax_cache = softmax_forward(S_row)       #    P = softmax(S); a row of all -inf gives 0
-    lse = logsumexp(S_row)                          #    lse = log sum_j exp(S_j)  [..., H, N_q]
-    P = P[..., :S.shape[-1]]                        #    (the sink's weight multiplies no value)
-    fill = {"zero": 0.0, "uniform": 1.0 / max(1, S.shape[-1]), "nan": np.nan}[o.fully_masked]
-    P = np.where(np.isneginf(lse.real)[..., None], fill, P)    # rows with every key masked
-    P_drop = P if o.dropout_scale is None else P * o.dropout_scale   # 6. dropout
-    out = grouped_matmul(P_drop, v)                 # 7. out = P~ v           [..., H, N_q, d_v]
-    return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=P, lse=lse,
-                               top=softmax_cache.top[..., 0], softcap_tanh=saved.softcap_tanh,
-                               score_mod_input=saved.mod_input, plan=plan)
-
-
-def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
-    """Gradients of `textbook_forward`: its steps in reverse on whole arrays.
-
-    dout [..., H, N_q, d_v] and dlse [..., H, N_q] or None (checked by attention_backward).
-    method: how step 5 is differentiated (see attention_backward). Returns AttentionGrads.
-    """
-    o, q, k, v, P = cache.options, cache.q, cache.k, cache.v, cache.weights
-    h_kv = with_head_axis(k).shape[-3]
-    P_drop = P if o.dropout_scale is None else P * o.dropout_scale
-    dv = grouped_sum_matmul(P_drop, dout, h_kv)     # 7. out = P~ v:  dv = P~^T dout   [..., H_kv, N_k, d_v]
-    dP = grouped_matmul(dout, _t(v))                #                 dP~ = dout v^T  [..., H, N_q, N_k]
-    if o.dropout_scale is not None:                 # 6. dP = dP~ * dropout_mask / (1 - p)
-        dP = dP * o.dropout_scale
-    D = np.sum(dout * cache.out, axis=-1)           # 5. D = rowsum(dout * out) = rowsum(P * dP)
-    P_row = with_sink_weight(P, cache.lse, o)       #    the softmax's row (sinks: one more column)
-    dS_row = _softmax_backward(method, dP, D, P_row, cache)   # dS = P * (dP - rowsum(P * dP))
-    if dlse is not None:                            #    lse = log rowsum exp(S): dS += P * dlse
-        dS_row = dS_row + P_row * dlse[..., None]
-    dS = dS_row[..., :P.shape[-1]]                 #    (the sink's column: dsinks, summed per head)
-    dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
-    params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; score_mod, bias, ALiBi and
-    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   # their parameters'; softcap
-    dS_softcap, dS = scores.backward(dS, o, saved=saved, grads=params, stage=True)
-    dq = scaled(grouped_matmul(dS_softcap, k), o.scale)   # 1. S = scale q k^T:  dq = scale dS k
-    dk = scaled(grouped_sum_matmul(dS_softcap, q, h_kv), o.scale)   #    dk = scale dS^T q
-    stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None
-    return AttentionGrads(dq=dq, dk=dk, dv=dv, stages=stages, dsinks=dsinks,
-                          **ScoreGrads.total([params], o, P.shape, dS.dtype))
-
-
-def _softmax_backward(method, dP, D, P_row, cache):
-    """Step 5 by `method` on the softmax's whole row P_row (sinks: dP's sink column is 0)."""
-    dP_row = np.concatenate([dP, np.zeros(dP.shape[:-1] + (P_row.shape[-1] - dP.shape[-1],), dP.dtype)], -1)
-    if method == "vjp":                             # dS = P * (dP - rowsum(P * dP))
-        return softmax_backward(dP_row, SoftmaxCache(p=P_row, top=cache.top[..., None]))
-    if method == "jacobian":                        # dS = J dP, J = diag(P) - P P^T per row
-        return (softmax_jacobian(P_row) @ dP_row[..., None])[..., 0]
-    return _weights_from_lse(cache) * (dP_row - D[..., None])   # dS = P (dP - D), P = exp(S - lse)
-
-
-def _weights_from_lse(cache):
-    """The softmax's row recomputed as exp(S - lse), S from q and k, as FlashAttention's
-    backward does (0 in a fully masked row, where S - lse is -inf - (-inf))."""
-    S_row = with_sink(attention_scores(cache.q, cache.k, cache.options)[0], cache.options)
-    dead = np.isneginf(cache.lse.real)[..., None]
-    with np.errstate(invalid="ignore"):
-        return np.where(dead, 0, np.exp(S_row - cache.lse[..., None]))
+__all__ = ["attention_forward", "attention_backward", "ENGINES", "AttentionCache", "AttentionGrads",
+           "AttentionStages", "TiledAttentionCache", "FULLY_MASKED_POLICIES", "BACKWARD_METHODS"]
 
 
 # ----------------------------------------------------------------------------- the public pair

@@ -1,6 +1,6 @@
 """What attention's forward saves for its backward, and what the backward returns.
 
-Shape legend as in attention.py. A cache is the options record (options.py) plus the
+Shape legend as in textbook.py. A cache is the options record (options.py) plus the
 tensors the backward needs, all filled in by the forward that builds it; MultiHeadCache
 (multihead.py) holds its steps' caches.
 """
@@ -8,10 +8,20 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .engines.plan import AttentionPlan
 from .options import AttentionOptions
 from .paged import PagedLayout
 from .scores import attention_scores
+
+
+class AttentionPlan(NamedTuple):
+    """How a cache was made, which its backward follows (engines/plan.py makes it)."""
+    implementation: str             # 'textbook', 'blocked' or 'tiled'
+    block_size: Optional[int] = None    # the tiled engine's tile size; None for the others
+    workers: int = 1                # threads of the blocked and tiled engines (engines/parallel.py)
+    scheduler: object = None        # the tiled engine's Dask cluster: a Client or an address (or None)
+
+
+TEXTBOOK = AttentionPlan("textbook")
 
 
 class AttentionCache(NamedTuple):
@@ -29,7 +39,7 @@ class AttentionCache(NamedTuple):
                                              # largest P (None: tiled)
     softcap_tanh: Optional[np.ndarray] = None   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
     score_mod_input: Optional[np.ndarray] = None   # [..., H, N_q, N_k] score_mod's input, or None
-    plan: AttentionPlan = AttentionPlan("textbook")   # the engine that made it, and computes its backward
+    plan: AttentionPlan = TEXTBOOK   # the engine that made it, and computes its backward
     paged: Optional[PagedLayout] = None      # q, k, v were packed from a paged KV cache (paged.py)
     rope: Optional[tuple] = None             # (RopeCache of q, of k): q and k were turned (rope.py)
 

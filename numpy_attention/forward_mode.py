@@ -1,6 +1,6 @@
 """Attention in forward mode and to second order: the textbook's steps carrying tangents.
 
-Shape legend as in attention.py; a dot marks a tangent (a direction of the inputs), of its
+Shape legend as in textbook.py; a dot marks a tangent (a direction of the inputs), of its
 primal's shape: q_dot [..., H, N_q, d_k], k_dot, v_dot like k, v.
 
 attention_jvp: the directional derivative of (out, lse) along (q_dot, k_dot, v_dot) (and
@@ -16,7 +16,7 @@ bias_dot, sinks_dot, alibi_slopes_dot), the forward's steps differentiated in or
 With rope, q and k are turned first (rope.py) and so are their tangents, rope being linear:
 q_dot <- R_q q_dot, k_dot <- R_k k_dot.
 
-attention_hvp: forward over reverse. The backward's steps (attention.py) differentiated along
+attention_hvp: forward over reverse. The backward's steps (textbook.py) differentiated along
 the same tangents give the tangents of (dq, dk, dv) for a fixed dout: Hessian-vector
 products of <dout, out> (torch's double backward, JAX's jvp of grad):
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from ._checks import as_float_array
 from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
-from .attention import textbook_forward
+from .textbook import textbook_forward
 from .caches import AttentionGrads
 from .engines.plan import attention_plan
 from .engines.tiled import tiled_jvp

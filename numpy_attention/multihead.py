@@ -20,7 +20,7 @@ Forward                                             Backward (reverse order, one
 ops' own functions, the spec. `multihead_forward` checks its arguments once, then runs an
 engine chosen as attention's is, by `implementation`: 'textbook' runs the textbook pair (and
 the textbook attention), the others (the default 'blocked') run the same steps on threads
-(engines/multihead.py: the projections in blocks of rows, the heads' copies, BLAS held to one
+(multihead_threads.py: the projections in blocks of rows, the heads' copies, BLAS held to one
 thread; the results bitwise the same for any number of `workers`), tested equal to the
 textbook to rounding.
 
@@ -39,7 +39,7 @@ from ._checks import (as_float_array, brief, read_only_copy, require_cache, requ
                       require_positive_int, require_same_shape, rng_from_seed)
 from .attention import FULLY_MASKED_POLICIES, attention_backward, attention_forward
 from .caches import MultiHeadCache
-from .engines.multihead import threaded_multihead_backward, threaded_multihead_forward
+from .multihead_threads import threaded_multihead_backward, threaded_multihead_forward
 from .engines.plan import resolve_workers, score_count
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward

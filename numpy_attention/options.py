@@ -5,7 +5,7 @@ crosscheck share.
 
 `attention_options` runs every check of `attention_forward`'s arguments that say what is
 computed, so an engine only computes; where and how (the engine, its tiles, threads, a
-cluster) is the plan's (engines/plan.py). Shape legend (as in attention.py):
+cluster) is the plan's (engines/plan.py). Shape legend (as in textbook.py):
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
     N_q, N_k lengths;  d_k, d_v widths;  the scores S are [..., H, N_q, N_k]
 

@@ -1,6 +1,6 @@
 """The score pipeline: each step from scale q k^T to the softmax's row, defined once.
 
-Shape legend as in attention.py: the scores S are [..., H, N_q, N_k]. A block of them is
+Shape legend as in textbook.py: the scores S are [..., H, N_q, N_k]. A block of them is
 S[index], index a tuple into the scores whose last two entries are the slices of the block's
 rows and columns (slices of the leading axes and heads before them, or an Ellipsis): the
 textbook's block is all of S, the blocked engine's a block of rows, the tiled engine's a tile.

@@ -1,6 +1,6 @@
 """Top-k lists: the keys each query lists, checked once and counted into any block of the scores.
 
-Shape legend as in attention.py; K the length of each query's list, R the lists' rows.
+Shape legend as in textbook.py; K the length of each query's list, R the lists' rows.
 
     indices      [..., H_kv or H, N_q, K] int: query i of head h lists keys indices[.., g, i, :]
                  (g its kv head h // G, or h itself: a list per kv head or per query head);

@@ -370,6 +370,7 @@ def test_code_references_name_functions_that_exist():
 
 def test_readme_table_points_at_the_textbook():
     table = README.read_text().split("## Learner")[1].split("```")[0]
-    for name in ("attention.py: textbook_forward", "attention.py: textbook_backward",
-                 "scores.py: attention_scores", "softmax.py: softmax_forward", "softmax.py: softmax_backward"):
+    for name in ("textbook.py: plain_attention_forward", "textbook.py: plain_attention_backward",
+                 "textbook.py: textbook_forward", "textbook.py: textbook_backward", "scores.py: attention_scores",
+                 "softmax.py: softmax_forward", "softmax.py: softmax_backward"):
         assert name in table

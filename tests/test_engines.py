@@ -260,7 +260,7 @@ def test_multihead_workers_default_to_every_core_for_large_projections_or_many_s
 def test_multihead_splits_and_merges_heads_on_threads_from_a_mebibyte(monkeypatch):
     """The splits of Q, K, V and merges of dQ, dK, dV run on the projections' threads from
     arrays of 2^20 bytes (plan.PARALLEL_HEAD_COPIES), on the calling thread below."""
-    import numpy_attention.engines.multihead as threaded
+    import numpy_attention.multihead_threads as threaded
     calls = []
     def recording(fn, items, workers=1, **kwargs):
         calls.append((fn.__name__, workers))
@@ -280,7 +280,7 @@ def test_multihead_holds_blas_on_one_thread_through_each_call(monkeypatch, engin
     """multihead_forward and multihead_backward hold BLAS on one thread from start to end (one
     setting instead of one per step), except around the textbook engine, whose products run
     on BLAS's own threads; BLAS gets its threads back after each call, and after a failure."""
-    import numpy_attention.engines.multihead as threaded
+    import numpy_attention.multihead_threads as threaded
     import numpy_attention.multihead as multihead
     from threadpoolctl import threadpool_limits
     seen = {}
@@ -709,7 +709,7 @@ def test_projections_backward_computes_the_part_asked_for(monkeypatch):
 def test_multihead_backward_puts_dW_o_with_the_input_projections(monkeypatch):
     """The module's backward computes dconcat alone first, and dW_o, db_o (which no step before
     the input projections needs) in the input projections' call, on their threads."""
-    import numpy_attention.engines.multihead as threaded
+    import numpy_attention.multihead_threads as threaded
     parts = []
     def recording(items, workers):
         parts.append([item[2] if len(item) > 2 else "all" for item in items])

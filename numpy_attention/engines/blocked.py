@@ -1,6 +1,6 @@
-"""The blocked engine: the textbook's steps (attention.py) on blocks of query rows.
+"""The blocked engine: the textbook's steps (textbook.py) on blocks of query rows.
 
-Shape legend as in attention.py; G = H / H_kv query heads per kv head.
+Shape legend as in textbook.py; G = H / H_kv query heads per kv head.
 
 The weights P [..., H, N_q, N_k] are stored whole (the backward and MultiHeadAttention's
 attn_weights need them), but every other step runs on one block of rows at a time,

@@ -10,11 +10,11 @@ writes it, and never patches the options.
 """
 import math
 import os
-from typing import NamedTuple, Optional
 
 import numpy as np
 
 from .._checks import require_choice, require_positive_int
+from ..caches import AttentionPlan
 from .parallel import check_address
 
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
@@ -23,16 +23,6 @@ PARALLEL_SCORES = 1 << 19   # workers=None: every core from this many scores [..
 PARALLEL_PROJECTIONS = 1 << 24   # MultiHeadAttention's projections: every core also from this many
                                  # multiply-adds in the forward's four projections (B N D^2 each)
 PARALLEL_HEAD_COPIES = 1 << 20   # and its splits and merges of heads from arrays of this many bytes up
-
-
-class AttentionPlan(NamedTuple):
-    implementation: str             # 'textbook', 'blocked' or 'tiled'
-    block_size: Optional[int] = None    # the tiled engine's tile size; None for the others
-    workers: int = 1                # threads of the blocked and tiled engines (engines/parallel.py)
-    scheduler: object = None        # the tiled engine's Dask cluster: a Client or an address (or None)
-
-
-TEXTBOOK = AttentionPlan("textbook")
 
 
 def attention_plan(options, q_shape, k_shape, *, implementation=None, block_size=None, workers=None,

@@ -1,6 +1,6 @@
 """Tiled, memory-efficient attention (FlashAttention's algorithm), forward and backward.
 
-Shape legend (as in attention.py):
+Shape legend (as in textbook.py):
     ...   leading batch axes;  H query heads,  H_kv key/value heads (G = H / H_kv)
     N_q, N_k lengths;  d_k, d_v widths;  b the block size;  i a query block, j a key block
 

@@ -13,7 +13,7 @@ order (float32 sums rounded once, or the flash backward's tiles). Masks, bias, c
 window and ALiBi are taken at the block's absolute positions, so a block of the scores is
 exactly those rows of the whole.
 
-Shape legend (attention.py): ... batch axes, H query heads, N_q / N_k lengths, b rows of a
+Shape legend (textbook.py): ... batch axes, H query heads, N_q / N_k lengths, b rows of a
 block. An index into the scores is a tuple (Ellipsis, ..., rows, cols) of slices, as
 options.keep_mask takes it: (Ellipsis, rows, cols), or (Ellipsis, heads, rows, cols).
 """

@@ -1,7 +1,7 @@
 """The `.npz` exchange format: one attention case and a candidate's results.
 
 Any language that writes NumPy's .npz (numpy.savez; cnpy in C++; npyz in Rust;
-NPZ.jl) can produce a case. Keys (shape legend of attention.py):
+NPZ.jl) can produce a case. Keys (shape legend of textbook.py):
 
     inputs      q [..., H, N_q, d_k]  k [..., H_kv, N_k, d_k]  v [..., H_kv, N_k, d_v]
                 dout [..., H, N_q, d_v]            (needed when a gradient is given)
@@ -33,7 +33,7 @@ NPZ.jl) can produce a case. Keys (shape legend of attention.py):
 
 The candidate's dtype is that of its tensors (float16, float32 or float64; each
 tensor is judged in its own, so a float32 lse may come with a float16 out);
-the order of operations is attention.py's: scale -> softcap -> bias -> masks
+the order of operations is textbook.py's: scale -> softcap -> bias -> masks
 -> softmax -> dropout -> @ v.
 """
 import zipfile

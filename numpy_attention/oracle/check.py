@@ -35,9 +35,10 @@ from .._checks import (require_bool, require_mapping, require_nonnegative_real, 
                        to_numpy)
 from .._layout import grouped_matmul, with_head_axis
 from ..attention import ENGINES, TiledAttentionCache, attention_backward
+from ..caches import TEXTBOOK
 from ..engines.parallel import cluster, run_tasks
 from ..engines.tiled import tile_scores
-from ..engines.plan import PARALLEL_SCORES, TEXTBOOK, attention_plan, check_scheduler, resolve_workers
+from ..engines.plan import PARALLEL_SCORES, attention_plan, check_scheduler, resolve_workers
 from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
 from . import blocks, rule

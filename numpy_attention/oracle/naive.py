@@ -13,7 +13,7 @@ off by eps |lse| (as any lse is) comes back as a relative error eps |lse| in eve
 weight; with sharp rows (|S| ~ 100) that dominates the error of a flash kernel
 (PyTorch's CPU flash kernel measured 30 times our stored-P error on dv).
 
-Shapes as in attention.py; the steps are attention.py's:
+Shapes as in textbook.py; the steps are textbook.py's:
     S = scale q k^T -> softcap -> + bias -> masks -> P = softmax(S), lse -> P~ = P * dropout
     -> out = P~ v;   backward: P = exp(S - lse),  dv = P~^T dout,  dP = (dout v^T) * dropout,
     D = rowsum(dout * out),  dS = P (dP - D),  dbias = dS summed to bias's shape,

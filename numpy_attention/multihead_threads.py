@@ -3,8 +3,8 @@
 The same steps as multihead.py's textbook_multihead_forward / textbook_multihead_backward
 (shape legend there), with:
 - the projections on `workers` threads, each product in blocks of rows with BLAS on one
-  thread (projections.py), so the threads share them evenly; the blocks depend on the shapes
-  alone, and the results are bitwise the same for any number of workers;
+  thread (engines/projections.py), so the threads share them evenly; the blocks depend on
+  the shapes alone, and the results are bitwise the same for any number of workers;
 - the three splits and merges of heads (Q, K, V; dQ, dK, dV) on those threads too, one task
   each, when they are large (plan.PARALLEL_HEAD_COPIES);
 - BLAS on one thread from the start of a forward or backward to its end (one setting of its
@@ -13,13 +13,13 @@ The same steps as multihead.py's textbook_multihead_forward / textbook_multihead
   projections' products, on the same threads.
 The attention takes `workers` as given, so by default its own rule (many scores).
 """
-from ..attention import attention_backward, attention_forward
-from ..caches import MultiHeadCache
-from ..heads import merge_heads, split_heads
-from ..params import state_dict_grads
-from .parallel import blas_on_one_thread, run_tasks
-from .plan import PARALLEL_HEAD_COPIES
-from .projections import projections_backward, projections_forward
+from .attention import attention_backward, attention_forward
+from .caches import MultiHeadCache
+from .engines.parallel import blas_on_one_thread, run_tasks
+from .engines.plan import PARALLEL_HEAD_COPIES
+from .engines.projections import projections_backward, projections_forward
+from .heads import merge_heads, split_heads
+from .params import state_dict_grads
 
 
 def threaded_multihead_forward(query, key, value, params, num_heads, workers, mask, attention_options):
