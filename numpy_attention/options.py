@@ -22,7 +22,8 @@ from ._checks import (SHOWN, as_float_array, as_mask, broadcast_shape_to, offend
                       require_bool, require_choice, require_positive_real, require_probability, result_dtype)
 from ._layout import check_window, resolve_alignment
 from .positions import sequence_lengths
-from .scores import check_keep_steps, numpy_mod
+from .score_mods import numpy_mod
+from .scores import check_keep_steps
 from .topk import topk_lists
 
 FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
@@ -264,7 +265,7 @@ def _topk(topk_indices, topk_length, q_shape, k_shape):
 
 def _check_mods(score_mod, mask_mod, score_mod_params):
     """(score_mod, mask_mod, score_mod_params): the mods callables or None (one written with
-    torch's operations wrapped to take NumPy arrays: scores.numpy_mod); the parameters
+    torch's operations wrapped to take NumPy arrays: score_mods.numpy_mod); the parameters
     {str: float array} as read-only copies, or None, only with a score_mod."""
     for name, f in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if f is not None and not callable(f):

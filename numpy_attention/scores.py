@@ -21,10 +21,11 @@ Each step, on any block:
     forward    `forward`: steps 2-4 on the block's scale q k^T
     backward   `backward`: steps 4-2 in reverse, the gradient of scale q k^T from that of S;
                the gradients of the steps' parameters (bias, ALiBi's slopes, score_mod's) go to
-               a `ScoreGrads`, which sums them block by block
+               a `ScoreGrads` (score_grads.py), which sums them block by block
     tangent    `tangent`: steps 2-4 in forward mode, S_dot from (scale q k^T)_dot and the
                parameters' tangents
     keep       `keep_mask`: which scores of the block step 4 keeps
+FlexAttention's score_mod and mask_mod are called, and differentiated, by score_mods.py.
 The sink's column (5) is the softmax's: `with_sink`, `with_sink_weight`, and its gradient
 sums the column's dS per head (`head_gradient`). A low-precision recipe (oracle/precision.py)
 runs the same steps with its roundings (`Rounding`).
@@ -38,17 +39,16 @@ Backward and tangent, step by step (docs/derivations.md):
        dslope = -sum dS_3 |i + N_k - N_q - j| over the slope's rows,  S_dot_3 -= slope_dot |..|
     4. dS_3 = dS where kept, 0 elsewhere (a masked score is a constant),  S_dot = 0 there too
 """
-import sys
-import types
-import warnings
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
 from ._checks import as_scalar, require_positive_int
-from ._layout import grouped_matmul, index_ranges, scaled, unbroadcast
+from ._layout import grouped_matmul, scaled, unbroadcast
 from .near_misses import unexpected_keyword
 from .positions import band_keep, distance, positions, sequence_of
+from .score_mods import (call_score_mod, mask_mod_keep, mod_indices, score_mod_param_grads,
+                         score_mod_slope)
 from .topk import counts, log_multiplicity
 
 WHOLE = (Ellipsis, slice(None), slice(None))     # the index of all of the scores
@@ -221,246 +221,6 @@ def head_gradient(g, x):
     return unbroadcast(g, x.shape if x.ndim <= g.ndim else ()).reshape(x.shape)
 
 
-# ----------------------------------------------------------------------------- FlexAttention's mods
-
-def block_indices(score_shape, index=WHOLE):
-    """(b, h, q_idx, kv_idx) of the block S[index]: int arrays of as many axes as the scores,
-    broadcastable to the block, as FlexAttention's score_mod and mask_mod see them: b the
-    batch index (the flat index over the leading axes; 0 without any), h the query head,
-    q_idx and kv_idx the row and the column (in the packed axes, with packed sequences)."""
-    ranges, ndim = index_ranges(index, score_shape), len(score_shape)
-    along = lambda axis, values: values.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
-    lead = tuple(score_shape[:-3])
-    b = np.arange(int(np.prod(lead, dtype=np.int64))).reshape(lead)[ranges[:-3]]
-    b = b.reshape(b.shape + (1, 1, 1))
-    h, q_idx, kv_idx = (along(a, np.arange(score_shape[a])[ranges[a]]) for a in (ndim - 3, ndim - 2, ndim - 1))
-    return b, h, q_idx, kv_idx
-
-
-def _broadcasts(shape, to):
-    """Whether an array of `shape` broadcasts to the shape `to`."""
-    try:
-        return np.broadcast_shapes(shape, to) == tuple(to)
-    except ValueError:
-        return False
-
-
-def mask_mod_keep(mask_mod, score_shape, index=WHOLE):
-    """mask_mod(b, h, q_idx, kv_idx) on the block S[index]: a bool array broadcastable to it."""
-    block = tuple(len(range(r.start, r.stop, r.step)) for r in index_ranges(index, score_shape))
-    keep = np.asarray(mask_mod(*block_indices(score_shape, index)))
-    if keep.dtype != bool:
-        raise TypeError(f"mask_mod must return booleans (True = attend), got dtype {keep.dtype}")
-    if not _broadcasts(keep.shape, block):
-        raise ValueError(f"mask_mod returned shape {keep.shape}, not broadcastable to the block of "
-                         f"scores {block} its index arrays broadcast to")
-    return keep
-
-
-def numpy_mod(f):
-    """f itself, or, for a score_mod or mask_mod written with torch's operations (as for
-    flex_attention: it refers to torch or to a torch tensor, in its globals, closure or
-    defaults), a TorchMod that calls it on NumPy arrays."""
-    torch = sys.modules.get("torch")
-    code = getattr(f, "__code__", None)
-    if torch is None or code is None or isinstance(f, TorchMod):
-        return f
-    cells = []
-    for cell in f.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:                          # a cell not yet filled
-            pass
-    seen = [f.__globals__.get(name) for name in code.co_names] + cells + list(f.__defaults__ or ())
-    is_torch = lambda x: isinstance(x, torch.Tensor) or (isinstance(x, types.ModuleType)
-                                                         and x.__name__.split(".")[0] == "torch")
-    return TorchMod(f) if any(is_torch(x) for x in seen) else f
-
-
-class TorchMod:
-    """A mod written with torch's operations, called as the pipeline calls one: its scores as
-    float64 or complex128 CPU tensors (complex for the complex step), its index arrays as int64
-    tensors, a parameter's reads as tensors; its result back as an array."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def __call__(self, *args):
-        import torch
-        tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x))
-        params = args[5:]
-        if params:                                  # score_mod's parameters: reads give tensors
-            params = ({name: _TorchReads(x) if isinstance(x, _Reads) else torch.tensor(x)
-                       for name, x in params[0].items()},)
-        out = self.f(*(tensor(x) for x in args[:5]), *params)
-        return out.detach().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
-
-
-class _TorchReads:
-    """A parameter's _Reads for a TorchMod: indexed with tensors, it gives a tensor."""
-
-    def __init__(self, reads):
-        self.reads = reads
-
-    def __getitem__(self, index):
-        import torch
-        index = tuple(i.numpy() if isinstance(i, torch.Tensor) else i
-                      for i in (index if isinstance(index, tuple) else (index,)))
-        return torch.from_numpy(np.ascontiguousarray(self.reads[index]))
-
-
-COMPLEX_STEP = 1e-30            # the complex step of score_mod's derivatives: Im f(s + i h) / h
-VJP_SEED = 0                    # the random direction along which a user's VJP is checked
-
-
-class ScoreModDerivativeWarning(UserWarning):
-    """score_mod's complex-step derivative disagrees with central differences (score_mod is not
-    analytic in the score there: abs, a branch on it): central differences are used instead."""
-
-
-class _Read(NamedTuple):
-    index: tuple                # what score_mod indexed a parameter with
-    shape: tuple                # the shape of what it got
-
-
-class _Reads:
-    """A score_mod parameter as score_mod sees it: it can be indexed (each read is recorded, and
-    one read can be given an imaginary step), not used whole."""
-
-    def __init__(self, name, value, step_read):
-        self.name, self.value, self.reads, self.step_read = name, value, [], step_read
-        self.shape, self.ndim, self.dtype = value.shape, value.ndim, value.dtype
-
-    def __len__(self):
-        return len(self.value)
-
-    def __getitem__(self, index):
-        got = self.value[index]
-        if len(self.reads) == self.step_read:
-            got = got + 1j * COMPLEX_STEP
-        self.reads.append(_Read(index if isinstance(index, tuple) else (index,), np.shape(got)))
-        return got
-
-    def _whole(self, *args, **kwargs):
-        raise TypeError(f"score_mod used score_mod_params[{self.name!r}] whole: the oracle differentiates "
-                        f"a parameter that score_mod indexes (params[{self.name!r}][h, q_idx - kv_idx]) or "
-                        f"a scalar (0-d) one; for any other use, pass its VJP in "
-                        f"score_mod_vjps={{{self.name!r}: vjp}}")
-
-    __array__ = __array_ufunc__ = __array_function__ = _whole     # numpy's operators and functions
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _whole
-
-
-def _params(o, reads=None, stepped=None, direction=None):
-    """The score_mod_params as score_mod gets them: one with a VJP of the user's whole (+ i h
-    direction when it is `stepped`), a 0-d one as a scalar (+ i h when it is `stepped`), any
-    other as _Reads (reads: {name: step_read}, -1: none)."""
-    params = {}
-    for name, value in o.score_mod_params.items():
-        if name in (o.score_mod_vjps or {}):
-            params[name] = value + 1j * COMPLEX_STEP * direction if name == stepped else value
-        elif value.ndim == 0:
-            params[name] = value[()] + (1j * COMPLEX_STEP if name == stepped else 0)
-        else:
-            params[name] = _Reads(name, value, (reads or {}).get(name, -1))
-    return params
-
-
-def _call_score_mod(o, s, indices, params=None):
-    """score_mod(score, b, h, q_idx, kv_idx[, params]) as an array of s's shape."""
-    args = (s,) + tuple(indices) + (() if o.score_mod_params is None else (_params(o) if params is None else params,))
-    out = np.asarray(o.score_mod(*args))
-    if not _broadcasts(out.shape, s.shape):
-        raise ValueError(f"score_mod returned shape {out.shape} for scores of shape {s.shape}")
-    return np.broadcast_to(out, s.shape)
-
-
-def _complex_step(o, s, stepped, indices, params=None):
-    """(Im score_mod(stepped) / h where the score counts, 0 elsewhere; where it counts): a complex
-    step's derivative (stepped: s + i h, or s with a parameter's read stepped in params). A score
-    counts where the block's scores s are finite and score_mod's value is not -inf: a score it
-    sets to -inf (FlexAttention's way to mask) is a masked score, whose gradient is 0."""
-    with np.errstate(all="ignore"):
-        value = _call_score_mod(o, stepped, indices, params)
-        counts = np.isfinite(s) & ~np.isneginf(value.real)
-        return np.where(counts, value.imag / COMPLEX_STEP, 0), counts
-
-
-def _score_mod_slope(o, s, indices):
-    """d score_mod / d score on the block s (real), by complex step, checked against central
-    differences on a sample of the entries that count (ScoreModDerivativeWarning: those instead);
-    0 where score_mod's value is -inf."""
-    if np.iscomplexobj(s):
-        raise ValueError("score_mod's derivative is taken by complex step on real scores: a backward or "
-                         "tangent of complex scores (a complex-step check through score_mod) needs a "
-                         "real one; check score_mod's attention with central differences instead")
-    slope, counts = _complex_step(o, s, s + 1j * COMPLEX_STEP, indices)
-    flat = np.flatnonzero(np.broadcast_to(counts, s.shape))
-    sample = flat[np.linspace(0, flat.size - 1, min(flat.size, 16)).astype(np.int64)] if flat.size else flat
-    if sample.size:
-        at = np.unravel_index(sample, s.shape)
-        pick = lambda x: np.broadcast_to(x, s.shape)[at]
-        x, picked = pick(s), tuple(pick(i) for i in indices)
-        h = 1e-6 * np.maximum(1, np.abs(x))
-        with np.errstate(all="ignore"):
-            central = (_call_score_mod(o, x + h, picked) - _call_score_mod(o, x - h, picked)) / (2 * h)
-        if not np.allclose(pick(slope), central, rtol=1e-4, atol=1e-4):
-            warnings.warn("score_mod's complex-step derivative disagrees with central differences (it is "
-                          "not analytic in the score: abs, a branch on it?); central differences are used",
-                          ScoreModDerivativeWarning, stacklevel=4)
-            h = 1e-6 * np.maximum(1, np.abs(s))
-            with np.errstate(all="ignore"):
-                slope = np.where(counts, (_call_score_mod(o, s + h, indices)
-                                          - _call_score_mod(o, s - h, indices)) / (2 * h), 0)
-    return slope
-
-
-def _score_mod_param_grads(o, s, indices, ds):
-    """{name: gradient} of the score_mod_params from the block's dS (of score_mod's output):
-    by complex step through each read (scattered back to the entries read) or each scalar."""
-    grads = {}
-    recorded = _params(o)
-    _call_score_mod(o, s, indices, recorded)                    # which reads score_mod makes
-    for name, value in o.score_mod_params.items():
-        if name in (o.score_mod_vjps or {}):
-            grads[name] = _users_vjp(o, name, s, indices, ds)
-            continue
-        g = np.zeros(value.shape, ds.dtype)
-        steps = [None] if value.ndim == 0 else range(len(recorded[name].reads))
-        for read in steps:
-            params = _params(o, {name: read}, stepped=name if value.ndim == 0 else None)
-            d = _complex_step(o, s, s, indices, params)[0] * ds
-            if read is None:
-                g = g + np.sum(d)
-            else:
-                r = recorded[name].reads[read]
-                np.add.at(g, r.index, unbroadcast(d, r.shape) if r.shape else np.sum(d))
-        grads[name] = g
-    return grads
-
-
-def _users_vjp(o, name, s, indices, ds):
-    """score_mod_vjps[name](ds, score, b, h, q_idx, kv_idx, params): the block's gradient of the
-    parameter `name`, which score_mod uses whole, checked before it is trusted: along a random
-    direction u, <vjp, u> must be the complex step's sum(ds Im score_mod(p + i h u)) / h to 1e-8
-    (ValueError naming the parameter otherwise)."""
-    value = o.score_mod_params[name]
-    with np.errstate(all="ignore"):
-        g = np.asarray(o.score_mod_vjps[name](ds, s, *indices, _params(o)))
-    if g.shape != value.shape:
-        raise ValueError(f"score_mod_vjps[{name!r}] returned shape {g.shape}; the gradient of "
-                         f"score_mod_params[{name!r}] has its shape {value.shape}")
-    u = np.random.default_rng(VJP_SEED).standard_normal(value.shape)   # the same direction every call
-    stepped = _params(o, stepped=name, direction=u)
-    along = float(np.sum(_complex_step(o, s, s, indices, stepped)[0] * ds))
-    claimed = float(np.sum(g * u).real)
-    if not abs(claimed - along) <= 1e-8 * (float(np.sum(np.abs(g * u))) + abs(along)):
-        raise ValueError(f"score_mod_vjps[{name!r}] is not score_mod's VJP: along a random direction u of "
-                         f"the parameter, <vjp, u> = {claimed:.10g} while complex step on score_mod gives "
-                         f"{along:.10g}")
-    return g
-
-
 # ----------------------------------------------------------------------------- 2-4. on a block
 
 def _block(x, score_shape, index):
@@ -520,7 +280,7 @@ def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN, rounding=NO
         s = r.step(s)
     if o.score_mod is not None:                     #    S = score_mod(S, b, h, q_idx, kv_idx)
         mod_input = s.copy()
-        s[...] = r.step(_call_score_mod(o, mod_input, block_indices(shape, index)))
+        s[...] = r.step(call_score_mod(o, mod_input, mod_indices(shape, index)))
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     if keep is not None:                            # 4. S = -inf where not kept
         np.copyto(s, -np.inf, where=~keep)
@@ -546,10 +306,10 @@ def backward(ds, options, score_shape=None, index=WHOLE, saved=Saved(), keep=UNK
         np.copyto(ds, 0, where=~keep)
     ds4 = ds
     if o.score_mod is not None:                     # 3. dS = dS score_mod'(S_3); its parameters'
-        indices = block_indices(shape, index)
+        indices = mod_indices(shape, index)
         if grads is not None and o.score_mod_params is not None:
-            grads.add_mod(_score_mod_param_grads(o, saved.mod_input, indices, ds))
-        ds = ds * _score_mod_slope(o, saved.mod_input, indices)
+            grads.add_mod(score_mod_param_grads(o, saved.mod_input, indices, ds))
+        ds = ds * score_mod_slope(o, saved.mod_input, indices)
     if grads is not None:                           #    dbias, dslopes
         grads.add(ds, index)
     t = saved.softcap_tanh
@@ -574,86 +334,9 @@ def tangent(s_dot, options, score_shape=None, index=WHOLE, saved=Saved(), keep=U
     if alibi_slopes_dot is not None:                #    - slope_dot |i + N_k - N_q - j|
         s_dot = s_dot + alibi_bias(o, shape, index, slopes=alibi_slopes_dot)
     if o.score_mod is not None:                     #    score_mod'(S_3) S_dot
-        s_dot = _score_mod_slope(o, saved.mod_input, block_indices(shape, index)) * s_dot
+        s_dot = score_mod_slope(o, saved.mod_input, mod_indices(shape, index)) * s_dot
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     return s_dot if keep is None else np.where(keep, s_dot, 0)   # 4. 0 where masked
-
-
-# ----------------------------------------------------------------------------- the parameters' gradients
-
-def _bounds(indices, shape):
-    """The smallest slices (of step 1) of each axis of `shape` that hold every index of the list."""
-    ranges = [index_ranges(index, shape) for index in indices]
-    return tuple(slice(min(r[a].start for r in ranges), max(r[a].stop for r in ranges)) for a in range(len(shape)))
-
-
-class ScoreGrads:
-    """The gradients of the score steps' parameters (bias, ALiBi slopes), summed block by
-    block over a region of the scores: an index, as a block's, or the list of the blocks to
-    come (every block added lies in it).
-
-    Each task of an engine sums its own region's blocks in its own ScoreGrads; `total` adds
-    the regions in a fixed order, so the bits do not depend on where or in which order the
-    tasks ran.
-        bias      dbias: each block's dS_3 summed to the bias's part it broadcast to
-        ALiBi     each row's -sum_j dS_3 |i + N_k - N_q - j| (alibi_row_gradient)
-    """
-
-    def __init__(self, options, score_shape, dtype, region=WHOLE):
-        o, self.options, self.score_shape = options, options, tuple(score_shape)
-        self.region = _bounds(region if isinstance(region, list) else [region], score_shape)
-        self.dbias = self.rows = None
-        if o.bias is not None:                      # the bias's part the region reads
-            self.bias_shape = (1,) * (len(score_shape) - o.bias.ndim) + o.bias.shape
-            self.bias_at = self._bias_part(self.region)
-            self.dbias = np.zeros([s.stop - s.start for s in self.bias_at], dtype)
-        if o.alibi_slopes is not None:              # its rows [..., H, N_q]
-            self.rows = np.zeros([s.stop - s.start for s in self.region[:-1]], dtype)
-        self.mod = None if o.score_mod_params is None else \
-            {name: np.zeros(x.shape, np.result_type(dtype, x.real.dtype)) for name, x in o.score_mod_params.items()}
-
-    def _bias_part(self, ranges):
-        """The slices of the bias (padded to the scores' axes) that scores at `ranges` read."""
-        return tuple(slice(0, 1) if n == 1 else part for part, n in zip(ranges, self.bias_shape))
-
-    def add(self, ds, index):
-        """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there."""
-        ranges = index_ranges(index, self.score_shape)
-        within = lambda parts, region: tuple(slice(p.start - r.start, p.stop - r.start, p.step)
-                                             for p, r in zip(parts, region))
-        if self.dbias is not None:
-            part = self.dbias[within(self._bias_part(ranges), self.bias_at)]
-            part += unbroadcast(ds, part.shape)
-        if self.rows is not None:
-            self.rows[within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
-                ds, self.options, self.score_shape, index)
-
-    def add_mod(self, grads):
-        """Add a block's score_mod_params gradients {name: gradient}."""
-        for name, g in grads.items():
-            self.mod[name] += g
-
-    def __getstate__(self):
-        """A region's sums, as a task on a cluster sends them back: without the options (and
-        their bias), which only `add` needs."""
-        return {**self.__dict__, "options": None}
-
-    @staticmethod
-    def total(parts, options, score_shape, dtype):
-        """{"dbias": ..., "dalibi_slopes": ..., "dscore_mod_params": ...} (each None without its
-        option) from the regions' ScoreGrads `parts`, added in their order."""
-        o = options
-        whole = ScoreGrads(o, score_shape, dtype)
-        for part in parts:
-            if whole.dbias is not None:
-                whole.dbias[part.bias_at] += part.dbias
-            if whole.rows is not None:
-                whole.rows[part.region[:-1]] += part.rows
-            if whole.mod is not None:
-                whole.add_mod(part.mod)
-        return {"dbias": None if o.bias is None else whole.dbias.reshape(o.bias.shape),
-                "dalibi_slopes": None if o.alibi_slopes is None else alibi_slopes_gradient(whole.rows, o),
-                "dscore_mod_params": whole.mod}
 
 
 # ----------------------------------------------------------------------------- 5. the sink's column

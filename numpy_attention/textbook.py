@@ -54,7 +54,8 @@ import numpy as np
 from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .caches import TEXTBOOK, AttentionCache, AttentionGrads, AttentionStages
 from . import scores
-from .scores import ScoreGrads, attention_scores, head_gradient, with_sink, with_sink_weight
+from .score_grads import ScoreGrads
+from .scores import attention_scores, head_gradient, with_sink, with_sink_weight
 from .softmax import SoftmaxCache, logsumexp, plain_softmax, softmax_backward, softmax_forward, softmax_jacobian
 
 

@@ -13,6 +13,7 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention import scores
+from numpy_attention.score_grads import ScoreGrads
 from numpy_attention.oracle import naive
 from numpy_attention.oracle.naive import naive_attention
 
@@ -82,7 +83,7 @@ def reference(q, k, v, o, dout):
     dsinks = np.zeros((B, H), F32)                                    # summed a tile of rows at a time
     for r in range(0, n_q, CHUNK):
         dsinks += -np.sum(p_sink[..., r:r + CHUNK, :] * D[..., r:r + CHUNK, :], axis=(-2, -1))
-    grads = scores.ScoreGrads(o, shape, F32)
+    grads = ScoreGrads(o, shape, F32)
     ds = scores.backward(p * (dp - D), o, shape, saved=saved, grads=grads)
     dq = o.scale * over_keys(ds, kh)
     grouped = lambda x: x.reshape(B, h_kv, G, n_q, x.shape[-1])      # kv head, its query heads g
@@ -91,7 +92,7 @@ def reference(q, k, v, o, dout):
     dk = o.scale * over_rows(grouped(ds), grouped(q))
     dv = over_rows(grouped(p_drop), grouped(dout))
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsinks": dsinks,
-            **{name: g for name, g in scores.ScoreGrads.total([grads], o, shape, F32).items() if g is not None}}
+            **{name: g for name, g in ScoreGrads.total([grads], o, shape, F32).items() if g is not None}}
 
 
 def inputs(rng, n_q=70, n_k=90, h=4, h_kv=2, d=16):

@@ -10,7 +10,7 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
-from numpy_attention.scores import ScoreModDerivativeWarning
+from numpy_attention.score_mods import ScoreModDerivativeWarning
 
 B, H, N_Q, N_K, D = 2, 3, 7, 9, 5
 ENGINES = [{"implementation": "textbook"}, {"implementation": "blocked"}, {"implementation": "tiled", "block_size": 4}]
@@ -352,6 +352,7 @@ def test_the_pipeline_on_blocks_of_strided_heads_is_the_pipeline_on_the_whole():
     """Blocks of every G-th head and of rows (the naive baseline's) give the whole's bits for S
     and the same parameters' gradients (to rounding: their sums split over the blocks)."""
     from numpy_attention import scores
+    from numpy_attention.score_grads import ScoreGrads
     from numpy_attention.options import attention_options
     rng = np.random.default_rng(15)
     q, k, v = rng.standard_normal((B, 4, N_Q, D)), rng.standard_normal((B, 2, N_K, D)), rng.standard_normal((B, 2, N_K, D))
@@ -362,16 +363,16 @@ def test_the_pipeline_on_blocks_of_strided_heads_is_the_pipeline_on_the_whole():
     shape = (B, 4, N_Q, N_K)
     s1, ds = rng.standard_normal(shape), rng.standard_normal(shape)
     whole_s, saved = scores.forward(s1.copy(), o, shape)
-    whole = scores.ScoreGrads(o, shape, np.float64)
+    whole = ScoreGrads(o, shape, np.float64)
     whole_ds = scores.backward(ds.copy(), o, shape, saved=saved, grads=whole)
     blocks = [(Ellipsis, slice(g, None, 2), rows, slice(None)) for g in range(2) for rows in (slice(0, 3), slice(3, N_Q))]
-    parts = [scores.ScoreGrads(o, shape, np.float64, region=[block]) for block in blocks]
+    parts = [ScoreGrads(o, shape, np.float64, region=[block]) for block in blocks]
     for block, part in zip(blocks, parts):
         s_block, saved_block = scores.forward(s1[block].copy(), o, shape, block)
         np.testing.assert_array_equal(s_block, whole_s[block])
         np.testing.assert_array_equal(scores.backward(ds[block].copy(), o, shape, block, saved_block, grads=part),
                                       whole_ds[block])
-    total, expected = scores.ScoreGrads.total(parts, o, shape, np.float64), scores.ScoreGrads.total([whole], o, shape, np.float64)
+    total, expected = ScoreGrads.total(parts, o, shape, np.float64), ScoreGrads.total([whole], o, shape, np.float64)
     for name in ("dbias", "dalibi_slopes"):
         assert_close(total[name], expected[name], name)
     for name in params:

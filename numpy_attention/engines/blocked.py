@@ -38,7 +38,8 @@ import numpy as np
 from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
 from .. import scores
-from ..scores import ScoreGrads, head_gradient, keep_mask, with_sink, with_sink_weight
+from ..score_grads import ScoreGrads
+from ..scores import head_gradient, keep_mask, with_sink, with_sink_weight
 from .parallel import run_tasks
 from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
 

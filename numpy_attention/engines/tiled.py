@@ -52,7 +52,8 @@ from .._layout import (grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, 
                        with_head_axis)
 from .. import scores
 from ..caches import AttentionGrads, TiledAttentionCache
-from ..scores import ScoreGrads, head_gradient, heads_view, keep_mask
+from ..score_grads import ScoreGrads
+from ..scores import head_gradient, heads_view, keep_mask
 from .parallel import run_tasks
 
 

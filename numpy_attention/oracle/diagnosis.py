@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..attention import attention_backward, attention_forward
-from ..scores import numpy_mod
+from ..score_mods import numpy_mod
 from ..topk import block_indices, counts, listed, topk_lists
 from .case import GRADIENTS
 

@@ -60,7 +60,8 @@ import numpy as np
 
 from .. import scores
 from .._layout import with_head_axis
-from ..scores import ScoreGrads, head_gradient, keep_mask, with_sink
+from ..score_grads import ScoreGrads
+from ..scores import head_gradient, keep_mask, with_sink
 from .blocks import block_of, row_slices
 
 

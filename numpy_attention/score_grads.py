@@ -1,0 +1,92 @@
+"""The score steps' parameters' gradients (bias, ALiBi's slopes, score_mod's parameters),
+summed block by block: ScoreGrads.
+
+An engine differentiates the score steps on blocks (scores.backward); each block's dS_3
+(the gradient of step 3's output) gives its part of
+
+    dbias           dS_3 summed to the bias's shape (over the axes it broadcast along)
+    dalibi_slopes   -sum dS_3 |i + N_k - N_q - j| over each slope's rows
+    dscore_mod_params   by complex step through score_mod (score_mods.py)
+
+and ScoreGrads adds those parts over a region of the scores, then the regions in a fixed
+order (total), so that the bits do not depend on how the blocks were cut or where they ran.
+"""
+import numpy as np
+
+from ._layout import index_ranges, unbroadcast
+from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient
+
+
+def _bounds(indices, shape):
+    """The smallest slices (of step 1) of each axis of `shape` that hold every index of the list."""
+    ranges = [index_ranges(index, shape) for index in indices]
+    return tuple(slice(min(r[a].start for r in ranges), max(r[a].stop for r in ranges)) for a in range(len(shape)))
+
+
+class ScoreGrads:
+    """The gradients of the score steps' parameters (bias, ALiBi slopes), summed block by
+    block over a region of the scores: an index, as a block's, or the list of the blocks to
+    come (every block added lies in it).
+
+    Each task of an engine sums its own region's blocks in its own ScoreGrads; `total` adds
+    the regions in a fixed order, so the bits do not depend on where or in which order the
+    tasks ran.
+        bias      dbias: each block's dS_3 summed to the bias's part it broadcast to
+        ALiBi     each row's -sum_j dS_3 |i + N_k - N_q - j| (alibi_row_gradient)
+    """
+
+    def __init__(self, options, score_shape, dtype, region=WHOLE):
+        o, self.options, self.score_shape = options, options, tuple(score_shape)
+        self.region = _bounds(region if isinstance(region, list) else [region], score_shape)
+        self.dbias = self.rows = None
+        if o.bias is not None:                      # the bias's part the region reads
+            self.bias_shape = (1,) * (len(score_shape) - o.bias.ndim) + o.bias.shape
+            self.bias_at = self._bias_part(self.region)
+            self.dbias = np.zeros([s.stop - s.start for s in self.bias_at], dtype)
+        if o.alibi_slopes is not None:              # its rows [..., H, N_q]
+            self.rows = np.zeros([s.stop - s.start for s in self.region[:-1]], dtype)
+        self.mod = None if o.score_mod_params is None else \
+            {name: np.zeros(x.shape, np.result_type(dtype, x.real.dtype)) for name, x in o.score_mod_params.items()}
+
+    def _bias_part(self, ranges):
+        """The slices of the bias (padded to the scores' axes) that scores at `ranges` read."""
+        return tuple(slice(0, 1) if n == 1 else part for part, n in zip(ranges, self.bias_shape))
+
+    def add(self, ds, index):
+        """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there."""
+        ranges = index_ranges(index, self.score_shape)
+        within = lambda parts, region: tuple(slice(p.start - r.start, p.stop - r.start, p.step)
+                                             for p, r in zip(parts, region))
+        if self.dbias is not None:
+            part = self.dbias[within(self._bias_part(ranges), self.bias_at)]
+            part += unbroadcast(ds, part.shape)
+        if self.rows is not None:
+            self.rows[within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
+                ds, self.options, self.score_shape, index)
+
+    def add_mod(self, grads):
+        """Add a block's score_mod_params gradients {name: gradient}."""
+        for name, g in grads.items():
+            self.mod[name] += g
+
+    def __getstate__(self):
+        """A region's sums, as a task on a cluster sends them back: without the options (and
+        their bias), which only `add` needs."""
+        return {**self.__dict__, "options": None}
+
+    @staticmethod
+    def total(parts, options, score_shape, dtype):
+        """{"dbias": ..., "dalibi_slopes": ..., "dscore_mod_params": ...} (each None without its
+        option) from the regions' ScoreGrads `parts`, added in their order."""
+        o = options
+        whole = ScoreGrads(o, score_shape, dtype)
+        for part in parts:
+            if whole.dbias is not None:
+                whole.dbias[part.bias_at] += part.dbias
+            if whole.rows is not None:
+                whole.rows[part.region[:-1]] += part.rows
+            if whole.mod is not None:
+                whole.add_mod(part.mod)
+        return {"dbias": None if o.bias is None else whole.dbias.reshape(o.bias.shape),
+                "dalibi_slopes": None if o.alibi_slopes is None else alibi_slopes_gradient(whole.rows, o),
+                "dscore_mod_params": whole.mod}
