@@ -77,7 +77,7 @@ def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_
     assert np.array_equal(kernel_dv[0, 0], head_by_head)
     case = split_case({"q": q, "k": k, "v": v, "dout": dout, "out": out.detach().float().numpy(),
                        "precision": np.array("bfloat16")})
-    flash = baselines(case)[3]                                # scale on k, flash backward (check._ways)
+    flash = baselines(case)[3]                                # scale on k, flash backward (runs.case_ways)
     assert np.array_equal(flash["dv"], kernel_dv)
     once = rounded(np.sum(dout[0].astype(np.float32), axis=0))
     assert not np.array_equal(once, head_by_head)

@@ -15,7 +15,7 @@ import numpy_attention as na
 from numpy_attention.commands.cli import main
 from numpy_attention.engines.plan import check_scheduler
 from numpy_attention.oracle import blocks, crosscheck, save_case, split_case
-from numpy_attention.oracle.check import _baseline, _forwards, _ways
+from numpy_attention.oracle.runs import _baseline, case_ways, ways_by_forward
 from numpy_attention.oracle.slices import case_slices, put_together
 
 RNG = np.random.default_rng(3)
@@ -264,7 +264,7 @@ def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precisi
 
 def assert_slices_put_together_are_whole(case, slices, gradients):
     """Each way's baselines of the slices, put together, bitwise those of the whole case."""
-    groups = _forwards(_ways(case, gradients))               # the ways of each forward, computed together
+    groups = ways_by_forward(case_ways(case, gradients))               # the ways of each forward, computed together
     by_way = lambda c: {way: result for group in groups
                         for way, result in zip(group, _baseline(c, group, gradients, 32))}
     whole = by_way(case)

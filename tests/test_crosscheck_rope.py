@@ -188,7 +188,7 @@ def test_the_term_magnitudes_of_dq_and_dk_are_the_turned_case_s_times_the_turn_b
     """dq and dk of the unturned q, k sum two terms a pair in the turn back (|cos| + |sin| <= sqrt 2,
     times YaRN's magnitude): their magnitudes are the turned case's times that; the others the
     turned case's."""
-    from numpy_attention.oracle.check import _magnitudes, reference
+    from numpy_attention.oracle.runs import case_magnitudes, reference
     from numpy_attention.oracle.case import split_case
     from numpy_attention.oracle.rotary import turned_case
     arrays = _float32_case({"rope_layout": "half", "rope_scaling": "yarn", "rope_factor": 4.0,
@@ -197,6 +197,6 @@ def test_the_term_magnitudes_of_dq_and_dk_are_the_turned_case_s_times_the_turn_b
     truth = reference(case.inputs, case.options, np.dtype(np.float64))
     turned, factor = turned_case(case)
     assert factor == pytest.approx(math.sqrt(2) * (0.1 * math.log(4.0) + 1))
-    with_rope, plain = (_magnitudes(c, truth, True, None, None, 1) for c in (case, turned))
+    with_rope, plain = (case_magnitudes(c, truth, True, None, None, 1) for c in (case, turned))
     for name, x in plain.items():
         assert with_rope[name] == (x * factor if name in ("dq", "dk") else x), name

@@ -20,7 +20,7 @@ import numpy_attention as na
 from test_topk import dense_counts
 
 blocks = importlib.import_module("numpy_attention.oracle.blocks")
-check = importlib.import_module("numpy_attention.oracle.check")
+runs = importlib.import_module("numpy_attention.oracle.runs")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STORAGE = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
@@ -151,7 +151,7 @@ def test_in_blocks_of_rows_and_slices_on_threads_too(name, monkeypatch):
     of rows read the lists), the baselines and term magnitudes in (batch index, kv head) slices
     (oracle/slices.py cuts the lists) on threads."""
     monkeypatch.setattr(blocks, "SCORE_BUDGET", 1)
-    monkeypatch.setattr(check, "PARALLEL_SCORES", 1)
+    monkeypatch.setattr(runs, "PARALLEL_SCORES", 1)
     listed, dense = case(name, seed=1, n_q=40, n_k=50)
     same_reports(na.crosscheck(**listed, workers=8), na.crosscheck(**dense, workers=8))
 

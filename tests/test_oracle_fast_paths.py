@@ -12,7 +12,7 @@ from report_cases import report_cases, report_record
 from test_rounding import converted
 from numpy_attention.oracle import naive, precision
 
-CHECK = importlib.import_module("numpy_attention.oracle.check")      # the package's crosscheck is a function
+RUNS = importlib.import_module("numpy_attention.oracle.runs")
 
 
 def plain_recursive_matmul(a, b):
@@ -54,7 +54,7 @@ def test_a_report_is_the_plain_paths_one(name, arrays, budget, monkeypatch):
     """On three threads with the fast forms, and on one thread with the plain forms."""
     fast = report_record(arrays, budget, workers=3)
     monkeypatch.setattr(precision, "round_to", converted)
-    monkeypatch.setattr(CHECK, "round_to", converted)
+    monkeypatch.setattr(RUNS, "round_to", converted)
     monkeypatch.setattr(naive, "recursive_matmul", plain_recursive_matmul)
     assert report_record(arrays, budget, workers=1) == fast
 

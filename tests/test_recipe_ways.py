@@ -1,5 +1,5 @@
-"""The recipe's ways of computing a 16- or 8-bit case (check._ways): the ways that share a
-forward compute it once (check._forwards, precision.recipe_backwards), bitwise what each way
+"""The recipe's ways of computing a 16- or 8-bit case (runs.case_ways): the ways that share a
+forward compute it once (runs.ways_by_forward, precision.recipe_backwards), bitwise what each way
 computed on its own gives."""
 import importlib
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from numpy_attention import attention_forward
-from numpy_attention.oracle import check, crosscheck, rule, split_case
+from numpy_attention.oracle import check, crosscheck, rule, runs, split_case
 from numpy_attention.oracle.precision import PRECISIONS, recipe_attention, round_to
 
 precision_module = importlib.import_module("numpy_attention.oracle.precision")
@@ -39,11 +39,11 @@ def inputs(precision, gqa=True):
 
 
 def way_alone(case, way, gradients, block_rows):
-    """The baseline of one way (check._ways) by recipe_attention alone: what check computed
+    """The baseline of one way (runs.case_ways) by recipe_attention alone: what check computed
     way by way, each way with its own forward."""
     p = case.precision
-    q, k, v, dout, record, back = check.recipe_case_in(case)
-    backward, reorder, reads, mlx, scores = check._ways(case, gradients)[way][1]
+    q, k, v, dout, record, back = runs.recipe_case_in(case)
+    backward, reorder, reads, mlx, scores = runs.case_ways(case, gradients)[way][1]
     saved = round_to(case.candidates["out"], p.compute) if reads else None
     gradients = gradients and backward is not None
     result = recipe_attention(q, k, v, record, p, dout=dout if gradients else None, backward=backward or "eager",
@@ -73,14 +73,14 @@ def test_the_ways_that_share_a_forward_compute_it_once_with_each_ways_bits(preci
     own; the same in blocks of 32 rows (as on a large case)."""
     case = split_case({**inputs(precision, gqa), **CASES[name], "precision": precision})
     gradients = "dout" in case.inputs
-    ways = check._ways(case, gradients)
-    assert len(check._forwards(ways)) == len(ways) - 2 * gradients      # two ways fewer with gradients
+    ways = runs.case_ways(case, gradients)
+    assert len(runs.ways_by_forward(ways)) == len(ways) - 2 * gradients      # two ways fewer with gradients
     calls = forwards_counted(monkeypatch)
     for block_rows in (None, 32):                                      # whole, and in blocks of rows
         calls.clear()
-        together = check.baselines(case, gradients, block_rows)
+        together = runs.baselines(case, gradients, block_rows)
         rows = len(blocks.row_slices(70, block_rows))
-        assert len(calls) == len(check._forwards(ways)) * rows
+        assert len(calls) == len(runs.ways_by_forward(ways)) * rows
         for way, result in enumerate(together):
             alone = way_alone(case, way, gradients, block_rows)
             assert result.keys() == alone.keys()
@@ -92,9 +92,9 @@ def test_the_ways_that_share_a_forward_compute_it_once_with_each_ways_bits(preci
 def test_baselines_gives_the_ways_asked_for_in_their_order():
     """ways=[...]: those ways' baselines only, in the order asked, each the one of all ways."""
     case = split_case({**inputs("bfloat16"), **CASES["causal"]})
-    every = check.baselines(case)
+    every = runs.baselines(case)
     asked = [4, 0, 6]
-    for way, result in zip(asked, check.baselines(case, ways=asked)):
+    for way, result in zip(asked, runs.baselines(case, ways=asked)):
         assert all(np.array_equal(result[t], every[way][t], equal_nan=True) for t in every[way])
 
 
@@ -123,7 +123,7 @@ def ways_asked(monkeypatch):
     """A list of the way numbers each call of check.baselines computes."""
     asked, baselines = [], check.baselines
     def counted(case, *args, ways=None, **kwargs):
-        asked.append(list(range(len(check._ways(case, args[0])))) if ways is None else list(ways))
+        asked.append(list(range(len(runs.case_ways(case, args[0])))) if ways is None else list(ways))
         return baselines(case, *args, ways=ways, **kwargs)
     monkeypatch.setattr(check, "baselines", counted)
     return asked
@@ -131,7 +131,7 @@ def ways_asked(monkeypatch):
 
 def candidate_of_way(case, way):
     """The case's baseline of a way, as a candidate's tensors in the precision."""
-    base = check.baselines(case, ways=[way])[0]
+    base = runs.baselines(case, ways=[way])[0]
     storage = case.precision.storage
     return {**{name: base[name].astype(storage) for name in ("out", "dq", "dk", "dv")}, "lse": base["lse"]}
 
@@ -145,7 +145,7 @@ def test_a_candidate_that_passes_the_first_forwards_ways_is_judged_by_them_alone
     asked, calls = ways_asked(monkeypatch), []
     report = crosscheck(**arrays, **candidate, judge=recorded(calls))
     assert report
-    first = list(check._forwards(check._ways(case, True))[0])
+    first = list(runs.ways_by_forward(runs.case_ways(case, True))[0])
     assert asked == [first] and first == [0, 3, 6]
     assert all(row.baseline_way.startswith("scale on k") for row in report.rows)
     assert {name for name, _, _ in calls} == set(candidate)
@@ -156,7 +156,7 @@ def test_a_candidate_that_fails_the_first_forwards_ways_is_judged_by_every_way(m
     passes against every way: the other ways are computed, each tensor judged again against
     all of them (out and lse against all but the one that reads the kernel's out)."""
     arrays, case = scaled_case()
-    ways = check._ways(case, True)
+    ways = runs.case_ways(case, True)
     candidate = candidate_of_way(case, 1)
     asked, calls = ways_asked(monkeypatch), []
     report = crosscheck(**arrays, **candidate, judge=recorded(calls))
@@ -172,21 +172,14 @@ def test_a_candidate_that_fails_the_first_forwards_ways_is_judged_by_every_way(m
 
 def test_a_failing_candidates_report_is_the_one_against_every_way(monkeypatch):
     """A wrong out (a scale 1% off) fails: the report, its verdicts and diagnosis are those of
-    judging against every way at once (check._forwards as one group for the verdicts)."""
+    judging against every way at once (runs.ways_by_forward as one group for the verdicts)."""
     arrays, case = scaled_case()
     candidate = candidate_of_way(case, 0)
-    wrong = check.baselines(split_case(dict(arrays, scale=0.303, out=arrays["q"])), ways=[0])[0]
+    wrong = runs.baselines(split_case(dict(arrays, scale=0.303, out=arrays["q"])), ways=[0])[0]
     candidate["out"] = wrong["out"].astype(case.precision.storage)
     report = crosscheck(**arrays, **candidate)
     assert not report
-    forwards, baselines = check._forwards, check.baselines
-
-    def grouped_by_forward(*args, **kwargs):                            # the baselines as they are
-        with monkeypatch.context() as patch:
-            patch.setattr(check, "_forwards", forwards)
-            return baselines(*args, **kwargs)
-    monkeypatch.setattr(check, "baselines", grouped_by_forward)
-    monkeypatch.setattr(check, "_forwards", lambda ways: [tuple(range(len(ways)))])   # crosscheck's first: all
+    monkeypatch.setattr(check, "ways_by_forward", lambda ways: [tuple(range(len(ways)))])   # crosscheck's first: all
     every_way = crosscheck(**arrays, **candidate)
     assert str(report) == str(every_way) and report.to_json() == every_way.to_json()
 
@@ -206,9 +199,9 @@ def test_a_way_whose_scores_overflow_computes_nan_not_weights_made_up():
     """The scale on S overflows to +inf in every row: its out and lse are NaN there (a row with
     an infinite score was once taken for a fully masked one, its weights made 0, and out 0)."""
     case = split_case(overflowing_case())
-    ways = check._ways(case, False)
+    ways = runs.case_ways(case, False)
     on_s = [number for number, (names, _) in enumerate(ways) if names[0] == "scale on S"]
-    base = check.baselines(case, gradients=False, ways=on_s)[0]
+    base = runs.baselines(case, gradients=False, ways=on_s)[0]
     assert np.isnan(base["out"]).all() and np.isnan(base["lse"]).all()
 
 

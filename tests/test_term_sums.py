@@ -73,8 +73,8 @@ def test_term_sums_are_the_sums_of_the_terms_formed_one_by_one(dropout, nan_row,
                                      {"alibi_slopes": "alibi_slopes", "window": np.array([5, 3])}])
 def test_a_large_case_s_magnitudes_in_blocks_and_slices_are_its_whole_ones(monkeypatch, options):
     """A case over blocks.SCORE_BUDGET: its stages recomputed block by block, on 2 threads in
-    (batch index, kv head) slices (check._magnitudes), sum to the magnitudes of its stages whole."""
-    from numpy_attention.oracle import blocks, check
+    (batch index, kv head) slices (runs.case_magnitudes), sum to the magnitudes of its stages whole."""
+    from numpy_attention.oracle import blocks, runs
     from numpy_attention.oracle.case import split_case
     rng = np.random.default_rng(len(options))
     n_q = 70                                           # over 2 blocks of 32 rows
@@ -87,15 +87,15 @@ def test_a_large_case_s_magnitudes_in_blocks_and_slices_are_its_whole_ones(monke
     arrays.update(out=np.zeros((B, H, n_q, D), np.float32), dq=np.zeros((B, H, n_q, D), np.float32),
                   dk=np.zeros((B, H_KV, N_K, D), np.float32), dv=np.zeros((B, H_KV, N_K, D), np.float32))
     case = split_case(arrays, precision="float32")
-    truth = check.reference(case.inputs, case.options, np.dtype(np.float64), True)
-    whole = check._magnitudes(case, truth, True, None, None, 1)
+    truth = runs.reference(case.inputs, case.options, np.dtype(np.float64), True)
+    whole = runs.case_magnitudes(case, truth, True, None, None, 1)
     monkeypatch.setattr(blocks, "SCORE_BUDGET", 64)
-    monkeypatch.setattr(check, "PARALLEL_SCORES", 1)
-    block_rows = check._block_rows(case)
+    monkeypatch.setattr(runs, "PARALLEL_SCORES", 1)
+    block_rows = runs.case_block_rows(case)
     assert block_rows == 32
-    tiled = check.reference(case.inputs, case.options, np.dtype(np.float64), True, stages=False)
+    tiled = runs.reference(case.inputs, case.options, np.dtype(np.float64), True, stages=False)
     for workers in (1, 2):
-        large = check._magnitudes(case, tiled, False, block_rows, None, workers)
+        large = runs.case_magnitudes(case, tiled, False, block_rows, None, workers)
         assert sorted(large) == sorted(whole)
         for name, value in whole.items():
             assert large[name] == pytest.approx(value, rel=1e-12), name

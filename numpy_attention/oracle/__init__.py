@@ -10,15 +10,17 @@
     npz.py        reading a case file from a stranger: checked before any data is read
     diagnosis.py  which convention mix-up a failing candidate matches instead
     tangents.py   forward mode: a candidate's out_dot, lse_dot along q_dot, k_dot, v_dot
+    runs.py       the oracle, the baselines and the term magnitudes of a case: whole, in slices, on threads
     check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
     errormap.py   error_maps, plot_error_maps: each entry's |err| / bound by head and row, a PNG
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
     (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)
 """
 from .case import CaseError, load_case, save_case, split_case, write_example_case
-from .check import baseline, baselines, crosscheck, reference
+from .check import crosscheck
 from .importers import TorchMultiheadAttention, from_torch
 from .rule import CrosscheckReport, TensorVerdict, judge
+from .runs import baseline, baselines, reference
 
 __all__ = ["crosscheck", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge", "CrosscheckReport", "TensorVerdict",
            "CaseError", "load_case", "save_case", "split_case", "write_example_case"]

@@ -82,7 +82,7 @@ def rel_l2(x, ref):
 
 def _rerun(inputs, options, gradients, mixup, latent=None):
     """The float64 oracle's results for these inputs and the options changed by `mixup` (a
-    dict like check.reference's); with MLA's latent r, also dkv."""
+    dict like runs.reference's); with MLA's latent r, also dkv."""
     options = {name: x for name, x in {**options, **mixup.change}.items() if x is not None}
     q, k, v = ({**inputs, **(mixup.inputs or {})}[n].astype(np.float64) for n in "qkv")
     groups = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
@@ -288,7 +288,7 @@ def diagnose(case, truth, failing, noise=None, laid_out=None):
     case: the split case; truth: the oracle's results; failing: the names of the tensors
     that failed (their candidates are in case.candidates); noise: {name: rel L2 of the
     baseline} (the rounding of the case's precision; default 0); laid_out: a rerun's results
-    (of case.inputs) in the candidate's layout (a paged KV cache's: check._unpaged), or None
+    (of case.inputs) in the candidate's layout (a paged KV cache's: runs.unpaged), or None
     where they are laid out alike.
     """
     candidates = {n: np.asarray(case.candidates[n]).astype(np.float64) for n in failing}

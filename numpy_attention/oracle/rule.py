@@ -22,7 +22,7 @@ accurate as PyTorch's naive implementation in the same dtype"):
   past eps(T) / 2 of which the scale check is not applied), and atol does not depend on
   them: so every bound only grows as baselines are added, and a candidate that passes
   against some of them passes against all of them (crosscheck judges against the recipe's
-  first forward, check._forwards, and computes the other ways only when a tensor fails).
+  first forward, runs.ways_by_forward, and computes the other ways only when a tensor fails).
   Except where an added baseline is not finite and the oracle is: its bound, infinite,
   judges nothing (below); crosscheck leaves such a way out while another computes the tensor.
 - k: 2 for `out` and `lse`, 3 for the gradients (FlashAttention's factors).
