@@ -51,6 +51,7 @@ Backward, the same steps in reverse (derivations in docs/derivations.md):
 """
 import numpy as np
 
+from ._checks import as_float_array
 from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .caches import TEXTBOOK, AttentionCache, AttentionGrads, AttentionStages
 from . import scores
@@ -69,6 +70,7 @@ def _t(x):
 def plain_attention_forward(q, k, v):
     """out = softmax(q k^T / sqrt(d_k)) v, and P: q [..., N_q, d_k], k [..., N_k, d_k],
     v [..., N_k, d_v] -> out [..., N_q, d_v], P [..., N_q, N_k] (the same heads in q, k, v)."""
+    q, k, v = _plain_checked(q=q, k=k, v=v)
     S = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])   # S = q k^T / sqrt(d_k)       [..., N_q, N_k]
     P = plain_softmax(S)                                # P = softmax(S), each row sums to 1
     return P @ v, P                                     # out = P v                   [..., N_q, d_v]
@@ -77,12 +79,31 @@ def plain_attention_forward(q, k, v):
 def plain_attention_backward(dout, q, k, v, P):
     """The gradients of <dout, out> for plain_attention_forward's out (P its weights):
     dq [..., N_q, d_k], dk [..., N_k, d_k], dv [..., N_k, d_v]."""
+    dout, q, k, v, P = _plain_checked(dout=dout, q=q, k=k, v=v, P=P)
     dv = P.swapaxes(-1, -2) @ dout                      # out = P v:        dv = P^T dout
     dP = dout @ v.swapaxes(-1, -2)                      #                   dP = dout v^T
     dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))   # P = softmax(S): dS = P * (dP - rowsum(P * dP))
     dq = dS @ k / np.sqrt(q.shape[-1])                  # S = q k^T / sqrt(d_k): dq = dS k / sqrt(d_k)
     dk = dS.swapaxes(-1, -2) @ q / np.sqrt(q.shape[-1])  #                        dk = dS^T q / sqrt(d_k)
     return dq, dk, dv
+
+
+def _plain_checked(**arrays):
+    """The plain form's arrays as float (or complex) arrays, checked against each other: q
+    [..., N_q, d_k], k [..., N_k, d_k], v [..., N_k, d_v], dout [..., N_q, d_v], P [..., N_q, N_k]
+    (the same leading axes). ValueError / TypeError naming them and their shapes."""
+    x = {name: as_float_array(value, name) for name, value in arrays.items()}
+    shapes = ", ".join(f"{name} {a.shape}" for name, a in x.items())
+    if any(a.ndim < 2 for a in x.values()):
+        raise ValueError(f"each array needs at least two axes [..., N, d]: {shapes}")
+    q, k, v = x["q"], x["k"], x["v"]
+    want = {"k": q.shape[:-2] + (k.shape[-2], q.shape[-1]), "v": q.shape[:-2] + (k.shape[-2], v.shape[-1]),
+            "dout": q.shape[:-1] + (v.shape[-1],), "P": q.shape[:-1] + (k.shape[-2],)}
+    for name, a in x.items():
+        if name in want and a.shape != want[name]:
+            raise ValueError(f"{name} must be {want[name]} for q {q.shape} (q [..., N_q, d_k], k [..., N_k, d_k], "
+                             f"v [..., N_k, d_v], dout [..., N_q, d_v], P [..., N_q, N_k]): {shapes}")
+    return tuple(x.values())
 
 
 # ----------------------------------------------------------------------------- every option

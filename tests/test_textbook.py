@@ -59,3 +59,25 @@ def test_the_plain_form_writes_no_input():
     out, P = na.plain_attention_forward(q, k, v)
     na.plain_attention_backward(dout, q, k, v, P)
     assert all(np.array_equal(x, y) for x, y in zip((q, k, v, dout), kept))
+
+
+@pytest.mark.parametrize("shapes, named", [
+    (((7, 5), (9, 4), (9, 4)), "k must be"),               # d_k of k is not q's
+    (((7, 5), (9, 5), (8, 4)), "v must be"),               # v's keys are not k's
+    (((5,), (9, 5), (9, 4)), "at least two axes"),
+])
+def test_the_plain_form_names_a_wrong_shape(shapes, named):
+    q, k, v = (np.ones(shape) for shape in shapes)
+    with pytest.raises(ValueError, match=named):
+        na.plain_attention_forward(q, k, v)
+
+
+def test_the_plain_backward_names_a_wrong_shape():
+    q, k, v, dout = (x[0, 0] for x in case(5))
+    out, P = na.plain_attention_forward(q, k, v)
+    with pytest.raises(ValueError, match=r"dout must be \(7, 4\)"):
+        na.plain_attention_backward(dout[:, :3], q, k, v, P)
+    with pytest.raises(ValueError, match=r"P must be \(7, 9\)"):
+        na.plain_attention_backward(dout, q, k, v, P.T)
+    with pytest.raises(TypeError, match="q must be a numeric"):
+        na.plain_attention_forward("q", k, v)
