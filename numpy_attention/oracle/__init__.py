@@ -1,6 +1,8 @@
 """Use the float64 oracle to check other attention implementations.
 
-    case.py       the .npz exchange format: split_case, load_case, save_case, write_example_case
+    schema.py     the .npz exchange format: its keys, Case, CaseError, the options' decoding
+    case.py       reading a case: split_case, load_case, save_case, write_example_case
+    transforms.py a case's inputs as the kernel used them: float8's descales, MLA's kv, top-k, a paged cache
     storage.py    how a case stores its arrays (ml_dtypes, raw bits, floats) and its precision
     precision.py  the precisions and their recipes: what a kernel at float16, bfloat16, float8 does
     rule.py       the tolerance rule: err(candidate) <= k * err(baseline) + atol
@@ -16,11 +18,12 @@
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
     (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)
 """
-from .case import CaseError, load_case, save_case, split_case, write_example_case
+from .case import load_case, save_case, split_case, write_example_case
 from .check import crosscheck
 from .importers import TorchMultiheadAttention, from_torch
 from .rule import CrosscheckReport, TensorVerdict, judge
 from .runs import baseline, baselines, reference
+from .schema import CaseError
 
-__all__ = ["crosscheck", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge", "CrosscheckReport", "TensorVerdict",
-           "CaseError", "load_case", "save_case", "split_case", "write_example_case"]
+__all__ = ["crosscheck", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge",
+           "CrosscheckReport", "TensorVerdict", "CaseError", "load_case", "save_case", "split_case", "write_example_case"]

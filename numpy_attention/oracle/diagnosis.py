@@ -44,7 +44,7 @@ import numpy as np
 from ..attention import attention_backward, attention_forward
 from ..score_mods import numpy_mod
 from ..topk import block_indices, counts, listed, topk_lists
-from .case import GRADIENTS
+from .schema import GRADIENTS
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
 NEAR = 1e-2             # and within this rel L2 of it;
