@@ -11,6 +11,7 @@
     blocks.py     a large case in blocks of query rows: O(N) memory for oracle and baselines
     npz.py        reading a case file from a stranger: checked before any data is read
     diagnosis.py  which convention mix-up a failing candidate matches instead
+    mixups.py     the mix-ups diagnosis.py tries: which apply to a case, the oracle rerun under one
     tangents.py   forward mode: a candidate's out_dot, lse_dot along q_dot, k_dot, v_dot
     runs.py       the oracle, the baselines and the term magnitudes of a case: whole, in slices, on threads
     check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
@@ -26,4 +27,5 @@ from .runs import baseline, baselines, reference
 from .schema import CaseError
 
 __all__ = ["crosscheck", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge",
-           "CrosscheckReport", "TensorVerdict", "CaseError", "load_case", "save_case", "split_case", "write_example_case"]
+           "CrosscheckReport", "TensorVerdict", "CaseError", "load_case", "save_case", "split_case",
+           "write_example_case"]
