@@ -115,7 +115,7 @@ def test_gradcheck_help_names_every_method_it_accepts(capsys):
 
 
 def test_crosscheck_help_lists_the_case_keys_and_the_exit_codes(capsys):
-    from numpy_attention.oracle.case import KEYS
+    from numpy_attention.oracle.schema import KEYS
     text = help_text(["crosscheck"], capsys)
     for key in KEYS:
         assert f" {key} " in text, key

@@ -10,7 +10,8 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
-from numpy_attention.oracle.case import CaseError, descale_of
+from numpy_attention.oracle.schema import CaseError
+from numpy_attention.oracle.transforms import descale_of
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 import fp8_kernels  # noqa: E402  (needs torch)

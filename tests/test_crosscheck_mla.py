@@ -10,7 +10,8 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
-from numpy_attention.oracle.case import CaseError, load_case, save_case
+from numpy_attention.oracle.case import load_case, save_case
+from numpy_attention.oracle.schema import CaseError
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 import mla_kernels  # noqa: E402  (needs torch)

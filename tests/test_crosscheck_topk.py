@@ -7,7 +7,7 @@ import pytest
 from optional import TORCH_REASON
 
 import numpy_attention as na
-from numpy_attention.oracle.case import CaseError
+from numpy_attention.oracle.schema import CaseError
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 import topk_kernels  # noqa: E402  (needs torch)

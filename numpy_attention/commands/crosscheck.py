@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..oracle import CaseError, crosscheck, load_case, write_example_case
-from ..oracle.case import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
+from ..oracle.schema import CANDIDATES, INPUTS, KEYS, LAYOUTS, LSE_BASES, OPTIONS
 from ..oracle.errormap import crosscheck_errors, draw_error_maps, require_matplotlib
 from ..oracle.precision import PRECISIONS
 from .cli import PROG, UsageError, import_object, integer
@@ -38,7 +38,7 @@ case keys (a .npz written by numpy.savez; shapes [..., H, N, d] as in attention_
              the candidate's, each judged in its own dtype; out is required
   settings   {' '.join(key for key in KEYS if key not in INPUTS + OPTIONS + CANDIDATES) or '(none)'}
              how to read the candidate's tensors
-  (see numpy_attention/oracle/case.py, or --write-example for a complete case)
+  (see numpy_attention/oracle/schema.py, or --write-example for a complete case)
 exit codes:
   0  every tensor passed
   1  a tensor failed

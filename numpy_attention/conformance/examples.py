@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 
 from ..attention import attention_backward, attention_forward
-from ..oracle.case import FLOAT_OPTIONS
+from ..oracle.schema import FLOAT_OPTIONS
 from ..paged import unpack_rows
 from .kernels import GRADIENT_OF
 from .supports import OPTIONS, OUTPUTS, declare

@@ -27,7 +27,7 @@ come their second ones (j = 1), in the same order.
 
 A ConformCase is a record of the shapes and option names; its arrays (draw) are drawn from
 the seed and the case's id, rounded to its dtype, and stored as crosscheck's case format
-(oracle/case.py): q, k, v, dout as float32 arrays holding the dtype's values, with the
+(oracle/schema.py): q, k, v, dout as float32 arrays holding the dtype's values, with the
 `precision` key.
 """
 import math
@@ -170,7 +170,7 @@ def draw(case):
 
     q [B, H, N_q, d], k, v [B, H_kv, N_k, d], dout [B, H, N_q, d] (with 'gradients'): float32
     arrays holding values of case.dtype; with varlen q [H, total_q, d], k, v [H_kv, total_k, d];
-    with paged k, v [pages, H_kv, PAGE, d]. Options as 0-d or small arrays (case.py), the
+    with paged k, v [pages, H_kv, PAGE, d]. Options as 0-d or small arrays (schema.py), the
     float ones (bias, sinks, alibi_slopes) rounded to the dtype; precision names the dtype.
     """
     rng = np.random.default_rng([case.seed, zlib.crc32(case.id.encode())])

@@ -13,7 +13,7 @@
              placeholders, the two paths are appended): reads the
              case .npz at {in}, writes its results .npz at {out}
 
-The options are crosscheck's case keys (oracle/case.py), as Python values where they are
+The options are crosscheck's case keys (oracle/schema.py), as Python values where they are
 scalars (causal True or 'bottom_right', scale, softcap, dropout_p), window as a tuple
 (left, right), and arrays or tensors otherwise: mask and dropout_mask bool, bias, sinks and
 alibi_slopes in the dtype (with gradients, torch tensors that require grad: their .grad is
@@ -51,7 +51,8 @@ import numpy as np
 
 from .._checks import to_numpy
 from .._exits import exit_line
-from ..oracle.case import FLOAT_OPTIONS, load_case
+from ..oracle.case import load_case
+from ..oracle.schema import FLOAT_OPTIONS
 from ..oracle.precision import PRECISIONS
 from .processes import ended, start, stop
 from .supports import check_kind, declaration_of

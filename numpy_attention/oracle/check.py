@@ -3,7 +3,7 @@
     report = crosscheck(q=q, k=k, v=v, dout=dout, out=out, dq=dq, dk=dk, dv=dv, causal=True)
     print(report); assert report                   # a CrosscheckReport, truthy iff all PASS
 
-The keyword names are the .npz keys (case.py). For each candidate tensor X:
+The keyword names are the .npz keys (schema.py). For each candidate tensor X:
     oracle    attention.py in a wider dtype (oracle_dtype): float64 for float32 / float16
               candidates, np.longdouble for float64 ones;
     baseline  naive.py in the candidate's dtype (float16 computes in float32, then rounds);
@@ -36,7 +36,7 @@ from .._checks import require_bool, require_mapping, require_nonnegative_real, r
 from ..engines.parallel import cluster
 from ..engines.plan import check_scheduler, resolve_workers
 from . import blocks, rule
-from .case import CANDIDATES, FORWARD_MODE, GRADIENTS, CaseError, check_keys, latent_sum, split_case
+from .case import split_case
 from .diagnosis import diagnose, rel_l2
 from .naive import WAY as NAIVE_WAY
 from .precision import PRECISIONS, eps
@@ -45,7 +45,9 @@ from .rule import K_L2, CrosscheckReport, atol_for, judge
 from .runs import (SCALE_STEP, baselines, case_block_rows, case_magnitudes, case_score_shape, case_ways,
                    concurrently, reads_kernel_out, reference, scale_directions, scale_offsets, unpaged,
                    ways_by_forward)
+from .schema import CANDIDATES, FORWARD_MODE, GRADIENTS, CaseError, check_keys
 from .tangents import add_tangents
+from .transforms import latent_sum
 
 HINT_PRECISIONS = ("bfloat16", "float16")   # a float32 result may hold a 16-bit kernel's values
 PROGRESS_SCORES = 2 ** 22   # a case this large (some seconds and up) reports its stages to `progress`
@@ -111,7 +113,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             is the same as absent); for float8 q_descale, k_descale, v_descale (descale_block,
             intermediate_dtype, accumulator_bits); rotary embeddings' rope_* keys; MLA's kv,
             head_dim_v and dkv; sparse top-k's topk_indices, topk_length, topk_block_size
-            (case.py lists them).
+            (schema.py lists them).
         precision: what the candidate computed in: 'float64', 'float32', 'float16',
             'bfloat16', 'float8_e4m3fn', 'float8_e5m2' (precision.py); default the case's
             `precision` key, else inferred from the tensors' dtypes (storage.py).

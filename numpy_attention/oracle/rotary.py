@@ -1,6 +1,6 @@
 """Rotary embeddings in a case: q and k turned as the candidate's precision turns them.
 
-A case with rope (case.py's rope_* keys) holds the unturned q and k; the oracle and each
+A case with rope (schema.py's rope_* keys) holds the unturned q and k; the oracle and each
 baseline turn them before attention, and turn dq and dk back after:
 
     oracle     rope.py's rope_qk in the oracle's dtype (angles in float64, or np.longdouble)

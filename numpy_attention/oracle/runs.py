@@ -23,7 +23,7 @@ from ..engines.tiled import tile_scores
 from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
 from . import blocks
-from .case import CANDIDATES, FLOAT_OPTIONS, CaseError
+from .schema import CANDIDATES, FLOAT_OPTIONS, CaseError
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
 from .naive import WAY as NAIVE_WAY, naive_attention
 from .precision import TILE_ROWS, recipe_backwards, round_to

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..forward_mode import attention_jvp
 from ..options import attention_options
-from .case import FLOAT_OPTIONS, CaseError
+from .schema import FLOAT_OPTIONS, CaseError
 from .rotary import turn_qk
 
 TANGENTS = ("q_dot", "k_dot", "v_dot")

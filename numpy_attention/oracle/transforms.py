@@ -1,0 +1,203 @@
+"""The transforms of a case's inputs as split_case reads them: the tensors a kernel used, from
+the tensors the case stores.
+
+    float8      fp8_settings (P's dtype, the accumulator, the descales' block), dequantized: q, k, v
+                times their descales, broadcast by descale_of from each of the shapes a descale takes
+    MLA         latent_kv: the keys kv [..., 1, N_k, r + p], the values kv[..., :r]; latent_sum: a
+                result's dkv = dk + [dv ; 0]
+    top-k       checked_topk: the lists checked; tokens: their size as token lists; token_lists: key
+                blocks as their tokens (Case.topk)
+    paged       packed_if_paged: a paged KV cache's case as packed sequences (paged.py)
+
+Each raises CaseError naming the key (schema.py).
+"""
+import numpy as np
+
+from ..paged import check_pages, cu_seqlens, pack, pack_rows
+from ..topk import block_indices, check_lists, listed
+from .precision import ACCUMULATOR_BITS, PRECISIONS, round_to
+from .schema import DESCALES, FP8, INPUTS, INTERMEDIATE, TOPK, CaseError, integer, word
+
+
+def fp8_settings(arrays, precision):
+    """(the precision with P's dtype the case's intermediate_dtype and its products' accumulator
+    accumulator_bits wide, descale_block or None)."""
+    given = [name for name in FP8 if name in arrays]
+    if given and not precision.forward_only:
+        raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
+    block = None
+    if "descale_block" in arrays:
+        block = integer(arrays, "descale_block")
+        if block < 1:
+            raise CaseError(f"descale_block must be a positive number of tokens, got {block}")
+    if "intermediate_dtype" in arrays:
+        try:
+            weights = word(INTERMEDIATE)(arrays, "intermediate_dtype")
+        except ValueError as exc:
+            raise CaseError(str(exc)) from None
+        precision = precision._replace(weights=PRECISIONS[weights].storage)
+    if "accumulator_bits" in arrays:
+        bits = integer(arrays, "accumulator_bits")
+        if not ACCUMULATOR_BITS[0] <= bits <= ACCUMULATOR_BITS[1]:
+            raise CaseError(f"accumulator_bits must be from {ACCUMULATOR_BITS[0]} to {ACCUMULATOR_BITS[1]} (float32's "
+                            f"sign and exponent and bits - 9 of its mantissa; 22 for Hopper's float8 products), "
+                            f"got {bits}")
+        precision = precision._replace(accumulator=bits)
+    return precision, block
+
+
+def dequantized(tensors, precision, block):
+    """(q, k, v (dout) as float64 values, {name: (stored values, descale [..., H, N, 1])}): float8
+    inputs times their descales (descale_of), the stored values and descales kept for the
+    diagnosis's reruns."""
+    given = [name for name in DESCALES if name in tensors]
+    if given and not precision.forward_only:
+        raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
+    if block is not None and not given:
+        raise CaseError("descale_block is given but no descale is")
+    inputs = {name: tensors[name].astype(np.float64) for name in INPUTS if name in tensors}
+    scales = {}
+    for name in given:
+        x = inputs[name[0]]
+        descale = tensors[name].astype(np.float64)
+        bad = ~(np.isfinite(descale) & (descale > 0))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0]) if descale.ndim else ()
+            raise CaseError(f"{name} must hold finite values > 0 (a kernel multiplies {name[0]} by them), got "
+                            f"{descale[where]:g}" + (f" at {list(where)}" if where else ""))
+        descale = descale_of(descale, x.shape, inputs["k"].shape, block, name)
+        scales[name[0]] = (x, descale)
+        with np.errstate(over="ignore"):                     # an overflow is refused by split_case
+            inputs[name[0]] = x * descale
+    return inputs, scales
+
+
+def descale_of(descale, shape, k_shape, block, name):
+    """A descale broadcast to its tensor's [..., H, N, 1] (shape: the tensor's), by its shape:
+
+        ()                      per tensor (vLLM's k_scale, v_scale)
+        k's [..., H_kv]         per batch entry and kv head (FlashAttention-3's descale_q/k/v;
+                                query head h uses kv head h // G)
+        [..., H] (q)            per batch entry and query head
+        [..., H, N]             per token of a head (vLLM's per-token-head scales)
+        [..., H, ceil(N / B)]   per block of B = descale_block tokens of a head
+    CaseError naming the shapes it takes otherwise."""
+    heads, n = shape[:-2], shape[-2]
+    if descale.ndim == 0:
+        return descale
+    if len(shape) >= 3 and descale.shape == tuple(k_shape[:-2]):
+        groups = shape[-3] // k_shape[-3]
+        return np.repeat(descale, groups, axis=-1)[..., None, None]
+    if len(shape) >= 3 and descale.shape == tuple(heads):
+        return descale[..., None, None]
+    if block is not None and descale.shape == tuple(heads) + (-(-n // block),):
+        return np.repeat(descale, block, axis=-1)[..., :n, None]
+    if descale.shape == tuple(shape[:-1]):
+        return descale[..., None]
+    blocks = f", [..., H, ceil(N / {block})] = {tuple(heads) + (-(-n // block),)}" if block else ""
+    raise CaseError(f"{name} of shape {descale.shape} is none of the shapes a descale of {name[0]} {shape} "
+                    f"takes: () per tensor, k's [..., H_kv] = {tuple(k_shape[:-2])} per (batch, kv head), "
+                    f"[..., H] = {tuple(heads)} per head, [..., H, N] = {tuple(shape[:-1])} per token{blocks}")
+
+
+def latent_kv(arrays, tensors):
+    """MLA's absorbed form: with the key kv [..., 1, N_k, r + p] (and head_dim_v = r), the keys
+    are kv and the values its first r columns; the candidate's gradient is dkv, the two summed.
+    Sets tensors' k and v; returns r, or None for a case without kv."""
+    if "kv" not in tensors:
+        for name in ("head_dim_v", "dkv"):
+            if name in arrays:
+                raise CaseError(f"{name} is given but kv is not: {name} belongs to an MLA case, whose keys "
+                                f"and values are the one tensor kv")
+        return None
+    kv = tensors["kv"]
+    mixed = [name for name in ("k", "v", "dk", "dv") if name in arrays]
+    if mixed:
+        raise CaseError(f"a case with kv (MLA: k = kv, v = kv[..., :head_dim_v]) takes no {mixed[0]}; its "
+                        f"gradient is dkv, the keys' and the values' summed")
+    if "head_dim_v" not in arrays:
+        raise CaseError(f"a case with kv {kv.shape} needs head_dim_v, the width of the values (kv's first "
+                        f"columns; 512 in DeepSeek-V3)")
+    r = integer(arrays, "head_dim_v")
+    if not 0 < r <= kv.shape[-1]:
+        raise CaseError(f"head_dim_v must be from 1 to kv's width {kv.shape[-1]} (kv {kv.shape}), got {r}")
+    tensors["k"], tensors["v"] = kv, kv[..., :r]
+    del tensors["kv"]
+    return r
+
+
+def latent_sum(results, latent, dtype=None):
+    """results with dkv = dk + [dv ; 0] added (MLA: kv serves as k and its first `latent`
+    columns as v), rounded to `dtype` when given (a 16- or 8-bit precision's output: a kernel
+    adds the two in it); results unchanged without latent or without dk."""
+    if latent is None or results is None or "dk" not in results:
+        return results
+    dkv = np.array(results["dk"], copy=True)
+    dkv[..., :latent] += results["dv"]
+    return {**results, "dkv": dkv if dtype is None else round_to(dkv, dtype)}
+
+
+def checked_topk(arrays, inputs, options, paged):
+    """(indices, topk_length or None, topk_block_size or None) of a sparse top-k case, checked, or
+    None: topk_indices [..., H_kv or H, N_q, K] int, each query's keys, or with topk_block_size
+    its key blocks (topk_length then counts blocks)."""
+    given = [name for name in TOPK if name in arrays]
+    if not given:
+        return None
+    if "topk_indices" not in arrays:
+        raise CaseError(f"{given[0]} is given but topk_indices is not")
+    if paged is not None or {"mask", "bias"} & set(options):
+        raise CaseError("topk_indices choose each query's keys: the case takes no mask, bias or paged KV cache "
+                        "with them")
+    q, k = inputs["q"], inputs["k"]
+    if q.ndim < 3:
+        raise CaseError(f"topk_indices need q with a head axis [..., H, N_q, d_k], got q {q.shape}")
+    try:
+        indices, length = check_lists(arrays["topk_indices"], arrays.get("topk_length"), q.shape, k.shape,
+                                      "topk_indices")
+    except (TypeError, ValueError) as exc:
+        raise CaseError(str(exc)) from None
+    if "topk_block_size" not in arrays:
+        return indices, length, None
+    size = integer(arrays, "topk_block_size")
+    if size < 1:
+        raise CaseError(f"topk_block_size must be a positive number of keys, got {size}")
+    return indices, length, size
+
+
+def tokens(lists, n_k):
+    """The entries of the token lists that checked_topk's lists make (key blocks: their tokens)."""
+    indices, _, size = lists
+    return indices.size * (1 if size is None else min(size, n_k))
+
+
+def token_lists(indices, length, size, n_k):
+    """Case.topk of checked_topk's lists: (token indices [..., H_kv or H, N_q, K'], topk_length or
+    None, (block indices, block size) or None); key blocks become their tokens (block_indices),
+    the blocks past a row's topk_length -1 first."""
+    if size is None:
+        return indices, length, None
+    if length is not None:                                         # it counts blocks
+        indices = np.where(listed(indices, length, np.inf), indices, -1)
+    return block_indices(indices, size, n_k), None, (indices, size)
+
+
+def packed_if_paged(arrays, inputs, options):
+    """(inputs, options, PagedLayout or None): a paged KV cache's case as packed sequences
+    (paged.py): q, dout [B, H, N_q, d] -> [H, B N_q, d], the caches' used rows gathered,
+    cu_seqlens among the options. The candidates stay in the caller's layout."""
+    if "page_table" not in arrays and "cache_seqlens" not in arrays:
+        return inputs, options, None
+    if {"mask", "bias", "cu_seqlens_q", "seqused_k"} & set(options):
+        raise CaseError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens or seqused_k")
+    try:
+        paged = check_pages(inputs["q"], inputs["k"], inputs["v"], arrays.get("page_table"),
+                            arrays.get("cache_seqlens"))
+    except ValueError as exc:
+        raise CaseError(str(exc)) from None
+    q, k, v = pack(inputs["q"], inputs["k"], inputs["v"], paged)
+    packed = {**inputs, "q": q, "k": k, "v": v}
+    if "dout" in inputs:
+        packed["dout"] = pack_rows(inputs["dout"])
+    cu_q, cu_k = cu_seqlens(paged)
+    return packed, {**options, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, paged
