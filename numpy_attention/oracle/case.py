@@ -42,7 +42,7 @@ def _read_tensors(arrays, precision, layout):
     roles = {"q": "input", "k": "input", "v": "input", "kv": "input", "dout": "gradient input",
              "q_dot": "gradient input", "k_dot": "gradient input", "v_dot": "gradient input"}
     tensors = {}
-    for name in INPUTS + CANDIDATES + ("bias", "sinks", "alibi_slopes") + DESCALES:
+    for name in INPUTS + CANDIDATES + FLOAT_OPTIONS + DESCALES:
         if name in arrays:
             role = roles.get(name, "result" if name in CANDIDATES else None)
             x = np.asarray(arrays[name])
@@ -129,8 +129,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None, memory=Fal
     inputs, scales = dequantized(tensors, chosen, block)
     _require_finite(tensors, inputs)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]                  # as stored (a paged cache too)
-    options = decode_options({**arrays, **{n: tensors[n] for n in ("bias", "sinks", "alibi_slopes")
-                                            if n in tensors}})
+    options = decode_options({**arrays, **{n: tensors[n] for n in FLOAT_OPTIONS if n in tensors}})
     inputs, options, paged = packed_if_paged(arrays, inputs, options)
     _check_qkv(inputs, layout)
     lists = checked_topk(arrays, inputs, options, paged)              # checked, not yet made tokens
