@@ -27,7 +27,7 @@ Each step, on any block:
     keep       `keep_mask`: which scores of the block step 4 keeps
 FlexAttention's score_mod and mask_mod are called, and differentiated, by score_mods.py.
 The sink's column (5) is the softmax's: `with_sink`, `with_sink_weight`, and its gradient
-sums the column's dS per head (`head_gradient`). A low-precision recipe (oracle/precision.py)
+sums the column's dS per head (`head_gradient`). A low-precision recipe (oracle/recipe.py)
 runs the same steps with its roundings (`Rounding`).
 
 Backward and tangent, step by step (docs/derivations.md):
@@ -233,7 +233,7 @@ def _same(x):
 
 
 class Rounding(NamedTuple):
-    """How a low-precision recipe (oracle/precision.py) rounds the score steps: `step` each
+    """How a low-precision recipe (oracle/recipe.py) rounds the score steps: `step` each
     step's result, `term` each term a step adds (the bias's, ALiBi's), `distance` ALiBi's
     distances before they multiply the slopes (None: not rounded). The backward rounds each
     of autograd's operations with `step`. NONE: nothing rounded (the engines, in their dtype)."""

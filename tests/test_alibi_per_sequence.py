@@ -12,7 +12,8 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention.oracle.magnitudes import term_sums
-from numpy_attention.oracle.precision import PRECISIONS, recipe_attention
+from numpy_attention.oracle.precision import PRECISIONS
+from numpy_attention.oracle.recipe import recipe_attention
 
 blocked = importlib.import_module("numpy_attention.engines.blocked")
 blocks = importlib.import_module("numpy_attention.oracle.blocks")

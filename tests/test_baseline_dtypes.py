@@ -95,7 +95,8 @@ def test_the_flex_way_is_flex_attentions_eager_forward(precision):
     torch = pytest.importorskip("torch", reason=TORCH_REASON)
     from torch.nn.attention.flex_attention import flex_attention
     from numpy_attention import attention_options
-    from numpy_attention.oracle.precision import PRECISIONS, recipe_attention
+    from numpy_attention.oracle.precision import PRECISIONS
+    from numpy_attention.oracle.recipe import recipe_attention
     p, rng = PRECISIONS[precision], np.random.default_rng(1)
     q, k, v = (rng.standard_normal(shape).astype(p.storage).astype(np.float32)     # distances to 299:
                for shape in ((1, 2, 40, 32), (1, 2, 300, 32), (1, 2, 300, 32)))     # beyond bfloat16's 256

@@ -16,7 +16,8 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention.oracle import CaseError, crosscheck
-from numpy_attention.oracle.precision import PRECISIONS, TILE_ROWS, recipe_attention
+from numpy_attention.oracle.precision import PRECISIONS
+from numpy_attention.oracle.recipe import TILE_ROWS, recipe_attention
 
 blocks = importlib.import_module("numpy_attention.oracle.blocks")
 BF16 = np.dtype(ml_dtypes.bfloat16)

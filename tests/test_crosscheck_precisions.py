@@ -11,7 +11,8 @@ import pytest
 import numpy_attention as na
 from numpy_attention.commands.cli import main
 from numpy_attention.oracle import CaseError, crosscheck, judge, load_case, save_case, split_case
-from numpy_attention.oracle.precision import PRECISIONS, recipe_attention
+from numpy_attention.oracle.precision import PRECISIONS
+from numpy_attention.oracle.recipe import recipe_attention
 
 BF16, E4M3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 

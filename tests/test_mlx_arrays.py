@@ -169,7 +169,8 @@ def test_the_recipes_mlx_way_is_mlxs_forward(dtype):
     the softmax in float32 rounded, out = round(P v): recipe_attention(..., mlx=True)'s out,
     bit for bit with the scale 1/sqrt(d); with a custom one, all but a few entries (< 1%, by
     one ulp: float32 sums taken in another order). The recipe's other ways differ in half."""
-    from numpy_attention.oracle.precision import PRECISIONS, recipe_attention
+    from numpy_attention.oracle.precision import PRECISIONS
+    from numpy_attention.oracle.recipe import recipe_attention
     precision, rng = PRECISIONS[dtype], np.random.default_rng(3)
     for scale in (None, 0.1234567):
         pairs = [both(rng.standard_normal(shape), dtype) for shape in ((1, 2, 16, 40), (1, 2, 24, 40),

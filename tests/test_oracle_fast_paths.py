@@ -10,7 +10,7 @@ import pytest
 
 from report_cases import report_cases, report_record
 from test_rounding import converted
-from numpy_attention.oracle import naive, precision
+from numpy_attention.oracle import naive, recipe
 
 RUNS = importlib.import_module("numpy_attention.oracle.runs")
 
@@ -53,7 +53,7 @@ CASES = report_cases()
 def test_a_report_is_the_plain_paths_one(name, arrays, budget, monkeypatch):
     """On three threads with the fast forms, and on one thread with the plain forms."""
     fast = report_record(arrays, budget, workers=3)
-    monkeypatch.setattr(precision, "round_to", converted)
+    monkeypatch.setattr(recipe, "round_to", converted)
     monkeypatch.setattr(RUNS, "round_to", converted)
     monkeypatch.setattr(naive, "recursive_matmul", plain_recursive_matmul)
     assert report_record(arrays, budget, workers=1) == fast

@@ -1,5 +1,5 @@
 """The recipe's ways of computing a 16- or 8-bit case (runs.case_ways): the ways that share a
-forward compute it once (runs.ways_by_forward, precision.recipe_backwards), bitwise what each way
+forward compute it once (runs.ways_by_forward, recipe.recipe_backwards), bitwise what each way
 computed on its own gives."""
 import importlib
 
@@ -9,9 +9,10 @@ import pytest
 
 from numpy_attention import attention_forward
 from numpy_attention.oracle import check, crosscheck, rule, runs, split_case
-from numpy_attention.oracle.precision import PRECISIONS, recipe_attention, round_to
+from numpy_attention.oracle.precision import PRECISIONS, round_to
+from numpy_attention.oracle.recipe import recipe_attention
 
-precision_module = importlib.import_module("numpy_attention.oracle.precision")
+recipe_module = importlib.import_module("numpy_attention.oracle.recipe")
 blocks = importlib.import_module("numpy_attention.oracle.blocks")
 
 SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
@@ -56,8 +57,8 @@ def way_alone(case, way, gradients, block_rows):
 def forwards_counted(monkeypatch):
     """A list that grows by one for each block of rows the recipe's forward computes."""
     calls = []
-    forward = precision_module._forward_rows
-    monkeypatch.setattr(precision_module, "_forward_rows", lambda *args: calls.append(1) or forward(*args))
+    forward = recipe_module._forward_rows
+    monkeypatch.setattr(recipe_module, "_forward_rows", lambda *args: calls.append(1) or forward(*args))
     return calls
 
 

@@ -4,7 +4,8 @@
     case.py       reading a case: split_case, load_case, save_case, write_example_case
     transforms.py a case's inputs as the kernel used them: float8's descales, MLA's kv, top-k, a paged cache
     storage.py    how a case stores its arrays (ml_dtypes, raw bits, floats) and its precision
-    precision.py  the precisions and their recipes: what a kernel at float16, bfloat16, float8 does
+    precision.py  the precisions, and the baseline each one is held to
+    recipe.py     the recipe: what a kernel at float16, bfloat16, float8 does, step by step
     rule.py       the tolerance rule: err(candidate) <= k * err(baseline) + atol
     naive.py      the naive baseline: head-width sums left to right, FlashAttention's backward
     rotary.py     rotary embeddings in a case: q and k turned as the candidate's precision turns them

@@ -8,7 +8,7 @@ magnitudes of a case, whole or in slices, on threads or a cluster.
 The oracle is attention.py in a wider dtype (the blocked engine on a case whose scores fit
 blocks.SCORE_BUDGET, the tiled one in O(N) memory above). The baseline of a float32 or
 float64 candidate is naive.py; of a 16- or 8-bit one, each way of the precision's recipe
-(precision.py): the recipe with one kernel's order of roundings (case_ways). A large case
+(recipe.py): the recipe with one kernel's order of roundings (case_ways). A large case
 runs in (batch index, kv head) slices (slices.py), put back together in a fixed order: the
 results are bitwise the same for any number of workers, or on a cluster.
 """
@@ -26,7 +26,8 @@ from . import blocks
 from .schema import CANDIDATES, FLOAT_OPTIONS, CaseError
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
 from .naive import WAY as NAIVE_WAY, naive_attention
-from .precision import TILE_ROWS, recipe_backwards, round_to
+from .precision import round_to
+from .recipe import TILE_ROWS, recipe_backwards
 from .rotary import turn_qk, turned_case
 from .slices import case_slices, put_together
 
@@ -233,7 +234,7 @@ def _baseline(case, ways, gradients, block_rows):
 
 
 def recipe_case_in(case):
-    """(q, k, v, dout, record, back): the case as the recipe reads it (precision.py), its inputs
+    """(q, k, v, dout, record, back): the case as the recipe reads it (recipe.py), its inputs
     rounded to the compute dtype T and held in float32 (dout None if absent), its options'
     float arrays in float32, its AttentionOptions record; with rope, q and k turned in T
     (rotary.py) and back(dq, dk) turning their gradients back (else back is None)."""
@@ -250,7 +251,7 @@ def recipe_case_in(case):
 
 
 def case_ways(case, gradients):
-    """The recipe's ways of computing the case (precision.recipe_attention's arguments), each
+    """The recipe's ways of computing the case (recipe.recipe_attention's arguments), each
     with its names for a forward result and for a gradient: [((name of its forward, name
     with its backward), (backward, reorder, reads the kernel's out, MLX's order, how the
     scores round))], backward None for a way of the forward only (the fused one: ONNX Runtime's
@@ -276,7 +277,7 @@ def case_ways(case, gradients):
 def ways_by_forward(ways):
     """The ways (case_ways) by the forward they compute: [tuple of way numbers], a group's ways
     sharing the scale's place, MLX's order and the scores' rounding (its forward computed once,
-    precision.recipe_backwards), the groups in the order of their first ways."""
+    recipe.recipe_backwards), the groups in the order of their first ways."""
     groups = {}
     for number, (_, way) in enumerate(ways):
         groups.setdefault(None if way is None else (way[1],) + way[3:], []).append(number)

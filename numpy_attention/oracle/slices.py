@@ -1,6 +1,6 @@
 """A large case cut into slices for a Dask cluster, one per (batch index, kv head).
 
-The baselines (naive.py, precision.py) compute every (batch index, kv head) on its own: its G
+The baselines (naive.py, recipe.py) compute every (batch index, kv head) on its own: its G
 query heads meet only its k and v, and dk, dv sum over those heads' rows alone. So a slice is
 a case of its own, with q, dout [1, .., G, N_q, d] and k, v [1, .., 1, N_k, d] of one batch
 index and kv head and its options cut to match (an axis an option broadcasts along stays
