@@ -104,7 +104,7 @@ def test_the_baseline_follows_the_accumulator_the_case_names():
     plain = fp8_kernels.draw
     try:
         fp8_kernels.draw = lambda r: {**plain(r), "how": "fa3", "accumulator": 12}
-        cases = [fp8_kernels.case(rng, "float8") for _ in range(4)]
+        cases = [fp8_kernels.fp8_case(rng, "float8") for _ in range(4)]
     finally:
         fp8_kernels.draw = plain
     for arrays in cases:

@@ -138,7 +138,7 @@ def test_rope_positions_where_float32_angles_are_noise_cannot_be_judged():
     try:
         for offset, judged in ((2 ** 20, True), (2 ** 24, False), (2 ** 30, False)):
             rope_kernels.draw = lambda r, offset=offset: {**draw(r), "offset": offset, "scaling": None}
-            arrays, _ = rope_kernels.case(rng, "float32")
+            arrays, _ = rope_kernels.rope_case(rng, "float32")
             zeros = {**arrays, **{n: torch.zeros_like(arrays[n]) for n in ("out", "dq", "dk", "dv")}}
             if judged:
                 assert na.crosscheck(**arrays) and not na.crosscheck(**zeros)
