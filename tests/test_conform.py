@@ -1,6 +1,5 @@
 """The conformance run (numpy_attention/conformance/): its grid, the kernels it calls (torch, JAX,
 NumPy, a command line), its verdicts, the shrinking of planted bugs, its report and command."""
-import itertools
 import json
 import math
 import subprocess
@@ -26,13 +25,6 @@ from numpy_attention.oracle import load_case, split_case
 
 EVERYTHING = OPTIONS + OUTPUTS
 FEW_TOKENS = 36                         # "a few dozen": B (N_q + N_k) of a shrunk planted bug
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """The run's clock, one second further at each reading: a budget of n.5 s runs n + 1 cases."""
-    ticks = itertools.count()
-    monkeypatch.setattr(run, "monotonic", lambda: float(next(ticks)))
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -136,9 +128,7 @@ def test_our_float32_attention_passes_the_first_rounds_of_every_option():
     assert [(r.case.id, r.error or r.report) for r in results if r.status != "PASS"] == []
 
 
-def test_the_kind_is_told_from_the_kernel():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-
+def test_the_kind_is_told_from_the_kernel(torch):
     def by_torch(q, k, v, **options):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
@@ -150,9 +140,8 @@ def test_the_kind_is_told_from_the_kernel():
         kind_of(3)
 
 
-def test_the_jax_kind_is_told_from_code_that_names_jax():
-    jnp = pytest.importorskip("jax.numpy", reason=JAX_REASON)
-    assert kind_of(lambda q, k, v: jnp.tanh(q)) == "jax"
+def test_the_jax_kind_is_told_from_code_that_names_jax(jax):
+    assert kind_of(lambda q, k, v: jax.numpy.tanh(q)) == "jax"
 
 
 @pytest.mark.parametrize("name", ["torch_sdpa", "torch_sdpa_math", "torch_sdpa_flash", "torch_flex"])

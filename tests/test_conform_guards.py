@@ -12,8 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from optional import TORCH_REASON
-from test_conform import KERNEL_SCRIPT, clock  # noqa: F401  (clock: a fixture)
+from test_conform import KERNEL_SCRIPT
 
 import conform_bugs
 import conform_hostile
@@ -67,9 +66,7 @@ def test_a_kernel_that_drops_the_mask_and_says_so_in_it_fails_the_command(tmp_pa
     assert "mask          float32       2    2/7       0       0       2" in out, out
 
 
-def test_a_torch_kernel_that_writes_into_its_mask_is_an_error():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-
+def test_a_torch_kernel_that_writes_into_its_mask_is_an_error(torch):
     def drops_mask(q, k, v, mask=None, **options):
         mask[...] = True
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -3,7 +3,6 @@ both out and lse (lse_i = log sum_j exp(S_ij), so d lse / dS = P and D becomes D
 import numpy as np
 import pytest
 from layouts import grouped_inputs
-from optional import TORCH_REASON
 
 import numpy_attention as na
 
@@ -55,8 +54,7 @@ def test_engines_equal_the_textbook_with_dlse(implementation):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-13 * np.abs(want).max())
 
 
-def test_dlse_against_torch_autograd_in_float64():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_dlse_against_torch_autograd_in_float64(torch):
     q, k, v, dout, dlse = grouped_inputs(2)
     bias = RNG.standard_normal((4, 4, 6))
     out, cache = na.attention_forward(q, k, v, bias=bias, causal=True)

@@ -4,7 +4,6 @@ adjoint identity with the backward, the Hessian's symmetry, and torch.func / dou
 import numpy as np
 import pytest
 from layouts import grouped_inputs
-from optional import TORCH_REASON
 
 import numpy_attention as na
 
@@ -107,8 +106,7 @@ def test_the_hessian_vector_product_is_symmetric():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")   # torch.func's own
-def test_against_torch_func_jvp_and_double_backward():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_against_torch_func_jvp_and_double_backward(torch):
     rng = np.random.default_rng(5)
     q, k, v = grouped_inputs(5)[:3]
     bias = rng.standard_normal((4, 4, 6))

@@ -6,10 +6,11 @@ import math
 
 import numpy as np
 import pytest
+from optional import TORCH_REASON
 
 import numpy_attention as na
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason=TORCH_REASON)      # every test here needs it: skip the file
 LOG2E = math.log2(math.e)
 
 

@@ -147,11 +147,10 @@ def test_flex_eager_without_its_dynamo_trace_gives_the_same_bits():
             assert np.array_equal(bits(fast[name]), bits(traced[name])), (precision, variant, name)
 
 
-def test_jax_jits_no_float16_attention_on_cpu_so_its_campaign_runs_eager():
+def test_jax_jits_no_float16_attention_on_cpu_so_its_campaign_runs_eager(jax):
     """jax_xla runs eager in float16 (real_kernels._jax_attention): jitted, JAX 0.10.2's
     dot_product_attention raises on CPU for its F16_F16_F32 dot precision. Where a JAX compiles
     it, this test fails: its float16 campaign can then be jitted like the others."""
-    jax = pytest.importorskip("jax", reason=JAX_REASON)
     q = jax.numpy.zeros((1, 3, 2, 8), jax.numpy.float16)
     attention = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, implementation="xla"))
     with pytest.raises(ValueError, match="F16_F16_F32"):

@@ -5,7 +5,6 @@ and their definitions."""
 import numpy as np
 import pytest
 from layouts import grouped_inputs
-from optional import TORCH_REASON
 
 import numpy_attention as na
 
@@ -91,8 +90,7 @@ def test_alibi_by_its_definition_in_both_alignments():
         np.testing.assert_allclose(na.attention_forward(q, k, v, **options)[0], want, rtol=1e-14)
 
 
-def test_against_torch_float64_autograd():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_against_torch_float64_autograd(torch):
     q, k, v, dout, dlse = grouped_inputs(4, *SIZES)
     out, cache = na.attention_forward(q, k, v, sinks=SINKS, alibi_slopes=SLOPES, causal=True)
     grads = na.attention_backward(dout, cache, dlse)

@@ -4,7 +4,6 @@ grouped-query heads, ALiBi, sinks and zero-length sequences; complex step on the
 import numpy as np
 import pytest
 from layouts import CU_K, CU_Q, LEN_Q, USED, packed_inputs
-from optional import TORCH_REASON
 
 import numpy_attention as na
 
@@ -68,8 +67,7 @@ def test_a_zero_length_sequence_and_unused_keys_get_no_gradient():
     assert (grads.dk[:, keys_of_empty] == 0).all()
 
 
-def test_against_torch_float64_per_sequence():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_against_torch_float64_per_sequence(torch):
     q, k, v, dout, _ = packed_inputs(3)
     out, cache = na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, seqused_k=USED,
                                       causal="bottom_right", alibi_slopes=SLOPES)
