@@ -51,6 +51,7 @@ def test_the_cases_gradcheck_takes_one_at_a_time_are_cases():
     assert set(ONE_AT_A_TIME) <= set(cases(np.random.default_rng(0)))
 
 
+@pytest.mark.slow
 def test_python_dash_m_is_the_same_command():
     run = subprocess.run([sys.executable, "-m", "numpy_attention", "demo"],
                          capture_output=True, text=True, timeout=120)

@@ -217,6 +217,7 @@ def crosscheck_process(case, address, **env):
                           capture_output=True, text=True, timeout=30, env={**os.environ, **env})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address", ["not-an-address", "tcp://host", "tcp://host:x", "nosuch://host:8786"])
 def test_an_address_that_is_none_fails_at_once_with_one_line(address, tmp_path):
     """Not a dask address: one line and exit 2 within seconds, nothing after it (a Client opened on
@@ -230,6 +231,7 @@ def test_an_address_that_is_none_fails_at_once_with_one_line(address, tmp_path):
         check_scheduler(address)
 
 
+@pytest.mark.slow
 def test_an_address_where_no_scheduler_answers_fails_with_one_line(tmp_path):
     """After dask's connect timeout (2 s here, 30 s by default): one line, exit 2, nothing after it
     (before it, the large case's progress line)."""

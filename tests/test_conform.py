@@ -120,6 +120,7 @@ def test_cases_parametrize_a_test_by_their_ids(case, request):
 
 # ----------------------------------------------------------------------------- the kernels
 
+@pytest.mark.slow
 def test_our_float32_attention_passes_the_first_rounds_of_every_option():
     grid = cases(dtypes=("bfloat16",), supports=EVERYTHING)
     kernel = as_kernel(examples.numpy_float32)
@@ -144,6 +145,7 @@ def test_the_jax_kind_is_told_from_code_that_names_jax(jax):
     assert kind_of(lambda q, k, v: jax.numpy.tanh(q)) == "jax"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["torch_sdpa", "torch_sdpa_math", "torch_sdpa_flash", "torch_flex"])
 def test_torch_examples_pass_on_a_small_budget(name, clock):
     pytest.importorskip("torch", reason=TORCH_REASON)
@@ -154,6 +156,7 @@ def test_torch_examples_pass_on_a_small_budget(name, clock):
     assert all(r.status == "PASS" for r in report.results) and report.status == "INCOMPLETE", report
 
 
+@pytest.mark.slow
 def test_jax_example_passes_on_a_small_budget(clock):
     pytest.importorskip("jax", reason=JAX_REASON)
     report = na.conform(examples.jax_xla, budget=1.5)
@@ -253,6 +256,7 @@ def test_a_command_line_kernel_reads_and_writes_npz(tmp_path):
 several_keys = lambda c: c.n_q > 1 and c.n_k > 1              # a case the bug changes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug, changes, tensor, diagnosis", [
     (conform_bugs.scale_off, lambda c: c.cell == "plain" and several_keys(c), "out", "matches scale 1.01"),
     (conform_bugs.causal_shifted, lambda c: c.cell == "causal" and several_keys(c), "out", "causal="),
@@ -370,6 +374,7 @@ def test_the_progress_bar_and_lines():
 
 # ----------------------------------------------------------------------------- the command
 
+@pytest.mark.slow
 def test_command_exit_codes(tmp_path, clock, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--quiet", "--budget"]

@@ -85,6 +85,7 @@ def test_what_a_kernel_returns_besides_its_results_is_not_read():
 
 # ----------------------------------------------------------------------------- exits, crashes, hangs
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel, error", [
     (conform_hostile.segfaults, "KernelError: the kernel's process ended (killed by SIGSEGV)"),
     (conform_hostile.aborts, "KernelError: the kernel's process ended (killed by SIGABRT)"),
@@ -101,6 +102,7 @@ def test_a_crash_or_an_exit_is_one_cases_error(kernel, error, clock, tmp_path, m
     assert [json.loads(line)["status"] for line in record[1:]] == ["PASS", "ERROR", "PASS", "PASS"]
 
 
+@pytest.mark.slow
 def test_a_hung_case_is_a_timeout_row_and_the_sweep_goes_on(clock):
     report = na.conform(conform_hostile.hangs, budget=3.5, timeout=TIMEOUT)
     assert [r.status for r in report.results] == ["PASS", "TIMEOUT", "PASS", "PASS"]
@@ -175,6 +177,7 @@ def test_what_a_kernel_prints_stays_off_the_json(tmp_path, clock, capfd, monkeyp
 
 # ----------------------------------------------------------------------------- what a run keeps
 
+@pytest.mark.slow
 def test_a_ctrl_c_prints_the_cases_judged_so_far(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     record = tmp_path / "out" / "conform.jsonl"
@@ -195,6 +198,7 @@ def test_a_ctrl_c_prints_the_cases_judged_so_far(tmp_path):
     assert out.splitlines()[2].endswith("not enough to pass (the run was interrupted)"), out
 
 
+@pytest.mark.slow
 def test_a_worker_whose_run_was_killed_ends_itself(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     code = "import conform_hostile, numpy_attention as na; na.conform(conform_hostile.tells_and_hangs)"
@@ -251,6 +255,7 @@ def running(pid):
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_hung_command_is_a_timeout_row_and_all_it_started_is_stopped(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text("import pathlib, subprocess, sys, time\n"
@@ -270,6 +275,7 @@ def test_a_hung_command_is_a_timeout_row_and_all_it_started_is_stopped(tmp_path)
 
 # ----------------------------------------------------------------------------- the report
 
+@pytest.mark.slow
 def test_every_report_line_is_at_most_100_columns(clock):
     failing = na.conform(conform_bugs.scale_off, dtypes="float32", supports=("causal", "gqa", "gradients"),
                          budget=5.5)
@@ -298,6 +304,7 @@ def test_json_numbers_are_numbers_or_null(clock):
     assert len(found) > 10 and all(x is None or isinstance(x, (int, float)) for x in found), found
 
 
+@pytest.mark.slow
 def test_a_budget_that_leaves_a_role_unrun_does_not_pass(tmp_path, clock, capsys):
     argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--dtypes", "float32",
             "--options", "causal", "--out", str(tmp_path), "--budget"]

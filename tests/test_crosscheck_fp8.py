@@ -23,11 +23,13 @@ def counts():
     return fp8_kernels.sweep(CASES, seed=1)
 
 
+@pytest.mark.slow
 def test_honest_torch_candidates_pass(counts):
     judged, failed, _, _ = counts[("float8", "honest")]
     assert judged == CASES and failed == 0, counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", fp8_kernels.BUGS)
 def test_each_planted_bug_is_caught_and_mostly_named(counts, bug):
     """Caught in every case; named in most (not where the bug makes the softmax so sharp that the

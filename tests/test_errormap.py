@@ -141,6 +141,7 @@ def test_torch_float32_sdpa_is_within_its_bounds_everywhere(torch):
     assert all(m.max() <= 1 for m in maps.values()), {name: m.max() for name, m in maps.items()}
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_plot_writes_the_same_png_each_time(tmp_path):
     from matplotlib.image import imread
@@ -197,6 +198,7 @@ def test_cli_plot_to_a_file_it_cannot_write_is_one_line_exit_2(tmp_path, capsys)
     assert err.startswith("numpy-attention crosscheck: --plot: cannot write") and "No such file" in err
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_a_small_case_has_whole_index_ticks_and_a_title_in_words(tmp_path, monkeypatch):
     """Three rows, two heads, a tensor of one entry per head (dsinks): every tick an integer

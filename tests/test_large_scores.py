@@ -73,6 +73,7 @@ def fused_float16(q, k, v, bias, scale):
     return (p @ f32(v)).astype(np.float16)
 
 
+@pytest.mark.slow
 def test_float16_rows_whose_scores_carry_biases_near_minus_1000_pass():
     """N_q >> N_k with ALiBi: a row's scores near -1000 round at float16's step 0.5, and one
     rounding in another order than the baseline's made the row check noise (row ratio up to 6

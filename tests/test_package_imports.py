@@ -56,6 +56,7 @@ def test_an_unknown_name_is_an_attribute_error():
     assert not hasattr(na, "nope")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [
     "import numpy_attention",
     "from numpy_attention.oracle.rule import judge",

@@ -231,6 +231,7 @@ def test_cli_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_training_unscaled_stalls_where_scaled_learns():
     # same initialization, data and learning rate (SGD, lr 1): the unscaled model saturates
     # onto wrong keys and its gradient vanishes; the scaled one learns the retrieval
