@@ -84,6 +84,7 @@ def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_
     assert report, str(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_the_flex_way_is_flex_attentions_eager_forward(precision, torch):
     """flex_attention's eager kernel takes the scores in float32 from the product on (an ALiBi

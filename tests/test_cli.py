@@ -26,6 +26,7 @@ def test_demo_prints_the_seeds_output_and_passes(capsys):
     assert "ALL GRADIENT CHECKS PASSED" in out
 
 
+@pytest.mark.slow
 def test_gradcheck_command_checks_every_op(capsys):
     assert main(["gradcheck"]) == 0
     out = capsys.readouterr().out
@@ -35,6 +36,7 @@ def test_gradcheck_command_checks_every_op(capsys):
     assert out.count("-> PASS") >= 15 and "FAIL" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["demo"], ["gradcheck"]])
 def test_the_package_checks_its_own_functions_without_a_note(argv, capsys):
     """A note on how gradcheck evaluated the functions is for a user's functions: the demo and

@@ -105,6 +105,7 @@ def test_every_command_is_tested_with_a_closed_stdout():
     assert set(CLOSED_STDOUT_ARGV) == set(cli.COMMANDS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, option", [
     (["crosscheck", "--write-example", "OUT"], "crosscheck"),
     (SMALL_SWEEP + ["--json", "OUT"], "--json"), (SMALL_SWEEP + ["--csv", "OUT"], "--csv"),
@@ -196,6 +197,7 @@ def test_ctrl_c_at_any_moment_is_one_line_130(command, imported):
     assert interrupt(command, imported) == (130, [f"{cli.PROG}: interrupted"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("imported", MOMENTS[:3])
 @pytest.mark.parametrize("command", ["demo", "gradcheck"])
 def test_ctrl_c_in_the_console_script_is_one_line_130(command, imported):

@@ -234,6 +234,7 @@ np.savez(sys.argv[2], **{n: np.asarray(x, np.float32) for n, x in results.items(
 '''
 
 
+@pytest.mark.slow
 def test_a_command_line_kernel_reads_and_writes_npz(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL_SCRIPT)
@@ -312,6 +313,7 @@ def test_a_failing_run_saves_each_shrunk_case_for_crosscheck(tmp_path, clock, mo
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_without_the_picture_the_case_is_still_saved(tmp_path, clock, monkeypatch):
     def no_matplotlib(path, **arrays):
         raise ImportError("matplotlib is not installed")

@@ -59,6 +59,7 @@ def test_a_write_into_an_argument_is_an_error(name, option):
                             f"case's {name}, which is judged as drawn)")
 
 
+@pytest.mark.slow
 def test_a_kernel_that_drops_the_mask_and_says_so_in_it_fails_the_command(tmp_path, clock, capsys):
     argv = ["conform", "conform_hostile:drops_mask", "--quiet", "--budget", "3.5", "--out", str(tmp_path)]
     assert main(argv) == 1

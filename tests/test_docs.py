@@ -269,6 +269,7 @@ def test_readme_is_short_and_names_the_blog_post():
     assert "从点积到信息检索" in text and "tests/seed_model.py" in text
 
 
+@pytest.mark.slow
 def test_readme_command_list_matches_the_cli():
     listing = next(code for language, code, _ in blocks(README)
                    if language == "text" and code.startswith("numpy-attention"))

@@ -147,6 +147,7 @@ def test_the_hvp_runs_on_the_textbook_only():
         na.attention_hvp(q, k, v, np.ones((2, 4, 4, 2)), implementation="tiled")
 
 
+@pytest.mark.slow
 def test_the_gradcheck_command_checks_forward_mode_and_the_identities(capsys):
     from numpy_attention.commands.cli import main
     from numpy_attention.examples import identity_gaps, jvp_cases
@@ -180,6 +181,7 @@ def test_the_tiled_jvp_equals_the_textbook(option, block_size):
         np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-13 * np.abs(want[finite]).max())
 
 
+@pytest.mark.slow
 def test_the_tiled_jvp_runs_in_o_n_memory():
     """N = 4096: one float64 [2, N, N] array would be 256 MiB; the tiled JVP stays far below."""
     import subprocess

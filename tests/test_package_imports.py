@@ -32,6 +32,7 @@ def test_import_loads_no_numpy():
     assert fresh(code) == "[]"
 
 
+@pytest.mark.slow
 def test_star_import_and_dir_give_every_public_name():
     """`from numpy_attention import *` binds exactly __all__; dir lists each name, loaded or not."""
     code = ("import numpy_attention as na; names = sorted(dir(na)); "

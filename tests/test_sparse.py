@@ -172,6 +172,7 @@ def test_nsa_block_indices_select_whole_blocks():
     np.testing.assert_array_equal(tokens, [[0, 1, 2, 3, 8, 9, -1, -1, -1, -1, -1, -1]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen", [True, False], ids=["read-only inputs", "writeable inputs"])
 def test_memory_holds_a_block_of_gathered_keys_not_the_scores(frozen):
     """N_q = N_k = 4096, K = 256, one head: the forward and backward's peak is within 1.5x of q, k,
