@@ -77,7 +77,7 @@ def draw(rng):
                 culprit="qkv"[int(rng.integers(3))], accumulator=22 if how == "fa3" and rng.integers(2) else 32)
 
 
-def case(rng, dtype, bug=None):
+def fp8_case(rng, dtype, bug=None):
     """A crosscheck case (dict) of a torch FP8 candidate (its output bfloat16; dtype names the
     precision's sweep key, float8 always), honest or with a bug; None where the bug changes nothing."""
     s = draw(rng)
@@ -145,4 +145,4 @@ def narrow_matmul(a, b, bits):
 
 def sweep(cases, seed=0, dtypes=("float8",)):
     """variant_sweeps.sweep over this module's cases and bugs."""
-    return variant_sweeps.sweep(case, BUGS, cases, seed, dtypes)
+    return variant_sweeps.sweep(fp8_case, BUGS, cases, seed, dtypes)

@@ -52,7 +52,7 @@ def draw(rng):
                 deepseek_scale=bool(rng.integers(2)), how=["eager", "flashmla"][int(rng.integers(2))])
 
 
-def case(rng, dtype, bug=None):
+def mla_case(rng, dtype, bug=None):
     """A crosscheck case (dict) of a torch candidate, honest or with a bug; None never (every bug
     changes every case)."""
     s = draw(rng)
@@ -89,4 +89,4 @@ def case(rng, dtype, bug=None):
 
 def sweep(cases, seed=0, dtypes=tuple(DTYPES)):
     """variant_sweeps.sweep over this module's cases and bugs."""
-    return variant_sweeps.sweep(case, BUGS, cases, seed, dtypes)
+    return variant_sweeps.sweep(mla_case, BUGS, cases, seed, dtypes)

@@ -77,8 +77,9 @@ def draw(rng):
                 offset=int(rng.choice([0, int(rng.integers(1, 8192))])), how=TURNS[int(rng.integers(2))])
 
 
-def case(rng, dtype, bug=None):
-    """A crosscheck case (dict of arrays and rope_* keys) of a torch candidate, honest or with a bug."""
+def rope_case(rng, dtype, bug=None):
+    """(case, settings): a crosscheck case (dict of arrays and rope_* keys) of a torch candidate, honest or
+    with a bug, and its draw's settings."""
     s = draw(rng)
     b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
     t = DTYPES[dtype]
@@ -124,6 +125,6 @@ def case_keys(s):
 def sweep(cases, seed=0, dtypes=tuple(DTYPES)):
     """variant_sweeps.sweep over this module's cases and bugs (the positions bug only where N_q < N_k)."""
     def changed(rng, dtype, bug):
-        arrays, s = case(rng, dtype, bug)
+        arrays, s = rope_case(rng, dtype, bug)
         return None if bug == "positions_from_0" and s["n_q"] == s["n_k"] else arrays
     return variant_sweeps.sweep(changed, BUGS, cases, seed, dtypes)

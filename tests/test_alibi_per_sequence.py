@@ -9,6 +9,7 @@ import importlib
 import ml_dtypes
 import numpy as np
 import pytest
+from layouts import CU_K, CU_Q, LEN_Q, LENGTHS, TABLE, USED, gathered, packed_inputs, paged_inputs
 
 import numpy_attention as na
 from numpy_attention.oracle.magnitudes import term_sums
@@ -19,8 +20,6 @@ blocked = importlib.import_module("numpy_attention.engines.blocked")
 blocks = importlib.import_module("numpy_attention.oracle.blocks")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
-LEN_Q, LEN_K, USED = [3, 0, 4, 2], [5, 2, 3, 6], [4, 1, 3, 6]        # sequence 1 has no query
-CU_Q, CU_K = np.concatenate([[0], np.cumsum(LEN_Q)]), np.concatenate([[0], np.cumsum(LEN_K)])
 RNG = np.random.default_rng(57)
 SLOPES = RNG.uniform(0.05, 1.0, (4, 4))                              # [B, H]: every entry its own
 SINKS = RNG.standard_normal(4)
@@ -46,13 +45,6 @@ def engine(request, monkeypatch):
     return ENGINES[request.param]
 
 
-def packed(seed=0, dtype=np.float64):
-    """q [H, total_q, d_k], k, v [H_kv, total_k, d], dout [H, total_q, d_v], dlse [H, total_q]."""
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(shape).astype(dtype) for shape in
-            ((4, CU_Q[-1], 3), (2, CU_K[-1], 3), (2, CU_K[-1], 2), (4, CU_Q[-1], 2), (4, CU_Q[-1]))]
-
-
 def each_sequence_alone(q, k, v, dout, dlse, slopes, options):
     """out, lse, dq, dk, dv packed again, dalibi_slopes [B, H] (row b: sequence b alone with its
     slopes[b]) and dsinks (summed over the sequences), from the textbook on each sequence."""
@@ -73,7 +65,7 @@ def each_sequence_alone(q, k, v, dout, dlse, slopes, options):
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)
 @pytest.mark.parametrize("option", OPTIONS)
 def test_packed_per_sequence_slopes_equal_each_sequence_alone(engine, option):
-    q, k, v, dout, dlse = packed()
+    q, k, v, dout, dlse = packed_inputs()
     out, cache = na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, seqused_k=USED,
                                       alibi_slopes=SLOPES, **engine, **OPTIONS[option])
     grads = na.attention_backward(dout, cache, dlse)
@@ -92,7 +84,7 @@ def test_packed_per_sequence_slopes_equal_each_sequence_alone(engine, option):
 def test_packed_per_sequence_slopes_equal_complex_step(engine):
     """The whole Jacobian of (out, lse) w.r.t. q, k, v and the [B, H] slopes, every upstream
     gradient (gradcheck's full mode), complex step: 1e-12 of each input's largest derivative."""
-    q, k, v, _, _ = packed(1)
+    q, k, v, _, _ = packed_inputs(1)
 
     def forward(q, k, v, slopes):
         out, cache = na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, seqused_k=USED,
@@ -107,26 +99,12 @@ def test_packed_per_sequence_slopes_equal_complex_step(engine):
     assert report, report
 
 
-TABLE = np.array([[0, 3, 5], [6, 1, 0], [2, 2, 4]])    # sequence 2 reads page 2 twice
-LENGTHS = np.array([9, 4, 12])                         # page size 4: 3, 1 and 3 pages in use
 PAGED_SLOPES = RNG.uniform(0.05, 1.0, (3, 4))
-
-
-def paged(seed=0):
-    """q [B, H, N_q, d_k], k_cache, v_cache [num_pages, H_kv, page, d], dout [B, H, N_q, d_v]."""
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((3, 4, 2, 8)), rng.standard_normal((7, 2, 4, 8)),
-            rng.standard_normal((7, 2, 4, 5)), rng.standard_normal((3, 4, 2, 5)))
-
-
-def gathered(x, b):
-    """Sequence b's keys from its pages: [H_kv, L_b, d]."""
-    return np.concatenate([x[page] for page in TABLE[b]], axis=1)[:, :LENGTHS[b]]
 
 
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_paged_per_sequence_slopes_equal_each_sequence_alone(engine):
-    q, k_cache, v_cache, dout = paged()
+    q, k_cache, v_cache, dout = paged_inputs()
     out, cache = na.attention_forward(q, k_cache, v_cache, page_table=TABLE, cache_seqlens=LENGTHS,
                                       alibi_slopes=PAGED_SLOPES, causal="bottom_right", **engine)
     grads = na.attention_backward(dout, cache)
@@ -145,7 +123,7 @@ def test_paged_per_sequence_slopes_equal_each_sequence_alone(engine):
 
 
 def test_paged_per_sequence_slopes_equal_complex_step():
-    q, k_cache, v_cache, _ = paged(1)
+    q, k_cache, v_cache, _ = paged_inputs(1)
     forward = lambda q, kc, vc, slopes: na.attention_forward(q, kc, vc, page_table=TABLE, cache_seqlens=LENGTHS,
                                                              alibi_slopes=slopes, causal="bottom_right")
     backward = lambda dout, cache: (lambda g: [g.dq, g.dk, g.dv, g.dalibi_slopes])(na.attention_backward(dout, cache))
@@ -157,7 +135,7 @@ def test_paged_per_sequence_slopes_equal_complex_step():
 def test_forward_mode_carries_per_sequence_slope_tangents(implementation):
     """attention_jvp with [B, H] slopes and their tangent: each sequence alone's tangent, and
     complex step on q, k, v and the slopes."""
-    q, k, v, _, _ = packed(2)
+    q, k, v, _, _ = packed_inputs(2)
     rng = np.random.default_rng(3)
     q_dot, k_dot, v_dot, slopes_dot = (rng.standard_normal(x.shape) for x in (q, k, v, SLOPES))
     packing = {"cu_seqlens_q": CU_Q, "cu_seqlens_k": CU_K, "seqused_k": USED, "causal": "bottom_right"}
@@ -213,7 +191,7 @@ def float32_candidate(q, k, v, dout, slopes, bug=None):
 def test_crosscheck_of_a_float32_candidate_with_per_sequence_slopes(monkeypatch, large, bug, fails):
     if large:                                      # the tiled oracle, the naive baseline in blocks
         monkeypatch.setattr(blocks, "SCORE_BUDGET", 1)
-    q, k, v, dout, _ = packed(4)
+    q, k, v, dout, _ = packed_inputs(4)
     case = dict(q=q, k=k, v=v, dout=dout, alibi_slopes=SLOPES, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K,
                 causal=np.array("bottom_right"))
     report = na.crosscheck(**case, **float32_candidate(q, k, v, dout, SLOPES, bug))
@@ -225,7 +203,7 @@ def test_crosscheck_of_a_float32_candidate_with_per_sequence_slopes(monkeypatch,
 
 
 def test_crosscheck_of_a_paged_float32_candidate_with_per_sequence_slopes():
-    q, k_cache, v_cache, dout = paged(5)
+    q, k_cache, v_cache, dout = paged_inputs(5)
     paging = {"page_table": TABLE, "cache_seqlens": LENGTHS, "causal": "bottom_right"}
     f32 = lambda x: x.astype(np.float32)
     out, cache = na.attention_forward(f32(q), f32(k_cache), f32(v_cache), alibi_slopes=f32(PAGED_SLOPES), **paging)
@@ -241,7 +219,7 @@ def test_crosscheck_of_a_paged_float32_candidate_with_per_sequence_slopes():
 def test_crosscheck_of_a_bfloat16_recipe_candidate_with_per_sequence_slopes():
     """The bfloat16 recipe run on each sequence alone (an honest bfloat16 kernel) passes against
     the recipe on the packed case; with one sequence's slope altered, out fails."""
-    q, k, v, dout, _ = (x.astype(BF16) for x in packed(6))
+    q, k, v, dout, _ = (x.astype(BF16) for x in packed_inputs(6))
     slopes = SLOPES.astype(np.float32)
     f32 = lambda x: x.astype(np.float32)
 
@@ -299,12 +277,12 @@ def test_the_term_sums_of_per_sequence_slopes_sum_each_sequence_alone():
 
 
 def test_a_wrong_shape_is_refused_naming_the_shapes_accepted_and_the_callers_q():
-    q, k, v, _, _ = packed()
+    q, k, v, _, _ = packed_inputs()
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\) or \(4, 4\) \(\[H\], or \[B, H\] "
                                          r"with one row per sequence, for q \(4, 9, 3\) and B = 4 sequences\), "
                                          r"got \(3, 4\)"):
         na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, alibi_slopes=SLOPES[:3])
-    q, k_cache, v_cache, _ = paged()
+    q, k_cache, v_cache, _ = paged_inputs()
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\) or \(3, 4\) \(\[H\], or \[B, H\] "
                                          r"with one row per sequence, for q \(3, 4, 2, 8\) and B = 3 sequences\), "
                                          r"got \(2, 4\)"):
@@ -312,4 +290,4 @@ def test_a_wrong_shape_is_refused_naming_the_shapes_accepted_and_the_callers_q()
                              alibi_slopes=PAGED_SLOPES[:2])
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\) \(\[H\] or \[\.\.\., H\] for "
                                          r"q \(4, 9, 3\)\), got \(4, 4\)"):
-        na.attention_forward(q=packed()[0], k=packed()[1], v=packed()[2], alibi_slopes=SLOPES)
+        na.attention_forward(q=packed_inputs()[0], k=packed_inputs()[1], v=packed_inputs()[2], alibi_slopes=SLOPES)

@@ -6,7 +6,6 @@
 """
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 from numpy_attention import attention_backward, attention_forward
 
@@ -66,9 +65,8 @@ def test_cache_exposes_S_P_and_lse():
 
 
 @pytest.mark.parametrize("variant", ["plain", "bias", "softcap", "dropout"])
-def test_stages_are_torch_autograds_intermediate_gradients(variant):
+def test_stages_are_torch_autograds_intermediate_gradients(variant, torch):
     """dP, dS and D equal the gradients torch finds for P and S (retain_grad), float64."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     q, k, v, dout, options = _inputs(np.random.default_rng(3), VARIANTS[variant], gqa=False)
     _, cache = attention_forward(q, k, v, **options)
     st = attention_backward(dout, cache, return_stages=True).stages

@@ -12,7 +12,6 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 from numpy_attention.oracle import baselines, crosscheck, split_case
 
@@ -55,12 +54,11 @@ def test_every_baseline_array_keeps_the_cases_dtype(variant, precision):
 
 # ----------------------------------------------------------------------------- grouped heads' sums
 
-def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_does():
+def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_does(torch):
     """Decoding with one key and eight query heads on one kv head: P = 1, so dv is the sum of
     the eight heads' dout rows. torch's CPU flash kernel adds them one head at a time in
     bfloat16, bit for bit the recipe's flash way; a float32 sum rounded once is another
     result, whose error is several times smaller (the rule would fail the kernel on it)."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     rng = np.random.default_rng(0)
     q, dout = (rng.standard_normal((1, 8, 1, 128)).astype(ml_dtypes.bfloat16) for _ in range(2))
     k, v = (rng.standard_normal((1, 1, 1, 128)).astype(ml_dtypes.bfloat16) for _ in range(2))
@@ -86,13 +84,13 @@ def test_the_flash_way_adds_a_groups_dv_head_by_head_as_torchs_cpu_flash_kernel_
     assert report, str(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
-def test_the_flex_way_is_flex_attentions_eager_forward(precision):
+def test_the_flex_way_is_flex_attentions_eager_forward(precision, torch):
     """flex_attention's eager kernel takes the scores in float32 from the product on (an ALiBi
     score_mod whose slopes are a tensor of the dtype: its distances and terms in T): the recipe's
     scores="float32" way gives its out bit for bit in bfloat16, all but a few entries (< 1%, by
     one ulp) in float16; the ways that round the scores differ in half of them."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     from torch.nn.attention.flex_attention import flex_attention
     from numpy_attention import attention_options
     from numpy_attention.oracle.precision import PRECISIONS

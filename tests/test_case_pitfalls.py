@@ -4,7 +4,6 @@ and FlashAttention's keyword names, FlashAttention's Triton lse padded to 128 ro
 """
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 from numpy_attention import attention_forward
 from numpy_attention.commands.cli import main
@@ -40,8 +39,7 @@ def test_a_float_mask_other_than_0_and_1_is_refused(masked, shown):
     assert crosscheck(q=Q, k=K, v=V, out=out, bias=np.where(KEEP, 0.0, -np.inf))
 
 
-def test_torch_float_attn_mask_is_a_bias_not_a_mask():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_torch_float_attn_mask_is_a_bias_not_a_mask(torch):
     q, k, v = (torch.from_numpy(x) for x in (Q, K, V))
     keep = torch.from_numpy(KEEP)
     additive = torch.zeros(100, 100, dtype=torch.float64).masked_fill(~keep, float("-inf"))

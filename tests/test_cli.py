@@ -26,6 +26,7 @@ def test_demo_prints_the_seeds_output_and_passes(capsys):
     assert "ALL GRADIENT CHECKS PASSED" in out
 
 
+@pytest.mark.slow
 def test_gradcheck_command_checks_every_op(capsys):
     assert main(["gradcheck"]) == 0
     out = capsys.readouterr().out
@@ -35,6 +36,7 @@ def test_gradcheck_command_checks_every_op(capsys):
     assert out.count("-> PASS") >= 15 and "FAIL" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["demo"], ["gradcheck"]])
 def test_the_package_checks_its_own_functions_without_a_note(argv, capsys):
     """A note on how gradcheck evaluated the functions is for a user's functions: the demo and
@@ -51,6 +53,7 @@ def test_the_cases_gradcheck_takes_one_at_a_time_are_cases():
     assert set(ONE_AT_A_TIME) <= set(cases(np.random.default_rng(0)))
 
 
+@pytest.mark.slow
 def test_python_dash_m_is_the_same_command():
     run = subprocess.run([sys.executable, "-m", "numpy_attention", "demo"],
                          capture_output=True, text=True, timeout=120)

@@ -65,6 +65,7 @@ def test_stdout_on_a_full_device_fails_the_command(argv, buffering, example_case
     assert FULL in one_line_error(capsys.readouterr().err, command)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unbuffered", ["", "1"], ids=["default", "PYTHONUNBUFFERED"])
 @pytest.mark.parametrize("argv", [["demo"], ["--version"]], ids=" ".join)
 def test_the_command_to_a_full_device_exits_2_with_one_line(argv, unbuffered):
@@ -83,6 +84,7 @@ CLOSED_STDOUT_ARGV = {"demo": ["demo"], "gradcheck": ["gradcheck"], "crosscheck"
                       "vanishing": SMALL_SWEEP}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [*CLOSED_STDOUT_ARGV.values(), ["crosscheck", "--write-example", "NEW"],
                                   ["demo", "--help"], ["--version"]], ids=" ".join)
 def test_a_closed_stdout_is_one_line_and_exit_2_before_the_work(argv, example_case, tmp_path):
@@ -103,6 +105,7 @@ def test_every_command_is_tested_with_a_closed_stdout():
     assert set(CLOSED_STDOUT_ARGV) == set(cli.COMMANDS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, option", [
     (["crosscheck", "--write-example", "OUT"], "crosscheck"),
     (SMALL_SWEEP + ["--json", "OUT"], "--json"), (SMALL_SWEEP + ["--csv", "OUT"], "--csv"),
@@ -129,6 +132,7 @@ def test_a_device_path_is_written_not_replaced(tmp_path, capsys):
     assert out.is_symlink() and os.path.realpath(out) == os.devnull
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unbuffered", ["", "1"], ids=["default", "PYTHONUNBUFFERED"])
 def test_a_closed_pipe_is_quiet_with_141(unbuffered):
     """`numpy-attention demo | true`: the reader has closed the pipe before the first line
@@ -182,6 +186,7 @@ MOMENTS = [
     pytest.param(None, id="the command running")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("imported", MOMENTS)
 @pytest.mark.parametrize("command", ["demo", "gradcheck"])
 def test_ctrl_c_at_any_moment_is_one_line_130(command, imported):
@@ -192,6 +197,7 @@ def test_ctrl_c_at_any_moment_is_one_line_130(command, imported):
     assert interrupt(command, imported) == (130, [f"{cli.PROG}: interrupted"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("imported", MOMENTS[:3])
 @pytest.mark.parametrize("command", ["demo", "gradcheck"])
 def test_ctrl_c_in_the_console_script_is_one_line_130(command, imported):

@@ -9,6 +9,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from layouts import grouped_inputs
 from optional import DASK_REASON
 
 import numpy_attention as na
@@ -18,8 +19,8 @@ from numpy_attention.oracle import blocks, crosscheck, save_case, split_case
 from numpy_attention.oracle.runs import _baseline, case_ways, ways_by_forward
 from numpy_attention.oracle.slices import case_slices, put_together
 
+SIZES = (40, 56, 8, 6)        # grouped_inputs' N_q, N_k, d, d_v: 4 slices of the backward
 RNG = np.random.default_rng(3)
-# q [2, 4, 40, 8], k, v [2, 2, 56, 8|6]: grouped-query heads, 4 slices of the backward
 OPTIONS = {
     "plain": {},
     "causal bottom_right": {"causal": "bottom_right"},
@@ -58,17 +59,12 @@ def client():
         yield client
 
 
-def inputs(seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((2, 4, 40, 8)), rng.standard_normal((2, 2, 56, 8)),
-            rng.standard_normal((2, 2, 56, 6)), rng.standard_normal((2, 4, 40, 6)))
-
-
 def results(scheduler, options):
-    q, k, v, dout = inputs()
+    q, k, v, dout, _ = grouped_inputs(0, *SIZES)
     out, cache = na.attention_forward(q, k, v, block_size=16, workers=1, scheduler=scheduler, **options)
     grads = na.attention_backward(dout, cache)
-    jvp = na.attention_jvp(q, k, v, *inputs(1)[:3], block_size=16, workers=1, scheduler=scheduler, **options)
+    tangents = grouped_inputs(1, *SIZES)[:3]
+    jvp = na.attention_jvp(q, k, v, *tangents, block_size=16, workers=1, scheduler=scheduler, **options)
     return [out, cache.lse, grads.dq, grads.dk, grads.dv, grads.dbias, grads.dalibi_slopes, grads.dsinks, *jvp,
             *(grads.dscore_mod_params or {}).values()]
 
@@ -81,10 +77,11 @@ def test_the_tiled_engine_on_a_cluster_gives_the_local_bits(client, option):
 
 
 def sparse_results(scheduler):
-    q, k, v, dout = inputs()
+    q, k, v, dout, _ = grouped_inputs(0, *SIZES)
     indices = np.random.default_rng(4).integers(-1, 60, (2, 2, 40, 9))
     out, lse, top, cache = na.sparse_attention_forward(q, k, v, indices, block_rows=16, scheduler=scheduler)
-    jvp = na.sparse_attention_jvp(q, k, v, indices, *inputs(1)[:3], block_rows=16, scheduler=scheduler)
+    tangents = grouped_inputs(1, *SIZES)[:3]
+    jvp = na.sparse_attention_jvp(q, k, v, indices, *tangents, block_rows=16, scheduler=scheduler)
     return [out, lse, top, *na.sparse_attention_backward(dout, cache), *jvp]
 
 
@@ -95,7 +92,7 @@ def test_sparse_attention_on_a_cluster_gives_the_local_bits(client):
 
 @pytest.mark.parametrize("empty", ["K = 0", "N_q = 0", "B = 0"])
 def test_sparse_attention_with_an_empty_axis_on_a_cluster_gives_the_local_results(client, empty):
-    q, k, v, dout = inputs()
+    q, k, v, dout, _ = grouped_inputs(0, *SIZES)
     indices = np.random.default_rng(4).integers(-1, 60, (2, 2, 40, 9))
     if empty == "K = 0":
         indices = indices[..., :0]
@@ -115,7 +112,7 @@ def test_sparse_attention_with_an_empty_axis_on_a_cluster_gives_the_local_result
 
 def test_the_tiled_engine_with_no_query_row_on_a_cluster_gives_the_local_results(client):
     """N_q = 0: no task at all, on a cluster as locally (Dask's scatter of no data once failed)."""
-    q, k, v, dout = inputs()
+    q, k, v, dout, _ = grouped_inputs(0, *SIZES)
     runs = []
     for scheduler in (None, client):
         out, cache = na.attention_forward(q[..., :0, :], k, v, block_size=16, scheduler=scheduler)
@@ -126,13 +123,13 @@ def test_the_tiled_engine_with_no_query_row_on_a_cluster_gives_the_local_results
 
 
 def test_an_address_opens_a_client_for_the_call(client):
-    q, k, v, _ = inputs()
+    q, k, v, _, _ = grouped_inputs(0, *SIZES)
     out, _ = na.attention_forward(q, k, v, causal=True, block_size=16, scheduler=client.scheduler.address)
     assert np.array_equal(out, na.attention_forward(q, k, v, causal=True, block_size=16)[0])
 
 
 def test_a_scheduler_is_checked():
-    q, k, v, _ = inputs()
+    q, k, v, _, _ = grouped_inputs(0, *SIZES)
     with pytest.raises(TypeError, match="scheduler must be a dask.distributed Client or a scheduler's address"):
         na.attention_forward(q, k, v, block_size=16, scheduler=8786)
     with pytest.raises(ValueError, match="scheduler must be a scheduler's address"):
@@ -148,7 +145,7 @@ def large_case(tmp_path=None, options=None, batch=2):
     score budget set below its batch * 4 * 40 * 56 scores), the candidate our float64
     attention rounded."""
     options = {"causal": True} if options is None else options
-    q, k, v, dout = (x[:batch].astype(np.float32) for x in inputs())
+    q, k, v, dout = (x[:batch].astype(np.float32) for x in grouped_inputs(0, *SIZES)[:4])
     out, cache = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), **options)
     grads = na.attention_backward(dout.astype(np.float64), cache)
     arrays = dict(q=q, k=k, v=v, dout=dout, **options, out=out.astype(np.float32),
@@ -220,6 +217,7 @@ def crosscheck_process(case, address, **env):
                           capture_output=True, text=True, timeout=30, env={**os.environ, **env})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address", ["not-an-address", "tcp://host", "tcp://host:x", "nosuch://host:8786"])
 def test_an_address_that_is_none_fails_at_once_with_one_line(address, tmp_path):
     """Not a dask address: one line and exit 2 within seconds, nothing after it (a Client opened on
@@ -233,6 +231,7 @@ def test_an_address_that_is_none_fails_at_once_with_one_line(address, tmp_path):
         check_scheduler(address)
 
 
+@pytest.mark.slow
 def test_an_address_where_no_scheduler_answers_fails_with_one_line(tmp_path):
     """After dask's connect timeout (2 s here, 30 s by default): one line, exit 2, nothing after it
     (before it, the large case's progress line)."""
@@ -255,7 +254,7 @@ def test_the_baselines_in_slices_put_together_are_the_whole_ones(option, precisi
     bitwise the whole case's (or the case stays whole when a gradient sums over slices)."""
     options, batch, count = SLICED[option]
     storage = np.float32 if precision == "float32" else ml_dtypes.bfloat16
-    q, k, v, dout = (x[:batch].astype(storage) for x in inputs())
+    q, k, v, dout = (x[:batch].astype(storage) for x in grouped_inputs(0, *SIZES)[:4])
     case = split_case(dict(q=q, k=k, v=v, dout=dout, out=q[..., :6], precision=precision, **options))
     slices = case_slices(case)
     assert len(slices) == count
@@ -281,7 +280,7 @@ def test_a_case_without_gradients_is_cut_even_where_an_option_broadcasts(option)
     """No gradient sums over the slices without dout: the case is cut in (batch, kv head)
     slices, whose forward baselines put together are bitwise the whole case's."""
     options, batch, _ = SLICED[option]
-    q, k, v, _ = (x[:batch].astype(np.float32) for x in inputs())
+    q, k, v, _ = (x[:batch].astype(np.float32) for x in grouped_inputs(0, *SIZES)[:4])
     case = split_case(dict(q=q, k=k, v=v, out=q[..., :6], **options))
     slices = case_slices(case)
     assert len(slices) == batch * k.shape[-3]

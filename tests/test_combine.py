@@ -2,7 +2,6 @@
 forward and backward, in base e and base 2; its own backward equals complex step."""
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 import numpy_attention as na
 
@@ -59,8 +58,7 @@ def test_combine_backward_equals_complex_step(base):
     assert na.gradcheck(forward, backward, [outs, lses], method="complex")
 
 
-def test_combine_against_torch_autograd():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_combine_against_torch_autograd(torch):
     rng = np.random.default_rng(2)
     outs, lses = rng.standard_normal((4, 3, 6)), rng.standard_normal((4, 3))
     dout, dlse = rng.standard_normal((3, 6)), rng.standard_normal(3)

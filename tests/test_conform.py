@@ -1,6 +1,5 @@
 """The conformance run (numpy_attention/conformance/): its grid, the kernels it calls (torch, JAX,
 NumPy, a command line), its verdicts, the shrinking of planted bugs, its report and command."""
-import itertools
 import json
 import math
 import subprocess
@@ -26,13 +25,6 @@ from numpy_attention.oracle import load_case, split_case
 
 EVERYTHING = OPTIONS + OUTPUTS
 FEW_TOKENS = 36                         # "a few dozen": B (N_q + N_k) of a shrunk planted bug
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """The run's clock, one second further at each reading: a budget of n.5 s runs n + 1 cases."""
-    ticks = itertools.count()
-    monkeypatch.setattr(run, "monotonic", lambda: float(next(ticks)))
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -128,6 +120,7 @@ def test_cases_parametrize_a_test_by_their_ids(case, request):
 
 # ----------------------------------------------------------------------------- the kernels
 
+@pytest.mark.slow
 def test_our_float32_attention_passes_the_first_rounds_of_every_option():
     grid = cases(dtypes=("bfloat16",), supports=EVERYTHING)
     kernel = as_kernel(examples.numpy_float32)
@@ -136,9 +129,7 @@ def test_our_float32_attention_passes_the_first_rounds_of_every_option():
     assert [(r.case.id, r.error or r.report) for r in results if r.status != "PASS"] == []
 
 
-def test_the_kind_is_told_from_the_kernel():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-
+def test_the_kind_is_told_from_the_kernel(torch):
     def by_torch(q, k, v, **options):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
@@ -150,11 +141,11 @@ def test_the_kind_is_told_from_the_kernel():
         kind_of(3)
 
 
-def test_the_jax_kind_is_told_from_code_that_names_jax():
-    jnp = pytest.importorskip("jax.numpy", reason=JAX_REASON)
-    assert kind_of(lambda q, k, v: jnp.tanh(q)) == "jax"
+def test_the_jax_kind_is_told_from_code_that_names_jax(jax):
+    assert kind_of(lambda q, k, v: jax.numpy.tanh(q)) == "jax"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["torch_sdpa", "torch_sdpa_math", "torch_sdpa_flash", "torch_flex"])
 def test_torch_examples_pass_on_a_small_budget(name, clock):
     pytest.importorskip("torch", reason=TORCH_REASON)
@@ -165,6 +156,7 @@ def test_torch_examples_pass_on_a_small_budget(name, clock):
     assert all(r.status == "PASS" for r in report.results) and report.status == "INCOMPLETE", report
 
 
+@pytest.mark.slow
 def test_jax_example_passes_on_a_small_budget(clock):
     pytest.importorskip("jax", reason=JAX_REASON)
     report = na.conform(examples.jax_xla, budget=1.5)
@@ -242,6 +234,7 @@ np.savez(sys.argv[2], **{n: np.asarray(x, np.float32) for n, x in results.items(
 '''
 
 
+@pytest.mark.slow
 def test_a_command_line_kernel_reads_and_writes_npz(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL_SCRIPT)
@@ -264,6 +257,7 @@ def test_a_command_line_kernel_reads_and_writes_npz(tmp_path):
 several_keys = lambda c: c.n_q > 1 and c.n_k > 1              # a case the bug changes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug, changes, tensor, diagnosis", [
     (conform_bugs.scale_off, lambda c: c.cell == "plain" and several_keys(c), "out", "matches scale 1.01"),
     (conform_bugs.causal_shifted, lambda c: c.cell == "causal" and several_keys(c), "out", "causal="),
@@ -319,6 +313,7 @@ def test_a_failing_run_saves_each_shrunk_case_for_crosscheck(tmp_path, clock, mo
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_without_the_picture_the_case_is_still_saved(tmp_path, clock, monkeypatch):
     def no_matplotlib(path, **arrays):
         raise ImportError("matplotlib is not installed")
@@ -381,6 +376,7 @@ def test_the_progress_bar_and_lines():
 
 # ----------------------------------------------------------------------------- the command
 
+@pytest.mark.slow
 def test_command_exit_codes(tmp_path, clock, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--quiet", "--budget"]

@@ -12,8 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from optional import TORCH_REASON
-from test_conform import KERNEL_SCRIPT, clock  # noqa: F401  (clock: a fixture)
+from test_conform import KERNEL_SCRIPT
 
 import conform_bugs
 import conform_hostile
@@ -60,6 +59,7 @@ def test_a_write_into_an_argument_is_an_error(name, option):
                             f"case's {name}, which is judged as drawn)")
 
 
+@pytest.mark.slow
 def test_a_kernel_that_drops_the_mask_and_says_so_in_it_fails_the_command(tmp_path, clock, capsys):
     argv = ["conform", "conform_hostile:drops_mask", "--quiet", "--budget", "3.5", "--out", str(tmp_path)]
     assert main(argv) == 1
@@ -67,9 +67,7 @@ def test_a_kernel_that_drops_the_mask_and_says_so_in_it_fails_the_command(tmp_pa
     assert "mask          float32       2    2/7       0       0       2" in out, out
 
 
-def test_a_torch_kernel_that_writes_into_its_mask_is_an_error():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-
+def test_a_torch_kernel_that_writes_into_its_mask_is_an_error(torch):
     def drops_mask(q, k, v, mask=None, **options):
         mask[...] = True
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -88,6 +86,7 @@ def test_what_a_kernel_returns_besides_its_results_is_not_read():
 
 # ----------------------------------------------------------------------------- exits, crashes, hangs
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel, error", [
     (conform_hostile.segfaults, "KernelError: the kernel's process ended (killed by SIGSEGV)"),
     (conform_hostile.aborts, "KernelError: the kernel's process ended (killed by SIGABRT)"),
@@ -104,6 +103,7 @@ def test_a_crash_or_an_exit_is_one_cases_error(kernel, error, clock, tmp_path, m
     assert [json.loads(line)["status"] for line in record[1:]] == ["PASS", "ERROR", "PASS", "PASS"]
 
 
+@pytest.mark.slow
 def test_a_hung_case_is_a_timeout_row_and_the_sweep_goes_on(clock):
     report = na.conform(conform_hostile.hangs, budget=3.5, timeout=TIMEOUT)
     assert [r.status for r in report.results] == ["PASS", "TIMEOUT", "PASS", "PASS"]
@@ -178,6 +178,7 @@ def test_what_a_kernel_prints_stays_off_the_json(tmp_path, clock, capfd, monkeyp
 
 # ----------------------------------------------------------------------------- what a run keeps
 
+@pytest.mark.slow
 def test_a_ctrl_c_prints_the_cases_judged_so_far(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     record = tmp_path / "out" / "conform.jsonl"
@@ -198,6 +199,7 @@ def test_a_ctrl_c_prints_the_cases_judged_so_far(tmp_path):
     assert out.splitlines()[2].endswith("not enough to pass (the run was interrupted)"), out
 
 
+@pytest.mark.slow
 def test_a_worker_whose_run_was_killed_ends_itself(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     code = "import conform_hostile, numpy_attention as na; na.conform(conform_hostile.tells_and_hangs)"
@@ -254,6 +256,7 @@ def running(pid):
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_hung_command_is_a_timeout_row_and_all_it_started_is_stopped(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text("import pathlib, subprocess, sys, time\n"
@@ -273,6 +276,7 @@ def test_a_hung_command_is_a_timeout_row_and_all_it_started_is_stopped(tmp_path)
 
 # ----------------------------------------------------------------------------- the report
 
+@pytest.mark.slow
 def test_every_report_line_is_at_most_100_columns(clock):
     failing = na.conform(conform_bugs.scale_off, dtypes="float32", supports=("causal", "gqa", "gradients"),
                          budget=5.5)
@@ -301,6 +305,7 @@ def test_json_numbers_are_numbers_or_null(clock):
     assert len(found) > 10 and all(x is None or isinstance(x, (int, float)) for x in found), found
 
 
+@pytest.mark.slow
 def test_a_budget_that_leaves_a_role_unrun_does_not_pass(tmp_path, clock, capsys):
     argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--dtypes", "float32",
             "--options", "causal", "--out", str(tmp_path), "--budget"]

@@ -24,11 +24,13 @@ def counts():
     return fp8_kernels.sweep(CASES, seed=1)
 
 
+@pytest.mark.slow
 def test_honest_torch_candidates_pass(counts):
     judged, failed, _, _ = counts[("float8", "honest")]
     assert judged == CASES and failed == 0, counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", fp8_kernels.BUGS)
 def test_each_planted_bug_is_caught_and_mostly_named(counts, bug):
     """Caught in every case; named in most (not where the bug makes the softmax so sharp that the
@@ -105,7 +107,7 @@ def test_the_baseline_follows_the_accumulator_the_case_names():
     plain = fp8_kernels.draw
     try:
         fp8_kernels.draw = lambda r: {**plain(r), "how": "fa3", "accumulator": 12}
-        cases = [fp8_kernels.case(rng, "float8") for _ in range(4)]
+        cases = [fp8_kernels.fp8_case(rng, "float8") for _ in range(4)]
     finally:
         fp8_kernels.draw = plain
     for arrays in cases:

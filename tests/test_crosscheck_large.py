@@ -210,6 +210,7 @@ print("PASS" if report else "FAIL", before, peak_mib())
 """
 
 
+@pytest.mark.slow
 def test_a_medium_case_runs_in_blocks_far_below_the_whole_arrays_memory():
     """(1, 2, 2048, 32) bfloat16 with gradients, 8.4e6 scores: whole arrays hold float64
     [1, 2, 2048, 2048] stages of 64 MiB each (S, P, P~, dP, dS, the terms; measured: the peak

@@ -24,12 +24,14 @@ def counts():
     return mla_kernels.sweep(CASES, seed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", mla_kernels.DTYPES)
 def test_honest_torch_candidates_pass(counts, dtype):
     judged, failed, _, _ = counts[(dtype, "honest")]
     assert judged == CASES and failed == 0, counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", mla_kernels.BUGS)
 @pytest.mark.parametrize("dtype", mla_kernels.DTYPES)
 def test_each_planted_bug_is_caught_and_named_where_the_diagnosis_runs(counts, dtype, bug):

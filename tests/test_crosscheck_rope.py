@@ -26,12 +26,14 @@ def counts():
     return rope_kernels.sweep(CASES, seed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", rope_kernels.DTYPES)
 def test_honest_torch_candidates_pass(counts, dtype):
     judged, failed, _, _ = counts[(dtype, "honest")]
     assert judged == CASES and failed == 0, counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", rope_kernels.BUGS)
 @pytest.mark.parametrize("dtype", rope_kernels.DTYPES)
 def test_each_planted_bug_is_caught_and_named(counts, dtype, bug):
@@ -173,6 +175,7 @@ def tangent_case(rng, bug=None):
     return {**arrays, **rope_kernels.case_keys(s)}
 
 
+@pytest.mark.slow
 def test_tangents_with_rope_pass_when_honest_and_fail_with_the_other_layout():
     """20 float32 cases: torch.func.jvp's out_dot and lse_dot of an honest candidate pass (the
     baseline's tangents turned with float32 angles, as the candidate's are), the other layout's

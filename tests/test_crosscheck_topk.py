@@ -20,12 +20,14 @@ def counts():
     return topk_kernels.sweep(CASES, seed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", topk_kernels.DTYPES)
 def test_honest_torch_candidates_pass(counts, dtype):
     judged, failed, _, _ = counts[(dtype, "honest")]
     assert judged == CASES and failed == 0, counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", topk_kernels.BUGS)
 @pytest.mark.parametrize("dtype", topk_kernels.DTYPES)
 def test_each_planted_bug_is_caught_and_named(counts, dtype, bug):

@@ -192,6 +192,7 @@ print("PASS" if report else "FAIL", before, peak_mib())
 """
 
 
+@pytest.mark.slow
 def test_a_large_case_is_judged_far_below_the_dense_keep_masks_memory():
     """q [1, 1, 32768, 16] over 4096 keys, 64 listed a row (one twice): 2^27 scores, whose dense
     keep-mask and counts take 9 bytes a score (1.1 GiB). Judged from the lists with gradients on

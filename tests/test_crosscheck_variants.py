@@ -55,6 +55,7 @@ def random_case(rng):
             "cu_seqlens_q": cu(len_q), "cu_seqlens_k": cu(len_k)}
 
 
+@pytest.mark.slow
 def test_honest_torch_candidates_pass():
     rng = np.random.default_rng(0)
     failed = []
@@ -65,6 +66,7 @@ def test_honest_torch_candidates_pass():
     assert not failed, failed[:1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug, fails", [
     ({"packed_as_one": True}, "out"),                                 # attends across sequences
     ({"drop_sink_grad": True}, "dsinks"),

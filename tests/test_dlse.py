@@ -2,7 +2,7 @@
 both out and lse (lse_i = log sum_j exp(S_ij), so d lse / dS = P and D becomes D - dlse)."""
 import numpy as np
 import pytest
-from optional import TORCH_REASON
+from layouts import grouped_inputs
 
 import numpy_attention as na
 
@@ -21,12 +21,6 @@ OPTIONS = {
 TILED = ("plain", "mask with a dead row", "causal bottom_right", "bias", "window")
 
 
-def inputs(seed=0):
-    rng = np.random.default_rng(seed)
-    q, k, v = rng.standard_normal((2, 4, 4, 3)), rng.standard_normal((2, 2, 6, 3)), rng.standard_normal((2, 2, 6, 2))
-    return q, k, v, rng.standard_normal((2, 4, 4, 2)), rng.standard_normal((2, 4, 4))
-
-
 def out_and_lse(implementation, options):
     """(forward, backward) of [out, lse] flattened into one output, for gradcheck."""
     def forward(q, k, v):
@@ -43,7 +37,7 @@ def out_and_lse(implementation, options):
 @pytest.mark.parametrize("implementation, option", [(name, option) for name in ("textbook", "blocked", "tiled")
                                                     for option in (TILED if name == "tiled" else OPTIONS)])
 def test_out_and_lse_gradients_equal_complex_step(implementation, option):
-    q, k, v, _, _ = inputs()
+    q, k, v, _, _ = grouped_inputs()
     forward, backward = out_and_lse(implementation, OPTIONS[option])
     report = na.gradcheck(forward, backward, [q, k, v], method="complex")
     assert report, report
@@ -51,7 +45,7 @@ def test_out_and_lse_gradients_equal_complex_step(implementation, option):
 
 @pytest.mark.parametrize("implementation", ["blocked", "tiled"])
 def test_engines_equal_the_textbook_with_dlse(implementation):
-    q, k, v, dout, dlse = inputs(1)
+    q, k, v, dout, dlse = grouped_inputs(1)
     grads = {}
     for name in ("textbook", implementation):
         _, cache = na.attention_forward(q, k, v, mask=MASK, causal=True, implementation=name)
@@ -60,9 +54,8 @@ def test_engines_equal_the_textbook_with_dlse(implementation):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-13 * np.abs(want).max())
 
 
-def test_dlse_against_torch_autograd_in_float64():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-    q, k, v, dout, dlse = inputs(2)
+def test_dlse_against_torch_autograd_in_float64(torch):
+    q, k, v, dout, dlse = grouped_inputs(2)
     bias = RNG.standard_normal((4, 4, 6))
     out, cache = na.attention_forward(q, k, v, bias=bias, causal=True)
     grads = na.attention_backward(dout, cache, dlse)
@@ -77,7 +70,7 @@ def test_dlse_against_torch_autograd_in_float64():
 
 
 def test_dlse_of_the_wrong_shape_is_refused():
-    q, k, v, dout, _ = inputs()
+    q, k, v, dout, _ = grouped_inputs()
     _, cache = na.attention_forward(q, k, v)
     with pytest.raises(ValueError, match=r"dlse must have lse's shape \(2, 4, 4\)"):
         na.attention_backward(dout, cache, np.zeros((2, 4)))

@@ -151,6 +151,7 @@ def test_run_as_script_can_fail(tmp_path):
     run_as_script("guarded.py", [guarded], tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in DOCS if "```python" in p.read_text()], ids=doc_id)
 def test_python_blocks_run_and_print_what_the_doc_shows(path, tmp_path):
     found = blocks(path)
@@ -220,6 +221,7 @@ def shell_blocks(path):
     return found[1:] if path == README else found          # README's first: test_top_commands...
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in DOCS if shell_blocks(p)], ids=doc_id)
 def test_shell_blocks_run(path, tmp_path):
     # The files the commands read (my_case.npz): the blocks that write them, each self-contained.
@@ -229,6 +231,7 @@ def test_shell_blocks_run(path, tmp_path):
     assert done
 
 
+@pytest.mark.slow
 def test_check_command_can_fail(tmp_path):
     with pytest.raises(AssertionError):
         check_command("numpy-attention crosscheck missing.npz", tmp_path)          # exit 2
@@ -266,6 +269,7 @@ def test_readme_is_short_and_names_the_blog_post():
     assert "从点积到信息检索" in text and "tests/seed_model.py" in text
 
 
+@pytest.mark.slow
 def test_readme_command_list_matches_the_cli():
     listing = next(code for language, code, _ in blocks(README)
                    if language == "text" and code.startswith("numpy-attention"))
@@ -294,6 +298,7 @@ def doc_text_blocks(name):
     return [code for language, code, _ in blocks(ROOT / "docs" / name) if language == "text"]
 
 
+@pytest.mark.slow
 def test_vanishing_key_lines(tmp_path):
     """Cells d_k = 16 and 1024 with 8 keys (each cell has its own seed, so they print what
     the full sweep prints) and the alpha table, against the doc's table: every column
@@ -310,6 +315,7 @@ def test_vanishing_key_lines(tmp_path):
         assert same_line(match[0], row, loose=lambda i, n: i >= n - 2), (match[0], row)
 
 
+@pytest.mark.slow
 def test_training_key_lines(tmp_path):
     """The first 25 steps at lr 0.001 (the run is deterministic and its first steps do not
     depend on how many follow) against the doc's SGD table: losses at steps 0 and 25."""
@@ -322,6 +328,7 @@ def test_training_key_lines(tmp_path):
         assert shown[:len(prefix)] == prefix, (shown, prefix)
 
 
+@pytest.mark.slow
 def test_crosscheck_exit_codes(tmp_path):
     """README and docs/crosscheck.md: 0 pass, 1 a tensor fails, 2 bad input."""
     assert run_cli(["crosscheck", "--write-example", "case.npz"], tmp_path).returncode == 0

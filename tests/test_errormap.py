@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from optional import TORCH_REASON, needs_matplotlib
+from optional import needs_matplotlib
 from test_cli import usage_error
 
 import numpy_attention as na
@@ -107,10 +107,9 @@ def test_per_head_and_broadcast_tensors_fold_to_their_own_rows(tmp_path):
         "out": (4, 6), "lse": (4, 6), "dq": (4, 6), "dk": (2, 9), "dv": (2, 9), "dbias": (4, 6)}
 
 
-def test_bfloat16_maps_cross_1_exactly_where_the_row_wise_check_fails():
+def test_bfloat16_maps_cross_1_exactly_where_the_row_wise_check_fails(torch):
     """An entry of out off by half the tensor's bound passes the max-abs check; on some rows
     (whose baseline rounds finely) it fails the row-wise one. The map must say which."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, N, 16, dtype=torch.bfloat16) for _ in range(3))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -130,8 +129,7 @@ def test_bfloat16_maps_cross_1_exactly_where_the_row_wise_check_fails():
     assert 0 < row_failures < N                                      # both outcomes were tried
 
 
-def test_torch_float32_sdpa_is_within_its_bounds_everywhere():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_torch_float32_sdpa_is_within_its_bounds_everywhere(torch):
     torch.manual_seed(1)
     q, k, v = (torch.randn(B, 4, 48, 16, requires_grad=True) for _ in range(3))
     mask = torch.arange(48) < torch.tensor([48, 30])[:, None, None, None]     # padding of batch 1
@@ -143,6 +141,7 @@ def test_torch_float32_sdpa_is_within_its_bounds_everywhere():
     assert all(m.max() <= 1 for m in maps.values()), {name: m.max() for name, m in maps.items()}
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_plot_writes_the_same_png_each_time(tmp_path):
     from matplotlib.image import imread
@@ -199,6 +198,7 @@ def test_cli_plot_to_a_file_it_cannot_write_is_one_line_exit_2(tmp_path, capsys)
     assert err.startswith("numpy-attention crosscheck: --plot: cannot write") and "No such file" in err
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_a_small_case_has_whole_index_ticks_and_a_title_in_words(tmp_path, monkeypatch):
     """Three rows, two heads, a tensor of one entry per head (dsinks): every tick an integer

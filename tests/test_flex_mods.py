@@ -7,6 +7,7 @@ from optional import TORCH_REASON
 pytest.importorskip("torch", reason=TORCH_REASON)
 import flex_mods  # noqa: E402
 
+pytestmark = pytest.mark.slow                               # every test here judges a sweep
 CASES = 20                                                  # per dtype: each variant 4 times
 COMPILED_CASES = 5                                          # bfloat16: each variant once (a compile each)
 

@@ -3,7 +3,7 @@ attention_hvp (the tangents of dq, dk, dv), against complex step (whole Jacobian
 adjoint identity with the backward, the Hessian's symmetry, and torch.func / double backward."""
 import numpy as np
 import pytest
-from optional import TORCH_REASON
+from layouts import grouped_inputs
 
 import numpy_attention as na
 
@@ -21,11 +21,6 @@ OPTIONS = {
     "uniform policy": {"mask": MASK, "fully_masked": "uniform"},
 }
 TANGENTS = {"bias": "bias_dot", "sinks": "sinks_dot", "alibi_slopes": "alibi_slopes_dot"}
-
-
-def inputs(seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((2, 4, 4, 3)), rng.standard_normal((2, 2, 6, 3)), rng.standard_normal((2, 2, 6, 2))]
 
 
 def test_linear_and_softmax_jvp_equal_complex_step():
@@ -64,7 +59,7 @@ def test_attention_jvp_of_out_and_lse_equals_complex_step(option):
         _, out_dot, lse, lse_dot = na.attention_jvp(q, k, v, *tangents[:3], **fixed,
                                                     **dict(zip(per_input, extra)), **dots)
         return np.concatenate([out_dot.ravel(), np.where(np.isneginf(lse.real), 0, lse_dot).ravel()])
-    report = na.jvpcheck(forward, jvp, inputs() + [OPTIONS[option][n] for n in per_input])
+    report = na.jvpcheck(forward, jvp, list(grouped_inputs()[:3]) + [OPTIONS[option][n] for n in per_input])
     assert report, report
 
 
@@ -72,7 +67,7 @@ def test_attention_jvp_of_out_and_lse_equals_complex_step(option):
 def test_the_jvp_is_the_adjoint_of_the_backward(option):
     """<u, J v> from attention_jvp equals <J^T u, v> from attention_backward."""
     rng = np.random.default_rng(2)
-    q, k, v = inputs(2)
+    q, k, v = grouped_inputs(2)[:3]
     tangents = [rng.standard_normal(x.shape) for x in (q, k, v)]
     out, out_dot, _, _ = na.attention_jvp(q, k, v, *tangents, **OPTIONS[option])
     u = rng.standard_normal(out.shape)
@@ -86,7 +81,7 @@ def test_the_jvp_is_the_adjoint_of_the_backward(option):
 def test_attention_hvp_equals_complex_step_on_the_backward(option):
     """The backward is analytic: Im backward(x + i h x_dot) / h is the tangent of the gradients."""
     rng = np.random.default_rng(3)
-    q, k, v = inputs(3)
+    q, k, v = grouped_inputs(3)[:3]
     tangents = [rng.standard_normal(x.shape) for x in (q, k, v)]
     dout = rng.standard_normal((2, 4, 4, 2))
     grads, grads_dot = na.attention_hvp(q, k, v, dout, *tangents, **OPTIONS[option])
@@ -101,7 +96,7 @@ def test_attention_hvp_equals_complex_step_on_the_backward(option):
 def test_the_hessian_vector_product_is_symmetric():
     """<a, H b> = <b, H a> for the Hessian H of <dout, out> w.r.t. (q, k, v)."""
     rng = np.random.default_rng(4)
-    q, k, v = inputs(4)
+    q, k, v = grouped_inputs(4)[:3]
     dout = rng.standard_normal((2, 4, 4, 2))
     a, b = ([rng.standard_normal(x.shape) for x in (q, k, v)] for _ in range(2))
     Ha = na.attention_hvp(q, k, v, dout, *a, causal=True, softcap=2.0)[1]
@@ -111,10 +106,9 @@ def test_the_hessian_vector_product_is_symmetric():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")   # torch.func's own
-def test_against_torch_func_jvp_and_double_backward():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_against_torch_func_jvp_and_double_backward(torch):
     rng = np.random.default_rng(5)
-    q, k, v = inputs(5)
+    q, k, v = grouped_inputs(5)[:3]
     bias = rng.standard_normal((4, 4, 6))
     tangents = [rng.standard_normal(x.shape) for x in (q, k, v)]
     dout = rng.standard_normal((2, 4, 4, 2))
@@ -144,15 +138,16 @@ def test_against_torch_func_jvp_and_double_backward():
 ])
 def test_bad_jvp_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        na.attention_jvp(*inputs(), **kwargs)
+        na.attention_jvp(*grouped_inputs()[:3], **kwargs)
 
 
 def test_the_hvp_runs_on_the_textbook_only():
-    q, k, v = inputs()
+    q, k, v = grouped_inputs()[:3]
     with pytest.raises(ValueError, match="runs on the textbook engine, not implementation='tiled'"):
         na.attention_hvp(q, k, v, np.ones((2, 4, 4, 2)), implementation="tiled")
 
 
+@pytest.mark.slow
 def test_the_gradcheck_command_checks_forward_mode_and_the_identities(capsys):
     from numpy_attention.commands.cli import main
     from numpy_attention.examples import identity_gaps, jvp_cases
@@ -174,7 +169,7 @@ TILED_OPTIONS = [o for o in OPTIONS if not {"softcap", "dropout_mask"} & set(OPT
 @pytest.mark.parametrize("block_size", [1, 3, 128])
 def test_the_tiled_jvp_equals_the_textbook(option, block_size):
     rng = np.random.default_rng(6)
-    q, k, v = inputs(6)
+    q, k, v = grouped_inputs(6)[:3]
     tangents = [rng.standard_normal(x.shape) for x in (q, k, v)]
     extra = {TANGENTS[n]: rng.standard_normal(np.shape(OPTIONS[option][n])) for n in TANGENTS if n in OPTIONS[option]}
     spec = na.attention_jvp(q, k, v, *tangents, **OPTIONS[option], **extra)
@@ -186,6 +181,7 @@ def test_the_tiled_jvp_equals_the_textbook(option, block_size):
         np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-13 * np.abs(want[finite]).max())
 
 
+@pytest.mark.slow
 def test_the_tiled_jvp_runs_in_o_n_memory():
     """N = 4096: one float64 [2, N, N] array would be 256 MiB; the tiled JVP stays far below."""
     import subprocess

@@ -136,6 +136,7 @@ def test_a_gradient_the_backward_returns_as_none_is_checked_as_zero_not_skipped(
     assert report.rows[2].analytic == 0 and report.skipped == ()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "projection"])
 def test_every_line_of_every_report_fits_in_100_columns(mode):
     """Every op and attention variant of `numpy-attention gradcheck` (4-d indices, names of ten

@@ -87,6 +87,7 @@ print(json.dumps({"code": code, "err": err.getvalue(), "peak_mib": peak}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_hostile_file_is_refused_in_little_memory(kind, tmp_path):
     """Refused with one line before any of its declared data is held: the child's peak stays

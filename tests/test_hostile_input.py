@@ -12,6 +12,7 @@ import numpy_attention as na
 from numpy_attention.softmax import SoftmaxCache
 
 
+@pytest.mark.slow
 def test_an_empty_query_block_never_touches_memory_it_does_not_own():
     """N_q = 0 with N_k > 0: the softmax backward once wrote into an empty einsum result
     (complex long double aborted the process under malloc checking)."""

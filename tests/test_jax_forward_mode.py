@@ -20,6 +20,7 @@ def jax_attention(q, k, v, bias, causal):
     return jax.nn.softmax(s, axis=-1) @ v, jax.nn.logsumexp(s, axis=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_jvp_equals_jax_jvp(causal):
     rng = np.random.default_rng(0)
@@ -33,6 +34,7 @@ def test_attention_jvp_equals_jax_jvp(causal):
         np.testing.assert_allclose(got, np.asarray(want), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow
 def test_attention_hvp_equals_jax_jvp_of_grad():
     rng = np.random.default_rng(1)
     q, k, v = rng.standard_normal((1, 4, 6, 3)), rng.standard_normal((1, 2, 6, 3)), rng.standard_normal((1, 2, 6, 2))

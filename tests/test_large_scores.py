@@ -6,10 +6,11 @@ import math
 
 import numpy as np
 import pytest
+from optional import TORCH_REASON
 
 import numpy_attention as na
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason=TORCH_REASON)      # every test here needs it: skip the file
 LOG2E = math.log2(math.e)
 
 
@@ -41,6 +42,7 @@ def alibi_case(rng, n_q, n_k, h=4, d=64, scale_error=0.0):
                 causal=np.array(True), **{n: x.numpy() for n, x in zip(("out", "lse", "dq", "dk", "dv"), results)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_q", [1, 3, 64])
 def test_a_flash_order_kernel_passes_where_a_row_sees_one_key_with_a_large_score(n_q):
     """Its dv failed up to 89 times the bound (12 of 20 cases, with and without own_forward)."""
@@ -52,6 +54,7 @@ def test_a_flash_order_kernel_passes_where_a_row_sees_one_key_with_a_large_score
             assert report, str(report)
 
 
+@pytest.mark.slow
 def test_the_same_kernel_with_a_scale_off_or_a_wrong_entry_still_fails():
     rng = np.random.default_rng(9)
     assert not na.crosscheck(**alibi_case(rng, 64, 1024, scale_error=0.01))
@@ -72,6 +75,7 @@ def fused_float16(q, k, v, bias, scale):
     return (p @ f32(v)).astype(np.float16)
 
 
+@pytest.mark.slow
 def test_float16_rows_whose_scores_carry_biases_near_minus_1000_pass():
     """N_q >> N_k with ALiBi: a row's scores near -1000 round at float16's step 0.5, and one
     rounding in another order than the baseline's made the row check noise (row ratio up to 6

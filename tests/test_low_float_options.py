@@ -29,8 +29,7 @@ def test_a_dropout_mask_in_bfloat16():
     assert np.array_equal(out, want)
 
 
-def test_torch_bfloat16_tensors_as_options():
-    torch = pytest.importorskip("torch", reason="torch is an optional extra: pip install torch==2.13.0")
+def test_torch_bfloat16_tensors_as_options(torch):
     for name, value in OPTIONS.items():
         tensor = torch.from_numpy(np.asarray(value, np.float32)).to(torch.bfloat16)
         out, _ = na.attention_forward(Q, K, V, **{name: tensor})

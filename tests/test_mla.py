@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 import numpy_attention as na
 
@@ -42,8 +41,7 @@ def torch_absorbed(torch, q, kv, r, scale, causal, rope=None):
 
 
 @pytest.mark.parametrize("rope", [None, (P, "interleaved"), (P, "half")], ids=["no-rope", "interleaved", "half"])
-def test_absorbed_against_torch_float64_autograd(rope):
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_absorbed_against_torch_float64_autograd(rope, torch):
     q, kv, dout = absorbed_inputs()
     dlse = RNG.standard_normal((2, H, 3))
     scale = 1 / math.sqrt(N_NOPE + P)                  # DeepSeek's: 1 / sqrt(n + p)
@@ -65,9 +63,8 @@ def unabsorbed_inputs(batch=2, n_q=3, n_k=9):
                 w_uk=RNG.standard_normal((H, R, N_NOPE)) / 4, w_uv=RNG.standard_normal((H, R, D_V)) / 4)
 
 
-def test_unabsorbed_against_torch_float64_autograd():
+def test_unabsorbed_against_torch_float64_autograd(torch):
     """DeepSeek-V2's attention written in torch: k_h = [c_kv W_UK^h ; k_pe], v_h = c_kv W_UV^h."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     x = unabsorbed_inputs()
     dout = RNG.standard_normal((2, H, 3, D_V))
     rope = {"layout": "interleaved", "base": 10000.0}
@@ -146,8 +143,7 @@ def test_a_paged_latent_cache_of_64_row_pages():
     np.testing.assert_allclose(grads.dkv, expected_dkv, rtol=0, atol=1e-14)
 
 
-def test_mla_jvp_against_torch_func_jvp():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_mla_jvp_against_torch_func_jvp(torch):
     q, kv, _ = absorbed_inputs()
     q_dot, kv_dot = RNG.standard_normal(q.shape), RNG.standard_normal(kv.shape)
     _, out_dot, _, lse_dot = na.mla_jvp(q, kv, q_dot, kv_dot, rope_dim=P, causal="bottom_right",
@@ -229,13 +225,12 @@ def torch_deepseek_v3(torch, x, positions_q, positions_k):
     return torch.softmax(scores * softmax_scale, -1) @ v
 
 
-def test_deepseek_v3s_scale_with_yarn():
+def test_deepseek_v3s_scale_with_yarn(torch):
     """DeepSeek-V3 with YaRN: rope={"scaling": its rope_scaling (mscale = mscale_all_dim = 1: cos
     and sin times 1, as Hugging Face's deepseek_v3 has it)} and scale = (n + p)^-0.5 yarn_mscale(40,
     mscale_all_dim)^2 are its reference model's attention, both forms, out and gradients. The
     scale's mscale^2 with a YaRN scaling lacking mscale and mscale_all_dim applies the attention
     factor a second time, on the rotary columns' scores: out 10% or more off."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     from numpy_attention.rope import yarn_mscale
     x = unabsorbed_inputs(n_q=3, n_k=9)
     dout = RNG.standard_normal((2, H, 3, D_V))

@@ -191,6 +191,7 @@ print(hashlib.sha256(b"".join(got[n].tobytes() for n in sorted(got))).hexdigest(
 """
 
 
+@pytest.mark.slow
 def test_the_bits_do_not_depend_on_numpys_simd_level():
     """exp and log in float64: the same bits with numpy's AVX2 and FMA3 code switched off
     (NPY_DISABLE_CPU_FEATURES="X86_V3"; numpy's float32 exp and log then round differently)."""

@@ -49,6 +49,7 @@ def test_recursive_matmul_is_the_loop(a_shape, b_shape, dtype, monkeypatch):
 CASES = report_cases()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, arrays, budget", CASES, ids=[name for name, _, _ in CASES])
 def test_a_report_is_the_plain_paths_one(name, arrays, budget, monkeypatch):
     """On three threads with the fast forms, and on one thread with the plain forms."""

@@ -32,6 +32,7 @@ def test_import_loads_no_numpy():
     assert fresh(code) == "[]"
 
 
+@pytest.mark.slow
 def test_star_import_and_dir_give_every_public_name():
     """`from numpy_attention import *` binds exactly __all__; dir lists each name, loaded or not."""
     code = ("import numpy_attention as na; names = sorted(dir(na)); "
@@ -56,6 +57,7 @@ def test_an_unknown_name_is_an_attribute_error():
     assert not hasattr(na, "nope")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [
     "import numpy_attention",
     "from numpy_attention.oracle.rule import judge",

@@ -3,29 +3,15 @@ keys, with the gradients of the pages summed where pages are shared; complex ste
 caches."""
 import numpy as np
 import pytest
+from layouts import LENGTHS, TABLE, gathered, paged_inputs
 
 import numpy_attention as na
-
-TABLE = np.array([[0, 3, 5], [6, 1, 0], [2, 2, 4]])    # sequence 2 reads page 2 twice
-LENGTHS = np.array([9, 4, 12])                         # page size 4: 3, 1 and 3 pages in use
-
-
-def cache(seed=0, num_pages=7, d_v=5):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((3, 4, 2, 8)), rng.standard_normal((num_pages, 2, 4, 8)),
-            rng.standard_normal((num_pages, 2, 4, d_v)), rng.standard_normal((3, 4, 2, d_v)))
-
-
-def gathered(x, b):
-    """Sequence b's keys from its pages: [H_kv, L_b, d]."""
-    return np.concatenate([x[page] for page in TABLE[b]], axis=1)[:, :LENGTHS[b]]
-
 
 @pytest.mark.parametrize("implementation", ["textbook", "blocked", "tiled"])
 @pytest.mark.parametrize("options", [{}, {"causal": "bottom_right"}, {"window": (3, 0), "causal": True},
                                      {"alibi_slopes": np.array([0.5, 0.25, 0.1, 0.05]), "sinks": np.ones(4)}])
 def test_paged_equals_attention_on_the_gathered_keys(implementation, options):
-    q, k_cache, v_cache, dout = cache()
+    q, k_cache, v_cache, dout = paged_inputs()
     out, c = na.attention_forward(q, k_cache, v_cache, page_table=TABLE, cache_seqlens=LENGTHS,
                                   implementation=implementation, **options)
     grads = na.attention_backward(dout, c)
@@ -48,7 +34,7 @@ def test_paged_equals_attention_on_the_gathered_keys(implementation, options):
 
 
 def test_paged_equals_complex_step():
-    q, k_cache, v_cache, _ = cache(1, num_pages=7, d_v=3)
+    q, k_cache, v_cache, _ = paged_inputs(1, d_v=3)
     forward = lambda q, kc, vc: na.attention_forward(q, kc, vc, page_table=TABLE, cache_seqlens=LENGTHS,
                                                      causal="bottom_right")
     assert na.gradcheck(forward, na.attention_backward, [q, k_cache, v_cache], method="complex")
@@ -62,6 +48,6 @@ def test_paged_equals_complex_step():
     ({"page_table": TABLE, "cache_seqlens": LENGTHS, "mask": np.ones(3, bool)}, "takes no mask"),
 ])
 def test_bad_paged_arguments_are_refused(kwargs, message):
-    q, k_cache, v_cache, _ = cache()
+    q, k_cache, v_cache, _ = paged_inputs()
     with pytest.raises(ValueError, match=message):
         na.attention_forward(q, k_cache, v_cache, **kwargs)

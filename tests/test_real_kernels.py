@@ -60,6 +60,7 @@ def campaign_of(kernel, precision):
     return _CAMPAIGNS[kernel, precision]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel, precision", PAIRS)
 def test_no_false_failure(kernel, precision):
     """Every honest result of the kernel passes crosscheck (a failure's arrays are saved)."""
@@ -72,6 +73,7 @@ def test_no_false_failure(kernel, precision):
                         f"{failed[0].layout}:\n{failed[0].report}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", rk.PRECISIONS)
 def test_planted_bugs_are_caught(precision):
     """Each planted bug fails crosscheck in >= 95% of the cases where it changes the result, over
@@ -88,6 +90,7 @@ def test_planted_bugs_are_caught(precision):
     assert not missed, f"{precision}: bug: {{kernel: (cases, caught)}} {missed}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", list(CASES))
 def test_every_bug_a_kernel_can_show_is_planted(kernel):
     """Each of the kernel's bugs (Kernel.bugs) is planted in some case of its campaigns."""
@@ -96,6 +99,7 @@ def test_every_bug_a_kernel_can_show_is_planted(kernel):
     assert planted == set(rk.KERNELS[kernel].bugs), planted
 
 
+@pytest.mark.slow
 def test_the_campaigns_hold_a_thousand_cases_and_two_hundred_decoding_ones():
     """Over every kernel and precision: >= 1000 honest cases, >= 200 of them decoding (one query
     row) or with a single key; each kernel has a case with a length of 1024 or 2048."""
@@ -131,6 +135,7 @@ def test_the_float64_reference_of_flashattentions_rule_is_the_oracle(kernel):
             assert abs(err - row.max_abs_err) <= 1e-9 * size, (variant, row.name, err, row.max_abs_err)
 
 
+@pytest.mark.slow
 def test_flex_eager_without_its_dynamo_trace_gives_the_same_bits():
     """The campaigns run eager flex_attention's decomposition without the dynamo trace that
     wraps every eager call (real_kernels._flex, traced=False: 70x faster): on cases of its
@@ -147,11 +152,10 @@ def test_flex_eager_without_its_dynamo_trace_gives_the_same_bits():
             assert np.array_equal(bits(fast[name]), bits(traced[name])), (precision, variant, name)
 
 
-def test_jax_jits_no_float16_attention_on_cpu_so_its_campaign_runs_eager():
+def test_jax_jits_no_float16_attention_on_cpu_so_its_campaign_runs_eager(jax):
     """jax_xla runs eager in float16 (real_kernels._jax_attention): jitted, JAX 0.10.2's
     dot_product_attention raises on CPU for its F16_F16_F32 dot precision. Where a JAX compiles
     it, this test fails: its float16 campaign can then be jitted like the others."""
-    jax = pytest.importorskip("jax", reason=JAX_REASON)
     q = jax.numpy.zeros((1, 3, 2, 8), jax.numpy.float16)
     attention = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, implementation="xla"))
     with pytest.raises(ValueError, match="F16_F16_F32"):

@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 import numpy_attention as na
 from numpy_attention.rope import frequencies
@@ -82,8 +81,7 @@ def torch_rope(x, positions, layout="half", rotary_dim=None, base=10000.0, scali
 
 
 @pytest.mark.parametrize("options", CASES, ids=IDS)
-def test_against_an_independent_torch_float64_rope(options):
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_against_an_independent_torch_float64_rope(options, torch):
     x = RNG.standard_normal((2, 3, 7, 8))
     positions = np.array([0, 1, 2, 5, 9, 40, 1000])
     y, _ = na.rope_forward(x, positions, **options)
@@ -208,10 +206,9 @@ def test_attention_turns_q_and_k_inside_and_returns_the_gradients_of_the_unturne
     np.testing.assert_allclose(grads.dv, plain_grads.dv, rtol=0, atol=1e-14)
 
 
-def test_attention_with_rope_against_torch_float64_autograd():
+def test_attention_with_rope_against_torch_float64_autograd(torch):
     """An independent reference: torch turns q and k (torch_rope), SDPA attends (causal, grouped
     heads), autograd differentiates, all in float64."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     q, k, v = RNG.standard_normal((1, 4, 6, 8)), RNG.standard_normal((1, 2, 6, 8)), RNG.standard_normal((1, 2, 6, 8))
     dout = RNG.standard_normal((1, 4, 6, 8))
     rope = {"layout": "interleaved", "scaling": {"type": "linear", "factor": 2.0}}
@@ -274,10 +271,9 @@ def _torch_attention_with_rope(torch, rope, positions_q, positions_k):
 
 
 @pytest.mark.parametrize("engine", [{}, {"implementation": "tiled", "block_size": 3}], ids=["textbook", "tiled"])
-def test_attention_jvp_with_rope_against_torch_func_jvp(engine):
+def test_attention_jvp_with_rope_against_torch_func_jvp(engine, torch):
     """The tangents of q and k turn with them (rope is linear): out_dot against torch.func.jvp of
     an independent rope + SDPA, float64."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     rope = {"layout": "interleaved", "rotary_dim": 6, "scaling": {"type": "linear", "factor": 2.0}}
     q, k, v = RNG.standard_normal((2, 4, 5, 8)), RNG.standard_normal((2, 2, 9, 8)), RNG.standard_normal((2, 2, 9, 8))
     q_dot, k_dot, v_dot = (RNG.standard_normal(x.shape) for x in (q, k, v))
@@ -289,10 +285,9 @@ def test_attention_jvp_with_rope_against_torch_func_jvp(engine):
     np.testing.assert_allclose(out_dot, t_dot.numpy(), rtol=0, atol=1e-12)
 
 
-def test_attention_hvp_with_rope_against_torch_double_backward():
+def test_attention_hvp_with_rope_against_torch_double_backward(torch):
     """Hessian-vector products with rope: the gradients' tangents turned back like the gradients,
     against torch's double backward (the Hessian is symmetric) of the same independent reference."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     rope = {"layout": "half", "base": 500000.0, "positions_q": np.array([3, 7, 8]), "positions_k": np.arange(10)}
     causal = "bottom_right"
     q, k, v = RNG.standard_normal((1, 2, 3, 6)), RNG.standard_normal((1, 2, 10, 6)), RNG.standard_normal((1, 2, 10, 6))

@@ -7,7 +7,6 @@ import warnings
 
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 import numpy_attention as na
 from numpy_attention.score_mods import ScoreModDerivativeWarning
@@ -314,8 +313,7 @@ def torch_variants(torch):
 @pytest.mark.parametrize("name", ["relative_position_table", "learnable_temperature",
                                   "tanh_softcap_with_a_learnable_cap", "llama4_chunked",
                                   "document_mask_with_a_prefix", "sliding_window_and_sinks"])
-def test_against_flex_attentions_math_in_float64(name, engine):
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_against_flex_attentions_math_in_float64(name, engine, torch):
     params, score_mod, mask_mod, torch_score_mod, torch_mask_mod, sinks = torch_variants(torch)[name]
     n = N_K if name.startswith(("llama4", "document", "sliding")) else N_Q   # square for the masks by index
     rng = np.random.default_rng(14)
@@ -415,10 +413,9 @@ def test_the_command_takes_the_mods_by_module_and_name(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
-def test_mods_written_with_torch_are_taken_as_they_are(engine):
+def test_mods_written_with_torch_are_taken_as_they_are(engine, torch):
     """flex_attention's mods, torch's operations on tensors (a captured table, torch.tanh, a
     captured document id per position), give the NumPy-written mods' results."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
     rng = np.random.default_rng(17)
     q, k, v, dout = qkv(18)
     rel, doc = rng.standard_normal((H, N_Q + N_K - 1)), np.sort(rng.integers(0, 3, N_K))

@@ -4,10 +4,11 @@ three engines; against complex step, an independent torch float64 autograd imple
 and their definitions."""
 import numpy as np
 import pytest
-from optional import TORCH_REASON
+from layouts import grouped_inputs
 
 import numpy_attention as na
 
+SIZES = (5, 7)                                                   # grouped_inputs' N_q, N_k
 RNG = np.random.default_rng(31)
 MASK = RNG.random((2, 1, 5, 7)) < 0.6
 MASK[1, 0, 2] = False                                            # a fully masked row
@@ -27,12 +28,6 @@ ENGINE_CASES = [(engine, name) for engine in ("textbook", "blocked", "tiled")
                 for name in (TILED if engine == "tiled" else CASES)]
 
 
-def inputs(seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 2, 7, 3)), rng.standard_normal((2, 2, 7, 2)),
-            rng.standard_normal((2, 4, 5, 2)), rng.standard_normal((2, 4, 5)))
-
-
 def checked(options):
     """(forward, backward, names of the per-head inputs) with sinks and slopes as inputs."""
     names = [n for n in ("sinks", "alibi_slopes", "bias") if n in options]
@@ -43,7 +38,7 @@ def checked(options):
 @pytest.mark.parametrize("engine, case", ENGINE_CASES)
 def test_gradients_of_out_and_lse_equal_complex_step(engine, case):
     names, fixed = checked(CASES[case])
-    q, k, v, _, _ = inputs()
+    q, k, v, _, _ = grouped_inputs(0, *SIZES)
 
     def forward(q, k, v, *per_head):
         out, cache = na.attention_forward(q, k, v, implementation=engine, **fixed, **dict(zip(names, per_head)))
@@ -59,7 +54,7 @@ def test_gradients_of_out_and_lse_equal_complex_step(engine, case):
 
 @pytest.mark.parametrize("engine, case", [(e, c) for e, c in ENGINE_CASES if e != "textbook"])
 def test_engines_equal_the_textbook(engine, case):
-    q, k, v, dout, dlse = inputs(1)
+    q, k, v, dout, dlse = grouped_inputs(1, *SIZES)
     results = {}
     for name in ("textbook", engine):
         out, cache = na.attention_forward(q, k, v, implementation=name, **CASES[case])
@@ -73,7 +68,7 @@ def test_engines_equal_the_textbook(engine, case):
 
 def test_sinks_by_their_definition():
     """softmax over [S, sink] with the sink's column dropped; a fully masked row: out 0, lse = sink."""
-    q, k, v, _, _ = inputs(2)
+    q, k, v, _, _ = grouped_inputs(2, *SIZES)
     out, cache = na.attention_forward(q, k, v, sinks=SINKS, mask=MASK)
     plain = na.attention_forward(q, k, v, mask=MASK)[1]
     S = plain.scores
@@ -86,7 +81,7 @@ def test_sinks_by_their_definition():
 
 def test_alibi_by_its_definition_in_both_alignments():
     """The slope times the distance from the bottom-right diagonal; top-left as a plain bias."""
-    q, k, v, _, _ = inputs(3)
+    q, k, v, _, _ = grouped_inputs(3, *SIZES)
     i, j = np.arange(5)[:, None], np.arange(7)[None, :]
     for distance, options in ((np.abs(i + 2 - j), {"alibi_slopes": SLOPES[0]}),
                               (np.abs(i - j), {"bias": -SLOPES[0][:, None, None] * np.abs(i - j)})):
@@ -95,9 +90,8 @@ def test_alibi_by_its_definition_in_both_alignments():
         np.testing.assert_allclose(na.attention_forward(q, k, v, **options)[0], want, rtol=1e-14)
 
 
-def test_against_torch_float64_autograd():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-    q, k, v, dout, dlse = inputs(4)
+def test_against_torch_float64_autograd(torch):
+    q, k, v, dout, dlse = grouped_inputs(4, *SIZES)
     out, cache = na.attention_forward(q, k, v, sinks=SINKS, alibi_slopes=SLOPES, causal=True)
     grads = na.attention_backward(dout, cache, dlse)
     tq, tk, tv, ts, ta = (torch.tensor(x, requires_grad=True) for x in (q, k, v, SINKS, SLOPES))
@@ -121,14 +115,14 @@ def test_against_torch_float64_autograd():
     ({"sinks": np.zeros(4), "fully_masked": "nan"}, "fully_masked='nan' does not apply"),
 ])
 def test_bad_sinks_and_slopes_are_refused(kwargs, message):
-    q, k, v, _, _ = inputs()
+    q, k, v, _, _ = grouped_inputs(0, *SIZES)
     with pytest.raises(ValueError, match=message):
         na.attention_forward(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("implementation", ["textbook", "blocked", "tiled"])
 def test_a_sink_of_minus_infinity_is_no_sink(implementation):
-    q, k, v, dout, _ = inputs(8)
+    q, k, v, dout, _ = grouped_inputs(8, *SIZES)
     with_none = na.attention_forward(q, k, v, sinks=np.array([-np.inf, 0.3, -np.inf, 1.0]),
                                      implementation=implementation)
     assert np.isfinite(with_none[0]).all()
@@ -139,7 +133,7 @@ def test_a_sink_of_minus_infinity_is_no_sink(implementation):
 
 
 def test_per_head_lists_keep_float32_and_check_finite_covers_them():
-    q, k, v, _, _ = inputs()
+    q, k, v, _, _ = grouped_inputs(0, *SIZES)
     f32 = [x.astype(np.float32) for x in (q, k, v)]
     assert na.attention_forward(*f32, sinks=[0.1, 0.2, 0.3, 0.4], alibi_slopes=[0.5] * 4)[0].dtype == np.float32
     with pytest.raises(ValueError, match="alibi_slopes .* non-finite"):

@@ -8,7 +8,6 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from optional import TORCH_REASON
 
 import numpy_attention as na
 from numpy_attention.topk import block_indices
@@ -51,8 +50,7 @@ def torch_sparse(torch, q, k, v, indices, scale, topk_length=None):
 
 @pytest.mark.parametrize("per_query_head", [False, True], ids=["kv-head-lists", "query-head-lists"])
 @pytest.mark.parametrize("block_rows", [7, 3], ids=["textbook", "blocks"])
-def test_against_an_independent_torch_float64_reference(per_query_head, block_rows):
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_against_an_independent_torch_float64_reference(per_query_head, block_rows, torch):
     q, k, v, indices = inputs(per_query_head=per_query_head)
     topk_length = RNG.integers(0, 7, (2, 7))
     dout = RNG.standard_normal((2, 4, 7, 8))
@@ -148,8 +146,7 @@ def test_a_key_listed_twice_counts_twice_and_its_gradient_sums_every_use():
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-14)
 
 
-def test_forward_mode_against_torch_func_jvp():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+def test_forward_mode_against_torch_func_jvp(torch):
     q, k, v, indices = inputs()
     dots = [RNG.standard_normal(x.shape) for x in (q, k, v)]
     _, out_dot, _, lse_dot = na.sparse_attention_jvp(q, k, v, indices, *dots, block_rows=4)
@@ -175,6 +172,7 @@ def test_nsa_block_indices_select_whole_blocks():
     np.testing.assert_array_equal(tokens, [[0, 1, 2, 3, 8, 9, -1, -1, -1, -1, -1, -1]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen", [True, False], ids=["read-only inputs", "writeable inputs"])
 def test_memory_holds_a_block_of_gathered_keys_not_the_scores(frozen):
     """N_q = N_k = 4096, K = 256, one head: the forward and backward's peak is within 1.5x of q, k,

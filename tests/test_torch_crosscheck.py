@@ -65,6 +65,7 @@ def test_torch_float32_sdpa_passes(variant):
     assert {row.name for row in report.rows} >= {"out", "dq", "dk", "dv"}
 
 
+@pytest.mark.slow
 def test_no_false_failure_over_1000_torch_cases():
     rng = np.random.default_rng(2024)
     failures = []

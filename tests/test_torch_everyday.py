@@ -31,6 +31,7 @@ def results(request):
     return request.param, campaign(request.param, CASES_PER_VARIANT, seed=12, kernels=EVERYDAY)
 
 
+@pytest.mark.slow
 def test_no_false_failure(results):
     precision, (honest, _) = results
     assert len(honest) == 280
@@ -38,6 +39,7 @@ def test_no_false_failure(results):
     assert not failed, failed[:2]
 
 
+@pytest.mark.slow
 def test_planted_bugs_are_caught(results):
     precision, (_, planted) = results
     shares = caught(planted)
@@ -45,6 +47,7 @@ def test_planted_bugs_are_caught(results):
     assert all(share >= CAUGHT for share in shares.values()), (precision, shares)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32"])
 def test_no_false_failure_where_q_is_nearly_orthogonal_to_its_keys(precision):
     """Decoding where the scores cancel: an lse of about 0 (one key) rounds at the size of q and
@@ -56,6 +59,7 @@ def test_no_false_failure_where_q_is_nearly_orthogonal_to_its_keys(precision):
     assert not failed, failed[:2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 def test_no_false_failure_on_400_decoding_steps(precision):
     """Decoding (one query row, causal or not) by SDPA and the CPU flash kernel, 400 cases each:
@@ -70,6 +74,7 @@ def test_no_false_failure_on_400_decoding_steps(precision):
     assert not failed, failed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bfloat16", "float32"])
 def test_no_false_failure_with_alibi_slopes_and_their_gradient(precision):
     """ALiBi written as torch ops, the distances times the slopes in the kernel's dtype, with

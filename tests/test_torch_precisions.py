@@ -12,6 +12,7 @@ from optional import TORCH_REASON
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 from torch_kernels import campaign, caught, false_failures  # noqa: E402  (needs torch)
 
+pytestmark = pytest.mark.slow                   # every test here judges the campaigns' cases
 CASES_PER_VARIANT = 20                          # x 27 kernel-variant pairs = 540 cases per precision
 CAUGHT = 0.95                                   # the share of a bug's cases that must fail
 

@@ -38,6 +38,7 @@ from numpy_attention.oracle import crosscheck, reference, save_case
 
 torch = pytest.importorskip("torch", reason=TORCH_REASON)
 
+pytestmark = pytest.mark.slow                   # every test here judges the interpreted kernels' campaign
 PRECISIONS = ("float16", "bfloat16", "float32")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 STORAGE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}

@@ -81,6 +81,7 @@ def test_the_notebook_stores_its_outputs_and_explains_the_formulas():
     assert images == 3
 
 
+@pytest.mark.slow
 @learn
 def test_a_fresh_kernel_runs_it_and_prints_what_it_stores():
     import matplotlib.pyplot  # noqa: F401  (a first import may build matplotlib's font cache, and say so)
@@ -124,6 +125,7 @@ def get(port, path, token):
         return answer.read()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason=LEARN_REASON)
 def test_jupyter_lab_opens_it_and_starts_its_kernel(tmp_path):
     """The README's command, headless (no browser, a free port, a token): the server, serving the

@@ -196,6 +196,7 @@ def test_cli_writes_exactly_the_paths_it_names(tmp_path, capsys):
     assert f"wrote {figure}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_training_with_a_diverging_learning_rate_warns_nothing(capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")                       # any RuntimeWarning fails the run
@@ -231,6 +232,7 @@ def test_cli_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_training_unscaled_stalls_where_scaled_learns():
     # same initialization, data and learning rate (SGD, lr 1): the unscaled model saturates
     # onto wrong keys and its gradient vanishes; the scaled one learns the retrieval
@@ -240,6 +242,7 @@ def test_training_unscaled_stalls_where_scaled_learns():
     assert unscaled.accuracy[-1] < 0.3 and unscaled.vanished > 0.3
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_cli_training_prints_curves_and_plots(tmp_path, capsys):
     path = tmp_path / "t.png"
@@ -257,6 +260,7 @@ def test_library_sweeps_refuse_a_negative_seed():
         scale_sweep(d_k=4, n_keys=(8,), trials=2, seed=-1)
 
 
+@pytest.mark.slow
 def test_cli_sweep_tables_fit_in_100_columns(capsys):
     """Var S's theory and log N_k are said above the table, not in columns of their own."""
     assert main(["vanishing", "--d-k", "1,4096", "--n-keys", "8,128", "--trials", "20"]) == 0
@@ -283,6 +287,7 @@ def test_cli_training_tables_fit_in_100_columns(monkeypatch, capsys):
     assert row.split()[2:] == [f"{curves[5].loss[i]:.3g}" for i in (0, 1, 2, 4, 6, 8, 10, 12)]
 
 
+@pytest.mark.slow
 def test_training_reports_progress_after_every_step():
     calls = []
     compare(lrs=(0.1,), steps=3, progress=lambda done, total: calls.append((done, total)))

@@ -3,12 +3,10 @@ sequence alone, forward and backward, in every engine and with causal (both alig
 grouped-query heads, ALiBi, sinks and zero-length sequences; complex step on the whole Jacobian."""
 import numpy as np
 import pytest
-from optional import TORCH_REASON
+from layouts import CU_K, CU_Q, LEN_Q, USED, packed_inputs
 
 import numpy_attention as na
 
-LEN_Q, LEN_K, USED = [3, 0, 4, 2], [5, 2, 3, 6], [4, 1, 3, 6]
-CU_Q, CU_K = np.concatenate([[0], np.cumsum(LEN_Q)]), np.concatenate([[0], np.cumsum(LEN_K)])
 SLOPES, SINKS = np.array([0.5, 0.25, 0.125, 0.0625]), np.array([0.3, -1.0, 0.0, 2.0])
 OPTIONS = {
     "plain": {},
@@ -18,12 +16,6 @@ OPTIONS = {
     "sinks, causal": {"sinks": SINKS, "causal": True},
     "ALiBi, sinks, window": {"alibi_slopes": SLOPES, "sinks": SINKS, "window": (1, 1)},
 }
-
-
-def packed(seed=0, d_v=2):
-    rng = np.random.default_rng(seed)
-    q, k = rng.standard_normal((4, CU_Q[-1], 3)), rng.standard_normal((2, CU_K[-1], 3))
-    return q, k, rng.standard_normal((2, CU_K[-1], d_v)), rng.standard_normal((4, CU_Q[-1], d_v))
 
 
 def one_by_one(q, k, v, dout, options):
@@ -40,7 +32,7 @@ def one_by_one(q, k, v, dout, options):
 @pytest.mark.parametrize("implementation", ["textbook", "blocked", "tiled"])
 @pytest.mark.parametrize("option", OPTIONS)
 def test_packed_equals_each_sequence_alone(implementation, option):
-    q, k, v, dout = packed()
+    q, k, v, dout, _ = packed_inputs()
     out, cache = na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, seqused_k=USED,
                                       implementation=implementation, **OPTIONS[option])
     grads = na.attention_backward(dout, cache)
@@ -50,7 +42,7 @@ def test_packed_equals_each_sequence_alone(implementation, option):
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_packed_equals_complex_step(option):
-    q, k, v, _ = packed(1)
+    q, k, v, _, _ = packed_inputs(1)
     per_head = [n for n in ("alibi_slopes", "sinks") if n in OPTIONS[option]]
     fixed = {n: x for n, x in OPTIONS[option].items() if n not in per_head}
 
@@ -66,7 +58,7 @@ def test_packed_equals_complex_step(option):
 
 
 def test_a_zero_length_sequence_and_unused_keys_get_no_gradient():
-    q, k, v, dout = packed(2)
+    q, k, v, dout, _ = packed_inputs(2)
     _, cache = na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, seqused_k=USED)
     grads = na.attention_backward(dout, cache)
     unused = np.concatenate([np.arange(CU_K[b] + USED[b], CU_K[b + 1]) for b in range(4)])
@@ -75,9 +67,8 @@ def test_a_zero_length_sequence_and_unused_keys_get_no_gradient():
     assert (grads.dk[:, keys_of_empty] == 0).all()
 
 
-def test_against_torch_float64_per_sequence():
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-    q, k, v, dout = packed(3)
+def test_against_torch_float64_per_sequence(torch):
+    q, k, v, dout, _ = packed_inputs(3)
     out, cache = na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, seqused_k=USED,
                                       causal="bottom_right", alibi_slopes=SLOPES)
     grads = na.attention_backward(dout, cache)
@@ -112,13 +103,13 @@ def test_against_torch_float64_per_sequence():
      "seqused_k must be \\[B\\] = \\(4,\\)"),
 ])
 def test_bad_packed_sequences_are_refused(kwargs, exc, message):
-    q, k, v, _ = packed()
+    q, k, v, _, _ = packed_inputs()
     with pytest.raises(exc, match=message):
         na.attention_forward(q, k, v, **kwargs)
 
 
 def test_packed_sequences_take_no_batch_axes():
-    q, k, v, _ = packed()
+    q, k, v, _, _ = packed_inputs()
     with pytest.raises(ValueError, match="packed \\[H, total, d\\] with no batch axes"):
         na.attention_forward(q[None], k[None], v[None], cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K)
 
@@ -126,7 +117,7 @@ def test_packed_sequences_take_no_batch_axes():
 def test_review_findings_on_packed_sequences():
     """A packed row with every key masked cannot be 'uniform' (it would spread over every
     sequence); a paged cache's dlse may be packed like cache.lse or in the caller's layout."""
-    q, k, v, _ = packed()
+    q, k, v, _, _ = packed_inputs()
     with pytest.raises(ValueError, match="fully_masked='uniform' would spread a row"):
         na.attention_forward(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, fully_masked="uniform")
     rng = np.random.default_rng(9)

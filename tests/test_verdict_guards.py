@@ -83,11 +83,10 @@ def test_judge_alone_never_passes_an_infinite_bound():
         assert not judge("out", np.float32(wrong), oracle, np.float32([1, 2, -np.inf, np.nan])).passed
 
 
-def test_float32_results_stored_as_float64_keep_float32s_atol():
+def test_float32_results_stored_as_float64_keep_float32s_atol(torch):
     """A torch float32 kernel's results saved as float64 with precision='float32' were held to
     float64's atol (dq and dk of single-key rows: exactly 0 in the oracle, rounding noise in the
     kernel); they pass as their float32 originals do."""
-    torch = pytest.importorskip("torch")
     for seed in (1, 4, 22):                      # cases whose float64 copies failed
         g = torch.Generator().manual_seed(seed)
         n_q, n_k = [(1, 1), (3, 1), (2, 5), (7, 3)][seed % 4]
@@ -126,11 +125,10 @@ def test_typed_low_precision_arrays_are_read_as_what_they_are():
                           [1.5, -3])
 
 
-def test_rope_positions_where_float32_angles_are_noise_cannot_be_judged():
+def test_rope_positions_where_float32_angles_are_noise_cannot_be_judged(torch):
     """At positions near 2^24 and beyond, float32 angles are off by radians: the float32 baseline's
     error is as large as the result and an all-zero candidate passed. Now the case is refused, the
     reason named; at 2^20 the same case is judged and zeros fail."""
-    torch = pytest.importorskip("torch")
     import rope_kernels
 
     rng = np.random.default_rng(3)
@@ -138,7 +136,7 @@ def test_rope_positions_where_float32_angles_are_noise_cannot_be_judged():
     try:
         for offset, judged in ((2 ** 20, True), (2 ** 24, False), (2 ** 30, False)):
             rope_kernels.draw = lambda r, offset=offset: {**draw(r), "offset": offset, "scaling": None}
-            arrays, _ = rope_kernels.case(rng, "float32")
+            arrays, _ = rope_kernels.rope_case(rng, "float32")
             zeros = {**arrays, **{n: torch.zeros_like(arrays[n]) for n in ("out", "dq", "dk", "dv")}}
             if judged:
                 assert na.crosscheck(**arrays) and not na.crosscheck(**zeros)

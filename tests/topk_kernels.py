@@ -52,7 +52,7 @@ def gathered_attention(q, k, v, idx, valid, how):
     return torch.einsum("bhqk,bhqkd->bhqd", p, v_g.to(work)).to(q.dtype)
 
 
-def case(rng, dtype, bug=None):
+def topk_case(rng, dtype, bug=None):
     """A crosscheck case (dict), honest or with a bug; None where the bug changes nothing."""
     s = draw(rng)
     if bug == "block_size_doubled" and not s["blocks"]:
@@ -132,4 +132,4 @@ def _assigned(grad, q, k, v, safe, valid, dout, how, name):
 
 def sweep(cases, seed=0, dtypes=tuple(DTYPES)):
     """variant_sweeps.sweep over this module's cases and bugs."""
-    return variant_sweeps.sweep(case, BUGS, cases, seed, dtypes)
+    return variant_sweeps.sweep(topk_case, BUGS, cases, seed, dtypes)

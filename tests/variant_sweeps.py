@@ -1,5 +1,6 @@
 """A sweep of crosscheck over a variant's candidates, honest and with planted bugs: the loop the
-variants' candidate modules share (tests/rope_kernels.py, tests/mla_kernels.py)."""
+variants' candidate modules share (tests/rope_kernels.py, mla_kernels.py, fp8_kernels.py,
+topk_kernels.py: each sweeps its rope_case, mla_case, fp8_case or topk_case)."""
 import numpy as np
 
 import numpy_attention as na
