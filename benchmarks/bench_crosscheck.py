@@ -23,9 +23,9 @@ loads it and runs crosscheck, as `numpy-attention crosscheck CASE.npz` does, and
 crosscheck's wall time and its own peak RSS (VmHWM), so that neither the case's making
 nor another size's run can hide in it. "import" is the peak of a child that only imports
 numpy_attention and loads the case: what any check of that case costs at least. Scores
-[1, H, N, N] over blocks.SCORE_BUDGET (2**24) entries run in O(N) memory (the tiled
+[1, H, N, N] over row_blocks.SCORE_BUDGET (2**24) entries run in O(N) memory (the tiled
 oracle, the baselines in blocks of query rows); smaller ones on whole arrays. --budget
-sets blocks.SCORE_BUDGET in the child, to run a small case in blocks (or a large one
+sets row_blocks.SCORE_BUDGET in the child, to run a small case in blocks (or a large one
 whole: mind the memory, one float64 P at N=8192 with 4 heads is 2 GiB).
 """
 import argparse
@@ -83,7 +83,7 @@ save_case({path!r}, q=q, k=k, v=v, dout=dout, causal=np.array(True), out=out.ast
 CHECK = """
 import importlib, time
 from numpy_attention.oracle import crosscheck, load_case
-blocks = importlib.import_module("numpy_attention.oracle.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.row_blocks")
 blocks.SCORE_BUDGET = {budget}
 arrays = load_case({path!r})
 rows = blocks.block_rows((1, {h}, {n}, {n}), 32)
@@ -159,7 +159,7 @@ def main():
     ap.add_argument("--heads", type=int, help="heads H (default 8; --memory: 4)")
     ap.add_argument("--d", type=int, default=64, help="head width d (default 64)")
     ap.add_argument("--budget", type=int, default=2 ** 24,
-                    help="blocks.SCORE_BUDGET in the child (--memory; default 2**24 = 16777216, the library's)")
+                    help="row_blocks.SCORE_BUDGET in the child (--memory; default 2**24 = 16777216, the library's)")
     args = ap.parse_args()
     args.lengths = args.lengths or ([2048, 8192] if args.memory else [128, 512, 2048, 8192])
     args.heads = args.heads or (4 if args.memory else 8)

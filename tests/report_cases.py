@@ -17,7 +17,7 @@ from numpy_attention.conformance import cases
 from numpy_attention.conformance.examples import numpy_float32
 from numpy_attention.conformance.kernels import as_kernel
 from numpy_attention.conformance.supports import OPTIONS, OUTPUTS
-from numpy_attention.oracle import blocks
+from numpy_attention.oracle import row_blocks as blocks
 
 MAX_SCORES = 2 ** 16            # the grid's cases up to this size (B H N_q N_k)
 BLOCKED_BUDGET = 2 ** 12        # blocks.SCORE_BUDGET for the cases run in blocks of rows

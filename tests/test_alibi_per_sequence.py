@@ -17,7 +17,7 @@ from numpy_attention.oracle.precision import PRECISIONS
 from numpy_attention.oracle.recipe import recipe_attention
 
 blocked = importlib.import_module("numpy_attention.engines.blocked")
-blocks = importlib.import_module("numpy_attention.oracle.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.row_blocks")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 RNG = np.random.default_rng(57)

@@ -15,7 +15,7 @@ from optional import DASK_REASON
 import numpy_attention as na
 from numpy_attention.commands.cli import main
 from numpy_attention.engines.plan import check_scheduler
-from numpy_attention.oracle import blocks, crosscheck, save_case, split_case
+from numpy_attention.oracle import row_blocks as blocks, crosscheck, save_case, split_case
 from numpy_attention.oracle.runs import _baseline, case_ways, ways_by_forward
 from numpy_attention.oracle.slices import case_slices, put_together
 

@@ -1,4 +1,4 @@
-"""crosscheck of a large case in O(N) memory (oracle/blocks.py): the tiled oracle and the
+"""crosscheck of a large case in O(N) memory (oracle/row_blocks.py): the tiled oracle and the
 baselines in blocks of query rows give the results of whole arrays.
 
 The budget is forced small (blocks.SCORE_BUDGET = 1: every case is large, blocks of
@@ -19,7 +19,7 @@ from numpy_attention.oracle import CaseError, crosscheck
 from numpy_attention.oracle.precision import PRECISIONS
 from numpy_attention.oracle.recipe import TILE_ROWS, recipe_attention
 
-blocks = importlib.import_module("numpy_attention.oracle.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.row_blocks")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,7 +191,7 @@ MEDIUM = """
 import importlib, numpy as np, ml_dtypes
 import numpy_attention as na
 from numpy_attention.oracle import crosscheck
-blocks = importlib.import_module("numpy_attention.oracle.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.row_blocks")
 blocks.SCORE_BUDGET = {budget}
 def peak_mib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024

@@ -246,7 +246,7 @@ def test_a_large_case_reports_its_stages_and_a_small_one_is_quiet(monkeypatch, t
     """A case of PROGRESS_SCORES scores or more (minutes of work) says each stage on stderr, with
     the seconds since the command started; a smaller one prints nothing but the report."""
     from numpy_attention.commands.cli import main
-    from numpy_attention.oracle import check
+    from numpy_attention.oracle import verdicts
 
     path = str(tmp_path / "case.npz")
     write_example_case(path)
@@ -254,7 +254,7 @@ def test_a_large_case_reports_its_stages_and_a_small_one_is_quiet(monkeypatch, t
     assert capsys.readouterr().err == ""
     said = []
     write = {name: np.asarray(x) for name, x in np.load(path).items()}
-    monkeypatch.setattr(check, "PROGRESS_SCORES", 2 * 4 * 6 * 9)           # the example's scores
+    monkeypatch.setattr(verdicts, "PROGRESS_SCORES", 2 * 4 * 6 * 9)           # the example's scores
     assert crosscheck(**write, progress=said.append)
     assert said == ["a case of 432 scores: the oracle in float64", "the float32 baselines (1 way)",
                     "the term magnitudes", "the verdicts"]

@@ -19,7 +19,7 @@ import pytest
 import numpy_attention as na
 from test_topk import dense_counts
 
-blocks = importlib.import_module("numpy_attention.oracle.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.row_blocks")
 runs = importlib.import_module("numpy_attention.oracle.runs")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -179,7 +179,7 @@ def test_a_nan_gradient_fails(method, mode):
 def test_compare_fails_an_inf_and_skips_nan_in_the_scale():
     """The report's comparison: NaN on both sides agrees, NaN on one side is an infinite error,
     inf on both sides is no agreement (inf - inf), and the scale counts NaN as 0."""
-    compare = importlib.import_module("numpy_attention.finite_differences.report").compare
+    compare = importlib.import_module("numpy_attention.finite_differences.verdict_table").compare
     index = lambda k: (k,)
     both_nan = compare("x", "jacobian", [1.0, np.nan], [1.0, np.nan], index, 1e-6, 0.0)
     assert both_nan.passed and both_nan.max_abs_err == 0 and both_nan.worst_index == (0,)
@@ -218,8 +218,8 @@ def imported_modules(path):
 def test_gradcheck_imports_nothing_of_the_package_but_its_checks():
     """It only calls the functions it is given: of numpy_attention, only the leaf `_checks`."""
     files = sorted(pathlib.Path(GRADCHECK_PACKAGE.__file__).parent.glob("*.py"))
-    assert {f.stem for f in files} >= {"__init__", "differences", "jacobians", "batching", "report",
-                                       "taylor", "blocks"}
+    assert {f.stem for f in files} >= {"__init__", "differences", "jacobians", "batching", "verdict_table",
+                                       "taylor", "restricted"}
     seen = set()
     for path in files:
         for module in imported_modules(path):
@@ -227,7 +227,7 @@ def test_gradcheck_imports_nothing_of_the_package_but_its_checks():
             if module.startswith("numpy_attention"):
                 assert module.startswith("numpy_attention.finite_differences") or module == "numpy_attention._checks", \
                     f"{path.name} imports {module}"
-    assert "numpy_attention._checks" in seen and "numpy_attention.finite_differences.report" in seen   # the walk works
+    assert "numpy_attention._checks" in seen and "numpy_attention.finite_differences.verdict_table" in seen   # the walk works
 
 
 def test_a_small_gradient_is_held_to_its_own_scale():

@@ -15,7 +15,7 @@ def layer_order():
 
 
 def module_names():
-    """{dotted name inside the package ("" for the package, "oracle.check", ...): path}."""
+    """{dotted name inside the package ("" for the package, "oracle.verdicts", ...): path}."""
     names = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE).with_suffix("").parts
@@ -74,6 +74,6 @@ def test_the_walk_sees_what_it_checks():
     """The walk finds known imports, so an empty list of upward ones means something."""
     modules = module_names()
     assert {"caches", "scores", "softmax"} <= imported("textbook", modules["textbook"], modules)
-    assert "engines.plan" in imported("oracle.check", modules["oracle.check"], modules)
+    assert "engines.plan" in imported("oracle.verdicts", modules["oracle.verdicts"], modules)
     assert "scores" in imported("attention", modules["attention"], modules) or \
         "textbook" in imported("attention", modules["attention"], modules)

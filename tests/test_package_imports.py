@@ -61,7 +61,7 @@ def test_an_unknown_name_is_an_attribute_error():
 @pytest.mark.parametrize("first", [
     "import numpy_attention",
     "from numpy_attention.oracle.rule import judge",
-    "import numpy_attention.finite_differences.report",
+    "import numpy_attention.finite_differences.verdict_table",
     "from numpy_attention.oracle import crosscheck",
     "from numpy_attention.finite_differences import gradcheck",
     "import numpy_attention.commands.demo",
@@ -74,7 +74,7 @@ def test_crosscheck_and_gradcheck_stay_functions_whatever_is_imported_first(firs
     `import numpy_attention.oracle.rule` gives numpy_attention.oracle.rule."""
     code = (f"{first}\n"
             "import numpy_attention as na, numpy_attention.oracle.rule\n"
-            "import numpy_attention.finite_differences.check, numpy_attention.conformance.run\n"
+            "import numpy_attention.finite_differences.gradient_check, numpy_attention.conformance.run\n"
             "for name, package in (('crosscheck', 'oracle'), ('gradcheck', 'finite_differences'),\n"
             "                      ('conform', 'conformance')):\n"
             "    function, module = getattr(na, name), getattr(na, package)\n"

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from numpy_attention import attention_forward
-from numpy_attention.oracle import check, crosscheck, rule, runs, split_case
+from numpy_attention.oracle import crosscheck, rule, runs, split_case, verdicts
 from numpy_attention.oracle.precision import PRECISIONS, round_to
 from numpy_attention.oracle.recipe import recipe_attention
 
 recipe_module = importlib.import_module("numpy_attention.oracle.recipe")
-blocks = importlib.import_module("numpy_attention.oracle.blocks")
+blocks = importlib.import_module("numpy_attention.oracle.row_blocks")
 
 SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
 CASES = {                                         # q [2, 4, 70, 16] over k, v [2, 2, 90, 16] (GQA)
@@ -121,12 +121,12 @@ def recorded(calls):
 
 
 def ways_asked(monkeypatch):
-    """A list of the way numbers each call of check.baselines computes."""
-    asked, baselines = [], check.baselines
+    """A list of the way numbers each call of verdicts.baselines computes."""
+    asked, baselines = [], verdicts.baselines
     def counted(case, *args, ways=None, **kwargs):
         asked.append(list(range(len(runs.case_ways(case, args[0])))) if ways is None else list(ways))
         return baselines(case, *args, ways=ways, **kwargs)
-    monkeypatch.setattr(check, "baselines", counted)
+    monkeypatch.setattr(verdicts, "baselines", counted)
     return asked
 
 
@@ -180,7 +180,7 @@ def test_a_failing_candidates_report_is_the_one_against_every_way(monkeypatch):
     candidate["out"] = wrong["out"].astype(case.precision.storage)
     report = crosscheck(**arrays, **candidate)
     assert not report
-    monkeypatch.setattr(check, "ways_by_forward", lambda ways: [tuple(range(len(ways)))])   # crosscheck's first: all
+    monkeypatch.setattr(verdicts, "ways_by_forward", lambda ways: [tuple(range(len(ways)))])   # crosscheck's first: all
     every_way = crosscheck(**arrays, **candidate)
     assert str(report) == str(every_way) and report.to_json() == every_way.to_json()
 

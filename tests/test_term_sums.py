@@ -74,7 +74,7 @@ def test_term_sums_are_the_sums_of_the_terms_formed_one_by_one(dropout, nan_row,
 def test_a_large_case_s_magnitudes_in_blocks_and_slices_are_its_whole_ones(monkeypatch, options):
     """A case over blocks.SCORE_BUDGET: its stages recomputed block by block, on 2 threads in
     (batch index, kv head) slices (runs.case_magnitudes), sum to the magnitudes of its stages whole."""
-    from numpy_attention.oracle import blocks, runs
+    from numpy_attention.oracle import row_blocks as blocks, runs
     from numpy_attention.oracle.case import split_case
     rng = np.random.default_rng(len(options))
     n_q = 70                                           # over 2 blocks of 32 rows

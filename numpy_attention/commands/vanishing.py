@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ..experiments import plot, report, training, vanishing
+from ..experiments import plot, tables, training, vanishing
 from .cli import UsageError, integer
 
 SIZE_MAX = 2 ** 31 - 1                   # d_k, n_keys, trials: sizes of array axes
@@ -129,15 +129,15 @@ def run_sweep(args):
     if "-" not in (args.json, args.csv):
         print(f"float64, {args.trials} trials per cell, seed {args.seed}; medians over trials, "
               f"Var S pooled, err = max over trials")
-        print(f"{report.sweep_legend(args.n_keys)}\n")
-        print(report.format_table(records))
+        print(f"{tables.sweep_legend(args.n_keys)}\n")
+        print(tables.format_table(records))
         print(f"\nscale = d_k^-alpha at d_k = {args.alpha_d_k} (0.5 keeps Var S = 1; in theory "
               f"Var S = scale^2 d_k)\n")
-        print(report.format_table(alphas, report.ALPHA_COLUMNS))
+        print(tables.format_table(alphas, tables.ALPHA_COLUMNS))
     if args.json is not None:
-        _save(report.write_json, records, args.json, "--json")
+        _save(tables.write_json, records, args.json, "--json")
     if args.csv is not None:
-        _save(report.write_csv, records, args.csv, "--csv")
+        _save(tables.write_csv, records, args.csv, "--csv")
     if args.plot is not None:
         _save(plot.plot_sweep, records, args.plot, "--plot")
     return 0
@@ -149,8 +149,8 @@ def run_training(args):
         curves = training.compare(task, lrs=args.lr, optimizer=args.optimizer, steps=args.steps,
                                   seed=args.seed, progress=_progress("training", " steps"))
     print(f"retrieval task {task}, optimizer {args.optimizer}, seed {args.seed}")
-    print(report.format_curves(curves))
-    print(f"\n{report.format_outcomes(curves, training.VANISHED)}")
+    print(tables.format_curves(curves))
+    print(f"\n{tables.format_outcomes(curves, training.VANISHED)}")
     if args.plot is not None:
         _save(plot.plot_training, curves, args.plot, "--plot")
     return 0

@@ -10,7 +10,7 @@ by crosscheck against the float64 oracle, each failure shrunk to its smallest ca
     shrink.py     a failing case shrunk, greedily, to the smallest that still fails
     progress.py   the sweep's lines on stderr as it goes, and its progress bar
     record.py     the run's record, out_dir/conform.jsonl, one line per case as it is judged
-    report.py     the ConformReport: the verdict, the option x dtype table, the failures, JSON
+    run_report.py the ConformReport: the verdict, the option x dtype table, the failures, JSON
     run.py        conform(kernel, ...): the sweep, the budget, the shrinks, the saved cases
     examples.py   torch SDPA (math, flash), flex_attention, jax.nn.dot_product_attention, and
                   our own float32 attention, each declared
@@ -22,7 +22,7 @@ na.conform.check and na.conform.declare are its attributes.
 from .grid import ConformCase, cases, draw
 from .judge import CaseResult, check, evaluate
 from .kernels import KernelError, KernelTimeout, as_kernel
-from .report import ConformReport
+from .run_report import ConformReport
 from .run import ConformInterrupted, conform
 from .shrink import Shrunk
 from .supports import DTYPES, OPTIONS, OUTPUTS, declare

@@ -17,7 +17,7 @@
    re-judges it), with a picture of its errors where matplotlib is installed.
 
 The run passes only when every case run passed and it covered every role of every cell
-(report.py); a Ctrl-C raises ConformInterrupted, a KeyboardInterrupt that carries the report
+(run_report.py); a Ctrl-C raises ConformInterrupted, a KeyboardInterrupt that carries the report
 of what was done (the command prints it).
 conform.cases and conform.check are the grid and one case's judgement, in this process, for a
 pytest parametrize of the same cases (docs/conform.md); conform.declare declares a kernel's
@@ -35,7 +35,7 @@ from .judge import check, evaluate
 from .kernels import as_kernel
 from .progress import progress_bar
 from .record import Record
-from .report import ConformReport, Failure, case_json, case_line, wrapped
+from .run_report import ConformReport, Failure, case_json, case_line, wrapped
 from .shrink import MAX_STEPS, shrink
 from .supports import (DEFAULT_SUPPORTS, DTYPES, check_dtypes, check_fully_masked, check_supports,
                        declaration_of, declare)
@@ -78,7 +78,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
             timeout; what it raises or exits with is still an ERROR row, but a crash or a
             hang is the run's.
     Returns:
-        ConformReport (report.py): truthy iff the run passed; str() the table, to_json().
+        ConformReport (run_report.py): truthy iff the run passed; str() the table, to_json().
     Raises:
         ConformInterrupted (a KeyboardInterrupt) on a Ctrl-C, with the report so far;
         OSError naming the path for an out_dir that cannot be written, before the sweep.

@@ -5,7 +5,7 @@ writing your own. Shape legend (the blog's names):
     ...  leading axes (batch, heads),  N / N_q / N_k lengths,  B batch,  H heads
     d_in, d_out  a projection's widths;  D = d_model;  d_k, d_v head widths (d_k = D / H)
 
-The forwards they differentiate (`FORWARDS` of check.py call these):
+The forwards they differentiate (grading.py's EXERCISES call these):
     linear      y = x W + b                     x [..., d_in], W [d_in, d_out], b [d_out]
     softmax     p = exp(z) / sum_j exp(z_j)     over the last axis, z [..., n]
     attention   S = q k^T / sqrt(d_k),  P = softmax(S),  out = P v

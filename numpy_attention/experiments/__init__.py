@@ -2,7 +2,7 @@
 
     vanishing.py   sweep (d_k x N_k x scaled/unscaled) and scale_sweep (scale = d_k^-alpha)
     training.py    a retrieval task trained by hand, scaled vs unscaled
-    report.py      table, JSON and CSV;   plot.py  figures (matplotlib, lazily)
+    tables.py      table, JSON and CSV;   plot.py  figures (matplotlib, lazily)
     (the command `numpy-attention vanishing` is numpy_attention/commands/vanishing.py)
 """
 from .training import Curve, Task, compare, train

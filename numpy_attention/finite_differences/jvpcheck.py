@@ -11,13 +11,13 @@ the directional derivative of out along them, J v. For each checked input x:
     projection   J v for random directions v: analytic jvp(v), numeric D_v out, compared
                  entry by entry (one JVP and one to four forwards per direction)
 
-The verdict and the table are gradcheck's (report.py): complex step is the default, since a
+The verdict and the table are gradcheck's (verdict_table.py): complex step is the default, since a
 JVP is exactly what it computes, Im f(x + i h v) / h, with no cancellation.
 """
 import numpy as np
 
 from .calls import forward_output
-from .check import prepare, report_of
+from .gradient_check import prepare, report_of
 from .differences import directional_derivative
 from .jacobians import Derivatives, forward_evaluators, jacobian_index, numeric_jacobian
 

@@ -9,19 +9,19 @@
     rule.py       the tolerance rule: err(candidate) <= k * err(baseline) + atol
     naive.py      the naive baseline: head-width sums left to right, FlashAttention's backward
     rotary.py     rotary embeddings in a case: q and k turned as the candidate's precision turns them
-    blocks.py     a large case in blocks of query rows: O(N) memory for oracle and baselines
+    row_blocks.py a large case in blocks of query rows: O(N) memory for oracle and baselines
     npz.py        reading a case file from a stranger: checked before any data is read
     diagnosis.py  which convention mix-up a failing candidate matches instead
     mixups.py     the mix-ups diagnosis.py tries: which apply to a case, the oracle rerun under one
     tangents.py   forward mode: a candidate's out_dot, lse_dot along q_dot, k_dot, v_dot
     runs.py       the oracle, the baselines and the term magnitudes of a case: whole, in slices, on threads
-    check.py      crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
+    verdicts.py   crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
     errormap.py   error_maps, plot_error_maps: each entry's |err| / bound by head and row, a PNG
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
     (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)
 """
 from .case import load_case, save_case, split_case, write_example_case
-from .check import crosscheck
+from .verdicts import crosscheck
 from .importers import TorchMultiheadAttention, from_torch
 from .rule import CrosscheckReport, TensorVerdict, judge
 from .runs import baseline, baselines, reference

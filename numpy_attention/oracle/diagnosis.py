@@ -15,7 +15,7 @@ without the scale, one head's dk negated):
     dq, dk match the oracle times 8 = 1 / scale (rel L2 2.0e-16): a backward without the scale
 
 The mix-ups and their reruns are mixups.py's. The factors: -1, 2, 1/2, 1 / scale and scale,
-1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one (check.py
+1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one (verdicts.py
 adds: the [..., N, H, d] layout read as [..., H, N, d]).
 
 Named from the candidate alone, before any rerun: lse in base 2 where the case says base e,

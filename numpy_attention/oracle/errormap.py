@@ -3,7 +3,7 @@
     maps = error_maps(**arrays)                 # {tensor: [H, rows] float64}: > 1 fails
     plot_error_maps("errors.png", **arrays)     # the same as a PNG, two panels per tensor
 
-`arrays` are crosscheck's keyword arguments (check.py: the .npz keys, and its settings).
+`arrays` are crosscheck's keyword arguments (verdicts.py: the .npz keys, and its settings).
 crosscheck judges the case once; each tensor's judge (rule.judge) also gives here, for every
 entry, its error over the bound the rule holds that entry's row to (rows along the last
 axis, as in rule.py):
@@ -40,7 +40,7 @@ import os
 import numpy as np
 
 from .._files import replacing
-from .check import crosscheck
+from .verdicts import crosscheck
 from .rule import abs_errors, baseline_rows, judge
 
 DECADES = 4             # the colour scale spans ratios 10^-4 .. 10^4 (beyond: the end colours)
@@ -81,7 +81,7 @@ def crosscheck_errors(**arrays):
         verdict = judge(name, candidate, oracle, baseline, **settings)
         ratios[name] = entry_ratios(verdict, candidate, oracle, baseline,
                                     settings.get("baseline_oracle"), settings.get("rows", False))
-        return verdict                   # (check.py judges each tensor once)
+        return verdict                   # (verdicts.py judges each tensor once)
 
     report = crosscheck(**arrays, judge=judge_and_keep)
     return report, ratios

@@ -39,7 +39,7 @@ def term_magnitudes(stage_blocks, inputs, options):
     """{tensor: the largest sum of |terms| behind one of its entries}, from the oracle's stages.
 
     stage_blocks: (index, stages) for blocks of query rows of the scores (index as in
-    blocks.py), stages the block's S, P, P~ [..., H, b, N_k], optionally lse [..., H, b] (with
+    row_blocks.py), stages the block's S, P, P~ [..., H, b, N_k], optionally lse [..., H, b] (with
     gradients also dP [..., H, b, N_k] and D [..., H, b]) in float64. Sums along a row (out, dq) are maxed
     over the blocks, sums down a column (dv, dk, dbias) added up. NaN weights (the 'nan'
     policy's fully masked rows) are terms of 0.

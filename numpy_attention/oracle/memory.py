@@ -6,10 +6,10 @@ size of its scores is allocated, and refused when this machine has less.
 The estimate (benchmarks/bench_memory.py prints it beside the peak it measures):
     the case's arrays     CASE_COPIES times their bytes (the arrays, their float64 values, the
                           oracle's and the baselines' copies and results)
-    a whole case          WHOLE_BYTES per score (at most blocks.SCORE_BUDGET of them): the
+    a whole case          WHOLE_BYTES per score (at most row_blocks.SCORE_BUDGET of them): the
                           oracle's S, P, dP, dS in float64 (np.longdouble for a float64 case),
                           the baselines', the term magnitudes'
-    a large case          BLOCK_BYTES per score of a block of rows (blocks.py), for each thread
+    a large case          BLOCK_BYTES per score of a block of rows (row_blocks.py), for each thread
     top-k lists           TOKEN_BYTES per entry of the token lists (key blocks: their tokens),
                           and KEY_BYTES more for each thread: the tokens, and each run's sorted
                           keys that the pipeline counts a block's keep-mask from (topk.py) and
@@ -17,7 +17,7 @@ The estimate (benchmarks/bench_memory.py prints it beside the peak it measures):
 """
 import os
 
-from . import blocks
+from . import row_blocks
 
 CASE_COPIES = 6
 WHOLE_BYTES = 192
@@ -48,14 +48,14 @@ def peak_bytes(case_bytes, score_shape, tokens=0, threads=None):
     arrays take case_bytes, with scores of shape [..., H, N_q, N_k] (module docstring) and top-k
     lists of `tokens` entries (key blocks counted as their tokens); threads: crosscheck's
     workers (default every core this process may use)."""
-    scores = blocks.score_entries(score_shape)
+    scores = row_blocks.score_entries(score_shape)
     threads = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     parts = [(CASE_COPIES * case_bytes, f"its arrays {case_bytes / GIB:.2f} GiB")]
-    rows = blocks.block_rows(score_shape, 1)
+    rows = row_blocks.block_rows(score_shape, 1)
     if rows is None:
         parts.append((WHOLE_BYTES * scores, f"{scores:,} scores formed whole"))
     else:
-        block = min(scores, blocks.score_entries(score_shape[:-2]) * rows * score_shape[-1])
+        block = min(scores, row_blocks.score_entries(score_shape[:-2]) * rows * score_shape[-1])
         parts.append((BLOCK_BYTES * block * threads, f"{scores:,} scores in blocks of rows on {threads} threads"))
     if tokens:
         parts.append(((TOKEN_BYTES + KEY_BYTES * threads) * tokens, f"top-k lists of {tokens:,} entries"))

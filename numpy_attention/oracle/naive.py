@@ -62,7 +62,7 @@ from .. import scores
 from .._layout import with_head_axis
 from ..score_grads import ScoreGrads
 from ..scores import head_gradient, keep_mask, with_sink
-from .blocks import block_of, row_slices
+from .row_blocks import block_of, row_slices
 
 
 CHUNK = 32                  # terms of a long sum added in float64 at a time; the rows of a tile

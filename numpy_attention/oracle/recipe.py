@@ -25,7 +25,7 @@ head, as torch's kernels, MLX's and FlashAttention's dk_expanded do), then their
 the group: in float32, rounded again (eager), or head by head in T (flash). Every product by
 rows (S, out, dP, dq) is taken TILE_ROWS query rows at a time, and every float32 sum over
 rows (dk, dv, dbias) adds up such tiles' products in order. On a large case the recipe runs
-on blocks of query rows (blocks.py), a multiple of TILE_ROWS: the same results bitwise.
+on blocks of query rows (row_blocks.py), a multiple of TILE_ROWS: the same results bitwise.
 
 Float8's accumulator (the case's accumulator_bits, Precision.accumulator): Hopper's tensor
 cores sum float8 products in about 22 bits, not float32's 32. With bits < 32 the forward's two
@@ -43,7 +43,7 @@ import numpy as np
 from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
 from .. import scores
 from ..scores import alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask, with_sink
-from .blocks import block_of, row_slices
+from .row_blocks import block_of, row_slices
 from .naive import masked_row_weight
 from .precision import round_to
 
@@ -60,7 +60,7 @@ def recipe_attention(q, k, v, options, precision, dout=None, backward="eager", r
     is the one the kernel applies. backward: 'eager' (the forward's ops differentiated one by
     one) or 'flash' (the tiled flash backward). reorder: the scale and the dropout's
     1 / (1 - p) applied to k and v (FlashAttention's reorder_ops), else to S and P.
-    block_rows: query rows per block (blocks.py; a multiple of TILE_ROWS), None: all of them.
+    block_rows: query rows per block (row_blocks.py; a multiple of TILE_ROWS), None: all of them.
     saved_out: the out, of q's shape but d_v, that the flash backward reads for D = rowsum(dout
     * out) (and a sink's gradient): a kernel's own, as FlashAttention's backward reads the
     forward's O; None: the recipe's. D's rounding then shifts dq, dk as it does the kernel's

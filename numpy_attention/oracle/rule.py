@@ -55,7 +55,7 @@ accurate as PyTorch's naive implementation in the same dtype"):
   tiny tensor) from failing a candidate that rounds once more. In float16, bfloat16
   and float8, where the baseline's rounding errors are large and seldom lucky, half
   an ulp of the tensor's largest entry, eps(dtype) / 2 * max|oracle|, but at least
-  the rounding of the kernel's float32 sums, 4 * eps(float32) * M (crosscheck, check.py:
+  the rounding of the kernel's float32 sums, 4 * eps(float32) * M (crosscheck, verdicts.py:
   a tensor that is exactly 0, dq and dk with one key in each row, is rounding noise in
   every kernel and exactly 0 in the baseline):
 

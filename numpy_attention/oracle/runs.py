@@ -6,7 +6,7 @@ magnitudes of a case, whole or in slices, on threads or a cluster.
     mags = case_magnitudes(case, truth, whole, block_rows, scheduler, workers)
 
 The oracle is attention.py in a wider dtype (the blocked engine on a case whose scores fit
-blocks.SCORE_BUDGET, the tiled one in O(N) memory above). The baseline of a float32 or
+row_blocks.SCORE_BUDGET, the tiled one in O(N) memory above). The baseline of a float32 or
 float64 candidate is naive.py; of a 16- or 8-bit one, each way of the precision's recipe
 (recipe.py): the recipe with one kernel's order of roundings (case_ways). A large case
 runs in (batch index, kv head) slices (slices.py), put back together in a fixed order: the
@@ -22,7 +22,7 @@ from ..engines.plan import PARALLEL_SCORES, attention_plan
 from ..engines.tiled import tile_scores
 from ..options import attention_options
 from ..paged import scatter_keys, unpack_rows
-from . import blocks
+from . import row_blocks
 from .schema import CANDIDATES, FLOAT_OPTIONS, CaseError
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
 from .naive import WAY as NAIVE_WAY, naive_attention
@@ -150,7 +150,7 @@ def _recomputed_stages(truth, inputs, options, block_rows):
     lse = truth["lse"].astype(np.float64).reshape(score_shape[:-1])
     shift = np.where(np.isneginf(lse), np.inf, lse)     # a fully masked row's: P = exp(-inf) = 0
     out = with_head_axis(truth["out"]).astype(np.float64)
-    for r in blocks.row_slices(score_shape[-2], block_rows):
+    for r in row_blocks.row_slices(score_shape[-2], block_rows):
         index = (Ellipsis, r, slice(None))
         s, keep, _ = tile_scores(record, q3[..., r, :], k3, score_shape, index)
         if keep is False:                               # nothing kept: no term
@@ -174,7 +174,7 @@ def baselines(case, gradients=True, block_rows=None, scheduler=None, workers=1, 
     candidate's out where reads_kernel_out. Ways that compute the same forward (ways_by_forward)
     compute it once.
     ways: the numbers (case_ways) of the baselines wanted, in the list's order; None: all of them.
-    block_rows: the recipe's query rows per block (blocks.py; a multiple of TILE_ROWS), None:
+    block_rows: the recipe's query rows per block (row_blocks.py; a multiple of TILE_ROWS), None:
     all (the naive baseline runs on tiles of rows of its own).
     scheduler: a Dask Client: the case's (batch index, kv head) slices run there (slices.py),
     with the same results.
@@ -207,7 +207,7 @@ def slices_of(case, scheduler, workers, tasks=1):
     """The case in (batch index, kv head) slices (slices.py) for a cluster, or for threads
     when it has at least PARALLEL_SCORES scores and its `tasks` (the baselines' forwards) are
     fewer than the workers; else whole."""
-    threads = workers > tasks and blocks.score_entries(case_score_shape(case)) >= PARALLEL_SCORES
+    threads = workers > tasks and row_blocks.score_entries(case_score_shape(case)) >= PARALLEL_SCORES
     return case_slices(case) if scheduler is not None or threads else [((Ellipsis,), case)]
 
 
@@ -309,11 +309,11 @@ def reads_kernel_out(case, gradients):
 
 
 def case_block_rows(case):
-    """Query rows per block for the case (blocks.block_rows): None when its scores fit
-    blocks.SCORE_BUDGET. A larger case runs on the tiled oracle: CaseError naming an option
+    """Query rows per block for the case (row_blocks.block_rows): None when its scores fit
+    row_blocks.SCORE_BUDGET. A larger case runs on the tiled oracle: CaseError naming an option
     it lacks."""
     score_shape = case_score_shape(case)
-    block_rows = blocks.block_rows(score_shape, TILE_ROWS)
+    block_rows = row_blocks.block_rows(score_shape, TILE_ROWS)
     o = case.options
     lacking = [name for name, used in (("softcap", "softcap" in o),
                                        ("dropout_mask", "dropout_mask" in o),
@@ -321,8 +321,8 @@ def case_block_rows(case):
                                         o.get("fully_masked", "zero") != "zero")) if used]
     if block_rows is not None and lacking:
         raise CaseError(f"{lacking[0]} is not supported on a case this large: its scores "
-                        f"{score_shape} have {blocks.score_entries(score_shape):,} entries, more than "
-                        f"the {blocks.SCORE_BUDGET:,} crosscheck forms whole, so the oracle runs on "
+                        f"{score_shape} have {row_blocks.score_entries(score_shape):,} entries, more than "
+                        f"the {row_blocks.SCORE_BUDGET:,} crosscheck forms whole, so the oracle runs on "
                         f"the tiled engine (O(N) memory), which has no {lacking[0]}")
     return block_rows
 

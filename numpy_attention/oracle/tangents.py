@@ -2,7 +2,7 @@
 
     oracle     attention_jvp (forward_mode.py) in float64 (np.longdouble for a float64 case)
     baseline   the same in the candidate's precision (float32 or float64), its scale one ulp
-               off like the naive baseline's (check.py)
+               off like the naive baseline's (verdicts.py)
 A tangent left out of the case is 0. With rope, q, k, q_dot and k_dot are turned alike, in
 the precision's way (rotary.py: float32 angles for a float32 baseline). The rule is the same
 (rule.py).

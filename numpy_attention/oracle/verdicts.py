@@ -20,10 +20,10 @@ tensor is judged first against the ways of the recipe's first forward, the scale
 judged again against all of them: a report that fails is the one against every way, one
 that passes computes the first forward alone.
 
-A large case (scores [..., H, N_q, N_k] over blocks.SCORE_BUDGET entries) runs in O(N)
+A large case (scores [..., H, N_q, N_k] over row_blocks.SCORE_BUDGET entries) runs in O(N)
 memory plus its own arrays: the oracle on the tiled engine (no softcap, dropout or
 fully_masked other than 'zero': CaseError), the baselines and the term magnitudes in blocks
-of query rows (blocks.py), with the same results as whole arrays; no diagnosis.
+of query rows (row_blocks.py), with the same results as whole arrays; no diagnosis.
 The oracle's runs, the baselines' forwards (a large case's slices) and the tensors' verdicts run
 on `workers` threads (engines/parallel.py), the report bitwise the same for any number.
 """
@@ -35,7 +35,7 @@ import numpy as np
 from .._checks import require_bool, require_mapping, require_nonnegative_real, require_positive_real, to_numpy
 from ..engines.parallel import cluster
 from ..engines.plan import check_scheduler, resolve_workers
-from . import blocks, rule
+from . import row_blocks, rule
 from .case import split_case
 from .diagnosis import diagnose, rel_l2
 from .naive import WAY as NAIVE_WAY
@@ -160,13 +160,13 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     want_grads = any(name in case.candidates for name in GRADIENTS)
     forward_of = _candidate_forward(case, require_bool(own_forward, "own_forward"), want_grads)
     block_rows = case_block_rows(case)                       # None: whole arrays
-    workers = resolve_workers(workers, "tiled", blocks.score_entries(case_score_shape(case)))
+    workers = resolve_workers(workers, "tiled", row_blocks.score_entries(case_score_shape(case)))
     whole = block_rows is None
     tangents = any(name in case.candidates for name in FORWARD_MODE)
     if tangents and not whole:
-        raise CaseError(f"tangents are judged on cases of at most {blocks.SCORE_BUDGET:,} scores")
+        raise CaseError(f"tangents are judged on cases of at most {row_blocks.SCORE_BUDGET:,} scores")
     low = case.precision.recipe                          # a 16- or 8-bit precision
-    scores = blocks.score_entries(case_score_shape(case))
+    scores = row_blocks.score_entries(case_score_shape(case))
     say = progress if progress is not None and scores >= PROGRESS_SCORES else lambda text: None
     say(f"a case of {scores:,} scores" + (", in blocks of rows" if not whole else "") + f": the oracle in {wide}")
     with np.errstate(all="ignore"), cluster(None if whole else scheduler) as client:
@@ -331,7 +331,7 @@ def _diagnosis(arrays, case, truth, bases, failing, whole):
     the reruns' results are put in its layout."""
     if not whole:
         return ["not run: the case is too large to rerun the oracle under each mix-up "
-                f"(more than {blocks.SCORE_BUDGET:,} scores)"]
+                f"(more than {row_blocks.SCORE_BUDGET:,} scores)"]
     noise = {name: max(rel_l2(b[name], truth[name]) for b in bases if name in b) for name in failing
              if any(name in b for b in bases)}
     if case.paged is not None:

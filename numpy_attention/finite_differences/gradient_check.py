@@ -4,7 +4,7 @@
 
 The steps: check the arguments (calls.py, _checks); compute each checked input's derivatives
 both ways (jacobians.py, by a finite-difference method of differences.py); hold each input
-to atol + rtol * scale (report.py), atol by default the roundoff floor of the method.
+to atol + rtol * scale (verdict_table.py), atol by default the roundoff floor of the method.
 """
 from typing import NamedTuple, Optional
 
@@ -13,7 +13,7 @@ from .._checks import (as_scalar, require_choice, require_nonnegative_real, requ
 from .calls import inputs_and_wrt, unchecked
 from .differences import DEFAULTS, METHODS, default_atol, real_dtype_name, require_step_moves
 from .jacobians import full_jacobians, projections
-from .report import GradcheckError, GradcheckReport, compare, largest, non_analytic_hint
+from .verdict_table import GradcheckError, GradcheckReport, compare, largest, non_analytic_hint
 
 MODES = ("full", "projection")
 CHECKED = ("fc", "floating-point (or complex)")     # the dtype kinds checked, and their name
@@ -100,7 +100,7 @@ def gradcheck(forward, backward, inputs, *, method="central", mode="full", eps=N
 
     For each checked input x: full mode compares the whole Jacobian J = d out / d x, projection
     mode <u, J v> for random u, v (jacobians.py); each passes iff
-    max |analytic - numeric| <= atol + rtol * max(|analytic|, |numeric|) (report.py).
+    max |analytic - numeric| <= atol + rtol * max(|analytic|, |numeric|) (verdict_table.py).
 
     Args:
         forward: forward(*inputs) -> (out, cache); out an array.

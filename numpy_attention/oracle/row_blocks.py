@@ -2,7 +2,7 @@
 
 A case is large when its scores [..., H, N_q, N_k] have more than SCORE_BUDGET entries
 (one float64 array of them is then over 128 MiB; a (1, 16, 16384, 128) case's P is 32 GiB).
-crosscheck (check.py) then runs the oracle on the tiled engine, and the recipe (recipe.py)
+crosscheck (verdicts.py) then runs the oracle on the tiled engine, and the recipe (recipe.py)
 and the term magnitudes in blocks of query rows, one block of scores [..., H, b, N_k] at a
 time (the naive baseline, naive.py, always goes a tile of 32 rows at a time): nothing of
 size N_q x N_k is formed besides the case's own arrays (a mask or bias it gives whole).
