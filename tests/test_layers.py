@@ -30,14 +30,12 @@ def imported(name, path, modules):
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[:len(package) - node.level + 1]
-            elif node.module == "numpy_attention" or (node.module or "").startswith("numpy_attention."):
-                base = []
-                node.module = node.module[len("numpy_attention"):].lstrip(".") or None
+            if node.level:                             # relative: from the package, level - 1 up
+                target = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module == "numpy_attention" or node.module.startswith("numpy_attention."):
+                target = node.module.split(".")[1:]
             else:
                 continue
-            target = base + (node.module.split(".") if node.module else [])
             for alias in node.names:                   # `from . import scores` imports a module
                 module = ".".join(target + [alias.name])
                 found.add(module if module in modules else ".".join(target))
