@@ -3,7 +3,8 @@ mlx (its arrays and its SDPA kernel), matplotlib (the figures), dask.distributed
 triton (a FlashAttention kernel of the tests', run by Triton's CPU interpreter) and learn (the
 tutorial notebook: JupyterLab, nbclient, ipykernel, matplotlib).
 
-Without one, its tests skip and say how to install it; every other test still runs, so
+Without one, its tests skip and say how to install it (the reasons below; a test that takes
+tests/conftest.py's torch or jax fixture skips with them too); every other test still runs, so
 `pip install '.[test]' && python3 -m pytest -q` passes on numpy and scipy alone (.ci/run's
 second leg runs exactly that). The README's test command installs them all and runs everything.
 """
