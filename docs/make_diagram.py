@@ -28,14 +28,14 @@ FORWARD_STEPS = [("Q = query W_q + b_q  (K, V alike)", "linear.py: linear_forwar
                  ("cut D into H heads of d_k", "heads.py: split_heads"),
                  ("S = Qh Kh^T / sqrt(d_k)", "scores.py: attention_scores"),
                  ("P = softmax(S), row by row", "softmax.py: softmax_forward"),
-                 ("heads = P Vh", "attention.py: textbook_forward"),
+                 ("heads = P Vh", "textbook.py: textbook_forward"),
                  ("join the H heads into D", "heads.py: merge_heads"),
                  ("out = concat W_o + b_o", "linear.py: linear_forward")]
 BACKWARD_STEPS = [("dquery = dQ W_q^T, dW_q = query^T dQ, db_q = sum dQ", "linear.py: linear_backward"),
                   ("dQ = merge_heads(dQh)  (split's backward)", "heads.py: merge_heads"),
-                  ("dQh = dS Kh / sqrt(d_k), dKh = dS^T Qh / sqrt(d_k)", "attention.py: textbook_backward"),
+                  ("dQh = dS Kh / sqrt(d_k), dKh = dS^T Qh / sqrt(d_k)", "textbook.py: textbook_backward"),
                   ("dS = P * (dP - rowsum(P * dP))", "softmax.py: softmax_backward"),
-                  ("dP = dheads Vh^T,  dVh = P^T dheads", "attention.py: textbook_backward"),
+                  ("dP = dheads Vh^T,  dVh = P^T dheads", "textbook.py: textbook_backward"),
                   ("dheads = split_heads(dconcat)  (merge's backward)", "heads.py: split_heads"),
                   ("dconcat = dout W_o^T, dW_o = concat^T dout", "linear.py: linear_backward")]
 # what each backward row's step reads from the forward: (forward row, backward row, label)

@@ -19,7 +19,7 @@
 #
 # The source of this notebook is `docs/tutorial.py` (run it as a script, or rebuild the
 # notebook with `python3 docs/make_tutorial.py`); the code it explains is
-# `numpy_attention/attention.py`, `softmax.py`, `heads.py`, `linear.py` and `multihead.py`.
+# `numpy_attention/textbook.py`, `softmax.py`, `heads.py`, `linear.py` and `multihead.py`.
 
 # %%
 import numpy as np
@@ -92,7 +92,7 @@ print("out =\n", out)
 
 # %% [markdown]
 # The same numbers from the package's own module (`multihead.py: multihead_forward`, the
-# five steps above; `attention.py: textbook_forward` inside):
+# five steps above; `textbook.py: textbook_forward` inside):
 
 # %%
 params = {f"W_{n}.weight": W[n].T for n in "qkvo"}          # torch's layout [d_out, d_in]

@@ -86,7 +86,7 @@ def test_per_token_descales_and_p_kept_in_bfloat16():
 def test_a_narrow_accumulator_keeps_bits_minus_9_mantissa_bits_truncated_every_32_products():
     """_narrow_matmul against a loop written here, on integers (every step's sum exact): after
     each 32 products the accumulator keeps its leading bits - 8 significant bits, truncated."""
-    from numpy_attention.oracle.precision import _narrow_matmul
+    from numpy_attention.oracle.recipe import _narrow_matmul
     rng = np.random.default_rng(5)
     x, y = (rng.integers(-60, 61, shape).astype(np.float32) for shape in [(2, 3, 4, 100), (2, 1, 100, 5)])
     for bits in (12, 22):

@@ -80,15 +80,15 @@ def test_a_scale_beyond_float32_still_computes_in_float32(implementation):
 def test_outputs_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     """A write that fails part-way leaves the old file as it was (and no temporary file)."""
     from numpy_attention.oracle import save_case, write_example_case
-    from numpy_attention.experiments import report
+    from numpy_attention.experiments import tables
     target = tmp_path / "records.json"
     target.write_text("old")
 
     def failing_dump(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(report.json, "dump", failing_dump)
+    monkeypatch.setattr(tables.json, "dump", failing_dump)
     with pytest.raises(OSError):
-        report.write_json([{"a": 1}], str(target))
+        tables.write_json([{"a": 1}], str(target))
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["records.json"]
     case = tmp_path / "case.npz"
     write_example_case(str(case))

@@ -75,7 +75,7 @@ def test_the_notebook_stores_its_outputs_and_explains_the_formulas():
                     r"\text{MultiHead}", r"\mathrm{diag}(p) - pp^\top", r"\mathrm{rowsum}(P \odot dP)",
                     r"\mathrm{Var}(q \cdot k) = d_k", "complex step", "not monotone"):
         assert formula in text, formula
-    for module in ("linear.py", "softmax.py", "heads.py", "attention.py", "multihead.py"):
+    for module in ("linear.py", "softmax.py", "heads.py", "textbook.py", "multihead.py"):
         assert module in text, module
     images = sum("image/png" in o.get("data", {}) for c in code for o in c["outputs"])
     assert images == 3
