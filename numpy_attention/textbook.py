@@ -71,7 +71,7 @@ def plain_attention_forward(q, k, v):
     """out = softmax(q k^T / sqrt(d_k)) v, and P: q [..., N_q, d_k], k [..., N_k, d_k],
     v [..., N_k, d_v] -> out [..., N_q, d_v], P [..., N_q, N_k] (the same heads in q, k, v)."""
     q, k, v = _plain_checked(q=q, k=k, v=v)
-    S = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])   # S = q k^T / sqrt(d_k)       [..., N_q, N_k]
+    S = q @ _t(k) / np.sqrt(q.shape[-1])                # S = q k^T / sqrt(d_k)       [..., N_q, N_k]
     P = plain_softmax(S)                                # P = softmax(S), each row sums to 1
     return P @ v, P                                     # out = P v                   [..., N_q, d_v]
 
@@ -80,11 +80,11 @@ def plain_attention_backward(dout, q, k, v, P):
     """The gradients of <dout, out> for plain_attention_forward's out (P its weights):
     dq [..., N_q, d_k], dk [..., N_k, d_k], dv [..., N_k, d_v]."""
     dout, q, k, v, P = _plain_checked(dout=dout, q=q, k=k, v=v, P=P)
-    dv = P.swapaxes(-1, -2) @ dout                      # out = P v:        dv = P^T dout
-    dP = dout @ v.swapaxes(-1, -2)                      #                   dP = dout v^T
+    dv = _t(P) @ dout                                   # out = P v:        dv = P^T dout
+    dP = dout @ _t(v)                                   #                   dP = dout v^T
     dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))   # P = softmax(S): dS = P * (dP - rowsum(P * dP))
     dq = dS @ k / np.sqrt(q.shape[-1])                  # S = q k^T / sqrt(d_k): dq = dS k / sqrt(d_k)
-    dk = dS.swapaxes(-1, -2) @ q / np.sqrt(q.shape[-1])  #                        dk = dS^T q / sqrt(d_k)
+    dk = _t(dS) @ q / np.sqrt(q.shape[-1])              #                        dk = dS^T q / sqrt(d_k)
     return dq, dk, dv
 
 
