@@ -202,19 +202,22 @@ def score_mod_slope(o, s, indices):
     if sample.size:
         at = np.unravel_index(sample, s.shape)
         pick = lambda x: np.broadcast_to(x, s.shape)[at]
-        x, picked = pick(s), tuple(pick(i) for i in indices)
-        h = 1e-6 * np.maximum(1, np.abs(x))
-        with np.errstate(all="ignore"):
-            central = (call_score_mod(o, x + h, picked) - call_score_mod(o, x - h, picked)) / (2 * h)
-        if not np.allclose(pick(slope), central, rtol=1e-4, atol=1e-4):
+        picked = tuple(pick(i) for i in indices)
+        if not np.allclose(pick(slope), _central(o, pick(s), picked), rtol=1e-4, atol=1e-4):
             warnings.warn("score_mod's complex-step derivative disagrees with central differences (it is "
                           "not analytic in the score: abs, a branch on it?); central differences are used",
                           ScoreModDerivativeWarning, stacklevel=4)
-            h = 1e-6 * np.maximum(1, np.abs(s))
-            with np.errstate(all="ignore"):
-                slope = np.where(counts, (call_score_mod(o, s + h, indices)
-                                          - call_score_mod(o, s - h, indices)) / (2 * h), 0)
+            slope = np.where(counts, _central(o, s, indices), 0).astype(slope.dtype)
     return slope
+
+
+def _central(o, s, indices):
+    """(score_mod(s + h) - score_mod(s - h)) / 2h, h = 1e-6 max(1, |s|), in float64 whatever s's
+    dtype: in float32 (a low-precision baseline's scores) s + h would keep about one digit of h."""
+    x = s.astype(np.float64)
+    h = 1e-6 * np.maximum(1, np.abs(x))
+    with np.errstate(all="ignore"):
+        return (call_score_mod(o, x + h, indices) - call_score_mod(o, x - h, indices)) / (2 * h)
 
 
 def score_mod_param_grads(o, s, indices, ds):

@@ -527,3 +527,22 @@ def test_what_a_score_mod_prints_stays_off_the_json(tmp_path, monkeypatch, capsy
     assert main(["crosscheck", "case.npz", "--json", "--score-mod", "chatty:bias"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["passed"] is True and "computing a score" in captured.err
+
+
+def test_a_float32_backward_through_an_analytic_score_mod_keeps_float32_accuracy():
+    """The complex step's check against central differences runs in float64 for float32 scores
+    (in float32, s + h keeps about one digit of h: the check once failed, and the float32
+    fallback made the baseline's dq off by 1e-2, so a float32 crosscheck with a score_mod
+    passed a dq 1% wrong)."""
+    q, k, v, dout = qkv(14)
+    params = rel_params()
+    options = {"score_mod": rel_mod, "score_mod_params": params}
+    grads = na.attention_backward(dout, na.attention_forward(q, k, v, **options)[1])
+    low = {"score_mod": rel_mod, "score_mod_params": {name: x.astype(np.float32) for name, x in params.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScoreModDerivativeWarning)
+        out32, cache32 = na.attention_forward(*(x.astype(np.float32) for x in (q, k, v)), **low)
+        grads32 = na.attention_backward(dout.astype(np.float32), cache32)
+    for g32, g in zip(grads32[:3], grads[:3]):
+        assert g32.dtype == np.float32
+        assert np.abs(g32 - g).max() <= 1e-5 * np.abs(g).max()

@@ -115,3 +115,96 @@ def test_bad_lists_are_refused_by_name():
         na.attention_forward(q[:, :1], q[None, 0, :1, :2].repeat(2, 0), q[None, 0, :1, :2].repeat(2, 0),
                              page_table=np.array([[0]]), cache_seqlens=np.array([2]),
                              topk_indices=np.zeros((1, 1, 3, 2), int))
+
+
+def every_option_case(seed):
+    """q, k, v, dout, the lists (a key listed twice, a row with none, topk_length) and the
+    options besides them: softcap, bias, ALiBi, sinks, a score_mod with a parameter, a mask_mod,
+    rope and the bottom-right causal diagonal; the dense keep-mask and log-multiplicity bias
+    the lists make."""
+    rng = np.random.default_rng(seed)
+    b, h, h_kv, n_q, n_k, d = 2, 4, 2, 7, 11, 8
+    q, dout = rng.standard_normal((b, h, n_q, d)), rng.standard_normal((b, h, n_q, 6))
+    k, v = rng.standard_normal((b, h_kv, n_k, d)), rng.standard_normal((b, h_kv, n_k, 6))
+    indices = rng.integers(-1, 13, (b, h_kv, n_q, 5))
+    indices[..., 0, :2] = 4
+    indices[:, :, 3] = -1
+    length = rng.integers(1, 6, (b, n_q))
+    options = {"softcap": 3.0, "bias": rng.standard_normal((b, h, n_q, n_k)),
+               "alibi_slopes": rng.uniform(0.1, 0.5, h), "sinks": rng.standard_normal(h),
+               "score_mod": lambda s, b, h, i, j, p: s + p["rel"][h, i - j + n_k],
+               "score_mod_params": {"rel": rng.standard_normal((h, n_q + n_k + 1))},
+               "mask_mod": lambda b, h, i, j: (i + j) % 5 != 1, "rope": {}, "causal": "bottom_right"}
+    found = dense_counts(indices, length, h, n_k)
+    return (q, k, v, dout), (indices, length), options, found > 0, np.log(np.maximum(found, 1))
+
+
+@pytest.mark.parametrize("engine", ["textbook", "blocked", "tiled"])
+def test_the_lists_with_every_option_are_dense_attention_with_their_keep_mask(engine):
+    """attention_forward / _backward / attention_jvp with topk_indices equal dense attention with
+    the keep-mask the lists make (and log c on a key listed c times) to 1e-12, with softcap (not
+    on the tiled engine, which has none), bias, ALiBi, sinks, score_mod, mask_mod and rope: out,
+    lse, dq, dk, dv, dbias, dsinks, dalibi_slopes, the score_mod parameter's gradient; the
+    tangents on the engines with a forward mode (textbook, tiled)."""
+    (q, k, v, dout), (indices, length), options, keep, log_c = every_option_case(3)
+    plan = {"implementation": engine, **({"block_size": 3} if engine == "tiled" else {})}
+    if engine == "tiled":
+        del options["softcap"]
+    listed = dict(options, topk_indices=indices, topk_length=length)
+    dense = dict(options, mask=keep, bias=options["bias"] + log_c)
+    results = []
+    for kwargs in (listed, dense):
+        out, cache = na.attention_forward(q, k, v, **kwargs, **plan)
+        grads = na.attention_backward(dout, cache)
+        results.append([out, cache.lse, *grads[:3], grads.dbias, grads.dsinks, grads.dalibi_slopes,
+                        grads.dscore_mod_params["rel"]])
+    lse_empty = results[0][1][:, :, 3]                                 # the row with no key: the sink's
+    assert np.array_equal(lse_empty, np.broadcast_to(options["sinks"], lse_empty.shape))
+    for name, ours, theirs in zip(["out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "drel"],
+                                  *results):
+        assert np.array_equal(np.isfinite(ours), np.isfinite(theirs)), name
+        finite = np.isfinite(theirs)
+        np.testing.assert_allclose(ours[finite], theirs[finite], rtol=0, atol=1e-12, err_msg=name)
+    assert np.abs(results[0][5][~keep]).max() == 0                     # dbias: 0 off the lists
+    if engine != "blocked":                                            # forward mode: textbook, tiled
+        rng = np.random.default_rng(4)
+        dots = [rng.standard_normal(x.shape) for x in (q, k, v)]
+        more = {"bias_dot": rng.standard_normal(keep.shape), "sinks_dot": rng.standard_normal(4),
+                "alibi_slopes_dot": rng.standard_normal(4)}
+        jvps = [na.attention_jvp(q, k, v, *dots, **more, **kwargs, **plan) for kwargs in (listed, dense)]
+        for name, ours, theirs in zip(["out", "out_dot", "lse", "lse_dot"], *jvps):
+            finite = np.isfinite(theirs)
+            assert np.array_equal(np.isfinite(ours), finite), name
+            np.testing.assert_allclose(ours[finite], theirs[finite], rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_crosscheck_judges_a_top_k_case_with_every_option():
+    """A float32 candidate of the lists with softcap, bias, a mask, ALiBi, sinks, score_mod, mask_mod
+    and rope (our float64 results rounded) passes; the same with dq or dk 0.1% off fails, as does
+    one that ignores topk_length."""
+    (q, k, v, dout), (indices, length), options, _, _ = every_option_case(5)
+    low = lambda x: x.astype(np.float32)
+    mods = {name: options.pop(name) for name in ("score_mod", "score_mod_params", "mask_mod")}
+    del options["rope"]
+    options = {name: low(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+    case = dict(q=low(q), k=low(k), v=low(v), dout=low(dout), topk_indices=indices, topk_length=length,
+                rope_layout="half", mask=np.random.default_rng(6).random(q.shape[-2:-1] + k.shape[-2:-1]) > 0.2,
+                **options)
+
+    def candidate(**lists):
+        wide = {name: x.astype(np.float64) if isinstance(x, np.ndarray) and x.dtype == np.float32 else x
+                for name, x in case.items() if name not in ("rope_layout", "topk_indices", "topk_length", "dout")}
+        out, cache = na.attention_forward(**wide, **lists, rope={}, **mods)
+        grads = na.attention_backward(case["dout"].astype(np.float64), cache)
+        return {name: low(x) for name, x in dict(out=out, lse=cache.lse, dq=grads.dq, dk=grads.dk, dv=grads.dv,
+                                                  dbias=grads.dbias, dsinks=grads.dsinks,
+                                                  dalibi_slopes=grads.dalibi_slopes).items()}
+
+    honest = candidate(topk_indices=indices, topk_length=length)
+    report = na.crosscheck(**case, **honest, **mods)
+    assert report, report
+    for name in ("dq", "dk"):
+        off = dict(honest, **{name: honest[name] * np.float32(1.001)})
+        report = na.crosscheck(**case, **off, **mods)
+        assert not report and [row.name for row in report.rows if not row.passed] == [name], report
+    assert not na.crosscheck(**case, **candidate(topk_indices=indices), **mods)

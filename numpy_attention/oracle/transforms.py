@@ -146,9 +146,8 @@ def checked_topk(arrays, inputs, options, paged):
         return None
     if "topk_indices" not in arrays:
         raise CaseError(f"{given[0]} is given but topk_indices is not")
-    if paged is not None or {"mask", "bias"} & set(options):
-        raise CaseError("topk_indices choose each query's keys: the case takes no mask, bias or paged KV cache "
-                        "with them")
+    if paged is not None:
+        raise CaseError("topk_indices choose each query's keys: the case takes no paged KV cache with them")
     q, k = inputs["q"], inputs["k"]
     if q.ndim < 3:
         raise CaseError(f"topk_indices need q with a head axis [..., H, N_q, d_k], got q {q.shape}")
