@@ -41,7 +41,8 @@ from .engines.tiled import tiled_jvp
 from . import scores
 from .options import attention_options
 from .rope import rope_apply, rope_backward, rope_qk
-from .scores import keep_mask, with_sink, with_sink_weight
+from .scores import keep_mask
+from .softmax_row import softmax_row_tangent, with_sink_weight
 
 
 def _t(x):
@@ -62,19 +63,6 @@ def _scores_tangent(q, k, o, q_dot, k_dot, saved, bias_dot, alibi_slopes_dot):
     """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k] (saved: the forward's scores.Saved)."""
     S_dot = scaled(grouped_matmul(q_dot, _t(k)) + grouped_matmul(q, _t(k_dot)), o.scale)   # 1.
     return scores.tangent(S_dot, o, saved=saved, bias_dot=bias_dot, alibi_slopes_dot=alibi_slopes_dot)   # 2-4.
-
-
-def _row_tangent(S_dot, o, sinks_dot):
-    """S_dot with the sink's column (sinks_dot, or 0) when the options have sinks."""
-    if o.sinks is None:
-        return S_dot
-    return with_sink(S_dot, o, sinks=np.zeros_like(o.sinks) if sinks_dot is None else sinks_dot)
-
-
-def _softmax_tangent(P_row, S_dot_row):
-    """Step 5 in forward mode: (P_dot_row, lse_dot) = (P (S_dot - <P, S_dot>), <P, S_dot>)."""
-    lse_dot = np.sum(P_row * S_dot_row, axis=-1)
-    return P_row * (S_dot_row - lse_dot[..., None]), lse_dot
 
 
 def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
@@ -137,11 +125,8 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
     saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], saved, dot["bias_dot"],      # 1-4.
                             dot["alibi_slopes_dot"])
-    P_row = with_sink_weight(cache.weights, cache.lse, o)                                # 5.
-    P_dot, lse_dot = _softmax_tangent(P_row, _row_tangent(S_dot, o, dot["sinks_dot"]))
-    P_dot = P_dot[..., :S_dot.shape[-1]]
-    if o.fully_masked == "nan":                       # a NaN row's tangent is NaN too
-        P_dot = np.where(np.isneginf(cache.lse.real)[..., None], np.nan, P_dot)
+    P_dot, lse_dot = softmax_row_tangent(cache.weights, cache.lse, S_dot, o, dot["sinks_dot"])   # 5.
+    P_dot = P_dot[..., :S_dot.shape[-1]]              # (the sink's column multiplies no value)
     drop = 1 if o.dropout_scale is None else o.dropout_scale
     out_dot = grouped_matmul(P_dot * drop, v) + grouped_matmul(cache.weights * drop, dot["v_dot"])   # 6-7.
     return cache.out.copy(), out_dot, cache.lse, lse_dot
@@ -168,7 +153,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"],
                             scores.Saved(cache.softcap_tanh, cache.score_mod_input), None, None)
     P_row = with_sink_weight(cache.weights, cache.lse, o)
-    P_dot_row = _softmax_tangent(P_row, _row_tangent(S_dot, o, None))[0]
+    P_dot_row = softmax_row_tangent(cache.weights, cache.lse, S_dot, o)[0]
     pad = lambda x: x if o.sinks is None else np.concatenate([x, np.zeros(x.shape[:-1] + (1,), x.dtype)], -1)
     dP, dP_dot = (pad(grouped_matmul(dout, _t(x)) * drop) for x in (v, dot["v_dot"]))     # 7.
     dv = grouped_sum_matmul(cache.weights * drop, dout, h_kv)

@@ -337,29 +337,3 @@ def tangent(s_dot, options, score_shape=None, index=WHOLE, saved=Saved(), keep=U
         s_dot = score_mod_slope(o, saved.mod_input, mod_indices(shape, index)) * s_dot
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     return s_dot if keep is None else np.where(keep, s_dot, 0)   # 4. 0 where masked
-
-
-# ----------------------------------------------------------------------------- 5. the sink's column
-
-def with_sink(S, options, score_shape=None, index=WHOLE, sinks=None):
-    """S[index] [..., rows, cols], with the sink as one more column [..., rows, cols + 1] when
-    the options have sinks: a logit per head in every row's softmax, with no value.
-    score_shape: the whole scores' shape (default S.shape: S is all of them). sinks: the
-    column's values in the sinks' place (their tangent), default options.sinks."""
-    if options.sinks is None:
-        return S
-    sinks = options.sinks if sinks is None else sinks
-    sinks = heads_view(sinks, S.shape if score_shape is None else score_shape)[index[:-2]]
-    column = np.broadcast_to(sinks[..., None, None], S.shape[:-1] + (1,))
-    return np.concatenate([S, column.astype(S.dtype)], axis=-1)
-
-
-def with_sink_weight(P, lse, options, score_shape=None, index=WHOLE):
-    """The softmax's whole row: P [..., rows, cols] with the sink's weight exp(sink - lse) as one
-    more column [..., rows, cols + 1] when the options have sinks; P itself without.
-    lse [..., rows]; score_shape, index: as for with_sink."""
-    if options.sinks is None:
-        return P
-    sink = with_sink(np.zeros(P.shape[:-1] + (0,), P.dtype), options, score_shape, index)
-    with np.errstate(invalid="ignore"):              # a -inf sink in a dead row: -inf - (-inf)
-        return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)

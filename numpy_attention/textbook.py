@@ -34,6 +34,7 @@ Forward, in this order (the blog's, with every option in its place):
     (steps 2-4 are scores.py's, the score pipeline every engine applies to its blocks)
     5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy;
                                             sinks: one more logit per row, with no value
+                                            (softmax_row.py, forward, backward and tangent)
     6. P~ = P * dropout_mask / (1 - dropout_p)
     7. out = P~ v
 
@@ -56,8 +57,9 @@ from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .caches import TEXTBOOK, AttentionCache, AttentionGrads, AttentionStages
 from . import scores
 from .score_grads import ScoreGrads
-from .scores import attention_scores, head_gradient, with_sink, with_sink_weight
-from .softmax import SoftmaxCache, logsumexp, plain_softmax, softmax_backward, softmax_forward, softmax_jacobian
+from .scores import attention_scores, head_gradient
+from .softmax import plain_softmax
+from .softmax_row import softmax_row, softmax_row_backward, with_sink
 
 
 def _t(x):
@@ -116,16 +118,12 @@ def textbook_forward(q, k, v, options, plan=TEXTBOOK):
     """
     o = options
     S, saved = attention_scores(q, k, o)            # 1-4.                    [..., H, N_q, N_k]
-    S_row = with_sink(S, o)                         # 5. (sinks: one more logit per row, no value)
-    P, softmax_cache = softmax_forward(S_row)       #    P = softmax(S); a row of all -inf gives 0
-    lse = logsumexp(S_row)                          #    lse = log sum_j exp(S_j)  [..., H, N_q]
-    P = P[..., :S.shape[-1]]                        #    (the sink's weight multiplies no value)
-    fill = {"zero": 0.0, "uniform": 1.0 / max(1, S.shape[-1]), "nan": np.nan}[o.fully_masked]
-    P = np.where(np.isneginf(lse.real)[..., None], fill, P)    # rows with every key masked
+    P, lse, top = softmax_row(S, o)                 # 5. P = softmax(S), lse = logsumexp(S)  (S is
+                                                    #    used up); sinks, fully masked rows: softmax_row.py
     P_drop = P if o.dropout_scale is None else P * o.dropout_scale   # 6. dropout
     out = grouped_matmul(P_drop, v)                 # 7. out = P~ v           [..., H, N_q, d_v]
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=P, lse=lse,
-                               top=softmax_cache.top[..., 0], softcap_tanh=saved.softcap_tanh,
+                               top=top[..., 0], softcap_tanh=saved.softcap_tanh,
                                score_mod_input=saved.mod_input, plan=plan)
 
 
@@ -143,12 +141,10 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     if o.dropout_scale is not None:                 # 6. dP = dP~ * dropout_mask / (1 - p)
         dP = dP * o.dropout_scale
     D = np.sum(dout * cache.out, axis=-1)           # 5. D = rowsum(dout * out) = rowsum(P * dP)
-    P_row = with_sink_weight(P, cache.lse, o)       #    the softmax's row (sinks: one more column)
-    dS_row = _softmax_backward(method, dP, D, P_row, cache)   # dS = P * (dP - rowsum(P * dP))
-    if dlse is not None:                            #    lse = log rowsum exp(S): dS += P * dlse
-        dS_row = dS_row + P_row * dlse[..., None]
-    dS = dS_row[..., :P.shape[-1]]                 #    (the sink's column: dsinks, summed per head)
-    dsinks = None if o.sinks is None else head_gradient(np.sum(dS_row[..., -1], axis=-1), o.sinks)
+    recompute = lambda: with_sink(attention_scores(q, k, o)[0], o)   # S_row again, for 'flash'
+    dS, dsink = softmax_row_backward(method, dP, D, P, cache.lse, cache.top[..., None], dlse, o,
+                                     scores=recompute)   # dS = P * (dP - D) (+ P * dlse)
+    dsinks = None if dsink is None else head_gradient(np.sum(dsink, axis=-1), o.sinks)   # per head
     params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; score_mod, bias, ALiBi and
     saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   # their parameters'; softcap
     dS_softcap, dS = scores.backward(dS, o, saved=saved, grads=params, stage=True)
@@ -157,22 +153,3 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None
     return AttentionGrads(dq=dq, dk=dk, dv=dv, stages=stages, dsinks=dsinks,
                           **ScoreGrads.total([params], o, P.shape, dS.dtype))
-
-
-def _softmax_backward(method, dP, D, P_row, cache):
-    """Step 5 by `method` on the softmax's whole row P_row (sinks: dP's sink column is 0)."""
-    dP_row = np.concatenate([dP, np.zeros(dP.shape[:-1] + (P_row.shape[-1] - dP.shape[-1],), dP.dtype)], -1)
-    if method == "vjp":                             # dS = P * (dP - rowsum(P * dP))
-        return softmax_backward(dP_row, SoftmaxCache(p=P_row, top=cache.top[..., None]))
-    if method == "jacobian":                        # dS = J dP, J = diag(P) - P P^T per row
-        return (softmax_jacobian(P_row) @ dP_row[..., None])[..., 0]
-    return _weights_from_lse(cache) * (dP_row - D[..., None])   # dS = P (dP - D), P = exp(S - lse)
-
-
-def _weights_from_lse(cache):
-    """The softmax's row recomputed as exp(S - lse), S from q and k, as FlashAttention's
-    backward does (0 in a fully masked row, where S - lse is -inf - (-inf))."""
-    S_row = with_sink(attention_scores(cache.q, cache.k, cache.options)[0], cache.options)
-    dead = np.isneginf(cache.lse.real)[..., None]
-    with np.errstate(invalid="ignore"):
-        return np.where(dead, 0, np.exp(S_row - cache.lse[..., None]))

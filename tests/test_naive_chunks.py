@@ -14,6 +14,7 @@ import pytest
 import numpy_attention as na
 from numpy_attention import scores
 from numpy_attention.score_grads import ScoreGrads
+from numpy_attention.softmax_row import masked_row_weight, with_sink
 from numpy_attention.oracle import naive
 from numpy_attention.oracle.naive import naive_attention
 
@@ -56,7 +57,7 @@ def reference(q, k, v, o, dout):
     kh, vh = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)         # each query head's k, v
     shape = (B, H, n_q, n_k)
     s, saved = scores.forward(chain(q * o.scale, np.swapaxes(kh, -1, -2)), o, shape)
-    s_row = scores.with_sink(s, o, shape)
+    s_row = with_sink(s, o, shape)
     m = np.max(s_row, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isneginf(m), 0, m)
     e = exp32(s_row - m)
@@ -65,7 +66,7 @@ def reference(q, k, v, o, dout):
     if o.sinks is not None:
         total = total + e[..., n_k:]
     dead = total == 0
-    fill = naive.masked_row_weight(o.fully_masked, n_k)
+    fill = masked_row_weight(o.fully_masked, n_k)
     p_row = np.where(dead, fill, e / np.where(dead, 1, total)).astype(F32)
     p, p_sink = p_row[..., :n_k], p_row[..., n_k:]
     with np.errstate(divide="ignore"):

@@ -39,9 +39,9 @@ from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, with
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
 from .. import scores
 from ..score_grads import ScoreGrads
-from ..scores import head_gradient, keep_mask, with_sink, with_sink_weight
+from ..scores import head_gradient, keep_mask
 from .parallel import run_tasks
-from ..softmax import SoftmaxCache, softmax_and_logsumexp, softmax_backward, softmax_jacobian
+from ..softmax_row import softmax_row, softmax_row_backward, with_sink
 
 BLOCK_BYTES = 8 << 20       # scores per block: the best of 1-32 MiB measured here (a few MiB, about L2)
 SHARES = 4                  # smaller blocks for smaller scores, so that they come in this many for the
@@ -147,17 +147,10 @@ def blocked_forward(q, k, v, options, plan):
         for whole, part in zip(saved, saved_block):
             if part is not None:
                 whole[index] = part
-        if o.sinks is None:                                          # 5. P = softmax(S), in place
-            _, lse[block], top_cols = softmax_and_logsumexp(s, out=s, overwrite_z=True)
-        else:                                                        #    the sink: one more logit
-            p_row, lse[block], top_cols = softmax_and_logsumexp(with_sink(s, o, score_shape, index),
-                                                                overwrite_z=True)
-            p_block[...] = p_row[..., :-1]
+        _, lse[block], top_cols = softmax_row(s, o, score_shape, index,   # 5. P = softmax(S), lse,
+                                              out=p_block[..., cols])      #    in P's place
         dead = np.isneginf(lse[block].real)[..., None]               # fully masked rows
         top[block] = np.where(dead, 0, top_cols + cols.start)        # in the whole row; dead: 0, as one block
-        if o.fully_masked != "zero":
-            np.copyto(p_block, 1.0 / score_shape[-1] if o.fully_masked == "uniform" else np.nan,
-                      where=dead)
         p_drop = p_block[..., cols]
         if o.dropout_scale is not None:                              # 6. dropout
             p_drop = p_drop * np.broadcast_to(o.dropout_scale, score_shape)[index]
@@ -205,16 +198,16 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
             dp *= dropout_scale[index]
         if dP is not None:
             dP[block] = dp
-        # 5. dS = P * (dP - D), D = rowsum(P * dP) = rowsum(dout * out), on the softmax's whole
-        #    row (with sinks, one more column)
+        # 5. dS = P * (dP - D), D = rowsum(P * dP) = rowsum(dout * out) (+ P * dlse)
         D[block] = np.sum(dout3[block] * out3[block], axis=-1)
         recompute = lambda: with_sink(_block_scores(q3, k3, o, score_shape, block, group, cols, keep)[0], o,
                                       score_shape, index)
-        ds = _row_backward(method, dp, p_cols, _top_in(top[block], cols, score_shape[-1]), D[block],
-                           lse[block], None if dlse is None else dlse3[block], o, score_shape, index, recompute)
-        if o.sinks is not None:                                      #    the sink's column: dsinks
-            dsinks[block[:-1]] += ds[..., -1].sum(axis=-1)
-            ds = np.ascontiguousarray(ds[..., :-1])
+        ds, dsink = softmax_row_backward(method, dp, D[block], p_cols, lse[block],
+                                         _top_in(top[block], cols, score_shape[-1]),
+                                         None if dlse is None else dlse3[block], o, score_shape, index,
+                                         scores=recompute, overwrite_dp=True)
+        if dsink is not None:                                        #    the sink's column: dsinks
+            dsinks[block[:-1]] += dsink.sum(axis=-1)
         ds = scores.backward(ds, o, score_shape, index, saved.at(index), keep, params,   # 4-2.
                              stage=dS is not None)
         if dS is not None:                                           # the whole stage dS
@@ -262,41 +255,3 @@ def _by_kv_heads(blocks, group):
         key = tuple((s.start, s.stop) for s in kv_index(block[:-1], group))
         groups.setdefault(key, []).append(block)
     return list(groups.values())
-
-
-def _row_backward(method, dp, p, top, D, lse, dlse, options, score_shape, index, scores):
-    """Step 5 on a block's whole softmax rows (the sink's column last, with sinks): dS by
-    `method`, plus P * dlse for a gradient of lse. dp is the block's own, free to overwrite."""
-    p_row = with_sink_weight(p, lse, options, score_shape, index)
-    ds = _softmax_backward(method, _pad_like(dp, p_row), p_row, top, D, lse, scores)
-    if dlse is not None:                                             # lse = log rowsum exp(S)
-        ds += p_row * dlse[..., None]
-    return ds
-
-
-def _pad_like(dp, p_row):
-    """dP with a zero column for the sink (it multiplies no value) when p_row has one; dp itself
-    otherwise (then the caller's own block, free to overwrite)."""
-    if dp.shape == p_row.shape:
-        return dp
-    return np.concatenate([dp, np.zeros(dp.shape[:-1] + (1,), dp.dtype)], axis=-1)
-
-
-def _softmax_backward(method, dp, p, top, D, lse, scores):
-    """Step 5 on a block: dS from dP by `method` (attention_backward); dp is ours to overwrite.
-
-    scores() recomputes the block's S (with the sink's column), for 'flash', which
-    recomputes P = exp(S - lse).
-    """
-    if method == "vjp":                                              # P * (dP - rowsum(P * dP))
-        return softmax_backward(dp, SoftmaxCache(p=p, top=top), overwrite_dp=True)
-    if method == "jacobian":                                         # J dP, J = diag(P) - P P^T
-        return (softmax_jacobian(p) @ dp[..., None])[..., 0]
-    s = scores()                                                     # P * (dP - D), P = exp(S - lse)
-    with np.errstate(invalid="ignore"):                              # -inf - (-inf) in dead rows
-        s -= lse[..., None]
-    p_flash = np.exp(s, out=s)
-    p_flash[np.isneginf(lse.real)] = 0
-    dp -= D[..., None]
-    dp *= p_flash
-    return dp

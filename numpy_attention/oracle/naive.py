@@ -61,7 +61,8 @@ import numpy as np
 from .. import scores
 from .._layout import with_head_axis
 from ..score_grads import ScoreGrads
-from ..scores import head_gradient, keep_mask, with_sink
+from ..scores import head_gradient, keep_mask
+from ..softmax_row import masked_row_weight, with_sink
 from .row_blocks import block_of, row_slices
 
 
@@ -203,12 +204,6 @@ def naive_attention(q, k, v, options, dout=None):
         result.update({name: g for name, g in ScoreGrads.total([params], o, score_shape, dtype).items()
                        if g is not None})
     return result
-
-
-def masked_row_weight(policy, n_k):
-    """Each weight of a row whose keys are all masked, by the fully_masked policy: 'zero' 0,
-    'uniform' 1 / N_k (the mean of v), 'nan' NaN."""
-    return {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[policy]
 
 
 def kept_runs(options, score_shape, index):

@@ -42,9 +42,9 @@ import numpy as np
 
 from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
 from .. import scores
-from ..scores import alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask, with_sink
+from ..scores import alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask
+from ..softmax_row import masked_row_weight, with_sink
 from .row_blocks import block_of, row_slices
-from .naive import masked_row_weight
 from .precision import round_to
 
 TILE_ROWS, TILE_COLS = 32, 512
@@ -284,7 +284,7 @@ def _narrow_matmul(x, y, bits):
 
 def _softmax32(s, fill):
     """(P, lse) of the scores in float32; a row of all -inf: P = fill (the fully_masked
-    policy's weight, naive.masked_row_weight), lse = -inf. A row with a score of +inf (one that
+    policy's weight, softmax_row.masked_row_weight), lse = -inf. A row with a score of +inf (one that
     overflowed T) is NaN: the precision cannot compute it, and no weight stands in for it."""
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     dead = np.isneginf(m)
