@@ -34,7 +34,7 @@ modules import each other freely (tests/test_layers.py walks every import):
 
     helpers      numpy_attention _checks _exits _files near_misses positions _layout engines.parallel
     ops          linear softmax heads rope params paged combine topk
-    scores       score_mods scores softmax_row score_grads options caches
+    scores       score_mods scores softmax_row score_grads option_checks options caches
     textbook     textbook
     engines      engines engines.plan engines.projections engines.blocked engines.tiled
     attention    attention forward_mode sparse mla multihead_threads multihead examples

@@ -1,16 +1,21 @@
-"""Attention's options, checked once: the frozen record of the math that every engine and
-crosscheck share.
+"""Attention's options: the one table of them (OPTIONS), and the frozen record of the math that
+every engine and crosscheck share, checked once.
 
     q, k, v, options = attention_options(q, k, v, mask=mask, causal=True, ...)
 
-`attention_options` runs every check of `attention_forward`'s arguments that say what is
-computed, so an engine only computes; where and how (the engine, its tiles, threads, a
-cluster) is the plan's (engines/plan.py). Shape legend (as in textbook.py):
+Each option is one row of OPTIONS: its keyword, default and meaning (attention_forward's
+signature and docstring are made from the rows), where it acts in the textbook's steps,
+how a .npz case holds it, its gradient and whether that gradient sums per head, and whether
+the tiled engine computes it. The keyword arguments of attention_forward, attention_jvp and
+attention_options, the case reader's keys (oracle/schema.py), the oracle's slices and
+conform's gradients take their lists from here. `attention_options` runs every check
+(option_checks.py), so an engine only computes; where and how (the engine, its tiles,
+threads, a cluster) is the plan's (engines/plan.py). Shape legend as in textbook.py:
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
     N_q, N_k lengths;  d_k, d_v widths;  the scores S are [..., H, N_q, N_k]
 
-The score steps that these options describe (softcap, bias, ALiBi, the keep-mask, the sink)
-are scores.py's; `masked` says whether step 4 removes any score.
+The score steps that these options describe are scores.py's, the row's softmax_row.py's;
+`masked` says whether step 4 removes any score.
 """
 import inspect
 import math
@@ -18,15 +23,103 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ._checks import (SHOWN, as_float_array, as_mask, broadcast_shape_to, offenders, read_only_copy,
-                      require_bool, require_choice, require_positive_real, require_probability, result_dtype)
+from ._checks import (as_float_array, as_mask, broadcast_shape_to, read_only_copy, require_bool,
+                      require_positive_real, require_probability, result_dtype)
 from ._layout import check_window, resolve_alignment
-from .positions import sequence_lengths
-from .score_mods import numpy_mod
+from .option_checks import (FULLY_MASKED_POLICIES, check_fully_masked, check_mods, check_packed_sequences,
+                            check_qkv, check_sinks_and_slopes, check_topk, check_vjps, dropout_scale,
+                            require_finite)
 from .scores import check_keep_steps
-from .topk import topk_lists
 
-FULLY_MASKED_POLICIES = ("zero", "uniform", "nan")
+class Option(NamedTuple):
+    """One row of OPTIONS: one keyword of attention_forward."""
+    name: str                       # the keyword (and the .npz key of a case that holds it)
+    default: object
+    acts: str                       # where it acts in the textbook's steps: 'score' (1-3), 'keep' (4),
+                                    # 'row' (5), 'output' (6-7); 'input': a check of the inputs
+    doc: str                        # its meaning, in attention_forward's docstring
+    case: Optional[str] = None      # how a .npz case holds it (oracle/schema.py decodes each kind):
+                                    # 'array' as given, 'float' a float array rounded to the candidate's
+                                    # dtype, or a 0-d or small array of kind 'mask', 'causal', 'align',
+                                    # 'window', 'positive', 'probability', 'policy'; None: no key
+    shape: Optional[str] = None     # an array's: 'scores' broadcastable to [..., H, N_q, N_k], 'heads' an
+                                    # [H] (or [..., H], [B, H]) vector (its gradient sums each head's rows)
+    gradient: Optional[str] = None  # its gradient's name in AttentionGrads and in a case
+    tiled: bool = True              # the tiled engine computes it (engines/plan.py refuses it otherwise)
+
+
+OPTIONS = (
+    Option("mask", None, "keep", "keep-mask broadcastable to [..., H, N_q, N_k]; True/nonzero = attend.",
+           case="mask", shape="scores"),
+    Option("bias", None, "score", "additive float scores broadcastable to [..., H, N_q, N_k]; gets a "
+           "gradient, grads.dbias. An additive mask (0 / -inf) belongs here.", case="float", shape="scores",
+           gradient="dbias"),
+    Option("causal", False, "keep", "False, True, 'top_left' (torch is_causal) or 'bottom_right' "
+           "(FlashAttention).", case="causal"),
+    Option("align", None, "keep", "diagonal alignment for causal=True and for window: 'top_left' "
+           "(default) or 'bottom_right'.", case="align"),
+    Option("window", None, "keep", "(left, right) sliding window around the diagonal, -1 = unbounded "
+           "(FlashAttention's window_size; FlashAttention aligns it bottom-right, so pass "
+           "align='bottom_right' to match it when N_q != N_k).", case="window"),
+    Option("scale", None, "score", "multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled "
+           "experiment.", case="positive"),
+    Option("softcap", None, "score", "S <- softcap * tanh(S / softcap), after scaling and before bias and "
+           "masks.", case="positive", tiled=False),
+    Option("dropout_mask", None, "output", "explicit keep-mask broadcastable to the weights: "
+           "P <- P * dropout_mask / (1 - dropout_p). No RNG inside.", case="array", shape="scores",
+           tiled=False),
+    Option("dropout_p", 0.0, "output", "the drop probability of dropout_mask.", case="probability"),
+    Option("fully_masked", "zero", "row", "a row with every score -inf gives 'zero' output 0 and gradient 0 "
+           "(torch 2.5+ SDPA, FlashAttention, ONNX); 'uniform' the mean of v's rows (the seed's -1e9 "
+           "fill, JAX), gradient 0 to q, k; 'nan' NaN output (the SDPA formula written out). The tiled "
+           "engine has 'zero' alone.", case="policy"),
+    Option("check_finite", False, "input", "raise ValueError on NaN/Inf in q, k, v (and NaN/+inf in "
+           "bias) instead of letting them poison the rows they touch."),
+    Option("sinks", None, "row", "[H]: one more logit per query head in every row's softmax, with no "
+           "value (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the sink's "
+           "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
+           "and lse = sink (fully_masked must be 'zero'); the gradient is grads.dsinks.",
+           case="float", shape="heads", gradient="dsinks"),
+    Option("alibi_slopes", None, "score", "[H] or [..., H]: ALiBi, S <- S - slope_h * |i + N_k - N_q - j|, "
+           "the distance from the bottom-right-aligned diagonal (FlashAttention's convention; for "
+           "N_q == N_k it is |i - j|, torch's and the paper's; a top-left form is bias = -slope * "
+           "|i - j|); gets a gradient, grads.dalibi_slopes. With packed sequences or a paged KV "
+           "cache: [H], or [B, H] with one row per sequence (as FlashAttention's varlen and kvcache "
+           "functions take them), whose gradient's row b sums over sequence b's rows only.",
+           case="float", shape="heads", gradient="dalibi_slopes"),
+    Option("cu_seqlens_q", None, "keep", "[B + 1] int, with cu_seqlens_k: FlashAttention's varlen, B "
+           "sequences packed along the length axes, q [H, total_q, d_k], k, v [H_kv, total_k, d]; no "
+           "row attends across a sequence boundary, and causal, window and ALiBi align on each "
+           "sequence's own lengths (positions.py). A zero-length sequence is allowed.", case="array"),
+    Option("cu_seqlens_k", None, "keep", "[B + 1] int: the packed sequences' offsets along N_k.",
+           case="array"),
+    Option("seqused_k", None, "keep", "[B] int: only the first seqused_k[b] keys of sequence b are used.",
+           case="array"),
+    Option("score_mod", None, "score", "FlexAttention's score_mod(score, b, h, q_idx, kv_idx) -> score, "
+           "applied after bias and ALiBi, before the masks (scores.py): called on NumPy arrays, the "
+           "block's scores and its index arrays broadcastable to them (b the batch index, h the query "
+           "head, q_idx and kv_idx the row and column). Its derivative in the score comes by complex "
+           "step on it (docs/variants.md)."),
+    Option("mask_mod", None, "keep", "FlexAttention's mask_mod(b, h, q_idx, kv_idx) -> bool (True = "
+           "attend), called on a block's index arrays; a block it removes entirely is skipped."),
+    Option("score_mod_params", None, "score", "{name: array}: parameters of score_mod, passed to it as a "
+           "sixth argument; their gradients come back in grads.dscore_mod_params. score_mod may index "
+           "one (params['rel'][h, q_idx - kv_idx]) or use a 0-d one as a scalar."),
+    Option("score_mod_vjps", None, "score", "{name: vjp} for a parameter score_mod uses whole in any "
+           "other way: vjp(ds, score, b, h, q_idx, kv_idx, params) -> the gradient of <ds, score_mod> "
+           "on a block w.r.t. params[name], params[name]'s shape; checked by complex step along a "
+           "random direction before it is trusted (ValueError naming it)."),
+    Option("topk_indices", None, "keep", "[..., H_kv or H, N_q, K] int, sparse top-k attention's lists: "
+           "each query attends to the keys it lists alone (a list per kv head, for its query heads, or "
+           "per query head; -1 or any index outside [0, N_k) pads), a key listed c times with c times "
+           "its weight (S + log c, as a kernel that gathers it c times computes); the engines take "
+           "each block's keep-mask from the lists (topk.py), never [N_q, N_k] of them. "
+           "sparse_attention_forward gathers the keys instead: the same results."),
+    Option("topk_length", None, "keep", "[..., N_q] int: only each row's first topk_length entries of "
+           "topk_indices."),
+)
+KEYWORDS = tuple(row.name for row in OPTIONS)
+_DEFAULTS = {row.name: row.default for row in OPTIONS}
 
 
 class AttentionOptions(NamedTuple):
@@ -41,8 +134,7 @@ class AttentionOptions(NamedTuple):
     dropout_p: float                    # the drop probability (0 without dropout)
     fully_masked: str                   # 'zero', 'uniform' or 'nan'
     sinks: Optional[np.ndarray]         # [H] one extra logit per query head, with no value (read-only)
-    alibi_slopes: Optional[np.ndarray]  # [H], [..., H], or [B, H] per packed sequence: S += -slope
-                                        # |i + N_k - N_q - j| (read-only)
+    alibi_slopes: Optional[np.ndarray]  # [H], [..., H], or [B, H] per packed sequence (read-only)
     cu_seqlens_q: Optional[np.ndarray]  # [B + 1] packed sequences' offsets along N_q (positions.py)
     cu_seqlens_k: Optional[np.ndarray]  # [B + 1] along N_k
     seqused_k: Optional[np.ndarray]     # [B] keys used of each sequence (None: all)
@@ -54,263 +146,116 @@ class AttentionOptions(NamedTuple):
     score_mod_vjps: Optional[dict] = None     # {name: vjp}: the user's VJPs of parameters used whole
     topk: object = None                 # topk.TopkLists: each query's listed keys (kept, a repeat's log
                                         # multiplicity added), or None
+    given: frozenset = frozenset()      # the names of the OPTIONS rows given a value other than the default
 
 
-def attention_options(q, k, v, *, mask=None, bias=None, causal=False, align=None, window=None,
-                      scale=None, softcap=None, dropout_mask=None, dropout_p=0.0,
-                      fully_masked="zero", check_finite=False, sinks=None, alibi_slopes=None,
-                      cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, score_mod=None,
-                      mask_mod=None, score_mod_params=None, score_mod_vjps=None, topk_indices=None,
-                      topk_length=None, **keep_steps):
-    """Check attention_forward's arguments; return (q, k, v, AttentionOptions).
+def option_keywords(given):
+    """(values, steps): every row's value, given or its default, as a dict, and the other names
+    given (scores.KEEP_STEPS', which check_keep_steps checks, refusing any other name)."""
+    steps = {name: value for name, value in given.items() if name not in _DEFAULTS}
+    return {**_DEFAULTS, **{name: value for name, value in given.items() if name in _DEFAULTS}}, steps
+
+
+def attention_options(q, k, v, **given):
+    """Check attention_forward's options (OPTIONS, and scores.KEEP_STEPS by name); return
+    (q, k, v, AttentionOptions).
 
     q, k, v come back as fresh row-major arrays of the computation's dtype (a cache that keeps
     them then never shares memory with the caller's arrays, and each head's [N, d] matrix has
     unit stride for BLAS whatever the caller's layout: a transposed view, a broadcast stack);
-    mask, bias and the dropout scale are read-only copies. Where and how it runs (the engine,
-    threads, a cluster) is engines/plan.py's attention_plan. Raises ValueError / TypeError
+    mask, bias and the dropout scale are read-only copies. Raises ValueError / TypeError
     naming the argument and the shapes.
     """
+    a, keep_steps = option_keywords(given)
     q, k, v = check_qkv(q, k, v)
     q, k, v = (x.astype(result_dtype(q, k, v), order="C") for x in (q, k, v))   # copies, row-major
-    causal, align = resolve_alignment(causal, align)
-    window = check_window(window)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else require_positive_real(scale, "scale")
-    softcap = None if softcap is None else require_positive_real(softcap, "softcap")
+    causal, align = resolve_alignment(a["causal"], a["align"])
+    window = check_window(a["window"])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if a["scale"] is None else require_positive_real(a["scale"], "scale")
+    softcap = None if a["softcap"] is None else require_positive_real(a["softcap"], "softcap")
+    fully_masked = a["fully_masked"]
     check_fully_masked(fully_masked, k, v)
     score_shape = q.shape[:-1] + (k.shape[-2],)                  # [..., H, N_q, N_k]
     legend = "the scores [..., H, N_q, N_k]"
+    bias = a["bias"]
     if bias is not None:
         bias = as_float_array(bias, "bias")
         broadcast_shape_to(bias, "bias", score_shape, legend)
-    keep = None if mask is None else as_mask(mask, "mask", score_shape, legend)
-    dropout_p = require_probability(dropout_p, "dropout_p")
-    dropout_scale = _dropout_scale(dropout_mask, dropout_p, score_shape, legend)
-    packed = _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k)
-    sinks, alibi_slopes = _per_head(q, sinks, alibi_slopes, fully_masked,
-                                    None if packed[0] is None else packed[0].size - 1)
-    if require_bool(check_finite, "check_finite"):
+    keep = None if a["mask"] is None else as_mask(a["mask"], "mask", score_shape, legend)
+    dropout_p = require_probability(a["dropout_p"], "dropout_p")
+    drop = dropout_scale(a["dropout_mask"], dropout_p, score_shape, legend)
+    packed = check_packed_sequences(q, k, a["cu_seqlens_q"], a["cu_seqlens_k"], a["seqused_k"])
+    sinks, alibi_slopes = check_sinks_and_slopes(q, a["sinks"], a["alibi_slopes"], fully_masked,
+                                                 None if packed[0] is None else packed[0].size - 1)
+    if require_bool(a["check_finite"], "check_finite"):
         for name, x in (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)):
             if x is not None:
-                _require_finite(name, x)
+                require_finite(name, x)
         for name, x in (("bias", bias), ("sinks", sinks)):         # -inf: masked, or no sink
             if x is not None:
-                _require_finite(name, x, allow_neginf=True)
+                require_finite(name, x, allow_neginf=True)
     # a float64 bias widens float32 scores; per-head vectors (often Python lists) widen only to
     # complex, for complex-step checks: real ones are cast to the scores' dtype
     dtype = result_dtype(q, bias, *(x for x in (sinks, alibi_slopes) if x is not None and x.dtype.kind == "c"))
     q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
     sinks, alibi_slopes = (None if x is None else x.astype(dtype) for x in (sinks, alibi_slopes))
-    if dropout_scale is not None:                                # keep / (1 - p) in the scores' dtype
-        dropout_scale = dropout_scale.astype(q.real.dtype)
+    if drop is not None:                                         # keep / (1 - p) in the scores' dtype
+        drop = drop.astype(q.real.dtype)
     if packed[0] is not None and fully_masked == "uniform":
         raise ValueError("fully_masked='uniform' would spread a row over every packed sequence's keys; "
                          "with cu_seqlens (or a paged KV cache) use 'zero' or 'nan'")
-    score_mod, mask_mod, score_mod_params = _check_mods(score_mod, mask_mod, score_mod_params)
-    score_mod_vjps = _check_vjps(score_mod_vjps, score_mod_params)
+    score_mod, mask_mod, score_mod_params = check_mods(a["score_mod"], a["mask_mod"], a["score_mod_params"])
+    score_mod_vjps = check_vjps(a["score_mod_vjps"], score_mod_params)
     keep_steps = check_keep_steps(keep_steps, KEYWORDS)          # scores.KEEP_STEPS, by name
-    topk = _topk(topk_indices, topk_length, q.shape, k.shape)
+    topk = check_topk(a["topk_indices"], a["topk_length"], q.shape, k.shape)
     masked = (keep is not None or causal or window is not None or packed[0] is not None or bool(keep_steps)
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any()))
               or topk is not None)
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
-        causal=causal, align=align, window=window, dropout_scale=read_only_copy(dropout_scale),
+        causal=causal, align=align, window=window, dropout_scale=read_only_copy(drop),
         dropout_p=dropout_p,
         fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),
         masked=masked, keep_steps=keep_steps, score_mod=score_mod, mask_mod=mask_mod,
-        score_mod_params=score_mod_params, score_mod_vjps=score_mod_vjps, topk=topk)
+        score_mod_params=score_mod_params, score_mod_vjps=score_mod_vjps, topk=topk,
+        given=frozenset(name for name, value in a.items() if not _is_default(value, _DEFAULTS[name])))
 
 
-# the options' keyword names (attention_options' own, after q, k, v): an unknown name's closest
-KEYWORDS = tuple(inspect.signature(attention_options).parameters)[3:-1]
+def _is_default(value, default):
+    """Whether a keyword's value is its row's default (None, or a scalar setting's)."""
+    return value is None if default is None else value is not None and not isinstance(value, np.ndarray) \
+        and value == default
 
 
-def check_fully_masked(fully_masked, k, v):
-    """fully_masked checked: one of FULLY_MASKED_POLICIES, and 'zero' where k [..., N_k, d_k] has
-    no key (every row is fully masked, P is [N_q, 0]: only 'zero' defines the output)."""
-    require_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
-    if fully_masked != "zero" and k.shape[-2] == 0:
-        raise ValueError(f"fully_masked={fully_masked!r} needs at least one key; with N_k = 0 "
-                         f"only 'zero' defines the output: k {k.shape}, v {v.shape}")
+def untiled(given):
+    """The names among `given` (option names) that the tiled engine does not compute."""
+    return [row.name for row in OPTIONS if not row.tiled and row.name in given]
 
 
-def _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k):
-    """(cu_seqlens_q, cu_seqlens_k, seqused_k) checked as int64 arrays, or Nones.
-
-    Packed sequences (positions.py): q [H, total_q, d_k], k and v [H_kv, total_k, d]
-    (no batch axes), cu_seqlens_* [B + 1] non-decreasing from 0 to the total length,
-    seqused_k [B] with 0 <= seqused_k[b] <= sequence b's key length.
-    """
-    if cu_seqlens_q is None and cu_seqlens_k is None:
-        if seqused_k is not None:
-            raise ValueError("seqused_k needs cu_seqlens_q and cu_seqlens_k (packed sequences)")
-        return None, None, None
-    if cu_seqlens_q is None or cu_seqlens_k is None:
-        raise ValueError("packed sequences need both cu_seqlens_q and cu_seqlens_k")
-    if q.ndim > 3:
-        raise ValueError(f"with cu_seqlens, q, k, v are packed [H, total, d] with no batch axes, "
-                         f"got q {q.shape}, k {k.shape}")
-    checked = []
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[-2]), ("cu_seqlens_k", cu_seqlens_k, k.shape[-2])):
-        cu = _int_array(cu, name)
-        if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
-            raise ValueError(f"{name} must be [B + 1] non-decreasing offsets from 0 to the packed "
-                             f"length {total}, got {cu.tolist() if cu.size <= 16 else cu.shape}")
-        checked.append(cu)
-    if checked[0].size != checked[1].size:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must count the same B + 1 sequences, "
-                         f"got {checked[0].size} and {checked[1].size}")
-    if seqused_k is not None:
-        seqused_k = _int_array(seqused_k, "seqused_k")
-        lengths = sequence_lengths(checked[1])
-        if seqused_k.shape != lengths.shape:
-            raise ValueError(f"seqused_k must be [B] = {lengths.shape}, one entry per sequence of "
-                             f"cu_seqlens_k, got shape {seqused_k.shape}")
-        bad = (seqused_k < 0) | (seqused_k > lengths)
-        if bad.any():
-            raise ValueError(f"seqused_k must have 0 <= seqused_k[b] <= sequence b's key length, got "
-                             f"{offenders('seqused_k', seqused_k, bad)} where the sequences hold "
-                             f"{', '.join(map(str, lengths[bad][:SHOWN]))} keys")
-    return checked[0], checked[1], seqused_k
+def with_options(function):
+    """function, taking OPTIONS as **options (attention_forward, attention_jvp), with a
+    __signature__ that names them (after its positional parameters, before its own keywords)
+    and the '{options}' line of its docstring replaced by one entry per option."""
+    own = inspect.signature(function).parameters.values()
+    keyword, rest = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD
+    params = ([p for p in own if p.kind not in (keyword, rest)]
+              + [inspect.Parameter(row.name, keyword, default=row.default) for row in OPTIONS]
+              + [p for p in own if p.kind == keyword]
+              + [inspect.Parameter("keep_steps", rest)])
+    function.__signature__ = inspect.Signature(params)
+    function.__doc__ = function.__doc__.replace("{options}", "\n".join(_entry(row) for row in OPTIONS))
+    return function
 
 
-def _int_array(x, name):
-    """x as an int64 array; TypeError for anything but integers."""
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype} with shape {arr.shape}")
-    return arr.astype(np.int64)
-
-
-def _per_head(q, sinks, alibi_slopes, fully_masked, sequences=None):
-    """sinks and alibi_slopes checked (check_per_head) for q and its `sequences` packed
-    sequences (None: not packed). With sinks a row whose keys are all masked puts its whole
-    weight on the sink: out = 0 and lse = sink, which is the 'zero' policy's output; the other
-    policies are refused.
-    """
-    checked = check_per_head(q.shape, sinks, alibi_slopes, sequences)
-    if sinks is not None and fully_masked != "zero":
-        raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "
-                         f"fully_masked={fully_masked!r} does not apply; use 'zero'")
-    return checked
-
-
-def check_per_head(q_shape, sinks, alibi_slopes, sequences=None):
-    """(sinks, alibi_slopes) as float (or complex) arrays, or None, checked against the caller's
-    q [..., H, N_q, d_k] (a single head's [N, d]: H = 1): sinks [H]; alibi_slopes [H] or
-    [..., H] (q's leading axes), or with B = `sequences` sequences (packed, or a paged KV
-    cache's batch) [H] or [B, H], one row per sequence (FlashAttention's varlen and kvcache).
-    ValueError naming the shapes accepted and q's.
-    """
-    heads = q_shape[-3] if len(q_shape) >= 3 else 1
-    if sequences is None:
-        slopes = ([(heads,), tuple(q_shape[:-2])], f"[H] or [..., H] for q {tuple(q_shape)}")
-    else:
-        slopes = ([(heads,), (sequences, heads)], f"[H], or [B, H] with one row per sequence, "
-                                                  f"for q {tuple(q_shape)} and B = {sequences} sequences")
-    checked = []
-    for name, x, (shapes, legend) in (("sinks", sinks, ([(heads,)], f"[H] for q {tuple(q_shape)}")),
-                                      ("alibi_slopes", alibi_slopes, slopes)):
-        if x is not None:
-            x = as_float_array(x, name)
-            shapes = list(dict.fromkeys(shapes))                 # [..., H] of q [H, N, d] is [H]
-            if x.shape not in shapes:
-                raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))} ({legend}), "
-                                 f"got {x.shape}")
-        checked.append(x)
-    return checked
-
-
-def check_qkv(q, k, v):
-    """q [..., H, N_q, d_k], k [..., H_kv, N_k, d_k], v [..., H_kv, N_k, d_v] as float (or complex)
-    arrays checked against each other (H_kv divides H, d_k >= 1; each may be the caller's own:
-    a cache copies them). ValueError / TypeError naming the arrays and their shapes."""
-    q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
-    shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 axes [..., N, d], got shape {x.shape}")
-    if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"q, k, v must have the same number of axes, got shapes {shapes}")
-    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
-        raise ValueError(f"q, k, v must share their leading batch axes, got shapes {shapes}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same width d_k, got q {q.shape}, k {k.shape}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k and v must have the same heads and length [..., H_kv, N_k], "
-                         f"got k {k.shape}, v {v.shape}")
-    if q.shape[-1] == 0:
-        raise ValueError(f"q and k must have a width d_k >= 1, got q {q.shape}, k {k.shape}")
-    if q.ndim >= 3 and min(q.shape[-3], k.shape[-3]) == 0:
-        raise ValueError(f"q and k must have at least one head (H >= 1, H_kv >= 1), "
-                         f"got q {q.shape}, k {k.shape}")
-    if q.ndim >= 3 and q.shape[-3] % k.shape[-3]:
-        raise ValueError(f"k's heads H_kv={k.shape[-3]} must divide q's heads H={q.shape[-3]} "
-                         f"(grouped-query attention), got q {q.shape}, k {k.shape}; the layout is "
-                         f"[..., H, N, d] (torch's and FlashAttention's [B, N, H, d] need a transpose)")
-    return q, k, v
-
-
-def _topk(topk_indices, topk_length, q_shape, k_shape):
-    """The TopkLists of each query's listed keys (topk.py), or None without topk_indices."""
-    if topk_indices is None:
-        if topk_length is not None:
-            raise ValueError("topk_length counts entries of topk_indices: pass topk_indices too")
-        return None
-    return topk_lists(topk_indices, topk_length, q_shape, k_shape)
-
-
-def _check_mods(score_mod, mask_mod, score_mod_params):
-    """(score_mod, mask_mod, score_mod_params): the mods callables or None (one written with
-    torch's operations wrapped to take NumPy arrays: score_mods.numpy_mod); the parameters
-    {str: float array} as read-only copies, or None, only with a score_mod."""
-    for name, f in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if f is not None and not callable(f):
-            raise TypeError(f"{name} must be a function or None, got {type(f).__name__}")
-    score_mod, mask_mod = (None if f is None else numpy_mod(f) for f in (score_mod, mask_mod))
-    if score_mod_params is None:
-        return score_mod, mask_mod, None
-    if score_mod is None:
-        raise ValueError("score_mod_params are score_mod's parameters: pass a score_mod too")
-    if not isinstance(score_mod_params, dict) or not all(isinstance(n, str) for n in score_mod_params):
-        raise TypeError(f"score_mod_params must be a dict of name -> array, got "
-                        f"{type(score_mod_params).__name__}")
-    return score_mod, mask_mod, {name: read_only_copy(as_float_array(x, f"score_mod_params[{name!r}]"))
-                                 for name, x in score_mod_params.items()}
-
-
-def _check_vjps(score_mod_vjps, score_mod_params):
-    """{name: callable} for parameters among score_mod_params, or None."""
-    if score_mod_vjps is None:
-        return None
-    if not isinstance(score_mod_vjps, dict):
-        raise TypeError(f"score_mod_vjps must be a dict of parameter name -> function, got "
-                        f"{type(score_mod_vjps).__name__}")
-    for name, vjp in score_mod_vjps.items():
-        if name not in (score_mod_params or {}):
-            raise ValueError(f"score_mod_vjps[{name!r}] is a VJP of a parameter score_mod_params does not "
-                             f"have (it has {sorted(score_mod_params or {})})")
-        if not callable(vjp):
-            raise TypeError(f"score_mod_vjps[{name!r}] must be a function, got {type(vjp).__name__}")
-    return dict(score_mod_vjps)
-
-
-def _require_finite(name, x, allow_neginf=False):
-    bad = np.isnan(x) | (np.isposinf(x.real) if allow_neginf else ~np.isfinite(x))
-    if bad.any():
-        raise ValueError(f"{name} (shape {x.shape}) has {int(bad.sum())} non-finite entries "
-                         f"(check_finite=True)")
-
-
-def _dropout_scale(dropout_mask, dropout_p, score_shape, legend):
-    """dropout_mask / (1 - dropout_p), checked; None when there is no dropout."""
-    if dropout_mask is None:
-        if dropout_p > 0:
-            raise ValueError("dropout_p > 0 needs an explicit dropout_mask (keep = True); "
-                             "attention_forward draws no random numbers")
-        return None
-    keep = as_mask(dropout_mask, "dropout_mask", score_shape, legend)
-    return keep / (1.0 - dropout_p)
+def _entry(row, width=96):
+    """A docstring entry 'name: doc', wrapped at `width` with the continuation indented."""
+    words, lines, line = row.doc.split(), [], f"        {row.name}:"
+    for word in words:
+        if len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = "            " + word
+        else:
+            line += " " + word
+    return "\n".join(lines + [line])

@@ -51,7 +51,7 @@ from ._checks import (as_float_array, brief, kept, require_cache, require_positi
 from ._layout import tiles, with_head_axis
 from .engines.parallel import run_tasks
 from .engines.plan import check_scheduler, resolve_workers
-from .options import check_fully_masked, check_qkv
+from .option_checks import check_fully_masked, check_qkv
 from .topk import check_lists, listed
 
 GATHER_ROWS = 2 ** 15   # a block gathers at most this many keys (block_rows K) by default

@@ -52,13 +52,14 @@ import numpy as np
 from .._checks import to_numpy
 from .._exits import exit_line
 from ..oracle.case import load_case
+from ..options import OPTIONS
 from ..oracle.schema import FLOAT_OPTIONS
 from ..oracle.precision import PRECISIONS
 from .processes import ended, start, stop
 from .supports import check_kind, declaration_of
 
-GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "sinks": "dsinks",
-               "alibi_slopes": "dalibi_slopes"}         # an input -> its gradient's key
+GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv",                 # an input -> its gradient's key
+               **{row.name: row.gradient for row in OPTIONS if row.gradient}}
 FLOAT_INPUTS = ("q", "k", "v", "dout") + FLOAT_OPTIONS  # cast to the case's dtype for the kernel
 NOT_OPTIONS = ("q", "k", "v", "dout", "precision", "fully_masked")  # the case keys a kernel is not given
 RESULTS = ("out", "lse") + tuple(GRADIENT_OF.values())  # what is read of a kernel's results

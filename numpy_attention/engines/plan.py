@@ -15,6 +15,7 @@ import numpy as np
 
 from .._checks import require_choice, require_positive_int
 from ..caches import AttentionPlan
+from ..options import untiled
 from .parallel import check_address
 
 IMPLEMENTATIONS = ("textbook", "blocked", "tiled")
@@ -29,8 +30,8 @@ def attention_plan(options, q_shape, k_shape, *, implementation=None, block_size
                    scheduler=None):
     """The plan of a call whose arguments attention_options checked into `options`, for q
     [..., H, N_q, d_k] and k [..., H_kv, N_k, d_k]: implementation None is 'tiled' when
-    block_size is given, else 'blocked'; the tiled engine has no softcap, dropout or
-    'uniform' / 'nan' policy (ValueError naming it)."""
+    block_size is given, else 'blocked'; the tiled engine has neither the options whose row
+    of options.OPTIONS says tiled=False nor the 'uniform' / 'nan' policies (ValueError naming it)."""
     implementation, block_size = _engine(implementation, block_size, options)
     scores = score_count(q_shape, k_shape[-2], (options.cu_seqlens_q, options.cu_seqlens_k))
     return AttentionPlan(implementation=implementation, block_size=block_size,
@@ -93,7 +94,7 @@ def check_scheduler(scheduler, implementation="tiled"):
 
 def _engine(implementation, block_size, options):
     """(implementation, block_size) checked: block_size belongs to the tiled engine, which
-    supports neither softcap, dropout nor the 'uniform' / 'nan' policies."""
+    supports neither the options options.untiled names nor the 'uniform' / 'nan' policies."""
     if implementation is None:
         implementation = "blocked" if block_size is None else "tiled"
     require_choice(implementation, "implementation", IMPLEMENTATIONS)
@@ -103,10 +104,9 @@ def _engine(implementation, block_size, options):
                              f"implementation={implementation!r} takes none")
         return implementation, None
     block_size = TILE_SIZE if block_size is None else require_positive_int(block_size, "block_size")
-    unsupported = {"softcap": options.softcap is not None, "dropout_mask": options.dropout_scale is not None,
-                   f"fully_masked={options.fully_masked!r}": options.fully_masked != "zero"}
-    for name, used in unsupported.items():
-        if used:
-            raise ValueError(f"the tiled engine (implementation='tiled', block_size={block_size}) "
-                             f"does not support {name}; use implementation='blocked' or 'textbook'")
+    unsupported = untiled(options.given) + ([f"fully_masked={options.fully_masked!r}"]
+                                            if options.fully_masked != "zero" else [])
+    if unsupported:
+        raise ValueError(f"the tiled engine (implementation='tiled', block_size={block_size}) "
+                         f"does not support {unsupported[0]}; use implementation='blocked' or 'textbook'")
     return implementation, block_size

@@ -20,7 +20,7 @@ from ..caches import TEXTBOOK
 from ..engines.parallel import run_tasks
 from ..engines.plan import PARALLEL_SCORES, attention_plan
 from ..engines.tiled import tile_scores
-from ..options import attention_options
+from ..options import attention_options, untiled
 from ..paged import scatter_keys, unpack_rows
 from . import row_blocks
 from .schema import CANDIDATES, FLOAT_OPTIONS, CaseError
@@ -72,8 +72,8 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
     forward_of: None, or a candidate's own {"out", "lse"} (natural log): the gradients are
     then those of FlashAttention's backward from that forward, P = exp(S - lse) and
     D = rowsum(dout * out), so that a backward is judged apart from its forward's error.
-    stages: False runs the tiled engine (O(N) memory; no softcap, dropout or fully_masked
-    other than 'zero') and returns no [..., H, N_q, N_k] stage.
+    stages: False runs the tiled engine (O(N) memory; options.untiled's options and
+    fully_masked other than 'zero' refused) and returns no [..., H, N_q, N_k] stage.
     scale_factor: the scale times this (the rule's scale check reruns the oracle so).
     scheduler: a Dask Client for the tiled engine's slices (stages False), or None.
     Returns:
@@ -315,10 +315,8 @@ def case_block_rows(case):
     score_shape = case_score_shape(case)
     block_rows = row_blocks.block_rows(score_shape, TILE_ROWS)
     o = case.options
-    lacking = [name for name, used in (("softcap", "softcap" in o),
-                                       ("dropout_mask", "dropout_mask" in o),
-                                       (f"fully_masked={o.get('fully_masked')!r}",
-                                        o.get("fully_masked", "zero") != "zero")) if used]
+    lacking = untiled(o) + ([f"fully_masked={o['fully_masked']!r}"] if o.get("fully_masked", "zero") != "zero"
+                            else [])
     if block_rows is not None and lacking:
         raise CaseError(f"{lacking[0]} is not supported on a case this large: its scores "
                         f"{score_shape} have {row_blocks.score_entries(score_shape):,} entries, more than "

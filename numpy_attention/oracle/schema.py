@@ -48,26 +48,26 @@ import numpy as np
 
 from .._checks import require_choice, require_keep_mask, require_positive_real, require_probability
 from .._layout import ALIGNMENTS, check_window, resolve_alignment
-from ..attention import FULLY_MASKED_POLICIES
+from ..option_checks import FULLY_MASKED_POLICIES
+from ..options import OPTIONS as OPTION_ROWS
 from ..near_misses import near_miss
 from ..rope import LAYOUTS as ROPE_LAYOUTS, PARTS, SCALINGS
 from ..scores import KEEP_STEPS
 from .precision import Precision
 
 INPUTS = ("q", "k", "v", "dout", "q_dot", "k_dot", "v_dot", "kv")   # the tangents: forward mode; kv: MLA
-OPTIONS = ("mask", "bias", "causal", "align", "scale", "window", "softcap", "dropout_mask",
-           "dropout_p", "fully_masked", "sinks", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
-           "seqused_k", "page_table", "cache_seqlens") + tuple(KEEP_STEPS)   # + scores.py's, by name
-CANDIDATES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "out_dot", "lse_dot", "dkv")
-FORWARD_MODE = ("out_dot", "lse_dot")
+PAGED = ("page_table", "cache_seqlens")               # read by packed_if_paged, not options
 ROPE = ("rope_layout", "rope_rotary_dim", "rope_part", "rope_base", "rope_positions_q", "rope_positions_k",
         "rope_scaling", "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow",
         "rope_truncate", "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor")
-OPTIONS = OPTIONS + ROPE                              # gathered into attention_forward's rope={...}
-PAGED = ("page_table", "cache_seqlens")               # read by packed_if_paged, not options
-FLOAT_OPTIONS = ("bias", "sinks", "alibi_slopes")     # float arrays: rounded to the candidate's dtype
-GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks", "dalibi_slopes", "dkv")
-PER_HEAD = {"dsinks": "sinks", "dalibi_slopes": "alibi_slopes"}
+_KIND = {row.name: row.case for row in OPTION_ROWS if row.case is not None}   # the table's options a case holds
+OPTIONS = tuple(_KIND) + PAGED + tuple(KEEP_STEPS) + ROPE   # + scores.py's steps, by name; rope gathered
+                                                            # into attention_forward's rope={...}
+FLOAT_OPTIONS = tuple(name for name, kind in _KIND.items() if kind == "float")   # rounded to the candidate's dtype
+PER_HEAD = {row.gradient: row.name for row in OPTION_ROWS if row.gradient and row.shape == "heads"}
+GRADIENTS = ("dq", "dk", "dv") + tuple(row.gradient for row in OPTION_ROWS if row.gradient) + ("dkv",)
+CANDIDATES = ("out", "lse") + GRADIENTS[:-1] + ("out_dot", "lse_dot", "dkv")
+FORWARD_MODE = ("out_dot", "lse_dot")
 DESCALES = ("q_descale", "k_descale", "v_descale")
 FP8 = ("descale_block", "intermediate_dtype", "accumulator_bits")   # float8: the descales' block, P's dtype
                                                                      # before P v, the products' accumulator
@@ -155,10 +155,15 @@ def _real(check):
     return lambda arrays, name: check(_scalar(arrays, name, "float"), name)
 
 
-# option -> decode(arrays, name): its Python value, checked by attention_forward's rules
+# an option's kind (options.OPTIONS' case) -> decode(arrays, name): its Python value, checked by
+# attention_forward's rules ('array' and 'float' options: as given)
 _DECODE = {"mask": _mask, "causal": _causal, "window": _window, "align": word(ALIGNMENTS),
-           "scale": _real(require_positive_real), "softcap": _real(require_positive_real),
-           "dropout_p": _real(require_probability), "fully_masked": word(FULLY_MASKED_POLICIES)}
+           "positive": _real(require_positive_real), "probability": _real(require_probability),
+           "policy": word(FULLY_MASKED_POLICIES)}
+
+
+def _as_given(arrays, name):
+    return arrays[name]
 
 
 def _positions(arrays, name):
@@ -210,7 +215,7 @@ def _rope(arrays):
 def decode_options(arrays):
     """attention_forward's keyword arguments from the case; CaseError naming a bad option."""
     try:
-        options = {name: _DECODE[name](arrays, name) if name in _DECODE else arrays[name]
+        options = {name: _DECODE.get(_KIND.get(name), _as_given)(arrays, name)
                    for name in OPTIONS if name in arrays and name not in PAGED and name not in ROPE}
         resolve_alignment(options.get("causal", False), options.get("align"))
         rope = _rope(arrays)

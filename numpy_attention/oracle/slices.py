@@ -16,10 +16,11 @@ gradients it is cut like any other).
 import numpy as np
 
 from .._layout import cut, kv_index, kv_slices, spans_slices, with_head_axis
+from ..options import OPTIONS
 
-SUMMED = ("bias", "sinks", "alibi_slopes")          # options whose gradients sum where they broadcast
-BY_SCORE = ("mask", "bias", "dropout_mask")         # broadcastable to the scores [..., H, N_q, N_k]
-BY_HEAD = ("sinks", "alibi_slopes")                 # broadcastable to [..., H]
+SUMMED = tuple(row.name for row in OPTIONS if row.gradient)   # their gradients sum where they broadcast
+BY_SCORE = tuple(row.name for row in OPTIONS if row.shape == "scores")   # to the scores [..., H, N_q, N_k]
+BY_HEAD = tuple(row.name for row in OPTIONS if row.shape == "heads")     # to [..., H]
 
 
 def case_slices(case):

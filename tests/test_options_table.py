@@ -1,0 +1,72 @@
+"""The one table of options (options.OPTIONS): attention_forward's signature and docstring, the
+record's `given`, the case reader's keys, the oracle's slices, conform's gradients and the tiled
+engine's refusals all follow its rows."""
+import inspect
+
+import numpy as np
+import pytest
+
+import numpy_attention as na
+from numpy_attention.caches import AttentionGrads
+from numpy_attention.conformance.kernels import GRADIENT_OF
+from numpy_attention.options import OPTIONS, attention_options, untiled
+from numpy_attention.oracle import schema, slices
+
+NAMES = [row.name for row in OPTIONS]
+OWN = ["implementation", "block_size", "workers", "scheduler", "page_table", "cache_seqlens", "rope"]
+
+
+def test_attention_forwards_keywords_are_the_rows_and_its_own():
+    params = inspect.signature(na.attention_forward).parameters
+    assert list(params) == ["q", "k", "v"] + NAMES + OWN + ["keep_steps"]
+    for row in OPTIONS:
+        assert params[row.name].default == row.default
+        assert f"\n        {row.name}: " in na.attention_forward.__doc__
+    assert "{options}" not in na.attention_forward.__doc__
+
+
+def test_the_rows_are_unique_and_their_columns_take_known_values():
+    assert len(set(NAMES)) == len(NAMES)
+    for row in OPTIONS:
+        assert row.acts in ("score", "keep", "row", "output", "input"), row
+        assert row.case in (None, "array", "float", "mask", "causal", "align", "window", "positive",
+                            "probability", "policy"), row
+        assert row.shape in (None, "scores", "heads"), row
+        assert row.gradient is None or row.gradient in AttentionGrads._fields, row
+
+
+def test_the_case_reader_and_the_oracle_take_their_lists_from_the_rows():
+    assert [name for name in schema.OPTIONS if name in NAMES] == [row.name for row in OPTIONS if row.case]
+    assert set(schema.FLOAT_OPTIONS) == {row.name for row in OPTIONS if row.case == "float"}
+    for row in OPTIONS:
+        if row.gradient:
+            assert row.gradient in schema.GRADIENTS and row.gradient in schema.CANDIDATES
+            assert GRADIENT_OF[row.name] == row.gradient and row.name in slices.SUMMED
+        assert (row.name in slices.BY_HEAD) == (row.shape == "heads")
+        assert (row.name in slices.BY_SCORE) == (row.shape == "scores")
+
+
+def test_given_names_the_options_set_to_other_than_their_default():
+    q = np.ones((2, 3, 4))
+    assert attention_options(q, q, q)[3].given == frozenset()
+    assert attention_options(q, q, q, softcap=None, dropout_p=0.0, causal=False)[3].given == frozenset()
+    o = attention_options(q, q, q, softcap=2.0, causal=True, bias=np.zeros(3), fully_masked="nan")[3]
+    assert o.given == {"softcap", "causal", "bias", "fully_masked"}
+
+
+VALUES = {"softcap": 2.0, "dropout_mask": np.ones((3, 3), bool)}
+
+
+@pytest.mark.parametrize("name", [row.name for row in OPTIONS if not row.tiled])
+def test_the_tiled_engine_refuses_by_name_each_option_it_lacks(name):
+    q = np.ones((2, 3, 4))
+    assert untiled({name}) == [name]
+    with pytest.raises(ValueError, match=f"the tiled engine .* does not support {name}"):
+        na.attention_forward(q, q, q, implementation="tiled", **{name: VALUES[name]})
+    na.attention_forward(q, q, q, implementation="blocked", **{name: VALUES[name]})
+
+
+def test_an_unknown_keyword_is_refused_with_the_closest_name():
+    q = np.ones((2, 3, 4))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'softcapp'.*softcap"):
+        na.attention_forward(q, q, q, softcapp=2.0)
