@@ -41,7 +41,6 @@ from .engines.tiled import tiled_jvp
 from . import scores
 from .options import attention_options
 from .rope import rope_apply, rope_backward, rope_qk
-from .scores import keep_mask
 from .softmax_row import softmax_row_tangent, with_sink_weight
 
 
@@ -111,8 +110,7 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
                   alibi_slopes_dot=None, **options):
     """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
 
-    options: attention_forward's (mask, bias, causal, window, softcap, dropout, sinks, ALiBi,
-    packed sequences, rope, ...); computed by the textbook, or with implementation='tiled' (or a
+    options: attention_forward's (options.OPTIONS, rope, the keep steps); computed by the textbook, or with implementation='tiled' (or a
     block_size) by the tiled engine's online softmax carrying the tangents (engines/tiled.py,
     tiled_jvp: O(N) memory). A tangent left None is 0.
     """
@@ -162,12 +160,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     D_dot = np.sum(P_dot_row * dP + P_row * dP_dot, axis=-1, keepdims=True)
     dS = (P_row * (dP - D))[..., :n_k]
     dS_dot = (P_dot_row * (dP - D) + P_row * (dP_dot - D_dot))[..., :n_k]
-    keep = keep_mask(o, S_dot.shape)                                                     # 4.
-    if keep is not None:
-        dS, dS_dot = np.where(keep, dS, 0), np.where(keep, dS_dot, 0)
-    if cache.softcap_tanh is not None:                                                   # 2.
-        t, t_dot = cache.softcap_tanh, S_dot / o.softcap       # S_dot = (1 - t^2) S0_dot already
-        dS, dS_dot = dS * (1 - t ** 2), dS_dot * (1 - t ** 2) - 2 * dS * t * t_dot
+    dS, dS_dot = scores.backward_tangent(dS, dS_dot, S_dot, o, scores.Saved(cache.softcap_tanh))   # 4-2.
     q_dot, k_dot = dot["q_dot"], dot["k_dot"]
     grads = AttentionGrads(dq=scaled(grouped_matmul(dS, k), o.scale), dk=scaled(grouped_sum_matmul(dS, q, h_kv), o.scale),
                            dv=dv, dbias=None)

@@ -26,9 +26,8 @@ import numpy as np
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, read_only_copy, require_bool,
                       require_positive_real, require_probability, result_dtype)
 from ._layout import check_window, resolve_alignment
-from .option_checks import (FULLY_MASKED_POLICIES, check_fully_masked, check_mods, check_packed_sequences,
-                            check_qkv, check_sinks_and_slopes, check_topk, check_vjps, dropout_scale,
-                            require_finite)
+from .option_checks import (check_fully_masked, check_mods, check_packed_sequences, check_qkv,
+                            check_sinks_and_slopes, check_topk, check_vjps, dropout_scale, require_finite)
 from .scores import check_keep_steps
 
 class Option(NamedTuple):

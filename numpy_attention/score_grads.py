@@ -1,5 +1,5 @@
-"""The score steps' parameters' gradients (bias, ALiBi's slopes, score_mod's parameters),
-summed block by block: ScoreGrads.
+"""The score steps' and the row's parameters' gradients (bias, ALiBi's slopes, score_mod's
+parameters, the sinks), summed block by block: ScoreGrads.
 
 An engine differentiates the score steps on blocks (scores.backward); each block's dS_3
 (the gradient of step 3's output) gives its part of
@@ -8,13 +8,17 @@ An engine differentiates the score steps on blocks (scores.backward); each block
     dalibi_slopes   -sum dS_3 |i + N_k - N_q - j| over each slope's rows
     dscore_mod_params   by complex step through score_mod (score_mods.py)
 
+and the softmax row's (softmax_row.py) sink column of dS gives its part of
+
+    dsinks          the column summed over each head's rows
+
 and ScoreGrads adds those parts over a region of the scores, then the regions in a fixed
 order (total), so that the bits do not depend on how the blocks were cut or where they ran.
 """
 import numpy as np
 
 from ._layout import index_ranges, unbroadcast
-from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient
+from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient, head_gradient
 
 
 def _bounds(indices, shape):
@@ -33,18 +37,21 @@ class ScoreGrads:
     tasks ran.
         bias      dbias: each block's dS_3 summed to the bias's part it broadcast to
         ALiBi     each row's -sum_j dS_3 |i + N_k - N_q - j| (alibi_row_gradient)
+        sinks     each head's sum of its sink column's dS over the block's rows (add_sink)
     """
 
     def __init__(self, options, score_shape, dtype, region=WHOLE):
         o, self.options, self.score_shape = options, options, tuple(score_shape)
         self.region = _bounds(region if isinstance(region, list) else [region], score_shape)
-        self.dbias = self.rows = None
+        self.dbias = self.rows = self.sinks = None
         if o.bias is not None:                      # the bias's part the region reads
             self.bias_shape = (1,) * (len(score_shape) - o.bias.ndim) + o.bias.shape
             self.bias_at = self._bias_part(self.region)
             self.dbias = np.zeros([s.stop - s.start for s in self.bias_at], dtype)
         if o.alibi_slopes is not None:              # its rows [..., H, N_q]
             self.rows = np.zeros([s.stop - s.start for s in self.region[:-1]], dtype)
+        if o.sinks is not None:                     # its heads [..., H]
+            self.sinks = np.zeros([s.stop - s.start for s in self.region[:-2]], dtype)
         self.mod = None if o.score_mod_params is None else \
             {name: np.zeros(x.shape, np.result_type(dtype, x.real.dtype)) for name, x in o.score_mod_params.items()}
 
@@ -64,6 +71,13 @@ class ScoreGrads:
             self.rows[within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
                 ds, self.options, self.score_shape, index)
 
+    def add_sink(self, dsink, index):
+        """Add the block S[index]'s sink gradient, dsink [..., heads]: its sink column of dS summed
+        over the block's rows."""
+        ranges = index_ranges(index, self.score_shape)[:-2]
+        self.sinks[tuple(slice(p.start - r.start, p.stop - r.start, p.step)
+                         for p, r in zip(ranges, self.region[:-2]))] += dsink
+
     def add_mod(self, grads):
         """Add a block's score_mod_params gradients {name: gradient}."""
         for name, g in grads.items():
@@ -76,8 +90,8 @@ class ScoreGrads:
 
     @staticmethod
     def total(parts, options, score_shape, dtype):
-        """{"dbias": ..., "dalibi_slopes": ..., "dscore_mod_params": ...} (each None without its
-        option) from the regions' ScoreGrads `parts`, added in their order."""
+        """{"dbias": ..., "dalibi_slopes": ..., "dscore_mod_params": ..., "dsinks": ...} (each None
+        without its option) from the regions' ScoreGrads `parts`, added in their order."""
         o = options
         whole = ScoreGrads(o, score_shape, dtype)
         for part in parts:
@@ -85,8 +99,11 @@ class ScoreGrads:
                 whole.dbias[part.bias_at] += part.dbias
             if whole.rows is not None:
                 whole.rows[part.region[:-1]] += part.rows
+            if whole.sinks is not None:
+                whole.sinks[part.region[:-2]] += part.sinks
             if whole.mod is not None:
                 whole.add_mod(part.mod)
         return {"dbias": None if o.bias is None else whole.dbias.reshape(o.bias.shape),
                 "dalibi_slopes": None if o.alibi_slopes is None else alibi_slopes_gradient(whole.rows, o),
-                "dscore_mod_params": whole.mod}
+                "dscore_mod_params": whole.mod,
+                "dsinks": None if o.sinks is None else head_gradient(whole.sinks, o.sinks)}

@@ -23,11 +23,12 @@ Each step, on any block:
                the gradients of the steps' parameters (bias, ALiBi's slopes, score_mod's) go to
                a `ScoreGrads` (score_grads.py), which sums them block by block
     tangent    `tangent`: steps 2-4 in forward mode, S_dot from (scale q k^T)_dot and the
-               parameters' tangents
+               parameters' tangents; `backward_tangent`: the backward's steps 4-2 in forward
+               mode (a Hessian-vector product's)
     keep       `keep_mask`: which scores of the block step 4 keeps
 FlexAttention's score_mod and mask_mod are called, and differentiated, by score_mods.py.
-The sink's column (5) is the softmax's: `with_sink`, `with_sink_weight`, and its gradient
-sums the column's dS per head (`head_gradient`). A low-precision recipe (oracle/recipe.py)
+The sink's column (5) is the softmax row's (softmax_row.py); its gradient sums the column's
+dS per head (`head_gradient`). A low-precision recipe (oracle/recipe.py)
 runs the same steps with its roundings (`Rounding`).
 
 Backward and tangent, step by step (docs/derivations.md):
@@ -337,3 +338,21 @@ def tangent(s_dot, options, score_shape=None, index=WHOLE, saved=Saved(), keep=U
         s_dot = score_mod_slope(o, saved.mod_input, mod_indices(shape, index)) * s_dot
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     return s_dot if keep is None else np.where(keep, s_dot, 0)   # 4. 0 where masked
+
+
+def backward_tangent(ds, ds_dot, s_dot, options, saved=Saved()):
+    """Steps 4-2 of the backward in forward mode on the whole scores (attention_hvp): (dS_1,
+    dS_1_dot) from dS, its tangent ds_dot and S_dot (`tangent`'s, with no parameter's tangent:
+    they are constants here; no score_mod, whose second derivative this would need).
+        4. dS_3 = dS where kept, 0 elsewhere;  the same for dS_dot
+        2. dS_1 = dS_3 (1 - t^2),  dS_1_dot = dS_3_dot (1 - t^2) - 2 dS_3 t t_dot,
+           t_dot = (1 - t^2) S_1_dot / softcap = S_dot / softcap
+    """
+    keep = keep_mask(options, ds.shape)
+    if keep is not None:
+        ds, ds_dot = np.where(keep, ds, 0), np.where(keep, ds_dot, 0)
+    t = saved.softcap_tanh
+    if t is None:
+        return ds, ds_dot
+    t_dot = s_dot / options.softcap
+    return ds * (1 - t ** 2), ds_dot * (1 - t ** 2) - 2 * ds * t * t_dot

@@ -57,7 +57,7 @@ from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .caches import TEXTBOOK, AttentionCache, AttentionGrads, AttentionStages
 from . import scores
 from .score_grads import ScoreGrads
-from .scores import attention_scores, head_gradient
+from .scores import WHOLE, attention_scores
 from .softmax import plain_softmax
 from .softmax_row import softmax_row, softmax_row_backward, with_sink
 
@@ -144,12 +144,12 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     recompute = lambda: with_sink(attention_scores(q, k, o)[0], o)   # S_row again, for 'flash'
     dS, dsink = softmax_row_backward(method, dP, D, P, cache.lse, cache.top[..., None], dlse, o,
                                      scores=recompute)   # dS = P * (dP - D) (+ P * dlse)
-    dsinks = None if dsink is None else head_gradient(np.sum(dsink, axis=-1), o.sinks)   # per head
-    params = ScoreGrads(o, P.shape, dS.dtype)       # 4-2. 0 where masked; score_mod, bias, ALiBi and
-    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   # their parameters'; softcap
+    params = ScoreGrads(o, P.shape, dS.dtype)       #    the parameters' gradients (the sink's, then
+    if dsink is not None:                           #    4-2. score_mod's, the bias's, ALiBi's)
+        params.add_sink(np.sum(dsink, axis=-1), WHOLE)
+    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   # 4-2. 0 where masked; softcap
     dS_softcap, dS = scores.backward(dS, o, saved=saved, grads=params, stage=True)
     dq = scaled(grouped_matmul(dS_softcap, k), o.scale)   # 1. S = scale q k^T:  dq = scale dS k
     dk = scaled(grouped_sum_matmul(dS_softcap, q, h_kv), o.scale)   #    dk = scale dS^T q
     stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None
-    return AttentionGrads(dq=dq, dk=dk, dv=dv, stages=stages, dsinks=dsinks,
-                          **ScoreGrads.total([params], o, P.shape, dS.dtype))
+    return AttentionGrads(dq=dq, dk=dk, dv=dv, stages=stages, **ScoreGrads.total([params], o, P.shape, dS.dtype))

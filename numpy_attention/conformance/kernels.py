@@ -14,11 +14,11 @@
              case .npz at {in}, writes its results .npz at {out}
 
 The options are crosscheck's case keys (oracle/schema.py), as Python values where they are
-scalars (causal True or 'bottom_right', scale, softcap, dropout_p), window as a tuple
-(left, right), and arrays or tensors otherwise: mask and dropout_mask bool, bias, sinks and
-alibi_slopes in the dtype (with gradients, torch tensors that require grad: their .grad is
-judged too, as dbias, dsinks, dalibi_slopes), cu_seqlens_q, cu_seqlens_k, page_table,
-cache_seqlens int32. A command's input file is the case itself: q, k, v, dout as float32
+scalars (causal True or 'bottom_right', the scale, a probability), a window as a tuple
+(left, right), and arrays or tensors otherwise: keep-masks bool, the float options
+(schema.FLOAT_OPTIONS) in the dtype (with gradients, torch tensors that require grad: their
+.grad is judged too, by GRADIENT_OF's names), the sequences' offsets and a page table
+int32. A command's input file is the case itself: q, k, v, dout as float32
 arrays holding values of the dtype that its `precision` key names (float32, bfloat16,
 float16); its output file holds out and any of lse, dq, dk, dv, dbias, dsinks, dalibi_slopes,
 in any float dtype crosscheck reads (storage.py).

@@ -39,7 +39,7 @@ from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, with
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
 from .. import scores
 from ..score_grads import ScoreGrads
-from ..scores import head_gradient, keep_mask
+from ..scores import keep_mask
 from .parallel import run_tasks
 from ..softmax_row import softmax_row, softmax_row_backward, with_sink
 
@@ -182,7 +182,6 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     dtype = np.result_type(dout, p)
     dq, dk, dv = np.empty(q3.shape, dtype), np.empty(k3.shape, dtype), np.empty(v3.shape, dtype)
     D = np.empty(score_shape[:-1], dtype)                            # [..., H, N_q] rowsum(dout * out)
-    dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], dtype)          # [..., H]
     dP = np.empty(score_shape, dtype) if return_stages else None     # whole stages when asked for,
     dS = np.empty(score_shape, dtype) if return_stages else None
     def backward_block(block, dkT, dvT, params):                     # dk^T, dv^T: its kv heads' sums
@@ -207,7 +206,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
                                          None if dlse is None else dlse3[block], o, score_shape, index,
                                          scores=recompute, overwrite_dp=True)
         if dsink is not None:                                        #    the sink's column: dsinks
-            dsinks[block[:-1]] += dsink.sum(axis=-1)
+            params.add_sink(dsink.sum(axis=-1), index)
         ds = scores.backward(ds, o, score_shape, index, saved.at(index), keep, params,   # 4-2.
                              stage=dS is not None)
         if dS is not None:                                           # the whole stage dS
@@ -234,9 +233,8 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     if return_stages:
         stages = AttentionStages(dP=dP.reshape(cache.weights.shape), dS=dS.reshape(cache.weights.shape),
                                  D=D.reshape(cache.lse.shape))
-    dsinks = None if dsinks is None else head_gradient(dsinks, o.sinks)
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
-                          dv=dv.reshape(cache.v.shape), stages=stages, dsinks=dsinks,
+                          dv=dv.reshape(cache.v.shape), stages=stages,
                           **ScoreGrads.total(regions, o, score_shape, dtype))
 
 

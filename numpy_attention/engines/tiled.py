@@ -35,11 +35,9 @@ forward's query tiles i, each reading all of k and v; the backward's slices, one
 index, kv head), each summing its own dk_j, dv_j over its query tiles in order, so the bits do
 not depend on where or on how many workers the tasks run.
 
-Supported: mask, bias, causal (both alignments), window, scale, GQA, ALiBi, score_mod and
-mask_mod (scores.py's steps on each tile; a tile that mask_mod removes is skipped),
-sinks (each row's online softmax starts from its sink: m = sink, l = 1), packed sequences and
-the paged KV cache (through keep_mask), fully_masked='zero'; its plan (engines/plan.py)
-refuses softcap, dropout and the other policies. The backward is the 'flash' form ('vjp'
+Supported: every option whose row of options.OPTIONS says tiled (scores.py's steps on each
+tile; a tile that the keep steps remove is skipped; a sink starts each row's online softmax:
+m = sink, l = 1) with fully_masked='zero'; its plan (engines/plan.py) refuses the others. The backward is the 'flash' form ('vjp'
 names the same computation here); method='jacobian' and return_stages need the [N_q, N_k]
 weights: ValueError.
 """
@@ -53,7 +51,7 @@ from .._layout import (grouped_matmul, grouped_sum_matmul, kv_index, kv_slices, 
 from .. import scores
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..score_grads import ScoreGrads
-from ..scores import head_gradient, heads_view, keep_mask
+from ..scores import heads_view, keep_mask
 from .parallel import run_tasks
 
 
@@ -227,14 +225,8 @@ def tiled_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fals
                         plan.scheduler)
     for at, (dq_s, dk_s, dv_s, _) in zip(slices, results):
         dq[at], dk[kv_index(at, group)], dv[kv_index(at, group)] = dq_s, dk_s, dv_s
-    dsinks = None
-    if o.sinks is not None:                                             # dsink = P_sink (dlse - D)
-        with np.errstate(invalid="ignore"):
-            p_sink = np.exp(_row_sinks(o, score_shape) - lse)           # [..., H, N_q]
-        dsinks = head_gradient(-np.sum(p_sink * D, axis=-1), o.sinks)
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape),
-                          dv=dv.reshape(cache.v.shape), dsinks=dsinks,
-                          **ScoreGrads.total([r[-1] for r in results], o, score_shape, dout3.dtype))
+                          dv=dv.reshape(cache.v.shape), **ScoreGrads.total([r[-1] for r in results], o, score_shape, dout3.dtype))
 
 
 def _backward_slice(at, q, dout, D, lse, k, v, *, o, block_size, score_shape):
@@ -262,6 +254,10 @@ def _backward_slice(at, q, dout, D, lse, k, v, *, o, block_size, score_shape):
             ds = scores.backward(ds, o, score_shape, tile, saved, keep, params)   # 4-3.
             dq[..., rows, :] += scaled(grouped_matmul(ds, k[..., cols, :]), o.scale)   # dq_i += scale dS k_j
             dk[..., cols, :] += grouped_sum_matmul(ds, q_i, n_kv)       # dk_j += dS^T (scale q_i)
+    if o.sinks is not None:                                             # dsink = P_sink (dlse - D), summed
+        with np.errstate(invalid="ignore"):                             # over the rows
+            p_sink = np.exp(_row_sinks(o, score_shape)[at] - lse)       # [.., G, N_q]
+        params.add_sink(-np.sum(p_sink * D, axis=-1), at + (slice(None), slice(None)))
     return dq, dk, dv, params
 
 

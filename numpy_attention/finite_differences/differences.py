@@ -18,8 +18,8 @@ Default atol, a roundoff floor (default_atol):
     complex     0: each input is held to rtol against its own largest entry, so a small
                 (vanishing) gradient is checked as strictly as a large one. The exception is
                 an input whose whole gradient is below 100 * eps_mach * the largest derivative
-                of any checked input in the call: a gradient that is exactly zero (a key
-                bias's without softcap: softmax ignores a constant shift of a row) is computed
+                of any checked input in the call: a gradient that is exactly zero (a bias
+                constant along a row's keys: softmax ignores a constant shift of a row) is computed
                 as cancelling terms and lands near eps, not 0, so that floor is its atol;
     central /   10 * eps_mach * max(1, |f|) / h, below which finite differences see only noise.
     richardson  A step h <= eps_mach * max(1, |x|) is refused (require_step_moves): x + h

@@ -60,7 +60,7 @@ def taylor_test(forward, backward, inputs, *, wrt=None, seed=0, h0=1e-1, n_steps
     """Eps-free gradient check: the order of the first-order Taylor remainder r1 (module docstring).
 
     The roundoff floor is 1e3 * eps_mach * sum |u * forward(x)| (the size of L's terms);
-    steps whose remainder sinks to it are left out of the order.
+    steps whose remainder falls to it are left out of the order.
 
     Args:
         forward, backward, inputs: as for `gradcheck`; the real floating arrays are checked.

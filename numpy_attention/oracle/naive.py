@@ -61,7 +61,7 @@ import numpy as np
 from .. import scores
 from .._layout import with_head_axis
 from ..score_grads import ScoreGrads
-from ..scores import head_gradient, keep_mask
+from ..scores import keep_mask
 from ..softmax_row import masked_row_weight, with_sink
 from .row_blocks import block_of, row_slices
 
@@ -179,7 +179,6 @@ def naive_attention(q, k, v, options, dout=None):
     dk = np.zeros(q3.shape[:-3] + k3.shape[-3:-1] + q3.shape[-1:], dtype)   # running sums over the rows
     dv = np.zeros(q3.shape[:-3] + v3.shape[-3:], dtype)
     params = ScoreGrads(o, score_shape, dtype)                      # dbias, dslopes, dscore_mod_params
-    dsinks = None if o.sinks is None else np.zeros(score_shape[:-2], dtype)   # [..., H]
     for g in range(groups):
         for rows in row_slices(score_shape[-2], CHUNK):
             index = (Ellipsis, slice(g, None, groups), rows)           # the tile's scores: index + (cols,)
@@ -195,12 +194,10 @@ def naive_attention(q, k, v, options, dout=None):
                 dk[..., run, :] += dk_t[..., cols, :]
                 dv[..., run, :] += dv_t[..., cols, :]
             if o.sinks is not None:
-                dsinks[..., g::groups] += f["dsink"]
+                params.add_sink(f["dsink"], index + (slice(None),))
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
     if dout3 is not None:
         result.update(dq=dq.reshape(q.shape), dk=(o.scale * dk).reshape(k.shape), dv=dv.reshape(v.shape))
-        if dsinks is not None:
-            result["dsinks"] = head_gradient(dsinks, o.sinks)
         result.update({name: g for name, g in ScoreGrads.total([params], o, score_shape, dtype).items()
                        if g is not None})
     return result

@@ -21,8 +21,8 @@ judged again against all of them: a report that fails is the one against every w
 that passes computes the first forward alone.
 
 A large case (scores [..., H, N_q, N_k] over row_blocks.SCORE_BUDGET entries) runs in O(N)
-memory plus its own arrays: the oracle on the tiled engine (no softcap, dropout or
-fully_masked other than 'zero': CaseError), the baselines and the term magnitudes in blocks
+memory plus its own arrays: the oracle on the tiled engine (an option options.untiled names,
+or fully_masked other than 'zero': CaseError), the baselines and the term magnitudes in blocks
 of query rows (row_blocks.py), with the same results as whole arrays; no diagnosis.
 The oracle's runs, the baselines' forwards (a large case's slices) and the tensors' verdicts run
 on `workers` threads (engines/parallel.py), the report bitwise the same for any number.
