@@ -118,6 +118,8 @@ OPTIONS = (
            "topk_indices."),
 )
 KEYWORDS = tuple(row.name for row in OPTIONS)
+GRADIENTS = tuple(row.gradient for row in OPTIONS if row.gradient)           # AttentionGrads' of the options
+HEAD_GRADIENTS = tuple(row.gradient for row in OPTIONS if row.gradient and row.shape == "heads")   # [..., H]
 _DEFAULTS = {row.name: row.default for row in OPTIONS}
 
 

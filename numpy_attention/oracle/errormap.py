@@ -40,15 +40,15 @@ import os
 import numpy as np
 
 from .._files import replacing
+from ..options import HEAD_GRADIENTS
 from .verdicts import crosscheck
 from .rule import abs_errors, baseline_rows, judge
 
 DECADES = 4             # the colour scale spans ratios 10^-4 .. 10^4 (beyond: the end colours)
 PANEL_HEIGHT = 2.4      # inches per tensor
 DPI = 100
-_AFTER_HEAD = {"lse": 1, "lse_dot": 1, "dsinks": 0, "dalibi_slopes": 0}   # axes after the head's; else 2
-_ROWS = {"dk": "key row", "dv": "key row", "dsinks": "one entry per head",
-         "dalibi_slopes": "one entry per head"}                        # else "query row"
+_AFTER_HEAD = {"lse": 1, "lse_dot": 1, **{name: 0 for name in HEAD_GRADIENTS}}   # axes after the head's; else 2
+_ROWS = {"dk": "key row", "dv": "key row", **{name: "one entry per head" for name in HEAD_GRADIENTS}}   # else "query row"
 _HEADS = {"dk": "kv head", "dv": "kv head", "dbias": "bias head"}      # else "head"
 _FEATURES = {"out": "d_v", "out_dot": "d_v", "dv": "d_v", "dq": "d_k", "dk": "d_k", "dbias": "key column"}
 

@@ -29,6 +29,7 @@ of packed sequences over the rows of its sequence alone; so do its terms.
 import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
+from ..options import GRADIENTS
 from ..scores import slopes_sum
 from .rule import ATOL_ULPS
 
@@ -142,7 +143,7 @@ def magnitudes_of(sums, inputs, options):
         mags.update(dv=sums["dv"] * np.abs(inputs["dout"]).max(initial=0),
                     dq=scale * sums["dq"] * k.max(initial=0),
                     dk=scale * sums["dk"] * q.max(initial=0))
-        mags.update({name: sums[name] for name in ("dbias", "dsinks", "dalibi_slopes") if name in sums})
+        mags.update({name: sums[name] for name in GRADIENTS if name in sums})
     return mags
 
 

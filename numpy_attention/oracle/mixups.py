@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..attention import attention_backward, attention_forward
+from ..options import GRADIENTS
 from ..score_mods import numpy_mod
 from ..topk import block_indices, listed, topk_lists
 
@@ -69,8 +70,7 @@ def rerun_oracle(inputs, options, gradients, mixup, latent=None):
         dq = grads.dq
         if unscaled != 1.0:
             dq = np.concatenate([dq[..., :latent], dq[..., latent:] / unscaled], axis=-1)
-        result.update(dq=dq, dk=dk, dv=dv, dbias=grads.dbias, dsinks=grads.dsinks,
-                      dalibi_slopes=grads.dalibi_slopes)
+        result.update(dq=dq, dk=dk, dv=dv, **{name: getattr(grads, name) for name in GRADIENTS})
         if latent is not None:                       # MLA: kv's gradient, from both of its uses
             dkv = dk.copy()
             at = slice(None, latent) if mixup.latent != "values_last" else slice(dk.shape[-1] - latent, None)

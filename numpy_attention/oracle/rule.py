@@ -91,8 +91,10 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-K_DEFAULT = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dbias": 3.0, "dsinks": 3.0,
-             "dalibi_slopes": 3.0, "out_dot": 3.0, "lse_dot": 3.0}
+from ..options import GRADIENTS
+
+K_DEFAULT = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, **{name: 3.0 for name in GRADIENTS},
+             "out_dot": 3.0, "lse_dot": 3.0}
 ATOL_ULPS = 4
 K_L2 = 2.0
 WIDTH = 100                     # the report's longest line

@@ -20,7 +20,7 @@ from ..caches import TEXTBOOK
 from ..engines.parallel import run_tasks
 from ..engines.plan import PARALLEL_SCORES, attention_plan
 from ..engines.tiled import tile_scores
-from ..options import attention_options, untiled
+from ..options import GRADIENTS, attention_options, untiled
 from ..paged import scatter_keys, unpack_rows
 from . import row_blocks
 from .schema import CANDIDATES, FLOAT_OPTIONS, CaseError
@@ -101,8 +101,7 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
         result.update(zip(("dq", "dk"), (dq, dk) if back is None else back(dq, dk)), dv=g.dv)
         if stages:
             result.update(dP=g.stages.dP, dS=g.stages.dS, D=g.stages.D)
-        result.update({name: value for name, value in (("dbias", g.dbias), ("dsinks", g.dsinks),
-                                                       ("dalibi_slopes", g.dalibi_slopes)) if value is not None})
+        result.update({name: getattr(g, name) for name in GRADIENTS if getattr(g, name) is not None})
     return result
 
 
