@@ -106,9 +106,9 @@ def test_unknown_names_are_refused_by_argument_with_a_guess():
     with pytest.raises(TypeError, match="seed"):
         cases(seed=True)
     with pytest.raises(ValueError, match="budget"):
-        na.conform(examples.numpy_float32, budget=0)
+        na.conform(examples.numpy_float32, budget=0, properties=())
     with pytest.raises(ValueError, match="kind must be one of"):
-        na.conform(examples.numpy_float32, kind="cuda")
+        na.conform(examples.numpy_float32, kind="cuda", properties=())
 
 
 @pytest.mark.parametrize("case", cases(dtypes=("float32", "float16"), supports=("causal", "lse"))[:4], ids=str)
@@ -151,7 +151,7 @@ def test_torch_examples_pass_on_a_small_budget(name, clock):
     pytest.importorskip("torch", reason=TORCH_REASON)
     kernel = getattr(examples, name)
     isolate = name == "torch_sdpa"                  # one through a worker process; a worker's start costs
-    report = na.conform(kernel, budget=4.5, isolate=isolate)               # 5 cases (the clock)
+    report = na.conform(kernel, budget=4.5, isolate=isolate, properties=())               # 5 cases (the clock)
     assert len(report.results) == 5 and report.kind == "torch", report
     assert all(r.status == "PASS" for r in report.results) and report.status == "INCOMPLETE", report
 
@@ -159,7 +159,7 @@ def test_torch_examples_pass_on_a_small_budget(name, clock):
 @pytest.mark.slow
 def test_jax_example_passes_on_a_small_budget(clock):
     pytest.importorskip("jax", reason=JAX_REASON)
-    report = na.conform(examples.jax_xla, budget=1.5)
+    report = na.conform(examples.jax_xla, budget=1.5, properties=())
     assert len(report.results) == 2 and report.fully_masked == "uniform", report
     assert all(r.status == "PASS" for r in report.results), report
 
@@ -172,7 +172,7 @@ def test_a_kernel_that_raises_is_an_error_row(clock):
         return examples.numpy_float32(q, k, v, **options)
 
     grid = cases(dtypes=("float32",), supports=("causal",))
-    report = na.conform(breaks_on_causal, dtypes=("float32",), budget=5.5, isolate=False)   # 3 rounds of 2 cells
+    report = na.conform(breaks_on_causal, dtypes=("float32",), budget=5.5, isolate=False, properties=())   # 3 rounds of 2 cells
     assert not report and len(report.results) == 6
     errors = [r for r in report.results if r.status == "ERROR"]
     assert errors and all(r.case.cell == "causal" and r.error == "RuntimeError: no causal here" for r in errors)
@@ -215,7 +215,7 @@ def test_declare_checks_what_it_is_given(clock):
     with pytest.raises(TypeError, match="declare.. cannot attach to a command line"):
         declare("prog {in} {out}", supports=("causal",))
     kernel = declare(lambda q, k, v, **options: q, kind="numpy", dtypes="float16")
-    report = na.conform(kernel, budget=0.5, isolate=False)                 # one case, by the clock
+    report = na.conform(kernel, budget=0.5, isolate=False, properties=())                 # one case, by the clock
     assert report.dtypes == ("float16",) and [r.status for r in report.results] == ["ERROR"]
     assert report.results[0].error == "KernelError: a numpy kernel returns a dict with 'out' (and 'lse', 'dq', ...), got ndarray"
 
@@ -299,7 +299,7 @@ def test_a_failing_run_saves_each_shrunk_case_for_crosscheck(tmp_path, clock, mo
 
     monkeypatch.setattr(run, "plot_error_maps", plot_error_maps)
     report = na.conform(conform_bugs.gqa_interleaved, dtypes=("float32",), budget=8.5, out_dir=tmp_path / "out",
-                        isolate=False)
+                        isolate=False, properties=())
     assert not report and len(report.results) == 9
     (failure,) = report.failures
     assert (failure.option, failure.dtype) == ("gqa", "float32") and failure.shrunk.case.tokens <= FEW_TOKENS
@@ -319,7 +319,7 @@ def test_without_the_picture_the_case_is_still_saved(tmp_path, clock, monkeypatc
         raise ImportError("matplotlib is not installed")
     monkeypatch.setattr(run, "plot_error_maps", no_matplotlib)
     report = na.conform(conform_bugs.scale_off, dtypes=("float32",), supports=("gradients",),
-                        budget=3.5, out_dir=tmp_path, isolate=False)
+                        budget=3.5, out_dir=tmp_path, isolate=False, properties=())
     assert report.failures and all(f.picture is None and f.file for f in report.failures)
 
 
@@ -327,7 +327,7 @@ def test_without_the_picture_the_case_is_still_saved(tmp_path, clock, monkeypatc
 
 def test_the_budget_stops_new_cases_and_the_table_says_how_many_ran(clock):
     report = na.conform(examples.numpy_float32, dtypes=("float32",), supports=("causal",), budget=2.5,
-                        isolate=False)
+                        isolate=False, properties=())
     assert len(report.results) == 3 and report.grid_size == PER_ROLE * 14   # clock: 0 | 1, 2, 3 | 4
     assert str(report).startswith("conform: numpy_attention.conformance.examples:numpy_float32 (numpy), seed 0\n"
                                   f"3 of {PER_ROLE * 14} cases of the grid run in 4 s (budget 2.5 s) -> INCOMPLETE\n"
@@ -336,7 +336,7 @@ def test_the_budget_stops_new_cases_and_the_table_says_how_many_ran(clock):
 
 
 def test_the_json_report(clock):
-    report = na.conform(conform_bugs.causal_shifted, dtypes=("float16",), budget=5.5, isolate=False)
+    report = na.conform(conform_bugs.causal_shifted, dtypes=("float16",), budget=5.5, isolate=False, properties=())
     data = json.loads(report.to_json())
     assert data["passed"] is False and data["cases_run"] == 6 == len(data["cases"]) and data["grid_cases"] == PER_ROLE * 21
     assert {"kernel", "kind", "seed", "dtypes", "supports", "budget", "seconds", "cells"} <= set(data)
@@ -379,12 +379,14 @@ def test_the_progress_bar_and_lines():
 @pytest.mark.slow
 def test_command_exit_codes(tmp_path, clock, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--quiet", "--budget"]
+    argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--quiet", "--properties", "none",
+            "--budget"]
     assert main(argv + ["2.5", "--dtypes", "float32,bfloat16", "--options", "causal", "lse"]) == 1
     assert f"3 of {PER_ROLE * 28} cases of the grid run" in capsys.readouterr().out      # and not passed
     assert main(argv + ["6.5", "--dtypes", "float16", "--options", ""]) == 0             # each role of plain
     assert "7 of 14 cases of the grid run" in capsys.readouterr().out
-    assert main(["conform", "conform_bugs:scale_off", "--quiet", "--budget", "4.5", "--json", "--dtypes", "float32"]) == 1
+    assert main(["conform", "conform_bugs:scale_off", "--quiet", "--budget", "4.5", "--json", "--dtypes", "float32",
+                 "--properties", "none"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["passed"] is False and data["cells"][0]["smallest_failing"]["file"].startswith("conform-failures/")
     assert (tmp_path / data["cells"][0]["smallest_failing"]["file"]).is_file()

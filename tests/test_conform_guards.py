@@ -61,7 +61,8 @@ def test_a_write_into_an_argument_is_an_error(name, option):
 
 @pytest.mark.slow
 def test_a_kernel_that_drops_the_mask_and_says_so_in_it_fails_the_command(tmp_path, clock, capsys):
-    argv = ["conform", "conform_hostile:drops_mask", "--quiet", "--budget", "3.5", "--out", str(tmp_path)]
+    argv = ["conform", "conform_hostile:drops_mask", "--quiet", "--budget", "3.5", "--out", str(tmp_path),
+            "--properties", "none"]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "mask          float32       2    2/7       0       0       2" in out, out
@@ -95,7 +96,7 @@ def test_what_a_kernel_returns_besides_its_results_is_not_read():
 ], ids=["segfault", "abort", "os._exit", "sys.exit"])
 def test_a_crash_or_an_exit_is_one_cases_error(kernel, error, clock, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)                         # a core file, where the system writes one
-    report = na.conform(kernel, budget=3.5, out_dir=tmp_path / "out")
+    report = na.conform(kernel, budget=3.5, out_dir=tmp_path / "out", properties=())
     assert [attacked(r.case) for r in report.results] == [False, True, False, False]
     assert [r.status for r in report.results] == ["PASS", "ERROR", "PASS", "PASS"]
     assert report.results[1].error.startswith(error), report.results[1].error
@@ -105,7 +106,7 @@ def test_a_crash_or_an_exit_is_one_cases_error(kernel, error, clock, tmp_path, m
 
 @pytest.mark.slow
 def test_a_hung_case_is_a_timeout_row_and_the_sweep_goes_on(clock):
-    report = na.conform(conform_hostile.hangs, budget=3.5, timeout=TIMEOUT)
+    report = na.conform(conform_hostile.hangs, budget=3.5, timeout=TIMEOUT, properties=())
     assert [r.status for r in report.results] == ["PASS", "TIMEOUT", "PASS", "PASS"]
     hung = report.results[1]
     assert attacked(hung.case) and TIMEOUT <= hung.seconds < TIMEOUT + SLACK
@@ -115,7 +116,7 @@ def test_a_hung_case_is_a_timeout_row_and_the_sweep_goes_on(clock):
 
 
 def test_an_exit_in_this_process_is_an_error_row_too(clock):
-    report = na.conform(conform_hostile.exits_3, budget=1.5, isolate=False)
+    report = na.conform(conform_hostile.exits_3, budget=1.5, isolate=False, properties=())
     assert report.timeout is None and [r.status for r in report.results] == ["PASS", "ERROR"]
     assert report.results[1].error.startswith("SystemExit(3) raised in _exits_3 (conform_hostile.py:")
 
@@ -159,10 +160,10 @@ def test_a_score_mod_that_exits_ends_crosscheck_with_exit_2(tmp_path, monkeypatc
 def test_a_kernel_the_worker_cannot_load_is_refused_before_the_sweep():
     with pytest.raises(TypeError, match=r"the kernel .*<lambda> cannot be loaded in a worker process "
                                         r"\(AttributeError: Can't pickle local object.*isolate=False"):
-        na.conform(lambda q, k, v, **options: examples.numpy_float32(q, k, v, **options), dtypes="float32")
+        na.conform(lambda q, k, v, **options: examples.numpy_float32(q, k, v, **options), dtypes="float32", properties=())
     with pytest.raises(TypeError, match=r"Unloadable cannot be loaded in a worker process \(RuntimeError: "
                                         r"this kernel is not to be unpickled\)"):
-        na.conform(conform_hostile.Unloadable(), dtypes="float32", kind="numpy")
+        na.conform(conform_hostile.Unloadable(), dtypes="float32", kind="numpy", properties=())
 
 
 def test_what_a_kernel_prints_stays_off_the_json(tmp_path, clock, capfd, monkeypatch):
@@ -170,7 +171,8 @@ def test_what_a_kernel_prints_stays_off_the_json(tmp_path, clock, capfd, monkeyp
                                                  "from conform_hostile import prints as kernel\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    assert main(["conform", "talks_at_import:kernel", "--quiet", "--json", "--budget", "1.5"]) == 1
+    assert main(["conform", "talks_at_import:kernel", "--quiet", "--json", "--budget", "1.5", "--properties",
+                 "none"]) == 1
     out, err = capfd.readouterr()
     assert json.loads(out)["cases_run"] == 2
     assert "importing the kernel" in err and "the kernel says hello" in err and "C code says hello" in err
@@ -202,7 +204,7 @@ def test_a_ctrl_c_prints_the_cases_judged_so_far(tmp_path):
 @pytest.mark.slow
 def test_a_worker_whose_run_was_killed_ends_itself(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
-    code = "import conform_hostile, numpy_attention as na; na.conform(conform_hostile.tells_and_hangs)"
+    code = "import conform_hostile, numpy_attention as na; na.conform(conform_hostile.tells_and_hangs, properties=())"
     with subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env) as run:
         deadline = time.monotonic() + 120
         while not (tmp_path / "worker.pid").exists() and time.monotonic() < deadline:
@@ -279,9 +281,9 @@ def test_a_hung_command_is_a_timeout_row_and_all_it_started_is_stopped(tmp_path)
 @pytest.mark.slow
 def test_every_report_line_is_at_most_100_columns(clock):
     failing = na.conform(conform_bugs.scale_off, dtypes="float32", supports=("causal", "gqa", "gradients"),
-                         budget=5.5)
+                         budget=5.5, properties=())
     assert failing.failures and any(f.shrunk.report.diagnosis for f in failing.failures)
-    erring = na.conform(conform_hostile.exits, budget=3.5, supports=("causal", "gqa", "window"))
+    erring = na.conform(conform_hostile.exits, budget=3.5, supports=("causal", "gqa", "window"), properties=())
     long_kernel = failing._replace(kernel=f"{sys.executable} " + " ".join(["--a-long-option-name"] * 8))
     for report in (failing, erring, long_kernel):
         lines = str(report).splitlines()
@@ -289,7 +291,7 @@ def test_every_report_line_is_at_most_100_columns(clock):
 
 
 def test_json_numbers_are_numbers_or_null(clock):
-    data = json.loads(na.conform(conform_hostile.returns_nan, budget=1.5).to_json())
+    data = json.loads(na.conform(conform_hostile.returns_nan, budget=1.5, properties=()).to_json())
     assert [case["worst_ratio"] for case in data["cases"]] == [None, None]
     assert data["cells"][0]["worst_ratio"] is None and data["cells"][0]["worst_tensor"] == "out"
 
@@ -308,7 +310,7 @@ def test_json_numbers_are_numbers_or_null(clock):
 @pytest.mark.slow
 def test_a_budget_that_leaves_a_role_unrun_does_not_pass(tmp_path, clock, capsys):
     argv = ["conform", "numpy_attention.conformance.examples:numpy_float32", "--dtypes", "float32",
-            "--options", "causal", "--out", str(tmp_path), "--budget"]
+            "--options", "causal", "--out", str(tmp_path), "--properties", "none", "--budget"]
     assert main(argv + ["0.5"]) == 1                             # one case: plain's single key
     out, err = capsys.readouterr()
     assert out.splitlines()[1].endswith(f"1 of {PER_ROLE * 14} cases of the grid run in 2 s (budget 0.5 s, "

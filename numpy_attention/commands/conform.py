@@ -1,13 +1,13 @@
 """`numpy-attention conform MODULE:FUNCTION [--budget SECONDS] [--timeout SECONDS] [--json]
-[--dtypes ...] [--options ...] [--out DIR] [--seed N] [--quiet] [--kind KIND] [--fully-masked POLICY]`:
-a kernel's conformance run.
+[--dtypes ...] [--options ...] [--properties ...] [--out DIR] [--seed N] [--quiet] [--kind KIND]
+[--fully-masked POLICY]`: a kernel's conformance run.
 
 Imports MODULE (from the current directory first, as `python -m` does; what it prints goes to
 stderr), takes its FUNCTION (a torch, JAX or NumPy callable, or a command line as a str:
 conformance/kernels.py), sweeps the case grid (conformance/run.py) with the kernel in a worker
 process, writes each case's verdict to --out/conform.jsonl and each that does not pass to
-stderr as it comes, prints the option x dtype table (or --json) and saves each shrunk failing
-case in --out. Exit 0: the run passed (every case run passed, every role of every cell run);
+stderr as it comes, checks the properties (conformance/properties.py), prints the option x dtype
+table and the properties' (or --json) and saves each shrunk failing case in --out. Exit 0: the run passed (every case run passed, every role of every cell run);
 1: a case failed, raised, exited, died or timed out, or the run did not cover the grid; 2: bad
 arguments, a MODULE:FUNCTION that cannot be imported or loaded, an --out that cannot be
 written (one line on stderr); 130 on a Ctrl-C, after the report of the cases judged so far.
@@ -18,7 +18,9 @@ import math
 from ..conformance import ConformInterrupted, conform
 from ..conformance.run import TIMEOUT
 from ..conformance.shrink import MAX_STEPS
-from ..conformance.supports import DTYPES, FULLY_MASKED, KINDS, OPTIONS, OUTPUTS, check_dtypes, check_supports
+from ..conformance.properties import PROPERTIES, check_properties
+from ..conformance.supports import (DTYPES, FULLY_MASKED, KINDS, OPTIONS, OUTPUTS, PROMISES, check_dtypes,
+                                    check_supports)
 from .cli import UsageError, import_object, integer
 
 HELP = "sweep a kernel over the case grid, judge each case, shrink each failure"
@@ -39,12 +41,16 @@ the kernel, MODULE:FUNCTION:
 dtypes:   {' '.join(DTYPES)}
 options:  {' '.join(OPTIONS)}
 outputs:  {' '.join(OUTPUTS)} (named among --options)
+promises: {' '.join(PROMISES)} (named among --options: the properties hold them bit for bit)
+properties: {' '.join(PROPERTIES)}, or none (default: all)
 default:  the kernel's declaration, else every dtype and causal gqa gradients
 time:     no case starts after --budget, a case runs at most --timeout; then each failing
           cell is shrunk, in at most {MAX_STEPS} more runs of the kernel
 exit codes:
-  0    the run passed: every case run passed, and it ran every role of every cell
-  1    a case failed, raised, exited, died or timed out, or the budget left a role unrun
+  0    the run passed: every case and property trial run passed, and it ran every role
+       of every cell and every trial
+  1    a case or a trial failed, raised, exited, died or timed out, or the budget left a
+       role or a trial unrun
   2    bad arguments, a kernel that cannot be imported or loaded, an --out that
        cannot be written (one line on stderr)
   130  interrupted (Ctrl-C): the report of the cases judged so far, then one line"""
@@ -75,6 +81,9 @@ def add_arguments(parser):
                         help=f"the dtypes to sweep, among {', '.join(DTYPES)} (spaces or commas between)")
     parser.add_argument("--options", nargs="+", metavar="OPTION",
                         help="the options and outputs the kernel supports (spaces or commas between)")
+    parser.add_argument("--properties", nargs="+", metavar="PROPERTY",
+                        help=f"the properties to check, among {', '.join(PROPERTIES)}, or none "
+                             f"(default: all)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"the directory for the run's record, conform.jsonl, and the shrunk failing "
                              f"cases (default {DEFAULT_OUT})")
@@ -99,15 +108,17 @@ def load_kernel(spec):
 
 def run(args):
     kernel = load_kernel(args.kernel)
-    dtypes, options = _names(args.dtypes), _names(args.options)
+    dtypes, options, properties = _names(args.dtypes), _names(args.options), _names(args.properties)
     try:
         if dtypes is not None:                         # refused by the option's name
             check_dtypes(dtypes, "--dtypes")
         if options is not None:
             check_supports(options, args.fully_masked or "zero", "--options")
+        if properties is not None:
+            properties = () if properties == ["none"] else check_properties(properties, "--properties")
         report = conform(kernel, dtypes=dtypes, supports=options, budget=args.budget,
                          timeout=args.timeout, seed=args.seed, out_dir=args.out, kind=args.kind,
-                         fully_masked=args.fully_masked, progress=not args.quiet)
+                         fully_masked=args.fully_masked, progress=not args.quiet, properties=properties)
     except (ValueError, TypeError) as exc:         # an argument refused by name, a kernel not loaded
         raise UsageError(str(exc)) from None
     except ConformInterrupted as interrupted:      # the cases judged so far, then main's 130

@@ -8,6 +8,8 @@ by crosscheck against the float64 oracle, each failure shrunk to its smallest ca
     worker.py     a Python kernel called in a worker process: a hang or a crash costs one case
     judge.py      one case judged: check() (for pytest), evaluate() (PASS / FAIL / ERROR / TIMEOUT)
     shrink.py     a failing case shrunk, greedily, to the smallest that still fails
+    properties.py what relates a kernel's results on related cases: honesty, lengths,
+                  determinism, batch invariance (properties(), check_property())
     progress.py   the sweep's lines on stderr as it goes, and its progress bar
     record.py     the run's record, out_dir/conform.jsonl, one line per case as it is judged
     run_report.py the ConformReport: the verdict, the option x dtype table, the failures, JSON
@@ -17,11 +19,13 @@ by crosscheck against the float64 oracle, each failure shrunk to its smallest ca
     (the command `numpy-attention conform MODULE:FUNCTION` is numpy_attention/commands/conform.py)
 
 `na.conform` is the function (numpy_attention/__init__.py keeps it so); na.conform.cases,
-na.conform.check and na.conform.declare are its attributes.
+na.conform.check, na.conform.properties, na.conform.check_property and na.conform.declare are
+its attributes.
 """
 from .grid import ConformCase, cases, draw
 from .judge import CaseResult, check, evaluate
 from .kernels import KernelError, KernelTimeout, as_kernel
+from .properties import PROPERTIES, PropertyResult, PropertyTrial, check_property, properties
 from .run_report import ConformReport
 from .run import ConformInterrupted, conform
 from .shrink import Shrunk
@@ -29,4 +33,4 @@ from .supports import DTYPES, OPTIONS, OUTPUTS, declare
 
 __all__ = ["conform", "cases", "check", "declare", "ConformCase", "ConformReport", "ConformInterrupted",
            "CaseResult", "Shrunk", "KernelError", "KernelTimeout", "draw", "evaluate", "as_kernel", "DTYPES",
-           "OPTIONS", "OUTPUTS"]
+           "OPTIONS", "OUTPUTS", "PROPERTIES", "PropertyTrial", "PropertyResult", "properties", "check_property"]

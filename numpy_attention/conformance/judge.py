@@ -68,17 +68,18 @@ def evaluate(kernel, case):
     try:
         arrays.update(kernel.results(arrays, case.outputs))
     except (Exception, SystemExit) as exc:    # anything the kernel raises: a row of the report
-        return _error(case, exc, start), None
+        return error_result(case, exc, start), None
     try:
         report = crosscheck(**arrays)
     except CaseError as exc:                  # results that are not a case: the kernel's too
-        return _error(case, exc, start), None
+        return error_result(case, exc, start), None
     status = "PASS" if report else "FAIL"
     return CaseResult(case, status, report, "", time.perf_counter() - start), arrays
 
 
-def _error(case, exc, start):
-    """The ERROR (TIMEOUT) CaseResult of an exception (a KernelTimeout), told in one line."""
+def error_result(case, exc, start):
+    """The ERROR (TIMEOUT) CaseResult of an exception (a KernelTimeout), told in one line;
+    start: time.perf_counter() when the case began."""
     status = "TIMEOUT" if isinstance(exc, KernelTimeout) else "ERROR"
     error = str(exc) if status == "TIMEOUT" else describe(exc)
     return CaseResult(case, status, None, error, time.perf_counter() - start)

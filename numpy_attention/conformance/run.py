@@ -12,12 +12,15 @@
    raises on, exits in, or dies in (a segfault, os.abort) is an ERROR row, one with no
    results within `timeout` seconds a TIMEOUT row, and the sweep goes on. With a budget, no
    case starts once it is spent (the first always runs);
-3. each failing cell's smallest failing case shrunk (shrink.py), and with out_dir saved there
+3. the properties (properties.py): their trials, round-robin over (property, dtype), in the
+   budget's last PROPERTY_SHARE (the first round always runs); with out_dir, each failing
+   trial that crosscheck judged saved there as a case with the kernel's results;
+4. each failing cell's smallest failing case shrunk (shrink.py), and with out_dir saved there
    as a crosscheck case with the kernel's results (`numpy-attention crosscheck FILE.npz`
    re-judges it), with a picture of its errors where matplotlib is installed.
 
-The run passes only when every case run passed and it covered every role of every cell
-(run_report.py); a Ctrl-C raises ConformInterrupted, a KeyboardInterrupt that carries the report
+The run passes only when every case and trial run passed, it covered every role of every
+cell and it ran every trial (run_report.py); a Ctrl-C raises ConformInterrupted, a KeyboardInterrupt that carries the report
 of what was done (the command prints it).
 conform.cases and conform.check are the grid and one case's judgement, in this process, for a
 pytest parametrize of the same cases (docs/conform.md); conform.declare declares a kernel's
@@ -34,14 +37,16 @@ from .grid import cases
 from .judge import check, evaluate
 from .kernels import as_kernel
 from .progress import progress_bar
+from .properties import check_properties, check_property, properties as property_trials
 from .record import Record
-from .run_report import ConformReport, Failure, case_json, case_line, wrapped
+from .run_report import ConformReport, Failure, case_json, case_line, trial_json, wrapped
 from .shrink import MAX_STEPS, shrink
 from .supports import (DEFAULT_SUPPORTS, DTYPES, check_dtypes, check_fully_masked, check_supports,
-                       declaration_of, declare)
+                       declaration_of, declare, promises)
 from .worker import Worker
 
 TIMEOUT = 60.0              # seconds a case may take by default
+PROPERTY_SHARE = 0.25       # of a budget, the properties' (the grid's sweep stops before it)
 
 
 class ConformInterrupted(KeyboardInterrupt):
@@ -53,7 +58,7 @@ class ConformInterrupted(KeyboardInterrupt):
 
 
 def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=None, kind=None,
-            fully_masked=None, progress=None, timeout=TIMEOUT, isolate=True):
+            fully_masked=None, progress=None, timeout=TIMEOUT, isolate=True, properties=None):
     """Run the kernel on the grid's cases and judge each against the oracle.
 
     Args:
@@ -62,7 +67,8 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
         dtypes: names among 'float32', 'bfloat16', 'float16'; supports: the options and
             outputs it supports (supports.py). None: the kernel's declaration (declare), else
             the defaults: every dtype; 'causal', 'gqa', 'gradients'.
-        budget: seconds, or None (the whole grid): no case starts after them.
+        budget: seconds, or None (the whole grid and every trial): no case starts after them;
+            with properties, the grid's sweep stops at (1 - PROPERTY_SHARE) of them.
         seed: an integer >= 0: the grid and its values (grid.py).
         out_dir: a directory for the run's record (conform.jsonl) and each shrunk failing case
             (.npz, .png), made if needed; None writes no file.
@@ -77,6 +83,9 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
             importable there: TypeError naming it if not). False: in this process, with no
             timeout; what it raises or exits with is still an ERROR row, but a crash or a
             hang is the run's.
+        properties: names among properties.PROPERTIES (None: all; () none): the properties
+            checked beside the grid (properties.py), with the kernel's promises among supports
+            ('deterministic', 'batch_invariant') held bit for bit.
     Returns:
         ConformReport (run_report.py): truthy iff the run passed; str() the table, to_json().
     Raises:
@@ -86,7 +95,10 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
     declared = declaration_of(kernel)
     dtypes = check_dtypes(_given(dtypes, declared.dtypes, DTYPES))
     fully_masked = check_fully_masked(_given(fully_masked, declared.fully_masked, "zero"))
-    options, outputs = check_supports(_given(supports, declared.supports, DEFAULT_SUPPORTS), fully_masked)
+    supports = _given(supports, declared.supports, DEFAULT_SUPPORTS)
+    options, outputs = check_supports(supports, fully_masked)
+    promised = promises(supports)
+    names = check_properties(properties)
     budget = None if budget is None else require_positive_real(budget, "budget")
     timeout = None if timeout is None else require_positive_real(timeout, "timeout")
     if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
@@ -98,23 +110,33 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
     caller = Worker(runner, timeout) if isolated else contextlib.nullcontext(runner)
     timeout = timeout if isolate or runner.kind == "command" else None
     grid = cases(dtypes=dtypes, supports=options + outputs, seed=seed, fully_masked=fully_masked)
+    trials = property_trials(names=names, dtypes=dtypes, supports=options + outputs, seed=seed,
+                             fully_masked=fully_masked)
     settings = dict(kernel=runner.name, kind=runner.kind, seed=seed, dtypes=dtypes,
-                    supports=options + outputs, fully_masked=fully_masked, budget=budget, timeout=timeout)
+                    supports=options + outputs + promised, fully_masked=fully_masked, budget=budget, timeout=timeout)
     record = Record(out_dir, {**settings, "grid_cases": len(grid)})
     bar = progress_bar(len(grid), progress)
-    results, failures, times = [], [], {"start": monotonic()}
+    results, failures, times, checked, saved = [], [], {"start": monotonic()}, [], []
 
     def report(interrupted=False):
         end = monotonic()
         swept = times.get("swept", end)
         return ConformReport(**settings, grid=tuple(grid), results=tuple(results),
                              failures=tuple(failures), seconds=swept - times["start"],
-                             shrink_seconds=end - swept, interrupted=interrupted, unsaved=record.unsaved)
+                             shrink_seconds=end - swept, interrupted=interrupted, unsaved=record.unsaved,
+                             trials=tuple(trials), property_results=tuple(checked), saved=tuple(saved))
 
     bar.say(_plan(grid, budget, timeout))
     try:
         with record, caller as called:
-            smallest = _sweep(called, grid, budget, times, results, record, bar)
+            share = None if budget is None else budget * (1 - PROPERTY_SHARE if trials else 1)
+            smallest = _sweep(called, grid, share, times, results, record, bar)
+            _check(called, trials, promised, budget, times, checked, record, bar)
+            for result in checked:
+                if result.arrays is not None and out_dir is not None:
+                    path = _save_arrays(str(result.trial), result.arrays, out_dir, record)
+                    if path is not None:
+                        saved.append((str(result.trial), path))
             times["swept"] = monotonic()
             for (option, dtype), (result, arrays) in smallest.items():
                 shrunk = shrink(called, result.case, result.report, arrays)
@@ -147,6 +169,20 @@ def _sweep(kernel, grid, budget, times, results, record, bar):
     return smallest
 
 
+def _check(kernel, trials, promised, budget, times, checked, record, bar):
+    """Run the properties' trials within the budget, appending each PropertyResult to `checked`
+    (and to the record, and to stderr when it does not pass); the first round always runs."""
+    first_round = len({(t.property, t.dtype) for t in trials})
+    for n, trial in enumerate(trials):
+        if budget is not None and n >= first_round and monotonic() - times["start"] >= budget:
+            break
+        result = check_property(kernel, trial, promised)
+        checked.append(result)
+        record.add(trial_json(result))
+        if result.status != "PASS":
+            bar.say("\n".join(wrapped(f"{result.status} {result.trial}: {result.detail}")))
+
+
 def _plan(grid, budget, timeout):
     """What the run will do, said before it starts: the cases, the time they may take, the shrinks."""
     cells = len({(case.cell, case.dtype) for case in grid})
@@ -165,13 +201,21 @@ def _save(shrunk, out_dir, record):
     """(the .npz path, the .png path or None): the shrunk case with the kernel's results saved
     as a crosscheck case in out_dir, named by its id, and its error maps; (None, None) for a
     file that cannot be written (remembered in the record: the report says which)."""
-    path = os.path.join(os.fspath(out_dir), f"{shrunk.case.id}.npz")
+    path = _save_arrays(shrunk.case.id, shrunk.arrays, out_dir, record)
+    return (None, None) if path is None else (path, _picture(path.removesuffix(".npz") + ".png", shrunk.arrays,
+                                                             record))
+
+
+def _save_arrays(name, arrays, out_dir, record):
+    """out_dir/<name>.npz with the case's arrays and the kernel's results; None for a file that
+    cannot be written (remembered in the record)."""
+    path = os.path.join(os.fspath(out_dir), f"{name}.npz")
     try:
-        save_case(path, **shrunk.arrays)
+        save_case(path, **arrays)
     except OSError as exc:
         record.failed(path, exc)
-        return None, None
-    return path, _picture(path.removesuffix(".npz") + ".png", shrunk.arrays, record)
+        return None
+    return path
 
 
 def _picture(path, arrays, record):
@@ -190,3 +234,5 @@ def _picture(path, arrays, record):
 conform.cases = cases
 conform.check = check
 conform.declare = declare
+conform.properties = property_trials
+conform.check_property = check_property

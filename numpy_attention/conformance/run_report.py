@@ -57,6 +57,17 @@ class Cell(NamedTuple):
     error: str              # its first ERROR's or TIMEOUT's case id and line, or ''
 
 
+class PropertyRow(NamedTuple):
+    property: str
+    dtype: str
+    tried: int              # trials run
+    trials: int             # trials of the run
+    passed: int
+    failed: int
+    errors: int             # ERROR and TIMEOUT results
+    smallest: object        # the smallest trial that did not pass (a PropertyResult), or None
+
+
 class ConformReport(NamedTuple):
     kernel: str             # 'module:function' or the command line
     kind: str               # 'torch', 'jax', 'numpy', 'command'
@@ -73,6 +84,9 @@ class ConformReport(NamedTuple):
     shrink_seconds: float   # the shrinks' time, after the sweep
     interrupted: bool = False   # a Ctrl-C stopped the run: the report holds what was done
     unsaved: str = ""       # a file that could not be written, and why ('' if none)
+    trials: tuple = ()      # the properties' trials (properties.py); property_results may hold fewer
+    property_results: tuple = ()   # properties.PropertyResult of each trial run, in order
+    saved: tuple = ()       # (trial id, .npz path) of each failing trial saved
 
     @property
     def grid_size(self):
@@ -81,10 +95,11 @@ class ConformReport(NamedTuple):
     @property
     def status(self):
         """'PASS', 'FAIL' or 'INCOMPLETE' (the module's docstring)."""
-        if any(r.status != "PASS" for r in self.results):
+        if any(r.status != "PASS" for r in self.results + self.property_results):
             return "FAIL"
         covered = self.results and all(c.roles_run == c.roles for c in self.cells())
-        return "PASS" if covered and not self.interrupted else "INCOMPLETE"
+        tried = len(self.property_results) == len(self.trials)
+        return "PASS" if covered and tried and not self.interrupted else "INCOMPLETE"
 
     def __bool__(self):
         return self.status == "PASS"
@@ -109,6 +124,19 @@ class ConformReport(NamedTuple):
                               f"{errors[0].case.id}: {errors[0].error}" if errors else ""))
         return cells
 
+    def property_rows(self):
+        """A PropertyRow per (property, dtype) of the trials, in their first round's order."""
+        keys = list(dict.fromkeys((t.property, t.dtype) for t in self.trials))
+        rows = []
+        for key in keys:
+            mine = [r for r in self.property_results if (r.trial.property, r.trial.dtype) == key]
+            failing = [r for r in mine if r.status != "PASS"]
+            smallest = min(failing, key=lambda r: r.trial.case.scores, default=None)
+            count = lambda *statuses: sum(r.status in statuses for r in mine)
+            rows.append(PropertyRow(*key, len(mine), sum((t.property, t.dtype) == key for t in self.trials),
+                                    count("PASS"), count("FAIL"), count("ERROR", "TIMEOUT"), smallest))
+        return rows
+
     def coverage(self):
         """One line: how many roles of every cell the run covered."""
         cells = self.cells()
@@ -124,7 +152,8 @@ class ConformReport(NamedTuple):
         limits += [f"a case at most {self.timeout:g} s"] if self.timeout is not None else []
         shrunk = f", {len(self.failures)} shrunk in {self.shrink_seconds:.0f} s" if self.failures else ""
         lines = wrapped(f"conform: {self.kernel} ({self.kind}), seed {self.seed}")
-        lines += wrapped(f"{len(self.results)} of {self.grid_size} cases of the grid run in {self.seconds:.0f} s"
+        trials = f" and {len(self.property_results)} of {len(self.trials)} property trials" if self.trials else ""
+        lines += wrapped(f"{len(self.results)} of {self.grid_size} cases of the grid{trials} run in {self.seconds:.0f} s"
                          + (f" ({', '.join(limits)})" if limits else "") + f"{shrunk} -> {self.status}")
         lines += wrapped(self.coverage())
         lines.append(f"{'option':<{WIDTH_OPTION}}{'dtype':<{WIDTH_DTYPE}}"
@@ -158,9 +187,31 @@ class ConformReport(NamedTuple):
         for c in errors:
             lines += wrapped(f"{c.option} {c.dtype}: {c.errors + c.timeouts} of {c.cases} cases, e.g. "
                              f"{c.error}", "  ")
+        lines += self._property_lines()
         if self.unsaved:
             lines += wrapped(f"not saved: {self.unsaved}")
         return "\n".join(lines)
+
+    def _property_lines(self):
+        """The properties' table (properties.py), then what each failing one's smallest trial did."""
+        rows = self.property_rows()
+        if not rows:
+            return []
+        lines = [f"{'property':<18}{'dtype':<{WIDTH_DTYPE}}{'trials':>8}{'passed':>8}{'failed':>8}{'errors':>8}"]
+        for r in rows:
+            lines.append(f"{r.property:<18}{r.dtype:<{WIDTH_DTYPE}}{f'{r.tried}/{r.trials}':>8}{r.passed:>8}"
+                         f"{r.failed:>8}{r.errors:>8}")
+        failing = [r for r in rows if r.smallest is not None]
+        if failing:
+            lines.append("properties that did not hold, each on its smallest trial:")
+        saved = dict(self.saved)
+        for r in failing:
+            result = r.smallest
+            lines += wrapped(f"{r.property} {r.dtype}: {result.status} {result.trial.case.id}: {result.detail}", "  ")
+            if str(result.trial) in saved:
+                lines += wrapped(f"saved as {saved[str(result.trial)]} (numpy-attention crosscheck FILE.npz "
+                                 f"re-judges it)", "    ")
+        return lines
 
     def to_json(self):
         """The report as a JSON string: the settings, the verdict, one object per cell and one
@@ -176,6 +227,11 @@ class ConformReport(NamedTuple):
             "seconds": self.seconds, "shrink_seconds": self.shrink_seconds,
             "cells": [_cell_json(c) for c in cells],
             "cases": [case_json(r) for r in self.results],
+            "properties": [{"property": r.property, "dtype": r.dtype, "tried": r.tried, "trials": r.trials,
+                            "passed": r.passed, "failed": r.failed, "errors": r.errors,
+                            "smallest_failing": None if r.smallest is None else trial_json(r.smallest)}
+                           for r in self.property_rows()],
+            "property_trials": [trial_json(r) for r in self.property_results],
         }, indent=2)
 
 
@@ -191,6 +247,13 @@ def case_json(result):
     return {"id": result.case.id, "cell": result.case.cell, "dtype": result.case.dtype,
             "role": result.case.role, "status": result.status, "worst_ratio": _number(result.worst[0]),
             "worst_tensor": result.worst[1] or None, "error": result.error or None,
+            "seconds": result.seconds}
+
+
+def trial_json(result):
+    """A PropertyResult as a JSON object (what to_json's "property_trials" and the record hold)."""
+    return {"id": str(result.trial), "property": result.trial.property, "dtype": result.trial.dtype,
+            "case": result.trial.case.id, "status": result.status, "detail": result.detail or None,
             "seconds": result.seconds}
 
 

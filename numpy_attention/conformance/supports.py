@@ -17,7 +17,10 @@
                 paged         a paged KV cache: k, v [pages, H_kv, page, d], page_table, cache_seqlens
     outputs   what the kernel returns besides out, on every case:
                 lse           the logsumexp [..., H, N_q], natural log
-                gradients     dq, dk, dv (and dbias, dsinks, dalibi_slopes where it gives them)
+                gradients     dq, dk, dv (and the options' gradients where it gives them)
+    promises  what the kernel's results keep, held bit for bit by the properties (properties.py):
+                deterministic     the same inputs give the same bits
+                batch_invariant   a sequence's results are the same bits alone and in a batch
 
 Defaults: the three dtypes, 'causal', 'gqa' and 'gradients'. A kernel declares its own
 with declare() (the conformance run reads the declaration when its arguments are None):
@@ -34,6 +37,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 OPTIONS = ("causal", "bottom_right", "gqa", "scale", "window", "softcap", "bias", "mask", "dropout",
            "alibi", "sinks", "varlen", "paged")
 OUTPUTS = ("lse", "gradients")
+PROMISES = ("deterministic", "batch_invariant")
 PLAIN = "plain"                             # the table's row of cases with no option
 DEFAULT_SUPPORTS = ("causal", "gqa", "gradients")
 FULLY_MASKED = ("zero", "uniform", "nan")   # attention_forward's policies for a row with no key
@@ -102,15 +106,21 @@ def check_dtypes(dtypes, argument="dtypes"):
 
 def check_supports(supports, fully_masked="zero", argument="supports"):
     """(options, outputs): supports split into case OPTIONS and OUTPUTS, each in its order
-    ('plain' is always run and may be named). ValueError naming `argument` for an unknown name,
-    or for an option that does not go with the kernel's fully_masked policy."""
-    names = _names(supports, argument, (PLAIN,) + OPTIONS + OUTPUTS)
+    ('plain' is always run and may be named; PROMISES are accepted: promises() reads them).
+    ValueError naming `argument` for an unknown name, or for an option that does not go with
+    the kernel's fully_masked policy."""
+    names = _names(supports, argument, (PLAIN,) + OPTIONS + OUTPUTS + PROMISES)
     fully_masked = check_fully_masked(fully_masked)
     for name, policies in ZERO_ONLY.items():
         if name in names and fully_masked not in policies:
             raise ValueError(f"{argument} has {name!r}, which takes fully_masked in {policies}, "
                              f"and fully_masked is {fully_masked!r}")
     return (tuple(n for n in names if n in OPTIONS), tuple(n for n in names if n in OUTPUTS))
+
+
+def promises(supports):
+    """The PROMISES among supports (checked by check_supports), in their order."""
+    return tuple(name for name in PROMISES if name in supports)
 
 
 def check_fully_masked(fully_masked):
@@ -127,7 +137,7 @@ def declare(kernel=None, *, kind=None, supports=None, dtypes=None, fully_masked=
     ValueError / TypeError naming the argument. Returns the kernel itself."""
     declaration = Declaration(
         kind=check_kind(kind),
-        supports=None if supports is None else _names(supports, "supports", (PLAIN,) + OPTIONS + OUTPUTS),
+        supports=None if supports is None else _names(supports, "supports", (PLAIN,) + OPTIONS + OUTPUTS + PROMISES),
         dtypes=None if dtypes is None else check_dtypes(dtypes),
         fully_masked=None if fully_masked is None else check_fully_masked(fully_masked))
     if declaration.supports is not None:

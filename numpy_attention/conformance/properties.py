@@ -1,0 +1,205 @@
+"""The properties a conformance run checks beside each case's judgement: how a kernel's results
+on related cases relate. Bugs that shipped past kernel test suites hid there, in how cases
+relate to each other or at lengths their grids did not hold, not in any one case against a
+reference (docs/conform.md names the threads each comes from):
+
+    honesty           fresh inputs of the same shapes after a first call give results of those
+                      inputs, not the first call's (an output cached by shape); on every call, no
+                      write into any input (kernels.py) and no all-zero output where zeros would
+                      pass (crosscheck's refusal)
+    lengths           N_q = N_k, and decoding's N_q = 1, at every multiple of 16 up to 256 and one
+                      either side of it (a kernel right only at multiples of its block size, or
+                      wrong at exactly one length)
+    determinism       the same inputs twice: the same bits where the kernel declares
+                      'deterministic', else each call's results judged
+    batch_invariance  the first and last sequence of a batch of 3: their results in the batch
+                      against those of the same sequence alone; the same bits where the kernel
+                      declares 'batch_invariant', else the batch's rows judged as the lone case's
+
+    trials = properties(dtypes=..., supports=..., seed=...)   # PropertyTrial, round-robin order
+    result = check_property(kernel, trial, promises)          # a PropertyResult
+
+A trial is a small case (grid.make_case): a failure is its smallest case already, but for
+`lengths`, whose failing trials name the lengths. Each trial's status is PASS, FAIL, ERROR
+(the kernel raised, exited or died, or gave what crosscheck cannot judge) or TIMEOUT.
+"""
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from ..oracle import CaseError, crosscheck
+from .grid import make_case
+from .judge import error_result
+from .supports import check_dtypes, check_fully_masked, check_supports
+
+PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance")
+MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
+LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
+WIDTH = 64                                                           # d of the trials' cases
+
+
+class PropertyTrial(NamedTuple):
+    """One check of a property on one case; str(): its id."""
+    property: str           # one of PROPERTIES
+    dtype: str
+    case: object            # grid.ConformCase: the case it runs (batch_invariance: the batch)
+
+    def __str__(self):
+        return f"{self.property}-{self.case.id}"
+
+
+class PropertyResult(NamedTuple):
+    trial: PropertyTrial
+    status: str             # 'PASS', 'FAIL', 'ERROR' or 'TIMEOUT'
+    detail: str             # what differed (FAIL), what happened (ERROR, TIMEOUT); else ''
+    seconds: float
+    arrays: object = None   # a FAIL judged by crosscheck: its case with the kernel's results
+
+
+def check_properties(names, argument="properties"):
+    """names (None: every one) as a tuple of PROPERTIES, in their order; ValueError naming
+    `argument` for an unknown name."""
+    names = PROPERTIES if names is None else ((names,) if isinstance(names, str) else tuple(names))
+    for name in names:
+        if name not in PROPERTIES:
+            raise ValueError(f"{argument} has the unknown name {name!r} ({argument}: {', '.join(PROPERTIES)})")
+    return tuple(name for name in PROPERTIES if name in names)
+
+
+def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), supports=("gradients",), seed=0,
+               fully_masked="zero"):
+    """The trials of the properties `names` (None: all) for a kernel of these dtypes and
+    supports (supports.py; only its outputs and 'gqa' shape the trials), round-robin over
+    (property, dtype): the first round tries each once. For pytest:
+    `pytest.mark.parametrize("trial", properties(...), ids=str)` with check_property."""
+    names, dtypes = check_properties(names), check_dtypes(dtypes)
+    options, outputs = check_supports(supports, fully_masked)
+    fully_masked = check_fully_masked(fully_masked)
+    groups = 2 if "gqa" in options else 1
+    case = lambda dtype, cell, role, batch, n_q, n_k: make_case(
+        dtype, cell, role, (("gqa",) if groups > 1 else ()), outputs, batch, 2, groups, n_q, n_k, WIDTH,
+        fully_masked, seed)
+    queues = []
+    for name in names:
+        for dtype in dtypes:
+            if name == "lengths":
+                cases = [case(dtype, name, f"N={n}", 1, n_q, n) for n in LENGTHS for n_q in (n, 1)]
+            elif name == "batch_invariance":
+                cases = [case(dtype, name, "batch of 3", 3, 33, 48)]
+            else:                                   # one sequence; whole key blocks: the lengths' concern
+                cases = [case(dtype, name, "short", 1, 17, 32)]
+            queues.append([PropertyTrial(name, dtype, c) for c in cases])
+    return [queue[r] for r in range(max(map(len, queues), default=0)) for queue in queues if r < len(queue)]
+
+
+class _CallFailed(Exception):
+    """The kernel raised, exited, died or timed out: the trial's ERROR or TIMEOUT result."""
+
+    def __init__(self, result):
+        super().__init__(result.error)
+        self.result = result
+
+
+def check_property(kernel, trial, promises=()):
+    """The PropertyResult of one trial: the kernel (a kernels.Kernel, or a worker's) called on its
+    case (and related ones); promises: what the kernel declares (supports.PROMISES)."""
+    start = time.perf_counter()
+    try:
+        status, detail, arrays = _CHECKS[trial.property](kernel, trial.case, promises)
+    except _CallFailed as failed:
+        return PropertyResult(trial, failed.result.status, failed.result.error, time.perf_counter() - start)
+    return PropertyResult(trial, status, detail, time.perf_counter() - start, arrays)
+
+
+def _call(kernel, case, arrays=None):
+    """The kernel's results on the case's arrays (drawn if not given); _CallFailed if it raised."""
+    start = time.perf_counter()
+    arrays = case.arrays() if arrays is None else arrays
+    try:
+        return kernel.results(arrays, case.outputs)
+    except (Exception, SystemExit) as exc:    # anything the kernel raises: the trial's ERROR
+        raise _CallFailed(error_result(case, exc, start)) from None
+
+
+def _judged(case, arrays, results):
+    """(status, detail, arrays with results): crosscheck of the results on the case's arrays."""
+    judged = {**arrays, **results}
+    try:
+        report = crosscheck(**judged)
+    except CaseError as exc:                  # results that are not a case: the kernel's
+        raise _CallFailed(error_result(case, exc, time.perf_counter())) from None
+    if report:
+        return "PASS", "", None
+    failed = "; ".join(f"{row.name}: {', '.join(row.failed)}" for row in report.rows if not row.passed)
+    return "FAIL", failed, judged
+
+
+def _honesty(kernel, case, promises):
+    first, fresh = case, case._replace(seed=case.seed + 1)
+    before = _call(kernel, first)
+    arrays = fresh.arrays()
+    results = _call(kernel, fresh, arrays)
+    status, failed, judged = _judged(fresh, arrays, results)
+    if status == "PASS":
+        return status, "", None
+    same = [name for name in results if name in before and np.array_equal(results[name], before[name])]
+    said = (f"returned the first call's {', '.join(same)} for fresh inputs of the same shapes" if same
+            else f"on fresh inputs of the same shapes after a first call: {failed}")
+    return status, said, judged
+
+
+def _lengths(kernel, case, promises):
+    arrays = case.arrays()
+    status, failed, judged = _judged(case, arrays, _call(kernel, case, arrays))
+    return status, failed and f"N_q = {case.n_q}, N_k = {case.n_k}: {failed}", judged
+
+
+def _determinism(kernel, case, promises):
+    arrays = case.arrays()
+    results = [_call(kernel, case, arrays) for _ in range(2)]
+    if "deterministic" in promises:
+        for name in results[0]:
+            differ = _differing(results[0][name], results[1][name])
+            if differ:
+                return "FAIL", f"{name}: {differ} between two calls on the same inputs", None
+        return "PASS", "", None
+    for second, result in enumerate(results):
+        status, failed, judged = _judged(case, arrays, result)
+        if status != "PASS":
+            return status, f"call {second + 1} of 2 on the same inputs: {failed}", judged
+    return "PASS", "", None
+
+
+def _batch_invariance(kernel, case, promises):
+    arrays = case.arrays()
+    whole = _call(kernel, case, arrays)
+    for b in (0, case.batch - 1):
+        alone = {name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()}
+        in_batch = {name: x[b:b + 1] for name, x in whole.items()}
+        if "batch_invariant" in promises:
+            results = _call(kernel, case._replace(batch=1), alone)
+            for name in results:
+                differ = _differing(in_batch[name], results[name])
+                if differ:
+                    return "FAIL", f"sequence {b} of {case.batch}, {name}: {differ} in the batch and alone", None
+        status, failed, judged = _judged(case, alone, in_batch)
+        if status != "PASS":
+            return status, f"sequence {b} of {case.batch}, in the batch, judged alone: {failed}", judged
+    return "PASS", "", None
+
+
+def _differing(a, b):
+    """'' where a and b hold the same bits (NaN where NaN), else how many entries differ and the first."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return f"shapes {a.shape} and {b.shape}"
+    same = (a == b) | (np.isnan(a.astype(np.float64)) & np.isnan(b.astype(np.float64)))
+    if same.all():
+        return ""
+    first = tuple(int(i) for i in np.argwhere(~same)[0])
+    return f"{int((~same).sum())} of {a.size} entries differ, the first at {first}"
+
+
+_CHECKS = {"honesty": _honesty, "lengths": _lengths, "determinism": _determinism,
+           "batch_invariance": _batch_invariance}

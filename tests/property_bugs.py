@@ -1,0 +1,95 @@
+"""Faulty kernels for the conformance properties' tests (conformance/properties.py): numpy
+kernels that are examples.numpy_float32 with one fault each, written from the bugs that
+shipped past kernel test suites; each breaks one property and passes the others.
+
+    cached_by_shape       returns the results cached from its first call with the same shapes
+                          (KernelBench issue 165: outputs reused across calls)
+    wrong_at_one_length   drops the last key at exactly N_k = 144 (flash-attention issue 2577:
+                          wrong at one KV length, right one either side)
+    partial_block_dropped ignores the keys past the last multiple of 16 (jax issue 27224:
+                          right only at multiples of the block size)
+    noisy                 one ulp of noise on out from a per-process counter: not the same bits
+                          twice (declared deterministic)
+    batch_dependent       each sequence's keys summed in another order when it is not alone:
+                          other bits in a batch (declared batch_invariant), right to rounding
+    batch_leak            a split-KV merge that mixes in the first sequence's lse in a batch:
+                          wrong in a batch, right alone (torch PR 176905's class of bug)
+"""
+import itertools
+
+import numpy as np
+
+from numpy_attention.conformance import declare
+from numpy_attention.conformance.examples import numpy_float32
+
+SUPPORTS = ("gqa", "lse", "gradients")
+_CACHE = {}
+_CALLS = itertools.count()
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def cached_by_shape(q, k, v, dout=None, **options):
+    key = (q.shape, k.shape, v.shape, None if dout is None else dout.shape, q.dtype.str)
+    if key not in _CACHE:
+        _CACHE[key] = numpy_float32(q, k, v, dout=dout, **options)
+    return dict(_CACHE[key])
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def wrong_at_one_length(q, k, v, dout=None, **options):
+    if k.shape[-2] != 144:
+        return numpy_float32(q, k, v, dout=dout, **options)
+    results = numpy_float32(q, k[..., :-1, :], v[..., :-1, :], dout=dout, **options)
+    if dout is not None:                                 # the dropped key's gradients: 0
+        pad = lambda x: np.concatenate([x, np.zeros(x.shape[:-2] + (1,) + x.shape[-1:], x.dtype)], axis=-2)
+        results.update(dk=pad(results["dk"]), dv=pad(results["dv"]))
+    return results
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def partial_block_dropped(q, k, v, dout=None, **options):
+    n_k = k.shape[-2]
+    kept = n_k - n_k % 16 if n_k >= 16 else n_k
+    results = numpy_float32(q, k[..., :kept, :], v[..., :kept, :], dout=dout, **options)
+    if dout is not None and kept < n_k:
+        pad = lambda x: np.concatenate([x, np.zeros(x.shape[:-2] + (n_k - kept,) + x.shape[-1:], x.dtype)], -2)
+        results.update(dk=pad(results["dk"]), dv=pad(results["dv"]))
+    return results
+
+
+@declare(kind="numpy", supports=SUPPORTS + ("deterministic",))
+def noisy(q, k, v, dout=None, **options):
+    results = numpy_float32(q, k, v, dout=dout, **options)
+    out = results["out"]
+    if next(_CALLS) % 2:                                 # every other call: out one ulp up at [0, ..., 0]
+        out = out.copy()
+        out.flat[0] = np.nextafter(out.flat[0], np.inf, dtype=out.dtype) if out.dtype == np.float32 \
+            else (out.flat[0].astype(np.float32) * (1 + 2 ** -7)).astype(out.dtype)
+    return {**results, "out": out}
+
+
+def _reversed_keys(q, k, v, dout, options):
+    """numpy_float32 with the keys in reverse order: the same attention, other roundings."""
+    flip = lambda x: x[..., ::-1, :]
+    results = numpy_float32(q, flip(k), flip(v), dout=dout, **options)
+    if dout is not None:
+        results.update(dk=flip(results["dk"]).copy(), dv=flip(results["dv"]).copy())
+    return results
+
+
+@declare(kind="numpy", supports=SUPPORTS + ("batch_invariant",))
+def batch_dependent(q, k, v, dout=None, **options):
+    if q.shape[0] == 1:
+        return numpy_float32(q, k, v, dout=dout, **options)
+    return _reversed_keys(q, k, v, dout, options)
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def batch_leak(q, k, v, dout=None, **options):
+    results = numpy_float32(q, k, v, dout=dout, **options)
+    if q.shape[0] > 1:                                  # the last sequence's out rescaled by the first's lse
+        out = results["out"].astype(np.float32)
+        lse = results["lse"]
+        out[-1] *= np.exp(np.minimum(lse[0] - lse[-1], 0))[..., None]
+        results["out"] = out.astype(results["out"].dtype)
+    return results

@@ -1,0 +1,119 @@
+"""The conformance properties (conformance/properties.py): an honest kernel holds every one; each
+faulty kernel of tests/property_bugs.py breaks exactly the property it was written to break
+(the lengths: exactly at the lengths it is wrong at); conform reports them (table, JSON, saved
+cases) and the command picks them by name."""
+import json
+
+import numpy as np
+import pytest
+
+import numpy_attention as na
+import property_bugs
+from numpy_attention.commands.cli import main
+from numpy_attention.conformance import examples
+from numpy_attention.conformance.kernels import as_kernel
+from numpy_attention.conformance.properties import LENGTHS, PROPERTIES
+from numpy_attention.conformance.supports import declaration_of, promises
+
+DTYPES = ("float32", "bfloat16")
+
+
+def failing(kernel, dtypes=DTYPES, names=None):
+    """{(property, dtype): [trial, ...]} of the trials the kernel does not pass."""
+    declared = declaration_of(kernel).supports or ("gqa", "lse", "gradients")
+    found = {}
+    for trial in na.conform.properties(names=names, dtypes=dtypes, supports=declared):
+        result = na.conform.check_property(as_kernel(kernel), trial, promises(declared))
+        if result.status != "PASS":
+            found.setdefault((trial.property, trial.dtype), []).append((trial, result))
+    return found
+
+
+def test_the_trials_are_named_once_and_the_first_round_tries_every_property_and_dtype():
+    trials = na.conform.properties(dtypes=DTYPES, supports=("gqa", "gradients"))
+    assert len({str(t) for t in trials}) == len(trials)
+    first = trials[:len(PROPERTIES) * len(DTYPES)]
+    assert {(t.property, t.dtype) for t in first} == {(p, d) for p in PROPERTIES for d in DTYPES}
+    lengths = {(t.case.n_q, t.case.n_k) for t in trials if t.property == "lengths" and t.dtype == "float32"}
+    assert lengths == {(n_q, n) for n in LENGTHS for n_q in (n, 1)}
+    assert set(LENGTHS) == {n for m in range(16, 257, 16) for n in (m - 1, m, m + 1)}
+
+
+@pytest.mark.slow
+def test_an_honest_kernel_holds_every_property():
+    assert failing(examples.numpy_float32) == {}
+
+
+@pytest.mark.parametrize("name, broken", [
+    ("cached_by_shape", "honesty"), ("wrong_at_one_length", "lengths"), ("partial_block_dropped", "lengths"),
+    ("noisy", "determinism"), ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance")])
+def test_each_faulty_kernel_breaks_exactly_its_property(name, broken):
+    names = None if broken != "lengths" else ("lengths",)          # (the other three: in the slow test)
+    found = failing(getattr(property_bugs, name), dtypes=("float32",), names=names)
+    assert set(found) == {(broken, "float32")}, found
+    if name == "wrong_at_one_length":
+        assert {trial.case.n_k for trial, _ in found[broken, "float32"]} == {144}
+    if name == "partial_block_dropped":
+        assert {trial.case.n_k for trial, _ in found[broken, "float32"]} == {n for n in LENGTHS if n % 16 and n > 16}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["wrong_at_one_length", "partial_block_dropped"])
+def test_the_length_faults_break_no_other_property(name):
+    assert set(failing(getattr(property_bugs, name), dtypes=("float32",))) == {("lengths", "float32")}
+
+
+def test_what_fails_and_why_is_said():
+    said = {name: failing(getattr(property_bugs, name), dtypes=("float32",), names=(prop,))[prop, "float32"][0][1]
+            for name, prop in (("cached_by_shape", "honesty"), ("noisy", "determinism"),
+                               ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance"))}
+    assert said["cached_by_shape"].detail.startswith("returned the first call's out")
+    assert "between two calls on the same inputs" in said["noisy"].detail
+    assert said["batch_dependent"].detail.startswith("sequence 0 of 3, out:") and "in the batch and alone" in \
+        said["batch_dependent"].detail
+    assert said["batch_leak"].detail.startswith("sequence 2 of 3, in the batch, judged alone: out:")
+    assert all(result.status == "FAIL" for result in said.values())
+
+
+def test_a_promise_not_declared_is_held_by_the_oracles_rule_alone():
+    """batch_dependent's other bits in a batch are right to rounding: without the promise its
+    batch rows pass as the lone sequence's results; noisy's ulp passes the rule too."""
+    for kernel, name in ((property_bugs.batch_dependent, "batch_invariance"), (property_bugs.noisy, "determinism")):
+        undeclared = lambda q, k, v, dout=None, _kernel=kernel, **options: _kernel(q, k, v, dout=dout, **options)
+        na.conform.declare(undeclared, kind="numpy", supports=("gqa", "lse", "gradients"))
+        assert failing(undeclared, dtypes=("float32",), names=(name,)) == {}
+
+
+def test_conform_reports_a_broken_property_and_saves_its_case(tmp_path):
+    report = na.conform(property_bugs.wrong_at_one_length, dtypes=("float32",), supports=("lse",),
+                        properties=("lengths", "honesty"), out_dir=tmp_path, isolate=False, progress=False)
+    assert report.status == "FAIL" and all(r.status == "PASS" for r in report.results)
+    rows = {row.property: row for row in report.property_rows()}
+    assert (rows["lengths"].tried, rows["lengths"].trials, rows["lengths"].failed) == (96, 96, 2)
+    assert rows["honesty"].failed == 0 and rows["lengths"].smallest.trial.case.n_q == 1
+    text = str(report)
+    assert "\nlengths           float32      96/96      94       2       0\n" in text
+    assert "\n  lengths float32: FAIL float32-plain-b1h2kv2-q1k144-d64-out+lse: N_q = 1, N_k = 144: out: max abs" \
+        in text
+    data = json.loads(report.to_json())
+    assert data["passed"] is False and len(data["property_trials"]) == 97
+    lengths = next(p for p in data["properties"] if p["property"] == "lengths")
+    assert lengths["failed"] == 2 and lengths["smallest_failing"]["case"].endswith("q1k144-d64-out+lse")
+    saved = dict(report.saved)
+    assert len(saved) == 2
+    with np.load(saved[str(rows["lengths"].smallest.trial)]) as case:
+        assert not na.crosscheck(**dict(case))                        # the saved case re-judges as failing
+
+
+def test_the_properties_budget_runs_each_property_once_at_least(clock):
+    report = na.conform(examples.numpy_float32, dtypes=("float32",), supports=("lse",), budget=0.5,
+                        isolate=False, progress=False)
+    tried = {(r.trial.property, r.trial.dtype) for r in report.property_results}
+    assert tried == {(p, "float32") for p in PROPERTIES} and report.status == "INCOMPLETE"
+
+
+def test_unknown_properties_are_refused_by_name(capsys):
+    with pytest.raises(ValueError, match="properties has the unknown name 'honest' .*honesty"):
+        na.conform(examples.numpy_float32, properties=("honest",))
+    assert main(["conform", "conform_bugs:scale_off", "--properties", "lenghts"]) == 2
+    assert "--properties has the unknown name 'lenghts'" in capsys.readouterr().err
