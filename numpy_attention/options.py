@@ -150,6 +150,34 @@ class AttentionOptions(NamedTuple):
     given: frozenset = frozenset()      # the names of the OPTIONS rows given a value other than the default
 
 
+def with_options(function):
+    """function, taking OPTIONS as **options (attention_forward, attention_jvp), with a
+    __signature__ that names them (after its positional parameters, before its own keywords)
+    and the '{options}' line of its docstring replaced by one entry per option."""
+    own = inspect.signature(function).parameters.values()
+    keyword, rest = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD
+    params = ([p for p in own if p.kind not in (keyword, rest)]
+              + [inspect.Parameter(row.name, keyword, default=row.default) for row in OPTIONS]
+              + [p for p in own if p.kind == keyword]
+              + [inspect.Parameter("keep_steps", rest)])
+    function.__signature__ = inspect.Signature(params)
+    if function.__doc__:                            # (python -OO drops docstrings)
+        function.__doc__ = function.__doc__.replace("{options}", "\n".join(_entry(row) for row in OPTIONS))
+    return function
+
+
+def _entry(row, width=96):
+    """A docstring entry 'name: doc', wrapped at `width` with the continuation indented."""
+    words, lines, line = row.doc.split(), [], f"        {row.name}:"
+    for word in words:
+        if len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = "            " + word
+        else:
+            line += " " + word
+    return "\n".join(lines + [line])
+
+
 def option_keywords(given):
     """(values, steps): every row's value, given or its default, as a dict, and the other names
     given (scores.KEEP_STEPS', which check_keep_steps checks, refusing any other name)."""
@@ -157,6 +185,7 @@ def option_keywords(given):
     return {**_DEFAULTS, **{name: value for name, value in given.items() if name in _DEFAULTS}}, steps
 
 
+@with_options
 def attention_options(q, k, v, **given):
     """Check attention_forward's options (OPTIONS, and scores.KEEP_STEPS by name); return
     (q, k, v, AttentionOptions).
@@ -233,30 +262,3 @@ def _is_default(value, default):
 def untiled(given):
     """The names among `given` (option names) that the tiled engine does not compute."""
     return [row.name for row in OPTIONS if not row.tiled and row.name in given]
-
-
-def with_options(function):
-    """function, taking OPTIONS as **options (attention_forward, attention_jvp), with a
-    __signature__ that names them (after its positional parameters, before its own keywords)
-    and the '{options}' line of its docstring replaced by one entry per option."""
-    own = inspect.signature(function).parameters.values()
-    keyword, rest = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD
-    params = ([p for p in own if p.kind not in (keyword, rest)]
-              + [inspect.Parameter(row.name, keyword, default=row.default) for row in OPTIONS]
-              + [p for p in own if p.kind == keyword]
-              + [inspect.Parameter("keep_steps", rest)])
-    function.__signature__ = inspect.Signature(params)
-    function.__doc__ = function.__doc__.replace("{options}", "\n".join(_entry(row) for row in OPTIONS))
-    return function
-
-
-def _entry(row, width=96):
-    """A docstring entry 'name: doc', wrapped at `width` with the continuation indented."""
-    words, lines, line = row.doc.split(), [], f"        {row.name}:"
-    for word in words:
-        if len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = "            " + word
-        else:
-            line += " " + word
-    return "\n".join(lines + [line])

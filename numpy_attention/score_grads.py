@@ -21,6 +21,11 @@ from ._layout import index_ranges, unbroadcast
 from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient, head_gradient
 
 
+def _within(parts, region):
+    """The slices `parts` of the scores' axes, relative to the start of the slices `region`."""
+    return tuple(slice(p.start - r.start, p.stop - r.start, p.step) for p, r in zip(parts, region))
+
+
 def _bounds(indices, shape):
     """The smallest slices (of step 1) of each axis of `shape` that hold every index of the list."""
     ranges = [index_ranges(index, shape) for index in indices]
@@ -62,21 +67,17 @@ class ScoreGrads:
     def add(self, ds, index):
         """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there."""
         ranges = index_ranges(index, self.score_shape)
-        within = lambda parts, region: tuple(slice(p.start - r.start, p.stop - r.start, p.step)
-                                             for p, r in zip(parts, region))
         if self.dbias is not None:
-            part = self.dbias[within(self._bias_part(ranges), self.bias_at)]
+            part = self.dbias[_within(self._bias_part(ranges), self.bias_at)]
             part += unbroadcast(ds, part.shape)
         if self.rows is not None:
-            self.rows[within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
+            self.rows[_within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
                 ds, self.options, self.score_shape, index)
 
     def add_sink(self, dsink, index):
         """Add the block S[index]'s sink gradient, dsink [..., heads]: its sink column of dS summed
         over the block's rows."""
-        ranges = index_ranges(index, self.score_shape)[:-2]
-        self.sinks[tuple(slice(p.start - r.start, p.stop - r.start, p.step)
-                         for p, r in zip(ranges, self.region[:-2]))] += dsink
+        self.sinks[_within(index_ranges(index, self.score_shape)[:-2], self.region[:-2])] += dsink
 
     def add_mod(self, grads):
         """Add a block's score_mod_params gradients {name: gradient}."""

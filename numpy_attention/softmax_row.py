@@ -97,10 +97,13 @@ def softmax_row_backward(method, dP, D, P, lse, top, dlse, options, score_shape=
         dS = softmax_backward(dP, SoftmaxCache(p=P_row, top=top), overwrite_dp=True)
     elif method == "jacobian":                      # dS = J dP, J = diag(P) - P P^T per row
         dS = (softmax_jacobian(P_row) @ dP[..., None])[..., 0]
-    else:                                           # dS = P * (dP - D), P = exp(S - lse)
+    elif method == "flash" and scores is not None:  # dS = P * (dP - D), P = exp(S - lse)
         dS = dP
         dS -= D[..., None]
         dS *= _weights_from_lse(scores(), lse)
+    else:
+        raise ValueError(f"method must be 'vjp', 'jacobian' or 'flash' (with scores, which recomputes "
+                         f"S), got {method!r}")
     if dlse is not None:                            # lse = log rowsum exp(S): dS += P * dlse
         dS += P_row * dlse[..., None]
     if options.sinks is None:

@@ -81,11 +81,10 @@ def reference(q, k, v, o, dout):
     dp = chain(dout, np.swapaxes(vh, -1, -2))
     dp = dp if drop is None else (dp * drop).astype(F32)
     D = chain(dout * out, np.ones((dout.shape[-1], 1), F32))
+    dsinks = np.zeros((B, H), F32)                                    # summed a tile of rows at a time
+    for r in range(0, n_q, CHUNK):
+        dsinks += -np.sum(p_sink[..., r:r + CHUNK, :] * D[..., r:r + CHUNK, :], axis=(-2, -1))
     grads = ScoreGrads(o, shape, F32)
-    if o.sinks is not None:                                           # summed a tile of rows at a time
-        for r in range(0, n_q, CHUNK):
-            grads.add_sink(-np.sum(p_sink[..., r:r + CHUNK, :] * D[..., r:r + CHUNK, :], axis=(-2, -1)),
-                           (Ellipsis, slice(None), slice(r, r + CHUNK), slice(None)))
     ds = scores.backward(p * (dp - D), o, shape, saved=saved, grads=grads)
     dq = o.scale * over_keys(ds, kh)
     grouped = lambda x: x.reshape(B, h_kv, G, n_q, x.shape[-1])      # kv head, its query heads g
@@ -94,7 +93,8 @@ def reference(q, k, v, o, dout):
     dk = o.scale * over_rows(grouped(ds), grouped(q))
     dv = over_rows(grouped(p_drop), grouped(dout))
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-            **{name: g for name, g in ScoreGrads.total([grads], o, shape, F32).items() if g is not None}}
+            **{name: g for name, g in ScoreGrads.total([grads], o, shape, F32).items() if g is not None},
+            "dsinks": None if o.sinks is None else scores.head_gradient(dsinks, o.sinks)}
 
 
 def inputs(rng, n_q=70, n_k=90, h=4, h_kv=2, d=16):

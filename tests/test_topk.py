@@ -180,8 +180,8 @@ def test_the_lists_with_every_option_are_dense_attention_with_their_keep_mask(en
 
 def test_crosscheck_judges_a_top_k_case_with_every_option():
     """A float32 candidate of the lists with softcap, bias, a mask, ALiBi, sinks, score_mod, mask_mod
-    and rope (our float64 results rounded) passes; the same with dq or dk 0.1% off fails, as does
-    one that ignores topk_length."""
+    and rope (our float64 results rounded) passes; the same with dq or dk 0.1% off fails, as do
+    one that ignores topk_length, one that ignores the mask and one that ignores the bias."""
     (q, k, v, dout), (indices, length), options, _, _ = every_option_case(5)
     low = lambda x: x.astype(np.float32)
     mods = {name: options.pop(name) for name in ("score_mod", "score_mod_params", "mask_mod")}
@@ -191,14 +191,15 @@ def test_crosscheck_judges_a_top_k_case_with_every_option():
                 rope_layout="half", mask=np.random.default_rng(6).random(q.shape[-2:-1] + k.shape[-2:-1]) > 0.2,
                 **options)
 
-    def candidate(**lists):
+    def candidate(without=(), **lists):
         wide = {name: x.astype(np.float64) if isinstance(x, np.ndarray) and x.dtype == np.float32 else x
-                for name, x in case.items() if name not in ("rope_layout", "topk_indices", "topk_length", "dout")}
+                for name, x in case.items()
+                if name not in ("rope_layout", "topk_indices", "topk_length", "dout") + without}
         out, cache = na.attention_forward(**wide, **lists, rope={}, **mods)
         grads = na.attention_backward(case["dout"].astype(np.float64), cache)
         return {name: low(x) for name, x in dict(out=out, lse=cache.lse, dq=grads.dq, dk=grads.dk, dv=grads.dv,
                                                   dbias=grads.dbias, dsinks=grads.dsinks,
-                                                  dalibi_slopes=grads.dalibi_slopes).items()}
+                                                  dalibi_slopes=grads.dalibi_slopes).items() if x is not None}
 
     honest = candidate(topk_indices=indices, topk_length=length)
     report = na.crosscheck(**case, **honest, **mods)
@@ -208,3 +209,6 @@ def test_crosscheck_judges_a_top_k_case_with_every_option():
         report = na.crosscheck(**case, **off, **mods)
         assert not report and [row.name for row in report.rows if not row.passed] == [name], report
     assert not na.crosscheck(**case, **candidate(topk_indices=indices), **mods)
+    for option in ("mask", "bias"):                                    # one that ignores the mask, the bias
+        ignored = candidate((option,), topk_indices=indices, topk_length=length)
+        assert not na.crosscheck(**case, **{**ignored, "dbias": honest["dbias"]}, **mods)

@@ -7,8 +7,10 @@ stderr), takes its FUNCTION (a torch, JAX or NumPy callable, or a command line a
 conformance/kernels.py), sweeps the case grid (conformance/run.py) with the kernel in a worker
 process, writes each case's verdict to --out/conform.jsonl and each that does not pass to
 stderr as it comes, checks the properties (conformance/properties.py), prints the option x dtype
-table and the properties' (or --json) and saves each shrunk failing case in --out. Exit 0: the run passed (every case run passed, every role of every cell run);
-1: a case failed, raised, exited, died or timed out, or the run did not cover the grid; 2: bad
+table and the properties' (or --json) and saves each shrunk failing case in --out. Exit 0: the
+run passed (every case and trial run passed, every role of every cell and every trial run);
+1: a case or trial failed, raised, exited, died or timed out, or the run did not cover the
+grid and the trials; 2: bad
 arguments, a MODULE:FUNCTION that cannot be imported or loaded, an --out that cannot be
 written (one line on stderr); 130 on a Ctrl-C, after the report of the cases judged so far.
 """
@@ -96,7 +98,7 @@ def add_arguments(parser):
                         help="the kernel's output for a row with no key (default: its declaration's, else zero)")
 
 
-def _names(values):
+def names(values):
     """--dtypes / --options values, split on commas too; None stays None."""
     return None if values is None else [name for value in values for name in value.split(",") if name]
 
@@ -108,7 +110,7 @@ def load_kernel(spec):
 
 def run(args):
     kernel = load_kernel(args.kernel)
-    dtypes, options, properties = _names(args.dtypes), _names(args.options), _names(args.properties)
+    dtypes, options, properties = names(args.dtypes), names(args.options), names(args.properties)
     try:
         if dtypes is not None:                         # refused by the option's name
             check_dtypes(dtypes, "--dtypes")

@@ -8,8 +8,8 @@ With --attention-kernel, pytest collects, beside the tests it finds, one item pe
 grid (conformance/grid.py) and one per property trial (conformance/properties.py), named by
 their ids:
 `conform[float32-causal-b2h4kv4-q64k113-d72-out+grad]`, `conform[lengths-float32-...]`. A case
-item runs the kernel in pytest's process on read-only copies of the case (as conform.check)
-and fails with crosscheck's table of the case shrunk to its smallest failing case
+item runs the kernel in pytest's process on read-only copies of the case (as conform does,
+with isolate=False) and fails with crosscheck's table of the case shrunk to its smallest failing case
 (conformance/shrink.py); a trial item fails with what differed. The dtypes, options and
 promises are the kernel's declaration's unless given (conformance/supports.py). Without --attention-kernel the plugin adds nothing.
 
@@ -44,17 +44,18 @@ def conformance_items(session, config, spec):
     from ..conformance.grid import cases
     from ..conformance.kernels import as_kernel
     from ..conformance.properties import check_properties, properties
-    from ..conformance.supports import DEFAULT_SUPPORTS, DTYPES, check_supports, declaration_of, promises
+    from ..conformance.supports import (DEFAULT_SUPPORTS, DTYPES, check_dtypes, check_supports, declaration_of,
+                                        promises)
     from .cli import UsageError
-    from .conform import load_kernel
+    from .conform import load_kernel, names
 
-    split = lambda values: None if values is None else [n for v in values for n in v.split(",") if n]
     try:
         kernel = load_kernel(spec)
         declared = declaration_of(kernel)
-        dtypes = split(config.getoption("--attention-dtypes")) or declared.dtypes or DTYPES
-        supports = split(config.getoption("--attention-options")) or declared.supports or DEFAULT_SUPPORTS
-        named = split(config.getoption("--attention-properties"))
+        dtypes = check_dtypes(names(config.getoption("--attention-dtypes")) or declared.dtypes or DTYPES,
+                              "--attention-dtypes")
+        supports = names(config.getoption("--attention-options")) or declared.supports or DEFAULT_SUPPORTS
+        named = names(config.getoption("--attention-properties"))
         names = () if named == ["none"] else check_properties(named, "--attention-properties")
         fully_masked = declared.fully_masked or "zero"
         options, outputs = check_supports(supports, fully_masked, "--attention-options")

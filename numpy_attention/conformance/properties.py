@@ -28,9 +28,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._checks import require_positive_int
 from ..oracle import CaseError, crosscheck
 from .grid import make_case
 from .judge import error_result
+from .kernels import Kernel, as_kernel
 from .supports import check_dtypes, check_fully_masked, check_supports
 
 PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance")
@@ -59,11 +61,13 @@ class PropertyResult(NamedTuple):
 
 def check_properties(names, argument="properties"):
     """names (None: every one) as a tuple of PROPERTIES, in their order; ValueError naming
-    `argument` for an unknown name."""
+    `argument` for an unknown or repeated name."""
     names = PROPERTIES if names is None else ((names,) if isinstance(names, str) else tuple(names))
     for name in names:
         if name not in PROPERTIES:
             raise ValueError(f"{argument} has the unknown name {name!r} ({argument}: {', '.join(PROPERTIES)})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{argument} names a property twice: {names!r}")
     return tuple(name for name in PROPERTIES if name in names)
 
 
@@ -76,6 +80,7 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
     names, dtypes = check_properties(names), check_dtypes(dtypes)
     options, outputs = check_supports(supports, fully_masked)
     fully_masked = check_fully_masked(fully_masked)
+    seed = require_positive_int(seed, "seed", minimum=0)
     groups = 2 if "gqa" in options else 1
     case = lambda dtype, cell, role, batch, n_q, n_k: make_case(
         dtype, cell, role, (("gqa",) if groups > 1 else ()), outputs, batch, 2, groups, n_q, n_k, WIDTH,
@@ -102,8 +107,10 @@ class _CallFailed(Exception):
 
 
 def check_property(kernel, trial, promises=()):
-    """The PropertyResult of one trial: the kernel (a kernels.Kernel, or a worker's) called on its
-    case (and related ones); promises: what the kernel declares (supports.PROMISES)."""
+    """The PropertyResult of one trial: the kernel (a callable or a command line, called in this
+    process; a kernels.Kernel or a worker's) called on its case (and related ones); promises:
+    what the kernel declares (supports.PROMISES)."""
+    kernel = kernel if isinstance(kernel, Kernel) or hasattr(kernel, "results") else as_kernel(kernel)
     start = time.perf_counter()
     try:
         status, detail, arrays = _CHECKS[trial.property](kernel, trial.case, promises)
@@ -159,6 +166,9 @@ def _determinism(kernel, case, promises):
     arrays = case.arrays()
     results = [_call(kernel, case, arrays) for _ in range(2)]
     if "deterministic" in promises:
+        missing = _same_keys(results[0], results[1], "the two calls on the same inputs")
+        if missing:
+            return "FAIL", missing, None
         for name in results[0]:
             differ = _differing(results[0][name], results[1][name])
             if differ:
@@ -174,11 +184,14 @@ def _determinism(kernel, case, promises):
 def _batch_invariance(kernel, case, promises):
     arrays = case.arrays()
     whole = _call(kernel, case, arrays)
-    for b in (0, case.batch - 1):
+    for b in (0, case.batch - 1):                  # (the trials hold no option with a batch axis)
         alone = {name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()}
         in_batch = {name: x[b:b + 1] for name, x in whole.items()}
         if "batch_invariant" in promises:
             results = _call(kernel, case._replace(batch=1), alone)
+            missing = _same_keys(in_batch, results, f"sequence {b} of {case.batch} in the batch and alone")
+            if missing:
+                return "FAIL", missing, None
             for name in results:
                 differ = _differing(in_batch[name], results[name])
                 if differ:
@@ -190,15 +203,25 @@ def _batch_invariance(kernel, case, promises):
 
 
 def _differing(a, b):
-    """'' where a and b hold the same bits (NaN where NaN), else how many entries differ and the first."""
+    """'' where a and b hold the same bits (any NaN where a NaN: its payload aside), else what
+    differs: the dtype, the shape, or how many entries and the first (-0.0 is not +0.0)."""
     a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        return f"shapes {a.shape} and {b.shape}"
-    same = (a == b) | (np.isnan(a.astype(np.float64)) & np.isnan(b.astype(np.float64)))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype} {a.shape} and {b.dtype} {b.shape}"
+    bits = lambda x: x.view(f"u{x.dtype.itemsize}") if x.dtype.kind not in "biu" else x
+    nan = lambda x: np.isnan(x.astype(np.float64)) if x.dtype.kind not in "biu" else np.zeros(x.shape, bool)
+    same = (bits(a) == bits(b)) | (nan(a) & nan(b))
     if same.all():
         return ""
     first = tuple(int(i) for i in np.argwhere(~same)[0])
     return f"{int((~same).sum())} of {a.size} entries differ, the first at {first}"
+
+
+def _same_keys(first, second, what):
+    """'' where two calls returned the same results (names), else which one returned what more."""
+    if set(first) == set(second):
+        return ""
+    return f"{what} returned {sorted(first)} and {sorted(second)}"
 
 
 _CHECKS = {"honesty": _honesty, "lengths": _lengths, "determinism": _determinism,

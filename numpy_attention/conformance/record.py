@@ -3,6 +3,8 @@
     {"kernel": ..., "seed": ..., "grid_cases": ...}     the settings, written before the sweep
     {"id": ..., "status": "PASS", ...}                  each case, flushed as it is judged
                                                         (report.case_json)
+    {"id": ..., "property": ..., "status": ...}         each property trial, as it is run
+                                                        (report.trial_json)
 
 Opening it before the sweep is the check that out_dir can be written: a path that is not a
 directory, or a full or read-only device, is an OSError naming the path before any kernel

@@ -96,6 +96,9 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
     dtypes = check_dtypes(_given(dtypes, declared.dtypes, DTYPES))
     fully_masked = check_fully_masked(_given(fully_masked, declared.fully_masked, "zero"))
     supports = _given(supports, declared.supports, DEFAULT_SUPPORTS)
+    if not isinstance(supports, str):                  # read twice (an iterator, once)
+        with contextlib.suppress(TypeError):           # not iterable: check_supports says what it must be
+            supports = tuple(supports)
     options, outputs = check_supports(supports, fully_masked)
     promised = promises(supports)
     names = check_properties(properties)
@@ -126,7 +129,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
                              shrink_seconds=end - swept, interrupted=interrupted, unsaved=record.unsaved,
                              trials=tuple(trials), property_results=tuple(checked), saved=tuple(saved))
 
-    bar.say(_plan(grid, budget, timeout))
+    bar.say(_plan(grid, trials, budget, timeout))
     try:
         with record, caller as called:
             share = None if budget is None else budget * (1 - PROPERTY_SHARE if trials else 1)
@@ -183,13 +186,16 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar):
             bar.say("\n".join(wrapped(f"{result.status} {result.trial}: {result.detail}")))
 
 
-def _plan(grid, budget, timeout):
-    """What the run will do, said before it starts: the cases, the time they may take, the shrinks."""
+def _plan(grid, trials, budget, timeout):
+    """What the run will do, said before it starts: the cases and trials, the time they may take,
+    the shrinks."""
     cells = len({(case.cell, case.dtype) for case in grid})
-    limits = "" if budget is None else f"; no case starts after {budget:g} s"
+    swept = "" if budget is None or not trials else f"the grid's after {budget * (1 - PROPERTY_SHARE):g} s, "
+    limits = "" if budget is None else f"; no case starts after {swept}{budget:g} s"
     limits += "" if timeout is None else f", and a case runs at most {timeout:g} s"
-    return "\n".join(wrapped(f"conform: {len(grid)} cases in {cells} cells{limits}; then each failing "
-                             f"cell is shrunk, in at most {MAX_STEPS} more runs of the kernel"))
+    checked = f" and {len(trials)} property trials" if trials else ""
+    return "\n".join(wrapped(f"conform: {len(grid)} cases in {cells} cells{checked}{limits}; then each "
+                             f"failing cell is shrunk, in at most {MAX_STEPS} more runs of the kernel"))
 
 
 def _given(argument, declared, default):

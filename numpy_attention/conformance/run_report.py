@@ -73,7 +73,7 @@ class ConformReport(NamedTuple):
     kind: str               # 'torch', 'jax', 'numpy', 'command'
     seed: int
     dtypes: tuple
-    supports: tuple         # the options and outputs swept
+    supports: tuple         # the options and outputs swept, and the promises held
     fully_masked: str
     budget: object          # seconds, or None
     timeout: object         # a case's seconds, or None (no limit: the kernel ran in this process)
@@ -141,9 +141,12 @@ class ConformReport(NamedTuple):
         """One line: how many roles of every cell the run covered."""
         cells = self.cells()
         least, roles = min(c.roles_run for c in cells), max(c.roles for c in cells)
-        if least == roles:
-            return f"coverage: every role of every cell run ({roles} of {roles})"
         why = "the run was interrupted" if self.interrupted else "a larger budget runs more"
+        trials = len(self.property_results), len(self.trials)
+        unrun = "" if trials[0] == trials[1] else \
+            f"; {trials[0]} of {trials[1]} property trials run: not enough to pass ({why})"
+        if least == roles:
+            return f"coverage: every role of every cell run ({roles} of {roles}){unrun}"
         return f"coverage: {least} of {roles} roles run in every cell: not enough to pass ({why})"
 
     def __str__(self):

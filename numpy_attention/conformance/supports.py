@@ -64,7 +64,7 @@ NEAR_MISSES = {
 class Declaration(NamedTuple):
     """What a kernel declares (None: the conformance run's default)."""
     kind: object            # 'torch', 'jax', 'numpy', 'command' or None (told from the kernel)
-    supports: object        # tuple of OPTIONS and OUTPUTS names, or None
+    supports: object        # tuple of OPTIONS, OUTPUTS and PROMISES names, or None
     dtypes: object          # tuple of DTYPES, or None
     fully_masked: object    # the kernel's policy for a row with no key (FULLY_MASKED), or None
 
