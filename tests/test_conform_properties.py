@@ -46,11 +46,15 @@ def test_an_honest_kernel_holds_every_property():
 
 @pytest.mark.parametrize("name, broken", [
     ("cached_by_shape", "honesty"), ("wrong_at_one_length", "lengths"), ("partial_block_dropped", "lengths"),
-    ("noisy", "determinism"), ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance")])
+    ("noisy", "determinism"), ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance"),
+    ("unshifted_softmax", "range")])
 def test_each_faulty_kernel_breaks_exactly_its_property(name, broken):
-    names = None if broken != "lengths" else ("lengths",)          # (the other three: in the slow test)
-    found = failing(getattr(property_bugs, name), dtypes=("float32",), names=names)
-    assert set(found) == {(broken, "float32")}, found
+    names = None if broken != "lengths" else ("lengths",)          # (the others: in the slow test)
+    dtype = "float16" if name == "unshifted_softmax" else "float32"
+    found = failing(getattr(property_bugs, name), dtypes=(dtype,), names=names)
+    assert set(found) == {(broken, dtype)}, found
+    if name == "unshifted_softmax":
+        assert [trial.case.role for trial, _ in found[broken, dtype]] == ["saturated"]
     if name == "wrong_at_one_length":
         assert {trial.case.n_k for trial, _ in found[broken, "float32"]} == {144}
     if name == "partial_block_dropped":
@@ -72,6 +76,8 @@ def test_what_fails_and_why_is_said():
     assert said["batch_dependent"].detail.startswith("sequence 0 of 3, out:") and "in the batch and alone" in \
         said["batch_dependent"].detail
     assert said["batch_leak"].detail.startswith("sequence 2 of 3, in the batch, judged alone: out:")
+    saturated = failing(property_bugs.unshifted_softmax, dtypes=("float16",), names=("range",))["range", "float16"]
+    assert saturated[0][1].detail.startswith("q times 8 (saturated): out: ")
     assert all(result.status == "FAIL" for result in said.values())
 
 

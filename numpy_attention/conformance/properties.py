@@ -15,12 +15,17 @@ reference (docs/conform.md names the threads each comes from):
     batch_invariance  the first and last sequence of a batch of 3: their results in the batch
                       against those of the same sequence alone; the same bits where the kernel
                       declares 'batch_invariant', else the batch's rows judged as the lone case's
+    range             q scaled so that each row's scores spread by 30 and more (a saturated
+                      softmax: P nearly one-hot, its gradients tiny), and v scaled to RANGE_V (an
+                      output and a dP far from 1; a kernel that keeps them in a 16-bit dtype
+                      loses them), each judged
 
     trials = properties(dtypes=..., supports=..., seed=...)   # PropertyTrial, round-robin order
     result = check_property(kernel, trial, promises)          # a PropertyResult
 
-A trial is a small case (grid.make_case): a failure is its smallest case already, but for
-`lengths`, whose failing trials name the lengths. Each trial's status is PASS, FAIL, ERROR
+A trial is a small case (grid.make_case), each property's of other shapes than the others' (a
+kernel that caches by shape breaks honesty alone): a failure is its smallest case already,
+but for `lengths`, whose failing trials name the lengths. Each trial's status is PASS, FAIL, ERROR
 (the kernel raised, exited or died, or gave what crosscheck cannot judge) or TIMEOUT.
 """
 import time
@@ -30,15 +35,18 @@ import numpy as np
 
 from .._checks import require_positive_int
 from ..oracle import CaseError, crosscheck
+from ..oracle.precision import PRECISIONS
 from .grid import make_case
 from .judge import error_result
 from .kernels import Kernel, as_kernel
 from .supports import check_dtypes, check_fully_masked, check_supports
 
-PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance")
+PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range")
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
 LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
 WIDTH = 64                                                           # d of the trials' cases
+SATURATING = 8.0            # range: q times this (the grid's q spreads each row's scores by about 4)
+RANGE_V = 2.0 ** 12         # range: v times this (float16's largest is 65504)
 
 
 class PropertyTrial(NamedTuple):
@@ -48,7 +56,8 @@ class PropertyTrial(NamedTuple):
     case: object            # grid.ConformCase: the case it runs (batch_invariance: the batch)
 
     def __str__(self):
-        return f"{self.property}-{self.case.id}"
+        role = f"-{self.case.role.replace(' ', '_')}" if self.property == "range" else ""
+        return f"{self.property}{role}-{self.case.id}"
 
 
 class PropertyResult(NamedTuple):
@@ -92,8 +101,10 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
                 cases = [case(dtype, name, f"N={n}", 1, n_q, n) for n in LENGTHS for n_q in (n, 1)]
             elif name == "batch_invariance":
                 cases = [case(dtype, name, "batch of 3", 3, 33, 48)]
+            elif name == "range":
+                cases = [case(dtype, name, "saturated", 1, 33, 64), case(dtype, name, "large v", 1, 35, 64)]
             else:                                   # one sequence; whole key blocks: the lengths' concern
-                cases = [case(dtype, name, "short", 1, 17, 32)]
+                cases = [case(dtype, name, "short", 1, 17 if name == "honesty" else 19, 32)]
             queues.append([PropertyTrial(name, dtype, c) for c in cases])
     return [queue[r] for r in range(max(map(len, queues), default=0)) for queue in queues if r < len(queue)]
 
@@ -202,6 +213,15 @@ def _batch_invariance(kernel, case, promises):
     return "PASS", "", None
 
 
+def _range(kernel, case, promises):
+    arrays = case.arrays()
+    storage = PRECISIONS[case.dtype].storage
+    name, factor = ("q", SATURATING) if case.role == "saturated" else ("v", RANGE_V)
+    arrays[name] = (arrays[name] * factor).astype(storage).astype(np.float32)    # (a power of 2: exact)
+    status, failed, judged = _judged(case, arrays, _call(kernel, case, arrays))
+    return status, failed and f"{name} times {factor:g} ({case.role}): {failed}", judged
+
+
 def _differing(a, b):
     """'' where a and b hold the same bits (any NaN where a NaN: its payload aside), else what
     differs: the dtype, the shape, or how many entries and the first (-0.0 is not +0.0)."""
@@ -225,4 +245,4 @@ def _same_keys(first, second, what):
 
 
 _CHECKS = {"honesty": _honesty, "lengths": _lengths, "determinism": _determinism,
-           "batch_invariance": _batch_invariance}
+           "batch_invariance": _batch_invariance, "range": _range}
