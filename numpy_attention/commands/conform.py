@@ -46,8 +46,9 @@ outputs:  {' '.join(OUTPUTS)} (named among --options)
 promises: {' '.join(PROMISES)} (named among --options: the properties hold them bit for bit)
 properties: {' '.join(PROPERTIES)}, or none (default: all)
 default:  the kernel's declaration, else every dtype and causal gqa gradients
-time:     no case starts after --budget, a case runs at most --timeout; then each failing
-          cell is shrunk, in at most {MAX_STEPS} more runs of the kernel
+time:     no case starts after --budget (the grid's after three quarters of it, then the
+          properties' trials), a case runs at most --timeout; then each failing cell is
+          shrunk, in at most {MAX_STEPS} more runs of the kernel
 exit codes:
   0    the run passed: every case and property trial run passed, and it ran every role
        of every cell and every trial
