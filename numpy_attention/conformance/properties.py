@@ -38,7 +38,7 @@ from ..oracle import CaseError, crosscheck
 from ..oracle.precision import PRECISIONS
 from .grid import make_case
 from .judge import error_result
-from .kernels import Kernel, as_kernel
+from .kernels import as_kernel
 from .supports import check_dtypes, check_fully_masked, check_supports
 
 PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range")
@@ -121,7 +121,7 @@ def check_property(kernel, trial, promises=()):
     """The PropertyResult of one trial: the kernel (a callable or a command line, called in this
     process; a kernels.Kernel or a worker's) called on its case (and related ones); promises:
     what the kernel declares (supports.PROMISES)."""
-    kernel = kernel if isinstance(kernel, Kernel) or hasattr(kernel, "results") else as_kernel(kernel)
+    kernel = kernel if hasattr(kernel, "results") else as_kernel(kernel)      # a Kernel, a worker's
     start = time.perf_counter()
     try:
         status, detail, arrays = _CHECKS[trial.property](kernel, trial.case, promises)
