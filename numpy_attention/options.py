@@ -6,7 +6,7 @@ every engine and crosscheck share, checked once.
 Each option is one row of OPTIONS: its keyword, default and meaning (attention_forward's
 signature and docstring are made from the rows), where it acts in the textbook's steps,
 how a .npz case holds it, its gradient and whether that gradient sums per head, and whether
-the tiled engine computes it. The keyword arguments of attention_forward, attention_jvp and
+the tiled engine computes it. The keyword arguments of attention_forward and
 attention_options, the case reader's keys (oracle/schema.py), the oracle's slices and
 conform's gradients take their lists from here. `attention_options` runs every check
 (option_checks.py), so an engine only computes; where and how (the engine, its tiles,
@@ -151,7 +151,7 @@ class AttentionOptions(NamedTuple):
 
 
 def with_options(function):
-    """function, taking OPTIONS as **options (attention_forward, attention_jvp), with a
+    """function, taking OPTIONS as **options (attention_forward, attention_options), with a
     __signature__ that names them (after its positional parameters, before its own keywords)
     and the '{options}' line of its docstring replaced by one entry per option."""
     own = inspect.signature(function).parameters.values()

@@ -177,14 +177,8 @@ def _determinism(kernel, case, promises):
     arrays = case.arrays()
     results = [_call(kernel, case, arrays) for _ in range(2)]
     if "deterministic" in promises:
-        missing = _same_keys(results[0], results[1], "the two calls on the same inputs")
-        if missing:
-            return "FAIL", missing, None
-        for name in results[0]:
-            differ = _differing(results[0][name], results[1][name])
-            if differ:
-                return "FAIL", f"{name}: {differ} between two calls on the same inputs", None
-        return "PASS", "", None
+        differ = _other_bits(results[0], results[1], "between two calls on the same inputs")
+        return ("FAIL", differ, None) if differ else ("PASS", "", None)
     for second, result in enumerate(results):
         status, failed, judged = _judged(case, arrays, result)
         if status != "PASS":
@@ -199,14 +193,9 @@ def _batch_invariance(kernel, case, promises):
         alone = {name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()}
         in_batch = {name: x[b:b + 1] for name, x in whole.items()}
         if "batch_invariant" in promises:
-            results = _call(kernel, case._replace(batch=1), alone)
-            missing = _same_keys(in_batch, results, f"sequence {b} of {case.batch} in the batch and alone")
-            if missing:
-                return "FAIL", missing, None
-            for name in results:
-                differ = _differing(in_batch[name], results[name])
-                if differ:
-                    return "FAIL", f"sequence {b} of {case.batch}, {name}: {differ} in the batch and alone", None
+            differ = _other_bits(in_batch, _call(kernel, case._replace(batch=1), alone), "in the batch and alone")
+            if differ:
+                return "FAIL", f"sequence {b} of {case.batch}, {differ}", None
         status, failed, judged = _judged(case, alone, in_batch)
         if status != "PASS":
             return status, f"sequence {b} of {case.batch}, in the batch, judged alone: {failed}", judged
@@ -237,11 +226,15 @@ def _differing(a, b):
     return f"{int((~same).sum())} of {a.size} entries differ, the first at {first}"
 
 
-def _same_keys(first, second, what):
-    """'' where two calls returned the same results (names), else which one returned what more."""
-    if set(first) == set(second):
-        return ""
-    return f"{what} returned {sorted(first)} and {sorted(second)}"
+def _other_bits(first, second, where):
+    """'' where two calls' results hold the same names and bits, else what differs, `where`."""
+    if set(first) != set(second):
+        return f"results {sorted(first)} and {sorted(second)} {where}"
+    for name in first:
+        differ = _differing(first[name], second[name])
+        if differ:
+            return f"{name}: {differ} {where}"
+    return ""
 
 
 _CHECKS = {"honesty": _honesty, "lengths": _lengths, "determinism": _determinism,
