@@ -110,9 +110,10 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
                   alibi_slopes_dot=None, **options):
     """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
 
-    options: attention_forward's (options.OPTIONS, rope, the keep steps); computed by the textbook, or with implementation='tiled' (or a
-    block_size) by the tiled engine's online softmax carrying the tangents (engines/tiled.py,
-    tiled_jvp: O(N) memory). A tangent left None is 0.
+    options: attention_forward's (options.OPTIONS, rope, the keep steps); computed by the
+    textbook, or with implementation='tiled' (or a block_size) by the tiled engine's online
+    softmax carrying the tangents (engines/tiled.py, tiled_jvp: O(N) memory). A tangent left
+    None is 0.
     """
     q, k, v, o, plan, cache, dot, _ = _primal_and_tangents(q, k, v, dict(
         q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,

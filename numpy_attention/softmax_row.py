@@ -72,9 +72,11 @@ def softmax_row(S, options, score_shape=None, index=WHOLE, out=None):
         P, lse, top = softmax_and_logsumexp(S, out=out, overwrite_z=True)
     else:                                           # the sink: one more logit, its weight dropped
         P_row, lse, top = softmax_and_logsumexp(with_sink(S, o, score_shape, index), overwrite_z=True)
-        P = np.ascontiguousarray(P_row[..., :-1]) if out is None else out
-        if out is not None:
-            out[...] = P_row[..., :-1]
+        if out is None:
+            P = np.ascontiguousarray(P_row[..., :-1])
+        else:
+            P = out
+            P[...] = P_row[..., :-1]
     if o.fully_masked != "zero":                    # rows with every key masked
         np.copyto(P, masked_row_weight(o.fully_masked, P.shape[-1]), where=np.isneginf(lse.real)[..., None])
     return P, lse, top

@@ -8,10 +8,11 @@ With --attention-kernel, pytest collects, beside the tests it finds, one item pe
 grid (conformance/grid.py) and one per property trial (conformance/properties.py), named by
 their ids:
 `conform[float32-causal-b2h4kv4-q64k113-d72-out+grad]`, `conform[lengths-float32-...]`. A case
-item runs the kernel in pytest's process on read-only copies of the case (as conform does,
-with isolate=False) and fails with crosscheck's table of the case shrunk to its smallest failing case
-(conformance/shrink.py); a trial item fails with what differed. The dtypes, options and
-promises are the kernel's declaration's unless given (conformance/supports.py). Without --attention-kernel the plugin adds nothing.
+item runs the kernel in pytest's process on read-only copies of the case (as conform does
+with isolate=False) and fails with crosscheck's table of the case shrunk to its smallest
+failing case (conformance/shrink.py); a trial item fails with what differed. The dtypes,
+options and promises are the kernel's declaration's unless given (conformance/supports.py).
+Without --attention-kernel the plugin adds nothing.
 
 setup.cfg registers this module under pytest's `pytest11` entry point, so installing the
 package makes the options available; it imports nothing of the package until they are used.

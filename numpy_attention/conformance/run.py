@@ -20,11 +20,12 @@
    re-judges it), with a picture of its errors where matplotlib is installed.
 
 The run passes only when every case and trial run passed, it covered every role of every
-cell and it ran every trial (run_report.py); a Ctrl-C raises ConformInterrupted, a KeyboardInterrupt that carries the report
-of what was done (the command prints it).
+cell and it ran every trial (run_report.py); a Ctrl-C raises ConformInterrupted, a
+KeyboardInterrupt that carries the report of what was done (the command prints it).
 conform.cases and conform.check are the grid and one case's judgement, in this process, for a
-pytest parametrize of the same cases (docs/conform.md); conform.declare declares a kernel's
-support.
+pytest parametrize of the same cases (docs/conform.md), conform.properties and
+conform.check_property the properties' trials and one trial's result; conform.declare declares
+a kernel's support.
 """
 import contextlib
 import os
@@ -134,12 +135,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
         with record, caller as called:
             share = None if budget is None else budget * (1 - PROPERTY_SHARE if trials else 1)
             smallest = _sweep(called, grid, share, times, results, record, bar)
-            _check(called, trials, promised, budget, times, checked, record, bar)
-            for result in checked:
-                if result.arrays is not None and out_dir is not None:
-                    path = _save_arrays(str(result.trial), result.arrays, out_dir, record)
-                    if path is not None:
-                        saved.append((str(result.trial), path))
+            _check(called, trials, promised, budget, times, checked, record, bar, out_dir, saved)
             times["swept"] = monotonic()
             for (option, dtype), (result, arrays) in smallest.items():
                 shrunk = shrink(called, result.case, result.report, arrays)
@@ -172,9 +168,10 @@ def _sweep(kernel, grid, budget, times, results, record, bar):
     return smallest
 
 
-def _check(kernel, trials, promised, budget, times, checked, record, bar):
+def _check(kernel, trials, promised, budget, times, checked, record, bar, out_dir, saved):
     """Run the properties' trials within the budget, appending each PropertyResult to `checked`
-    (and to the record, and to stderr when it does not pass); the first round always runs."""
+    (and to the record, and to stderr when it does not pass; a failing trial crosscheck judged
+    saved in out_dir, its (id, path) appended to `saved`); the first round always runs."""
     first_round = len({(t.property, t.dtype) for t in trials})
     for n, trial in enumerate(trials):
         if budget is not None and n >= first_round and monotonic() - times["start"] >= budget:
@@ -184,6 +181,10 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar):
         record.add(trial_json(result))
         if result.status != "PASS":
             bar.say("\n".join(wrapped(f"{result.status} {result.trial}: {result.detail}")))
+        if result.arrays is not None and out_dir is not None:
+            path = _save_arrays(str(result.trial), result.arrays, out_dir, record)
+            if path is not None:
+                saved.append((str(result.trial), path))
 
 
 def _plan(grid, trials, budget, timeout):

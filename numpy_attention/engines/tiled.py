@@ -37,9 +37,9 @@ not depend on where or on how many workers the tasks run.
 
 Supported: every option whose row of options.OPTIONS says tiled (scores.py's steps on each
 tile; a tile that the keep steps remove is skipped; a sink starts each row's online softmax:
-m = sink, l = 1) with fully_masked='zero'; its plan (engines/plan.py) refuses the others. The backward is the 'flash' form ('vjp'
-names the same computation here); method='jacobian' and return_stages need the [N_q, N_k]
-weights: ValueError.
+m = sink, l = 1) with fully_masked='zero'; its plan (engines/plan.py) refuses the others.
+The backward is the 'flash' form ('vjp' names the same computation here); method='jacobian'
+and return_stages need the [N_q, N_k] weights: ValueError.
 """
 from typing import NamedTuple
 
