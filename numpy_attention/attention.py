@@ -1,13 +1,15 @@
 """attention_forward and attention_backward: the public pair, which checks its arguments and runs an engine.
 
 Shapes, the steps and their gradients: textbook.py, the spec. attention_forward checks its
-arguments once (options.py), makes the plan (engines/plan.py), then runs one of three
+arguments once (options.py), makes the plan (engines/plan.py), then runs one of four
 engines that compute the same thing, each tested equal to the textbook:
     'textbook'  textbook.py: whole arrays, every [..., H, N_q, N_k] stage formed
     'blocked'   engines/blocked.py: the same steps on blocks of query rows (the cache
                 holds P whole); faster, the default
     'tiled'     engines/tiled.py: FlashAttention's online softmax, O(N) memory, no
                 [N_q, N_k] array; the default when block_size is given
+    'sparse'    engines/sparse.py: top-k lists (topk_indices), each query's listed keys
+                gathered, blocks of query rows; the default with topk_indices
 Around the engine: rope turns q and k first (rope.py); a paged KV cache or packed sequences
 (cu_seqlens) are packed into one problem and its results unpacked (paged.py).
 """
@@ -17,6 +19,7 @@ from ._checks import as_float_array, require_cache, require_choice, require_same
 from .caches import AttentionCache, AttentionGrads, AttentionStages, TiledAttentionCache
 from .engines.blocked import blocked_backward, blocked_forward
 from .engines.plan import attention_plan
+from .engines.sparse import sparse_backward, sparse_forward
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .rope import rope_backward, rope_qk
@@ -36,7 +39,8 @@ __all__ = ["attention_forward", "attention_backward", "ENGINES", "AttentionCache
 #                    backward(dout, cache, method, return_stages) -> AttentionGrads)
 ENGINES = {"textbook": (textbook_forward, textbook_backward),
            "blocked": (blocked_forward, blocked_backward),
-           "tiled": (tiled_forward, tiled_backward)}
+           "tiled": (tiled_forward, tiled_backward),
+           "sparse": (sparse_forward, sparse_backward)}
 
 
 @with_options
@@ -63,24 +67,28 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
             packed sequences (the cache holds that problem: cache.q [H, B N_q, d_k]); out and
             the gradients come back in the caller's layout (dk, dv as the pages' gradients).
         implementation: 'textbook' (whole arrays, the spec), 'blocked' (the same steps on
-            blocks of query rows; the default) or 'tiled' (FlashAttention's algorithm: no
+            blocks of query rows; the default), 'tiled' (FlashAttention's algorithm: no
             [N_q, N_k] array, O(N) memory; every option but those whose row says tiled=False,
-            ValueError for those). None: 'tiled' if block_size is given, else 'blocked'.
-        block_size: the tiled engine's tile size (default plan.TILE_SIZE = 256).
-        workers: threads for the blocked and tiled engines: their independent slices (blocks
-            of rows; the tiled backward's batch index and kv head) run on a thread pool with
+            ValueError for those) or 'sparse' (topk_indices: each query's listed keys
+            gathered, O(N K) work and memory; every option). None: 'sparse' with topk_indices,
+            else 'tiled' if block_size is given, else 'blocked'.
+        block_size: the tiled engine's tile size (default plan.TILE_SIZE = 256); the sparse
+            engine's query rows a block (default: as many as gather 2^15 keys a head).
+        workers: threads for the blocked, tiled and sparse engines: their independent slices
+            (blocks of rows; a backward's batch index and kv head) run on a thread pool with
             BLAS held to one thread (engines/parallel.py; for one worker too: `workers` threads
             in all); the results are bitwise the same for any number. None (default): every
             core this process may use when the scores have at least plan.PARALLEL_SCORES =
             2^19 entries (with packed sequences, counting each sequence's own scores only),
             else 1. The backward (and attention_jvp) uses the forward's.
-        scheduler: the tiled engine's slices on a Dask cluster instead (the optional extra
+        scheduler: the tiled or sparse engine's slices on a Dask cluster instead (the optional extra
             `dask`): a dask.distributed Client, or a scheduler's address such as
             'tcp://host:8786' (a Client is opened for the call). Results are bitwise those
             of a local run. The backward uses the forward's (a Client must still be open).
     Returns:
         out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside;
-        cache.scores recomputes S), or a TiledAttentionCache (out and lse) for 'tiled'.
+        cache.scores recomputes S), or a TiledAttentionCache (out and lse; max_logits too
+        for 'sparse') for 'tiled' and 'sparse'.
     """
     paged = None
     if page_table is not None or cache_seqlens is not None:          # gather the pages: packed sequences
@@ -124,9 +132,10 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
             'jacobian' dS = J dP with J = diag(P) - P P^T per row  (softmax_jacobian; O(N_k^2) per row)
             'flash'    dS = P * (dP - D), D = rowsum(dout * out), P recomputed as exp(S - lse)
                        with S recomputed from q and k (FlashAttention's backward)
-            The tiled engine always computes the 'flash' form ('vjp' is accepted there).
+            The tiled and sparse engines always compute the 'flash' form ('vjp' is accepted
+            there).
         return_stages: also return AttentionStages(dP, dS, D) for per-stage comparison
-            (not with the tiled engine, which never forms them).
+            (not with the tiled and sparse engines, which never form them).
     Returns:
         AttentionGrads(dq, dk, dv, dbias, stages, dsinks, dalibi_slopes); dq, dk, dv are
         contiguous arrays; dbias, dsinks, dalibi_slopes None without their option.

@@ -15,8 +15,8 @@ from .scores import attention_scores
 
 class AttentionPlan(NamedTuple):
     """How a cache was made, which its backward follows (engines/plan.py makes it)."""
-    implementation: str             # 'textbook', 'blocked' or 'tiled'
-    block_size: Optional[int] = None    # the tiled engine's tile size; None for the others
+    implementation: str             # 'textbook', 'blocked', 'tiled' or 'sparse'
+    block_size: Optional[int] = None    # the tiled engine's tile size, the sparse engine's block rows
     workers: int = 1                # threads of the blocked and tiled engines (engines/parallel.py)
     scheduler: object = None        # the tiled engine's Dask cluster: a Client or an address (or None)
 
@@ -42,6 +42,8 @@ class AttentionCache(NamedTuple):
     plan: AttentionPlan = TEXTBOOK   # the engine that made it, and computes its backward
     paged: Optional[PagedLayout] = None      # q, k, v were packed from a paged KV cache (paged.py)
     rope: Optional[tuple] = None             # (RopeCache of q, of k): q and k were turned (rope.py)
+    max_logits: Optional[np.ndarray] = None  # [..., H, N_q] each row's largest score S (-inf: no key kept;
+                                             # the sparse engine's, None for the others)
 
     @property
     def scores(self):
@@ -53,7 +55,8 @@ class AttentionCache(NamedTuple):
 
 
 class TiledAttentionCache(AttentionCache):
-    """The tiled engine's cache: options, q, k, v, out and lse; P is recomputed by the backward."""
+    """The tiled and sparse engines' cache: options, q, k, v, out and lse (and the sparse engine's
+    max_logits); P is recomputed by the backward."""
     __slots__ = ()
 
 

@@ -37,6 +37,7 @@ from ._layout import grouped_matmul, grouped_sum_matmul, scaled, with_head_axis
 from .textbook import textbook_forward
 from .caches import AttentionGrads
 from .engines.plan import attention_plan
+from .engines.sparse import sparse_jvp
 from .engines.tiled import tiled_jvp
 from . import scores
 from .options import attention_options
@@ -65,29 +66,32 @@ def _scores_tangent(q, k, o, q_dot, k_dot, saved, bias_dot, alibi_slopes_dot):
 
 
 def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
-    """(q, k, v, options record, plan, textbook cache (None for the tiled engine), dict of
-    tangents, rope caches or None) checked, the tangents in the computation's dtype (a tangent
-    left None: zeros for q, k, v; None for the others); with rope, q, k and their tangents
-    turned. engines: the implementations this call runs (default: textbook)."""
-    if options.get("implementation") == "blocked" or (options.get("implementation") == "tiled"
-                                                      and "tiled" not in engines):
-        raise ValueError(f"this runs on the {' or '.join(engines)} engine, not "
+    """(q, k, v, options record, plan, textbook cache (None for the tiled and sparse engines),
+    dict of tangents, rope caches or None) checked, the tangents in the computation's dtype (a
+    tangent left None: zeros for q, k, v; None for the others); with rope, q, k and their
+    tangents turned. engines: the implementations this call runs (default: textbook; the
+    sparse engine, where it is one, for topk_indices without an implementation)."""
+    if options.get("implementation") in ("blocked", "tiled", "sparse") and options["implementation"] not in engines:
+        named = engines[0] if len(engines) == 1 else f"{', '.join(engines[:-1])} or {engines[-1]}"
+        raise ValueError(f"this runs on the {named} engine, not "
                          f"implementation={options['implementation']!r}")
     if options.get("page_table") is not None or options.get("cache_seqlens") is not None:
         raise ValueError("forward mode takes packed sequences (cu_seqlens), not a paged KV cache")
     rope = options.get("rope")
     options = {name: x for name, x in options.items() if name not in ("page_table", "cache_seqlens", "rope")}
-    tiled = options.get("implementation") == "tiled" or options.get("block_size") is not None
-    if tiled and "tiled" not in engines:
+    implementation = options.pop("implementation", None)
+    if implementation is None:
+        implementation = ("sparse" if options.get("topk_indices") is not None and "sparse" in engines else
+                          "tiled" if options.get("block_size") is not None and "tiled" in engines else "textbook")
+    if implementation == "textbook" and options.get("block_size") is not None:
         raise ValueError("this runs on the textbook engine; block_size selects the tiled one")
     planned = {name: options.pop(name) for name in ("block_size", "workers", "scheduler") if name in options}
-    options.pop("implementation", None)
     q, k, v, o = attention_options(q, k, v, **options)
-    plan = attention_plan(o, q.shape, k.shape, implementation="tiled" if tiled else "textbook", **planned)
+    plan = attention_plan(o, q.shape, k.shape, implementation=implementation, **planned)
     turned = None
     if rope is not None:                               # q, k turned by their positions
         q, k, turned = rope_qk(q, k, rope, o)
-    cache = None if tiled else textbook_forward(q, k, v, o, plan)[1]
+    cache = textbook_forward(q, k, v, o, plan)[1] if implementation == "textbook" else None
     primals = {"q_dot": q, "k_dot": k, "v_dot": v, "bias_dot": o.bias, "sinks_dot": o.sinks,
                "alibi_slopes_dot": o.alibi_slopes}
     checked = {}
@@ -112,15 +116,17 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
 
     options: attention_forward's (options.OPTIONS, rope, the keep steps); computed by the
     textbook, or with implementation='tiled' (or a block_size) by the tiled engine's online
-    softmax carrying the tangents (engines/tiled.py, tiled_jvp: O(N) memory). A tangent left
-    None is 0.
+    softmax carrying the tangents (engines/tiled.py, tiled_jvp: O(N) memory), or with
+    topk_indices by the sparse engine (engines/sparse.py, sparse_jvp; implementation='textbook'
+    computes it densely). A tangent left None is 0.
     """
     q, k, v, o, plan, cache, dot, _ = _primal_and_tangents(q, k, v, dict(
         q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,
-        alibi_slopes_dot=alibi_slopes_dot), options, engines=("textbook", "tiled"))
-    if cache is None:                                  # the tiled engine: O(N) memory
-        return tiled_jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"], dot["bias_dot"],
-                         dot["alibi_slopes_dot"], dot["sinks_dot"])
+        alibi_slopes_dot=alibi_slopes_dot), options, engines=("textbook", "tiled", "sparse"))
+    if cache is None:                                  # the tiled or sparse engine: O(N) memory
+        jvp = tiled_jvp if plan.implementation == "tiled" else sparse_jvp
+        return jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"], dot["bias_dot"],
+                   dot["alibi_slopes_dot"], dot["sinks_dot"])
     saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], saved, dot["bias_dot"],      # 1-4.
                             dot["alibi_slopes_dot"])

@@ -196,9 +196,16 @@ def attention_options(q, k, v, **given):
     mask, bias and the dropout scale are read-only copies. Raises ValueError / TypeError
     naming the argument and the shapes.
     """
-    a, keep_steps = option_keywords(given)
     q, k, v = check_qkv(q, k, v)
-    q, k, v = (x.astype(result_dtype(q, k, v), order="C") for x in (q, k, v))   # copies, row-major
+    return options_record(*(x.astype(result_dtype(q, k, v), order="C") for x in (q, k, v)), **given)   # copies
+
+
+def options_record(q, k, v, **given):
+    """attention_options for q, k, v that check_qkv checked and that share the computation's
+    dtype: they come back as they are (cast, so copied, only where a float64 bias or complex
+    per-head vectors widen it). For a caller that keeps its own arrays (sparse.py's, which holds
+    a frozen caller's arrays uncopied)."""
+    a, keep_steps = option_keywords(given)
     causal, align = resolve_alignment(a["causal"], a["align"])
     window = check_window(a["window"])
     scale = 1.0 / math.sqrt(q.shape[-1]) if a["scale"] is None else require_positive_real(a["scale"], "scale")

@@ -27,9 +27,11 @@ import numpy as np
 
 
 class Positions(NamedTuple):
-    diagonal: np.ndarray            # [r] each row's diagonal, in its sequence's columns
-    cols: np.ndarray                # [c] each column's position in its sequence
-    same: Optional[np.ndarray]      # [r, c] the pairs within one sequence and used; None: all
+    """Where the scores at rows [r, 1] and cols [1, c] sit (or at cols [..., r, K], each row's
+    own columns: a gathered block); every field broadcasts against the others."""
+    diagonal: np.ndarray            # rows' shape: each row's diagonal, in its sequence's columns
+    cols: np.ndarray                # cols' shape: each column's position in its sequence
+    same: Optional[np.ndarray]      # the pairs within one sequence and used; None: all
 
 
 def sequence_lengths(cu_seqlens):
@@ -44,21 +46,23 @@ def sequence_of(cu_seqlens, indices):
 
 
 def positions(n_q, n_k, rows, cols, align, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
-    """The Positions of rows [r] and cols [c] (absolute indices into the N_q, N_k axes)."""
+    """The Positions of rows and cols (absolute indices into the N_q, N_k axes, of shapes that
+    broadcast against each other: [r, 1] and [1, c], or [r, 1] and [..., r, K])."""
     rows, cols = np.asarray(rows), np.asarray(cols)
     if cu_seqlens_q is None:
         return Positions(diagonal=rows + (n_k - n_q if align == "bottom_right" else 0), cols=cols, same=None)
-    seq_q, seq_k = sequence_of(cu_seqlens_q, rows), sequence_of(cu_seqlens_k, cols)   # [r], [c]
+    seq_q, seq_k = sequence_of(cu_seqlens_q, rows), sequence_of(cu_seqlens_k, cols)   # rows', cols' shapes
     used_k = sequence_lengths(cu_seqlens_k) if seqused_k is None else seqused_k
     offset = used_k - sequence_lengths(cu_seqlens_q) if align == "bottom_right" else np.zeros_like(used_k)
     local_cols = cols - cu_seqlens_k[seq_k]
-    same = (seq_q[:, None] == seq_k[None, :]) & (local_cols < used_k[seq_k])[None, :]
+    same = (seq_q == seq_k) & (local_cols < used_k[seq_k])
     return Positions(diagonal=rows - cu_seqlens_q[seq_q] + offset[seq_q], cols=local_cols, same=same)
 
 
 def band_keep(pos, causal, window):
-    """[r, c] the pairs that the sequences, causal masking and the window keep; None: all."""
-    j, diagonal = pos.cols[None, :], pos.diagonal[:, None]
+    """The pairs that the sequences, causal masking and the window keep (the positions' broadcast
+    shape: [r, c], or [..., r, K]); None: all."""
+    j, diagonal = pos.cols, pos.diagonal
     bounds = []
     if causal:
         bounds.append(j <= diagonal)
@@ -75,5 +79,6 @@ def band_keep(pos, causal, window):
 
 
 def distance(pos):
-    """[r, c] |diagonal - j|: ALiBi's distance when pos has the bottom-right diagonal."""
-    return np.abs(pos.diagonal[:, None] - pos.cols[None, :])
+    """|diagonal - j| ([r, c], or [..., r, K]): ALiBi's distance when pos has the bottom-right
+    diagonal."""
+    return np.abs(pos.diagonal - pos.cols)

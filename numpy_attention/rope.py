@@ -259,10 +259,10 @@ def rope_positions(rope, n_q, n_k, options):
     place in its sequence and query i at i + N_k - N_q in its own (bottom-right; each packed
     sequence's from options' cu_seqlens and seqused_k, an AttentionOptions record)."""
     _, given_q, given_k = rope_settings(rope)
-    at = score_positions(n_q, n_k, np.arange(n_q), np.arange(n_k), "bottom_right",
+    at = score_positions(n_q, n_k, np.arange(n_q)[:, None], np.arange(n_k)[None, :], "bottom_right",
                          options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
-    return (at.diagonal if given_q is None else check_positions(given_q, "rope['positions_q']"),
-            at.cols if given_k is None else check_positions(given_k, "rope['positions_k']"))
+    return (at.diagonal[:, 0] if given_q is None else check_positions(given_q, "rope['positions_q']"),
+            at.cols[0] if given_k is None else check_positions(given_k, "rope['positions_k']"))
 
 
 def rope_qk(q, k, rope, options):

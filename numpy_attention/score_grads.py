@@ -18,7 +18,7 @@ order (total), so that the bits do not depend on how the blocks were cut or wher
 import numpy as np
 
 from ._layout import index_ranges, unbroadcast
-from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient, head_gradient
+from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient, head_gradient, is_gathered
 
 
 def _within(parts, region):
@@ -65,11 +65,20 @@ class ScoreGrads:
         return tuple(slice(0, 1) if n == 1 else part for part, n in zip(ranges, self.bias_shape))
 
     def add(self, ds, index):
-        """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there."""
-        ranges = index_ranges(index, self.score_shape)
+        """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there
+        (a gathered block's [..., heads, rows, K], scattered back to its columns)."""
+        gathered = is_gathered(index)
+        ranges = self._ranges(index)
         if self.dbias is not None:
             part = self.dbias[_within(self._bias_part(ranges), self.bias_at)]
-            part += unbroadcast(ds, part.shape)
+            if not gathered:
+                part += unbroadcast(ds, part.shape)
+            else:                                   # each entry to its column (0 where the bias broadcasts)
+                at = [np.zeros((1,) * ds.ndim, np.intp) if n == 1 else
+                      np.arange(n).reshape((1,) * a + (n,) + (1,) * (ds.ndim - a - 1))
+                      for a, n in enumerate(part.shape[:-1])]
+                cols = index[-1].reshape((1,) * (ds.ndim - index[-1].ndim) + index[-1].shape)
+                np.add.at(part, (*at, cols if part.shape[-1] > 1 else 0 * cols), ds)
         if self.rows is not None:
             self.rows[_within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
                 ds, self.options, self.score_shape, index)
@@ -77,7 +86,12 @@ class ScoreGrads:
     def add_sink(self, dsink, index):
         """Add the block S[index]'s sink gradient, dsink [..., heads]: its sink column of dS summed
         over the block's rows."""
-        self.sinks[_within(index_ranges(index, self.score_shape)[:-2], self.region[:-2])] += dsink
+        self.sinks[_within(self._ranges(index)[:-2], self.region[:-2])] += dsink
+
+    def _ranges(self, index):
+        """The slices of each axis of the scores that the block S[index] spans (a gathered block: all
+        columns)."""
+        return index_ranges(index[:-1] if is_gathered(index) else index, self.score_shape)
 
     def add_mod(self, grads):
         """Add a block's score_mod_params gradients {name: gradient}."""

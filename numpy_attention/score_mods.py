@@ -29,13 +29,17 @@ def mod_indices(score_shape, index):
     """(b, h, q_idx, kv_idx) of the block S[index]: int arrays of as many axes as the scores,
     broadcastable to the block, as FlexAttention's score_mod and mask_mod see them: b the
     batch index (the flat index over the leading axes; 0 without any), h the query head,
-    q_idx and kv_idx the row and the column (in the packed axes, with packed sequences)."""
-    ranges, ndim = index_ranges(index, score_shape), len(score_shape)
+    q_idx and kv_idx the row and the column (in the packed axes, with packed sequences; a
+    gathered block's kv_idx is its columns, scores.py)."""
+    gathered = isinstance(index[-1], np.ndarray)
+    ranges, ndim = index_ranges(index[:-1] if gathered else index, score_shape), len(score_shape)
     along = lambda axis, values: values.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
     lead = tuple(score_shape[:-3])
     b = np.arange(int(np.prod(lead, dtype=np.int64))).reshape(lead)[ranges[:-3]]
     b = b.reshape(b.shape + (1, 1, 1))
     h, q_idx, kv_idx = (along(a, np.arange(score_shape[a])[ranges[a]]) for a in (ndim - 3, ndim - 2, ndim - 1))
+    if gathered:
+        kv_idx = index[-1].reshape((1,) * (ndim - index[-1].ndim) + index[-1].shape)
     return b, h, q_idx, kv_idx
 
 
@@ -49,8 +53,9 @@ def _broadcasts(shape, to):
 
 def mask_mod_keep(mask_mod, score_shape, index):
     """mask_mod(b, h, q_idx, kv_idx) on the block S[index]: a bool array broadcastable to it."""
-    block = tuple(len(range(r.start, r.stop, r.step)) for r in index_ranges(index, score_shape))
-    keep = np.asarray(mask_mod(*mod_indices(score_shape, index)))
+    indices = mod_indices(score_shape, index)
+    block = np.broadcast_shapes(*(i.shape for i in indices))
+    keep = np.asarray(mask_mod(*indices))
     if keep.dtype != bool:
         raise TypeError(f"mask_mod must return booleans (True = attend), got dtype {keep.dtype}")
     if not _broadcasts(keep.shape, block):

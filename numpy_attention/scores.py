@@ -4,14 +4,19 @@ Shape legend as in textbook.py: the scores S are [..., H, N_q, N_k]. A block of 
 S[index], index a tuple into the scores whose last two entries are the slices of the block's
 rows and columns (slices of the leading axes and heads before them, or an Ellipsis): the
 textbook's block is all of S, the blocked engine's a block of rows, the tiled engine's a tile.
+A gathered block (the sparse engine's) has instead of the columns' slice an integer array
+cols [heads, rows, K] of each row's own columns: the block is [..., heads, rows, K], entry t of
+row i the score S[.., i, cols[.., i, t]] (`block_of`).
 
     1. S = scale q k^T                     the engine's product, on its own block of q and k
     2. S = softcap tanh(S / softcap)       softcap
     3. S = S + bias                        bias, broadcast to the scores
-       S = S + log c                       top-k lists (topk.py): c the times the row lists the key,
-                                           where it is over 1 (a constant)
        S = S - slope |i + N_k - N_q - j|   ALiBi: each row's slope, its distance from the diagonal
        S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's (its parameters: score_mod_params)
+       S = S + log c                       top-k lists (topk.py): c the times the row lists the key,
+                                           where it is over 1: a constant that weighs the key c
+                                           times, so after score_mod (without one, with the bias);
+                                           a gathered block gathers the key c times instead
     4. S = -inf where not kept             keep = mask & causal & window & packed sequences
                                            & KEEP_STEPS (attention_chunk) & mask_mod & (bias != -inf)
                                            & listed (top-k lists: c > 0) (True = attend; positions.py)
@@ -83,7 +88,7 @@ def _attention_chunk(chunk, at):
     its diagonal's chunk, j // chunk == diagonal_i // chunk, in its own sequence (with causal,
     the keys of that chunk up to the diagonal). The diagonal is align's: bottom_right is
     FlashAttention's, i + N_k - N_q."""
-    return at.cols[None, :] // chunk == at.diagonal[:, None] // chunk
+    return at.cols // chunk == at.diagonal // chunk
 
 
 # name -> KeepStep: the steps that drop keys by position, beside causal and window
@@ -117,12 +122,11 @@ def keep_mask(options, score_shape, index=WHOLE):
     for name, value in o.keep_steps:
         part = KEEP_STEPS[name].keep(value, at)                       # [rows, cols]
         keep = part if keep is None else keep & part
-    block = lambda x: np.broadcast_to(x, score_shape)[index]          # a view of x's block
-    parts = ([] if o.mask is None else [block(o.mask)]) + \
-            ([] if o.bias is None else [~np.isneginf(block(o.bias).real)])
+    parts = ([] if o.mask is None else [block_of(o.mask, score_shape, index)]) + \
+            ([] if o.bias is None else [~np.isneginf(block_of(o.bias, score_shape, index).real)])
     if o.mask_mod is not None:
         parts.append(mask_mod_keep(o.mask_mod, score_shape, index))
-    if o.topk is not None:
+    if o.topk is not None and not is_gathered(index):      # (a gathered block's entries are the lists')
         parts.append(counts(o.topk, score_shape, index) > 0)
     for part in parts:
         keep = part if keep is None else keep & part
@@ -130,10 +134,29 @@ def keep_mask(options, score_shape, index=WHOLE):
 
 
 def _positions(options, score_shape, index, align):
-    """positions.Positions of the rows and columns of S[index]."""
+    """positions.Positions of the rows [r, 1] and columns [1, c] (a gathered block's [heads, r, K])
+    of S[index]."""
     n_q, n_k = score_shape[-2:]
-    return positions(n_q, n_k, np.arange(n_q)[index[-2]], np.arange(n_k)[index[-1]], align,
+    cols = index[-1] if is_gathered(index) else np.arange(n_k)[index[-1]][None, :]
+    return positions(n_q, n_k, np.arange(n_q)[index[-2]][:, None], cols, align,
                      options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
+
+
+def is_gathered(index):
+    """Whether the block S[index] gathers each row's own columns (its last entry an integer
+    array [heads, rows, K]) instead of a slice of them."""
+    return isinstance(index[-1], np.ndarray)
+
+
+def block_of(x, score_shape, index):
+    """x (broadcastable to the scores) at the block S[index]: a view of it, or for a gathered
+    block x[.., i, cols[.., i, t]] [..., heads, rows, K]."""
+    x = np.broadcast_to(x, score_shape)
+    if not is_gathered(index):
+        return x[index]
+    rows = x[index[:-1]]                                              # [..., heads, rows, N_k]
+    cols = index[-1].reshape((1,) * (rows.ndim - index[-1].ndim) + index[-1].shape)
+    return np.take_along_axis(rows, cols, axis=-1)
 
 
 # ----------------------------------------------------------------------------- 3. ALiBi
@@ -224,11 +247,6 @@ def head_gradient(g, x):
 
 # ----------------------------------------------------------------------------- 2-4. on a block
 
-def _block(x, score_shape, index):
-    """x (broadcastable to the scores) at S[index]: a view."""
-    return np.broadcast_to(x, score_shape)[index]
-
-
 def _same(x):
     return x
 
@@ -271,21 +289,31 @@ def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN, rounding=NO
         softcap_tanh = r.step(np.tanh(r.step(s / o.softcap)))
         s = r.step(np.multiply(softcap_tanh, o.softcap, out=s))
     if o.bias is not None:                          # 3. S = S + bias
-        s += r.term(_block(o.bias, shape, index))
+        s += r.term(block_of(o.bias, shape, index))
         s = r.step(s)
-    if o.topk is not None and o.topk.repeats:       #    S = S + log c (a key listed c > 1 times)
-        s += r.term(log_multiplicity(o.topk, shape, index, s.dtype))
-        s = r.step(s)
+    if o.score_mod is None:                         #    S = S + log c, with the bias (as a dense bias
+        s = _multiplicity(s, o, shape, index, r)    #    log c rounds) where no score_mod follows
     if o.alibi_slopes is not None:                  #    S = S - slope |i + N_k - N_q - j|
         s += r.term(alibi_bias(o, shape, index, rounded=r.distance))
         s = r.step(s)
     if o.score_mod is not None:                     #    S = score_mod(S, b, h, q_idx, kv_idx)
         mod_input = s.copy()
         s[...] = r.step(call_score_mod(o, mod_input, mod_indices(shape, index)))
+        s = _multiplicity(s, o, shape, index, r)    #    S = S + log c: a weight, never score_mod's input
     keep = keep_mask(o, shape, index) if keep is UNKNOWN else keep
     if keep is not None:                            # 4. S = -inf where not kept
         np.copyto(s, -np.inf, where=~keep)
     return s, Saved(softcap_tanh, mod_input)
+
+
+def _multiplicity(s, options, score_shape, index, rounding):
+    """s + log c where the block's row lists its key c > 1 times (top-k lists; a gathered block
+    gathers the key c times instead, and so adds nothing)."""
+    o, r = options, rounding
+    if o.topk is None or is_gathered(index) or not o.topk.repeats:
+        return s
+    s += r.term(log_multiplicity(o.topk, score_shape, index, s.dtype))
+    return r.step(s)
 
 
 def backward(ds, options, score_shape=None, index=WHOLE, saved=Saved(), keep=UNKNOWN, grads=None,
@@ -331,7 +359,7 @@ def tangent(s_dot, options, score_shape=None, index=WHOLE, saved=Saved(), keep=U
     if saved.softcap_tanh is not None:              # 2. (1 - tanh^2) S_dot
         s_dot = (1 - saved.softcap_tanh ** 2) * s_dot
     if bias_dot is not None:                        # 3. + bias_dot
-        s_dot = s_dot + _block(bias_dot, shape, index)
+        s_dot = s_dot + block_of(bias_dot, shape, index)
     if alibi_slopes_dot is not None:                #    - slope_dot |i + N_k - N_q - j|
         s_dot = s_dot + alibi_bias(o, shape, index, slopes=alibi_slopes_dot)
     if o.score_mod is not None:                     #    score_mod'(S_3) S_dot

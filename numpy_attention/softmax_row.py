@@ -102,7 +102,7 @@ def softmax_row_backward(method, dP, D, P, lse, top, dlse, options, score_shape=
     elif method == "flash" and scores is not None:  # dS = P * (dP - D), P = exp(S - lse)
         dS = dP
         dS -= D[..., None]
-        dS *= _weights_from_lse(scores(), lse)
+        dS *= weights_from_lse(scores(), lse)
     else:
         raise ValueError(f"method must be 'vjp', 'jacobian' or 'flash' (with scores, which recomputes "
                          f"S), got {method!r}")
@@ -113,7 +113,7 @@ def softmax_row_backward(method, dP, D, P, lse, top, dlse, options, score_shape=
     return np.ascontiguousarray(dS[..., :-1]), dS[..., -1]
 
 
-def _weights_from_lse(S_row, lse):
+def weights_from_lse(S_row, lse):
     """exp(S - lse) in S_row's memory, 0 in a fully masked row (where S - lse is -inf - (-inf))."""
     with np.errstate(invalid="ignore"):
         S_row -= lse[..., None]
@@ -122,15 +122,16 @@ def _weights_from_lse(S_row, lse):
     return P
 
 
-def softmax_row_tangent(P, lse, S_dot, options, sinks_dot=None):
-    """Step 5 in forward mode on the whole scores: (P_dot_row [..., N_q, N_k (+ 1 with sinks)],
-    lse_dot [..., N_q]), the weights' tangent on the softmax's whole row (P_dot_row[..., :N_k]:
-    P's). P, lse: softmax_row's; S_dot the scores' tangent; sinks_dot [H] the sinks' (None: 0).
-    A row the 'nan' policy fills has NaN tangents too."""
+def softmax_row_tangent(P, lse, S_dot, options, sinks_dot=None, score_shape=None, index=WHOLE):
+    """Step 5 in forward mode: (P_dot_row [..., rows, cols (+ 1 with sinks)], lse_dot [..., rows]),
+    the weights' tangent on the softmax's whole row (P_dot_row[..., :cols]: P's). P, lse:
+    softmax_row's; S_dot the scores' tangent; sinks_dot [H] the sinks' (None: 0); score_shape,
+    index: as for with_sink. A row the 'nan' policy fills has NaN tangents too."""
     o = options
-    P_row = with_sink_weight(P, lse, o)
+    P_row = with_sink_weight(P, lse, o, score_shape, index)
     if o.sinks is not None:
-        S_dot = with_sink(S_dot, o, sinks=np.zeros_like(o.sinks) if sinks_dot is None else sinks_dot)
+        S_dot = with_sink(S_dot, o, score_shape, index,
+                          sinks=np.zeros_like(o.sinks) if sinks_dot is None else sinks_dot)
     lse_dot = np.sum(P_row * S_dot, axis=-1)
     P_dot_row = P_row * (S_dot - lse_dot[..., None])
     if o.fully_masked == "nan":

@@ -19,27 +19,49 @@ The score pipeline (scores.py) takes both from the lists, a block of the scores 
     multiplicity   log c where c > 1, else 0         (step 3; a constant: no gradient, no tangent)
 so nothing of size [N_q, N_k] is formed beyond the block the engine computes anyway.
 
-TopkLists keeps the listed entries as one sorted array of keys r (N_k + 1) + j, r the flat
-index of the entry's row over [..., H_kv or H, N_q]: the entries of row r inside the columns
-[c0, c1) are those between two binary searches, so a block's counts cost O(rows log E +
-entries in the block + the block's size), E the listed entries, whether the block is a few
-rows of all columns (the baselines) or a tile (the tiled engine).
+TopkLists holds the checked lists, which the sparse engine (engines/sparse.py) gathers, and
+for the other engines the listed entries as one sorted array of keys r (N_k + 1) + j, r the
+flat index of the entry's row over [..., H_kv or H, N_q], sorted at the first block counted:
+the entries of row r inside the columns [c0, c1) are those between two binary searches, so a
+block's counts cost O(rows log E + entries in the block + the block's size), E the listed
+entries, whether the block is a few rows of all columns (the baselines) or a tile (the tiled
+engine).
 """
-from typing import NamedTuple
+from functools import cached_property
 
 import numpy as np
 
-from ._checks import require_positive_int
+from ._checks import kept, require_positive_int
 from ._layout import index_ranges
 
 
-class TopkLists(NamedTuple):
-    """Each query's listed keys, as the score pipeline reads them (topk_lists)."""
-    keys: np.ndarray        # [E] int64, sorted: r (N_k + 1) + j for each listed entry (repeats repeated)
-    rows: tuple             # the lists' rows [..., H_kv or H, N_q]
-    groups: int             # query heads per list: G for a list per kv head, 1 per query head
-    n_k: int
-    repeats: bool           # whether some row lists a key more than once
+class TopkLists:
+    """Each query's listed keys, as the engines read them (topk_lists): the lists themselves
+    and, sorted when a block is first counted, their entries (`keys`)."""
+
+    def __init__(self, indices, lengths, groups, n_k):
+        self.indices = indices      # [..., H_kv or H, N_q, K] int, checked (_checks.kept: its own)
+        self.lengths = lengths      # [..., N_q] int (kept), or None
+        self.rows = indices.shape[:-1]   # the lists' rows [..., H_kv or H, N_q]
+        self.groups = groups        # query heads per list: G for a list per kv head, 1 per query head
+        self.n_k = n_k
+
+    @cached_property
+    def keys(self):
+        """[E] int64, sorted: r (N_k + 1) + j for each listed entry (repeats repeated)."""
+        at = np.flatnonzero(listed(self.indices, self.lengths, self.n_k))   # the listed entries, row by row
+        keys = self.indices.reshape(-1)[at].astype(np.int64, copy=False)    # each one's key j
+        at //= max(self.indices.shape[-1], 1)                               # and row r
+        at *= self.n_k + 1
+        keys += at                                                          # r (N_k + 1) + j
+        keys.sort()
+        keys.flags.writeable = False
+        return keys
+
+    @cached_property
+    def repeats(self):
+        """Whether some row lists a key more than once."""
+        return bool(np.any(self.keys[1:] == self.keys[:-1]))
 
 
 def block_indices(blocks, block_size, n_k):
@@ -100,19 +122,11 @@ def listed(indices, lengths, n_k):
 def topk_lists(indices, topk_length, q_shape, k_shape):
     """The TopkLists of the lists `indices` (and topk_length, or None) for q of q_shape
     [..., H, N_q, d_k] and k of k_shape [..., H_kv, N_k, d_k], checked (check_lists; the names
-    are attention_forward's). Its arrays are its own (the caller's may change after)."""
+    are attention_forward's). Its arrays are its own, or the caller's where frozen (_checks.kept)."""
     indices, topk_length = check_lists(indices, topk_length, q_shape, k_shape, "topk_indices")
-    n_k = k_shape[-2]
-    at = np.flatnonzero(listed(indices, topk_length, n_k))           # the listed entries, row by row
-    keys = indices.reshape(-1)[at].astype(np.int64, copy=False)      # each one's key j
-    at //= max(indices.shape[-1], 1)                                 # and row r
-    at *= n_k + 1
-    keys += at                                                       # r (N_k + 1) + j
-    keys.sort()
-    keys.flags.writeable = False
     h = q_shape[-3] if len(q_shape) >= 3 else 1
-    return TopkLists(keys=keys, rows=indices.shape[:-1], groups=h // indices.shape[-3], n_k=n_k,
-                     repeats=bool(np.any(keys[1:] == keys[:-1])))
+    return TopkLists(kept(indices), kept(topk_length), groups=h // indices.shape[-3],
+                     n_k=k_shape[-2])
 
 
 def counts(lists, score_shape, index=(Ellipsis, slice(None), slice(None))):

@@ -134,7 +134,7 @@ def test_a_scheduler_is_checked():
         na.attention_forward(q, k, v, block_size=16, scheduler=8786)
     with pytest.raises(ValueError, match="scheduler must be a scheduler's address"):
         na.attention_forward(q, k, v, block_size=16, scheduler=" ")
-    with pytest.raises(ValueError, match="scheduler= runs the tiled engine's slices on a Dask cluster"):
+    with pytest.raises(ValueError, match="scheduler= runs the tiled or sparse engine's slices on a Dask cluster"):
         na.attention_forward(q, k, v, scheduler="tcp://127.0.0.1:8786")
     with pytest.raises(TypeError, match="scheduler must be"):
         crosscheck(q=q, k=k, v=v, out=q[..., :6], scheduler=object())

@@ -331,7 +331,7 @@ def test_a_bias_without_batch_axis_splits_a_batch_of_one_by_kv_head():
 
 def test_workers_belong_to_the_blocked_and_tiled_engines():
     q, k, v, _ = inputs()
-    with pytest.raises(ValueError, match="workers=2 runs the blocked or tiled engine on threads"):
+    with pytest.raises(ValueError, match="workers=2 runs the blocked, tiled or sparse engine on threads"):
         na.attention_forward(q, k, v, workers=2, implementation="textbook")
     with pytest.raises(TypeError, match="workers must be a positive integer"):
         na.attention_forward(q, k, v, workers=1.5)
@@ -727,7 +727,7 @@ def test_multihead_backward_puts_dW_o_with_the_input_projections(monkeypatch):
 def test_multihead_attention_checks_workers_before_projecting():
     params = na.MultiHeadAttention(8, 2, seed=0).params
     x = np.zeros((1, 3, 8))
-    with pytest.raises(ValueError, match="workers=2 runs the blocked or tiled engine on threads"):
+    with pytest.raises(ValueError, match="workers=2 runs the blocked, tiled or sparse engine on threads"):
         na.multihead_forward(x, x, x, params, 2, workers=2, implementation="textbook")
     with pytest.raises(ValueError, match="workers must be a positive integer"):
         na.multihead_forward(x, x, x, params, 2, workers=0)

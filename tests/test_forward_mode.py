@@ -132,7 +132,7 @@ def test_against_torch_func_jvp_and_double_backward(torch):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"implementation": "blocked"}, "runs on the textbook or tiled engine, not implementation='blocked'"),
+    ({"implementation": "blocked"}, "runs on the textbook, tiled or sparse engine, not implementation='blocked'"),
     ({"q_dot": np.zeros((2, 4, 4, 4))}, r"q_dot must have its primal's shape \(2, 4, 4, 3\)"),
     ({"bias_dot": np.zeros((4, 6))}, "bias_dot is the tangent of an option this call does not have"),
 ])

@@ -120,7 +120,7 @@ def test_a_row_with_no_key_follows_fully_masked_as_dense_attention_does(fully_ma
     grads = na.sparse_attention_backward(dout, cache)
     jvp = na.sparse_attention_jvp(q, k, v, indices, *dots, fully_masked=fully_masked, workers=2)
     keep = {"topk_indices": indices}                                  # dense attention over the lists
-    dense_out, dense_cache = na.attention_forward(q, k, v, fully_masked=fully_masked, **keep)
+    dense_out, dense_cache = na.attention_forward(q, k, v, fully_masked=fully_masked, implementation="blocked", **keep)
     dense = na.attention_backward(dout, dense_cache)
     dense_jvp = na.attention_jvp(q, k, v, *dots, fully_masked=fully_masked, implementation="textbook", **keep)
     pairs = [(out, dense_out), (lse, dense_cache.lse), (jvp[1], dense_jvp[1]), (jvp[3], dense_jvp[3]),
@@ -312,7 +312,7 @@ def test_an_empty_axis_gives_what_dense_attention_with_the_lists_keep_mask_gives
     out, lse, _, cache = na.sparse_attention_forward(q, k, v, indices, fully_masked=fully_masked, **plan)
     grads = na.sparse_attention_backward(dout, cache)
     jvp = na.sparse_attention_jvp(q, k, v, indices, *dots, fully_masked=fully_masked, **plan)
-    dense_out, dense_cache = na.attention_forward(q, k, v, fully_masked=fully_masked, **keep)
+    dense_out, dense_cache = na.attention_forward(q, k, v, fully_masked=fully_masked, implementation="blocked", **keep)
     dense = na.attention_backward(dout, dense_cache)
     dense_jvp = na.attention_jvp(q, k, v, *dots, fully_masked=fully_masked, implementation="textbook", **keep)
     pairs = [(out, dense_out), (lse, dense_cache.lse), (jvp[1], dense_jvp[1]), (jvp[3], dense_jvp[3]),

@@ -68,8 +68,10 @@ def test_the_lists_are_the_records_own():
         assert np.array_equal(a, b)
 
 
-ENGINES = {"textbook": {"implementation": "textbook"}, "blocked": {}, "blocked on threads": {"workers": 3},
-           "tiled": {"block_size": 3}, "tiled on threads": {"block_size": 4, "workers": 2}}
+ENGINES = {"textbook": {"implementation": "textbook"}, "blocked": {"implementation": "blocked"},
+           "blocked on threads": {"implementation": "blocked", "workers": 3},
+           "tiled": {"implementation": "tiled", "block_size": 3},
+           "tiled on threads": {"implementation": "tiled", "block_size": 4, "workers": 2}}
 
 
 @pytest.mark.parametrize("engine", ENGINES)

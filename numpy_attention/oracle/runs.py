@@ -82,7 +82,8 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
         the weights P and P~ (after dropout) [..., H, N_q, N_k], and with gradients the
         stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
     """
-    engine = {} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE, "scheduler": scheduler}
+    engine = {"implementation": "blocked"} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE,
+                                                           "scheduler": scheduler}
     q, k, v, dout, record, scale, back = case_in(inputs, options, dtype, scale_factor)
     plan = attention_plan(record, q.shape, k.shape, **engine)
     forward, _ = ENGINES[plan.implementation]
