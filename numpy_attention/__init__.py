@@ -10,12 +10,12 @@ Public API (re-exports only; see README.md and docs/derivations.md):
     plain_attention_forward / _backward        softmax(q k^T / sqrt(d_k)) v in three lines, its backward in
                                                five: the textbook's first page (textbook.py)
     rope_forward / rope_backward / rope_jvp    rotary position embeddings (two layouts, scalings)
-    attention_forward / attention_backward     softmax(scale * q k^T + ...) v (textbook, blocked, tiled)
+    attention_forward / attention_backward     softmax(scale * q k^T + ...) v (textbook, blocked, tiled, sparse)
     attention_options, AttentionOptions        the options, checked once, as one frozen record
     combine_forward / combine_backward         split-KV merge of partial (out, lse)
     mla_forward / mla_backward / mla_jvp       Multi-head Latent Attention, absorbed (one latent kv head);
     mla_unabsorbed_forward / _backward         and with per-head up-projections; mla_absorb
-    sparse_attention_forward / _backward / _jvp  each query attends to the keys it lists (top-k)
+    sparse_attention_forward / _backward / _jvp  each query attends to the keys it lists (the sparse engine)
     MultiHeadAttention                         the seed's module
     linear_jvp, softmax_jvp, attention_jvp     forward mode; attention_hvp: second order
     gradcheck, jvpcheck, taylor_test           finite-difference checks (directional_derivative)
@@ -36,7 +36,7 @@ modules import each other freely (tests/test_layers.py walks every import):
     ops          linear softmax heads rope params paged combine topk
     scores       score_mods scores softmax_row score_grads option_checks options caches
     textbook     textbook
-    engines      engines engines.plan engines.projections engines.blocked engines.tiled
+    engines      engines engines.sparse engines.plan engines.projections engines.blocked engines.tiled
     attention    attention forward_mode sparse mla multihead_threads multihead examples
     tools        finite_differences experiments exercises oracle conformance commands __main__
 """

@@ -111,9 +111,9 @@ OPTIONS = (
     Option("topk_indices", None, "keep", "[..., H_kv or H, N_q, K] int, sparse top-k attention's lists: "
            "each query attends to the keys it lists alone (a list per kv head, for its query heads, or "
            "per query head; -1 or any index outside [0, N_k) pads), a key listed c times with c times "
-           "its weight (S + log c, as a kernel that gathers it c times computes); the engines take "
-           "each block's keep-mask from the lists (topk.py), never [N_q, N_k] of them. "
-           "sparse_attention_forward gathers the keys instead: the same results."),
+           "its weight (gathered c times). The sparse engine (the default with them) gathers each "
+           "query's listed keys; the others take each block's keep-mask from the lists (topk.py, "
+           "never [N_q, N_k] of them) and S + log c: the same results."),
     Option("topk_length", None, "keep", "[..., N_q] int: only each row's first topk_length entries of "
            "topk_indices."),
 )

@@ -88,7 +88,8 @@ def softmax_row_backward(method, dP, D, P, lse, top, dlse, options, score_shape=
 
     dP, P [..., rows, cols]; D, lse [..., rows] (D = rowsum(dout * out)); top [..., rows, 1]
     (softmax_row's); dlse [..., rows] or None. scores() recomputes S_row (S with the sink's
-    column), for 'flash'. overwrite_dp=True lets dS take dP's memory.
+    column) for 'flash', whose P = exp(S - lse) it then is; None: P is that already (the
+    caller's, recomputed from lse). overwrite_dp=True lets dS take dP's memory.
     """
     P_row = with_sink_weight(P, lse, options, score_shape, index)
     if P_row.shape != dP.shape:                     # the sink's column of dP: 0, it has no value
@@ -99,13 +100,12 @@ def softmax_row_backward(method, dP, D, P, lse, top, dlse, options, score_shape=
         dS = softmax_backward(dP, SoftmaxCache(p=P_row, top=top), overwrite_dp=True)
     elif method == "jacobian":                      # dS = J dP, J = diag(P) - P P^T per row
         dS = (softmax_jacobian(P_row) @ dP[..., None])[..., 0]
-    elif method == "flash" and scores is not None:  # dS = P * (dP - D), P = exp(S - lse)
+    elif method == "flash":                         # dS = P * (dP - D), P = exp(S - lse)
         dS = dP
         dS -= D[..., None]
-        dS *= weights_from_lse(scores(), lse)
+        dS *= P_row if scores is None else weights_from_lse(scores(), lse)
     else:
-        raise ValueError(f"method must be 'vjp', 'jacobian' or 'flash' (with scores, which recomputes "
-                         f"S), got {method!r}")
+        raise ValueError(f"method must be 'vjp', 'jacobian' or 'flash', got {method!r}")
     if dlse is not None:                            # lse = log rowsum exp(S): dS += P * dlse
         dS += P_row * dlse[..., None]
     if options.sinks is None:

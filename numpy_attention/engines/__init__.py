@@ -2,6 +2,7 @@
 
     blocked.py      the textbook's steps on blocks of query rows; P is stored whole
     tiled.py        FlashAttention's online softmax over tiles: O(N) memory, no [N_q, N_k] array
+    sparse.py       top-k lists: each query's listed keys gathered, the steps on blocks of rows
     projections.py  MultiHeadAttention's linear projections in blocks of rows, on threads
     plan.py         which engine runs a call, in tiles of what size, on how many threads
     parallel.py     running an engine's slices on threads (BLAS on one thread) or on a Dask cluster

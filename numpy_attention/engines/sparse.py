@@ -46,7 +46,7 @@ from ..caches import AttentionGrads, TiledAttentionCache
 from ..score_grads import ScoreGrads
 from ..scores import block_of, keep_mask
 from ..softmax_row import (masked_row_weight, softmax_row, softmax_row_backward, softmax_row_tangent,
-                           weights_from_lse, with_sink)
+                           weights_from_lse)
 from ..topk import listed
 from .parallel import run_tasks
 
@@ -113,10 +113,10 @@ def _lists(o, score_shape, at, rows):
     return np.broadcast_to(idx, (heads.stop - heads.start,) + idx.shape[1:])
 
 
-def _block_scores(o, score_shape, at, rows, q_rows, k_h):
-    """Steps 1-4 on the gathered block of the rows `rows` of prefix `at`, q_rows [G, b, d_k]
-    and k_h [N_k, d_k] its kv head's keys: (S [.., G, b, K], scores.Saved, keep, index, k_L)."""
-    idx = _lists(o, score_shape, at, rows)
+def _block_scores(o, score_shape, at, rows, q_rows, k_h, idx):
+    """Steps 1-4 on the gathered block of the rows `rows` of prefix `at`, q_rows [G, b, d_k],
+    k_h [N_k, d_k] its kv head's keys and idx [G, b, K] their lists (_lists): (S [.., G, b, K],
+    scores.Saved, keep, index, k_L)."""
     cols = np.maximum(idx, 0)
     index = at + (rows, cols)
     k_listed = k_h[cols]                                                   # [G, b, K, d_k]
@@ -168,46 +168,51 @@ def _no_key(x, dead, o, score_shape, at, rows, values):
     return np.where(dead[..., None], fill, x)
 
 
-def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, q_dot=None, k_dot=None, v_dot=None,
-          bias_dot=None, alibi_slopes_dot=None, sinks_dot=None):
+def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, **tangents):
     """One task of the forward (or, with tangents, the JVP): the blocks of the rows `span` of prefix
     `at`, each (out [G, b, d_v], lse, max_logits [G, b][, out_dot, lse_dot]) written into the span's."""
-    group = q3.shape[-3] // k3.shape[-3]
-    kv = kv_index(at, group)
+    kv = kv_index(at, q3.shape[-3] // k3.shape[-3])
     k_h, v_h = k3[kv].reshape(k3.shape[-2:]), v3[kv].reshape(v3.shape[-2:])
-    heads = at[-1].stop - at[-1].start
     results = None
     for part in tiles(span.stop - span.start, block_rows):
         rows = slice(span.start + part.start, span.start + part.stop)
-        b = rows.stop - rows.start
-        q_rows = q3[at + (rows,)].reshape((heads, b, q3.shape[-1]))
-        s, saved, keep, index, _ = _block_scores(o, score_shape, at, rows, q_rows, k_h)
-        top = s.real.max(axis=-1, initial=-np.inf).reshape(heads, b)      # the row's largest score
-        P, lse, _ = softmax_row(s, _row_options(o), score_shape, index)      # 5. (s its scratch)
-        cols = index[-1]
-        v_listed = v_h[cols]
-        dead = np.isneginf(lse.real).reshape(heads, b)
-        out = _no_key(_mix(_dropped(P, o, score_shape, index), v_listed), dead, o, score_shape, at, rows, v_h)
-        parts = [out, lse.reshape(heads, b), top]
-        if q_dot is not None:                                              # forward mode
-            qd_rows = q_dot[at + (rows,)].reshape(q_rows.shape)
-            kd_h, vd_h = (x[kv].reshape(x.shape[-2:]) for x in (k_dot, v_dot))
-            k_listed = k_h[cols]
-            s_dot = (_dots(qd_rows, k_listed) + _dots(q_rows, kd_h[cols])) * o.scale   # 1.
-            s_dot = scores.tangent(s_dot.reshape(s.shape), o, score_shape, index, saved, keep, bias_dot,
-                                   alibi_slopes_dot)                       # 2-4.
-            P_dot, lse_dot = softmax_row_tangent(P, lse, s_dot, _row_options(o), sinks_dot, score_shape, index)   # 5.
-            P_dot = P_dot[..., :s.shape[-1]]                               # (the sink's multiplies no value)
-            out_dot = _mix(_dropped(P_dot, o, score_shape, index), v_listed) + \
-                _mix(_dropped(P, o, score_shape, index), vd_h[cols])      # 6-7.
-            lse_dot = lse_dot.reshape(heads, b)
-            parts += [_no_key(out_dot, dead, o, score_shape, at, rows, vd_h),
-                      np.where(dead, np.nan, lse_dot) if o.fully_masked == "nan" else lse_dot]
+        parts = _forward_block(o, score_shape, at, rows, q3, k_h, v_h, **tangents)
         if results is None:
-            results = [np.empty((heads, span.stop - span.start) + p.shape[2:], p.dtype) for p in parts]
+            results = [np.empty(p.shape[:1] + (span.stop - span.start,) + p.shape[2:], p.dtype) for p in parts]
         for result, p in zip(results, parts):
             result[:, part] = p
     return results
+
+
+def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, k_dot=None, v_dot=None, bias_dot=None,
+                   alibi_slopes_dot=None, sinks_dot=None):
+    """(out [G, b, d_v], lse, max_logits [G, b][, out_dot, lse_dot]) of one block (a function of
+    its own, so that its gathered keys and values are gone before the next block gathers)."""
+    heads, b = at[-1].stop - at[-1].start, rows.stop - rows.start
+    q_rows = q3[at + (rows,)].reshape((heads, b, q3.shape[-1]))
+    s, saved, keep, index = _block_scores(o, score_shape, at, rows, q_rows, k_h,      # 1-4. (k_L not held)
+                                          _lists(o, score_shape, at, rows))[:4]
+    top = s.real.max(axis=-1, initial=-np.inf).reshape(heads, b)      # the row's largest score
+    P, lse, _ = softmax_row(s, _row_options(o), score_shape, index)   # 5. (s its scratch)
+    cols = index[-1]
+    v_listed = v_h[cols]
+    dead = np.isneginf(lse.real).reshape(heads, b)
+    out = _no_key(_mix(_dropped(P, o, score_shape, index), v_listed), dead, o, score_shape, at, rows, v_h)   # 6-7.
+    if q_dot is None:
+        return out, lse.reshape(heads, b), top
+    kv = kv_index(at, q3.shape[-3] // k_dot.shape[-3])                 # forward mode
+    qd_rows = q_dot[at + (rows,)].reshape(q_rows.shape)
+    kd_h, vd_h = (x[kv].reshape(x.shape[-2:]) for x in (k_dot, v_dot))
+    s_dot = (_dots(qd_rows, k_h[cols]) + _dots(q_rows, kd_h[cols])) * o.scale   # 1.
+    s_dot = scores.tangent(s_dot.reshape(s.shape), o, score_shape, index, saved, keep, bias_dot,
+                           alibi_slopes_dot)                           # 2-4.
+    P_dot, lse_dot = softmax_row_tangent(P, lse, s_dot, _row_options(o), sinks_dot, score_shape, index)   # 5.
+    P_dot = P_dot[..., :s.shape[-1]]                                   # (the sink's multiplies no value)
+    out_dot = _mix(_dropped(P_dot, o, score_shape, index), v_listed) + \
+        _mix(_dropped(P, o, score_shape, index), vd_h[cols])          # 6-7.
+    lse_dot = lse_dot.reshape(heads, b)
+    return (out, lse.reshape(heads, b), top, _no_key(out_dot, dead, o, score_shape, at, rows, vd_h),
+            np.where(dead, np.nan, lse_dot) if o.fully_masked == "nan" else lse_dot)
 
 
 def sparse_backward(dout, cache, dlse=None, *, method="flash", return_stages=False):
@@ -249,22 +254,10 @@ def _backward_slice(at, dout, D, lse, dlse, *, o, score_shape, block_rows, q3, k
     q_heads, dout = q3[at].reshape((heads, n_q, q3.shape[-1])), dout.reshape((heads, n_q, dout.shape[-1]))
     dq, dk, dv = np.empty(q_heads.shape, dtype), np.zeros(k_h.shape, dtype), np.zeros(v_h.shape, dtype)
     params = ScoreGrads(o, score_shape, dtype, region=at + (slice(None), slice(None)))
-    lse_rows = lambda x, rows: None if x is None else x[..., rows]
-    for rows in tiles(score_shape[-2], block_rows):
-        s, saved, keep, index, k_listed = _block_scores(o, score_shape, at, rows, q_heads[:, rows], k_h)
-        lse_b = lse_rows(lse, rows)
-        P = weights_from_lse(s.copy(), lse_b)                              # 5. P = exp(S - lse)
-        cols, do = index[-1], dout[:, rows]
-        dp = _dropped(_dots(do, v_h[cols]).reshape(s.shape), o, score_shape, index)   # 7-6. dP = dout . v_L
-        ds, dsink = softmax_row_backward("flash", dp, lse_rows(D, rows), P, lse_b, None, lse_rows(dlse, rows), o,
-                                         score_shape, index, scores=lambda: with_sink(s, o, score_shape, index),
-                                         overwrite_dp=True)                # 5.
-        if dsink is not None:
-            params.add_sink(dsink.sum(axis=-1), index)
-        ds = scores.backward(ds, o, score_shape, index, saved, keep, params).reshape(cols.shape)   # 4-2.
-        dq[:, rows] = _mix(ds, k_listed) * o.scale                         # 1. dq = scale dS k_L
-        _scatter(dk, cols, ds * o.scale, q_heads[:, rows])                 #    dk_L += scale dS q
-        _scatter(dv, cols, _dropped(P, o, score_shape, index).reshape(cols.shape), do)   # dv_L += P~ dout
+    for rows in tiles(n_q, block_rows):
+        at_rows = lambda x: None if x is None else x[..., rows]
+        dq[:, rows] = _backward_block(o, score_shape, at, rows, q_heads[:, rows], dout[:, rows], at_rows(D),
+                                      at_rows(lse), at_rows(dlse), k_h, v_h, dk, dv, params)
     dead = np.isneginf(lse.real).reshape(heads, n_q)
     if o.fully_masked != "zero" and dead.any():                            # rows with no key: all N_k keys
         if o.fully_masked == "nan":
@@ -273,6 +266,27 @@ def _backward_slice(at, dout, D, lse, dlse, *, o, score_shape, block_rows, q3, k
             weights = _no_key_weights(o, score_shape, at, slice(0, n_q)).reshape(dead.shape + v_h.shape[:1])
             dv += np.einsum("hik,hid->kd", np.where(dead[..., None], weights, 0), dout)
     return dq, dk, dv, params
+
+
+def _backward_block(o, score_shape, at, rows, q_rows, dout, D, lse, dlse, k_h, v_h, dk, dv, params):
+    """The backward of one block (q_rows [G, b, d_k], dout [G, b, d_v]; D, lse, dlse [.., G, b]):
+    its dq [G, b, d_k], returned; its shares of dk, dv scattered into them and its parameters'
+    gradients added to params (a function of its own, so that its gathered keys are gone
+    before the next block gathers values)."""
+    idx = _lists(o, score_shape, at, rows)
+    dp = _dots(dout, v_h[np.maximum(idx, 0)])                          # 7. dP~ = dout . v_L (one gather
+    s, saved, keep, index, k_listed = _block_scores(o, score_shape, at, rows, q_rows, k_h, idx)   # at a time)
+    cols = index[-1]
+    P = weights_from_lse(s, lse)                                       # 5. P = exp(S - lse), in S's place
+    dp = _dropped(dp.reshape(P.shape), o, score_shape, index)          # 6.
+    ds, dsink = softmax_row_backward("flash", dp, D, P, lse, None, dlse, o, score_shape, index,
+                                     overwrite_dp=True)                # 5.
+    if dsink is not None:
+        params.add_sink(dsink.sum(axis=-1), index)
+    ds = scores.backward(ds, o, score_shape, index, saved, keep, params).reshape(cols.shape)   # 4-2.
+    _scatter(dk, cols, ds * o.scale, q_rows)                           # 1. dk_L += scale dS q
+    _scatter(dv, cols, _dropped(P, o, score_shape, index).reshape(cols.shape), dout)   # dv_L += P~ dout
+    return _mix(ds, k_listed) * o.scale                                #    dq = scale dS k_L
 
 
 def _scatter(target, cols, weights, rows_of):
