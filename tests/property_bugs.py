@@ -16,6 +16,10 @@ shipped past kernel test suites; each breaks one property and passes the others.
                           wrong in a batch, right alone (torch PR 176905's class of bug)
     unshifted_softmax     exp(S) in float16 without the shift by the row's largest score: a
                           saturated row overflows (right where the scores stay small)
+    sink_leak             rows with no key carried into dsinks (cudnn-frontend PR 557)
+    nan_swallowed         NaN in out replaced by 0: a NaN in the inputs no longer shows
+    paged_tail_read       a paged cache's pages read whole, the rows past cache_seqlens masked by
+                          -inf scores but multiplied by 0 in P v: a stale row's NaN reaches out
 """
 import itertools
 
@@ -111,3 +115,55 @@ def unshifted_softmax(q, k, v, dout=None, scale=None, **options):
         e = np.exp(s.astype(q.dtype)).astype(np.float32)
         out = (e / e.sum(axis=-1, keepdims=True)) @ each(v)
         return {"out": out.astype(q.dtype), "lse": np.log(e.sum(axis=-1))}
+
+
+def _fully_masked_rows(q, k, mask):
+    """[B, 1 or H, N_q] the rows whose mask keeps no key."""
+    return ~np.broadcast_to(mask, mask.shape[:-1] + (k.shape[-2],)).any(axis=-1)
+
+
+@declare(kind="numpy", supports=("gqa", "mask", "sinks", "lse", "gradients"))
+def sink_leak(q, k, v, dout=None, mask=None, sinks=None, **options):
+    """The sink's gradient takes the rows with no key too, their D = rowsum(dout * out) read
+    from a buffer they never wrote (here: the mean of v) where it is 0 (cudnn-frontend PR 557:
+    padded query rows carried a finite sink lse into the dSink reduction)."""
+    given = {name: x for name, x in (("mask", mask), ("sinks", sinks)) if x is not None}
+    results = numpy_float32(q, k, v, dout=dout, **given, **options)
+    if dout is None or sinks is None or mask is None:
+        return results
+    groups = q.shape[-3] // k.shape[-3]
+    stale = np.repeat(v.astype(np.float32).mean(axis=-2, keepdims=True), groups, axis=-3)   # [B, H, 1, d]
+    D = np.sum(dout.astype(np.float32) * stale, axis=-1)                                      # [B, H, N_q]
+    empty = np.broadcast_to(_fully_masked_rows(q, k, mask), D.shape)
+    leak = -np.sum(np.where(empty, D, 0), axis=(0, 2))                                        # P_sink = 1 there
+    return {**results, "dsinks": (results["dsinks"].astype(np.float32) + leak).astype(results["dsinks"].dtype)}
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def nan_swallowed(q, k, v, dout=None, **options):
+    """out with NaN replaced by 0 (np.nan_to_num): a NaN in the inputs no longer shows."""
+    results = numpy_float32(q, k, v, dout=dout, **options)
+    return {**results, "out": np.nan_to_num(results["out"], nan=0.0)}
+
+
+@declare(kind="numpy", supports=("gqa", "paged"))
+def paged_tail_read(q, k, v, page_table=None, cache_seqlens=None, **options):
+    """A paged kernel that reads each sequence's pages whole and masks the rows past cache_seqlens
+    with -inf scores: P is 0 there, but P @ v multiplies 0 by whatever those rows hold (a stale
+    cache's NaN becomes the row's out)."""
+    if page_table is None:
+        return numpy_float32(q, k, v, **options)
+    groups = q.shape[-3] // k.shape[-3]
+    gathered = lambda x: np.repeat(np.concatenate([x[page_table[:, p]] for p in range(page_table.shape[1])],
+                                                  axis=-2).astype(np.float32), groups, axis=-3)   # [B, H, P page, d]
+    keys, values = gathered(k), gathered(v)
+    s = q.astype(np.float32) @ np.swapaxes(keys, -1, -2) / np.sqrt(q.shape[-1])
+    n_k = keys.shape[-2]
+    kept = np.arange(n_k)[None, None, None, :] < cache_seqlens[:, None, None, None]
+    kept = kept & (np.arange(n_k)[None, None, None, :] <= np.arange(q.shape[-2])[None, None, :, None]
+                   + cache_seqlens[:, None, None, None] - q.shape[-2]) if options.get("causal") is not None else kept
+    with np.errstate(invalid="ignore"):
+        s = np.where(kept, s, -np.inf)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+    return {"out": (p @ values).astype(q.dtype)}

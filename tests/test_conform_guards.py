@@ -77,6 +77,23 @@ def test_a_torch_kernel_that_writes_into_its_mask_is_an_error(torch):
     assert result.status == "ERROR" and "wrote into its argument mask" in result.error, result
 
 
+def test_a_nan_in_a_case_is_read_back_as_any_nan_and_a_nan_written_is_a_write(torch):
+    """A bfloat16 NaN does not come back through float32 with its payload and sign (nan_keys' cases
+    hold NaN): still no write; a kernel that writes a NaN over a number has written."""
+    from numpy_attention.conformance.grid import make_case
+    case = make_case("bfloat16", "plain", "short", (), (), 1, 1, 1, 3, 5, 8, "zero", 0)
+    arrays = case.arrays()
+    arrays["k"][..., 0, :] = np.nan
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert np.isnan(as_kernel(sdpa, kind="torch").results(arrays, ())["out"]).any()
+
+    def writes_nan(q, k, v):
+        k[..., 1, 0] = float("nan")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(Exception, match="the kernel wrote into its argument k"):
+        as_kernel(writes_nan, kind="torch").results(arrays, ())
+
+
 def test_what_a_kernel_returns_besides_its_results_is_not_read():
     def returns_a_mask(q, k, v, mask=None, **options):      # computed without it, and a mask to match
         return {**examples.numpy_float32(q, k, v, **options), "mask": np.ones_like(mask)}

@@ -30,7 +30,7 @@ def failing(kernel, dtypes=DTYPES, names=None):
 
 
 def test_the_trials_are_named_once_and_the_first_round_tries_every_property_and_dtype():
-    trials = na.conform.properties(dtypes=DTYPES, supports=("gqa", "gradients"))
+    trials = na.conform.properties(dtypes=DTYPES, supports=("gqa", "mask", "gradients"))
     assert len({str(t) for t in trials}) == len(trials)
     first = trials[:len(PROPERTIES) * len(DTYPES)]
     assert {(t.property, t.dtype) for t in first} == {(p, d) for p in PROPERTIES for d in DTYPES}
@@ -47,7 +47,8 @@ def test_an_honest_kernel_holds_every_property():
 @pytest.mark.parametrize("name, broken", [
     ("cached_by_shape", "honesty"), ("wrong_at_one_length", "lengths"), ("partial_block_dropped", "lengths"),
     ("noisy", "determinism"), ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance"),
-    ("unshifted_softmax", "range")])
+    ("unshifted_softmax", "range"), ("sink_leak", "empty_rows"), ("nan_swallowed", "nan_keys"),
+    ("paged_tail_read", "nan_keys")])
 def test_each_faulty_kernel_breaks_exactly_its_property(name, broken):
     names = None if broken != "lengths" else ("lengths",)          # (the others: in the slow test)
     dtype = "float16" if name == "unshifted_softmax" else "float32"
@@ -78,6 +79,13 @@ def test_what_fails_and_why_is_said():
     assert said["batch_leak"].detail.startswith("sequence 2 of 3, in the batch, judged alone: out:")
     saturated = failing(property_bugs.unshifted_softmax, dtypes=("float16",), names=("range",))["range", "float16"]
     assert saturated[0][1].detail.startswith("q times 8 (saturated): out: ")
+    leak = failing(property_bugs.sink_leak, dtypes=("float32",), names=("empty_rows",))["empty_rows", "float32"]
+    assert leak[0][1].detail.startswith("rows whose mask is all False with sinks: dsinks: max abs err")
+    swallowed = failing(property_bugs.nan_swallowed, dtypes=("float32",), names=("nan_keys",))["nan_keys", "float32"]
+    assert swallowed[0][1].detail.startswith("a NaN in key 0, which every row attends to, did not reach out in 184 "
+                                             "of 184 rows")
+    read = failing(property_bugs.paged_tail_read, dtypes=("float32",), names=("nan_keys",))["nan_keys", "float32"]
+    assert read[0][0].case.role == "unread" and "reached the results: out:" in read[0][1].detail
     assert all(result.status == "FAIL" for result in said.values())
 
 
@@ -115,7 +123,12 @@ def test_the_properties_budget_runs_each_property_once_at_least(clock):
     report = na.conform(examples.numpy_float32, dtypes=("float32",), supports=("lse",), budget=0.5,
                         isolate=False, progress=False)
     tried = {(r.trial.property, r.trial.dtype) for r in report.property_results}
-    assert tried == {(p, "float32") for p in PROPERTIES} and report.status == "INCOMPLETE"
+    assert tried == {(p, "float32") for p in PROPERTIES if p != "empty_rows"} and report.status == "INCOMPLETE"
+    assert report.untried() == [("empty_rows", "one of the options mask, bottom_right, varlen")]
+    assert "no trial for this kernel's supports: empty_rows (it needs one of the options mask, bottom_right, " \
+           "varlen)" in " ".join(str(report).split())                # (a wrapped line read whole)
+    assert json.loads(report.to_json())["properties_without_trials"] == [
+        {"property": "empty_rows", "needs": "one of the options mask, bottom_right, varlen"}]
 
 
 def test_unknown_properties_are_refused_by_name(capsys):

@@ -19,6 +19,16 @@ reference (docs/conform.md names the threads each comes from):
                       softmax: P nearly one-hot, its gradients tiny), and v scaled to RANGE_V (an
                       output and a dP far from 1; a kernel that keeps them in a 16-bit dtype
                       loses them), each judged
+    empty_rows        query rows that keep no key, made by each way the kernel supports (a mask's
+                      rows all False, a bottom-right diagonal with N_q > N_k, a packed batch with
+                      a sequence of no queries and one of no keys), with sinks and a bias where
+                      it takes them: judged under its fully_masked policy (with sinks: out 0, lse
+                      the sink's logit), so a padded row that leaks into dsinks, dbias, dk or dv
+                      fails
+    nan_keys          a NaN in a key every row attends to must reach every row's out (a kernel
+                      that swallows NaN hides its inputs' faults); NaN in the keys no sequence
+                      may read (a paged cache's unused page and the rows past cache_seqlens)
+                      must not: the results judged as those of the same case without them
 
     trials = properties(dtypes=..., supports=..., seed=...)   # PropertyTrial, round-robin order
     result = check_property(kernel, trial, promises)          # a PropertyResult
@@ -39,9 +49,11 @@ from ..oracle.precision import PRECISIONS
 from .grid import make_case
 from .judge import error_result
 from .kernels import as_kernel
-from .supports import check_dtypes, check_fully_masked, check_supports
+from .supports import EXCLUSIVE, check_dtypes, check_fully_masked, check_supports
 
-PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range")
+PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "nan_keys")
+EMPTYING = ("mask", "bottom_right", "varlen")   # empty_rows: the options that leave rows without keys
+NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen"}   # a property that needs a support
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
 LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
 WIDTH = 64                                                           # d of the trials' cases
@@ -56,7 +68,7 @@ class PropertyTrial(NamedTuple):
     case: object            # grid.ConformCase: the case it runs (batch_invariance: the batch)
 
     def __str__(self):
-        role = f"-{self.case.role.replace(' ', '_')}" if self.property == "range" else ""
+        role = f"-{self.case.role.replace(' ', '_')}" if self.property in ("range", "nan_keys") else ""
         return f"{self.property}{role}-{self.case.id}"
 
 
@@ -91,9 +103,9 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
     fully_masked = check_fully_masked(fully_masked)
     seed = require_positive_int(seed, "seed", minimum=0)
     groups = 2 if "gqa" in options else 1
-    case = lambda dtype, cell, role, batch, n_q, n_k: make_case(
-        dtype, cell, role, (("gqa",) if groups > 1 else ()), outputs, batch, 2, groups, n_q, n_k, WIDTH,
-        fully_masked, seed)
+    case = lambda dtype, cell, role, batch, n_q, n_k, extra=(): make_case(
+        dtype, cell, role, tuple(o for o in options if o in extra or o == "gqa"), outputs, batch, 2, groups, n_q,
+        n_k, WIDTH, fully_masked, seed)
     queues = []
     for name in names:
         for dtype in dtypes:
@@ -103,10 +115,26 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
                 cases = [case(dtype, name, "batch of 3", 3, 33, 48)]
             elif name == "range":
                 cases = [case(dtype, name, "saturated", 1, 33, 64), case(dtype, name, "large v", 1, 35, 64)]
+            elif name == "empty_rows":
+                cases = [case(dtype, name, way, *EMPTY_SHAPES[way], extra=(way,) + _with_empty(way, options, fully_masked))
+                         for way in EMPTYING if way in options]
+            elif name == "nan_keys":
+                cases = [case(dtype, name, "visible", 2, 23, 44)] + \
+                    ([case(dtype, name, "unread", 2, 27, 45, extra=("paged",))] if "paged" in options else [])
             else:                                   # one sequence; whole key blocks: the lengths' concern
                 cases = [case(dtype, name, "short", 1, 17 if name == "honesty" else 19, 32)]
             queues.append([PropertyTrial(name, dtype, c) for c in cases])
     return [queue[r] for r in range(max(map(len, queues), default=0)) for queue in queues if r < len(queue)]
+
+
+EMPTY_SHAPES = {"mask": (2, 21, 40), "bottom_right": (2, 41, 23), "varlen": (3, 25, 37)}   # (B, N_q, N_k)
+
+
+def _with_empty(way, options, fully_masked):
+    """The options an empty_rows trial made `way` holds beside it: sinks (with the 'zero' policy)
+    and a bias, where the kernel takes them and the case format allows them together."""
+    return tuple(o for o in ("sinks", "bias") if o in options and frozenset((way, o)) not in EXCLUSIVE
+                 and (o != "sinks" or fully_masked == "zero"))
 
 
 class _CallFailed(Exception):
@@ -211,6 +239,68 @@ def _range(kernel, case, promises):
     return status, failed and f"{name} times {factor:g} ({case.role}): {failed}", judged
 
 
+def _empty_rows(kernel, case, promises):
+    arrays = case.arrays()
+    if case.role == "mask":                        # the first and last rows too: all False
+        arrays["mask"][..., [0, -1], :] = False
+        made = "rows whose mask is all False"
+    elif case.role == "bottom_right":
+        made = f"rows 0 to {case.n_q - case.n_k - 1} (a bottom-right diagonal with N_q > N_k)"
+    else:                                          # sequence 0 without queries, sequence 1 without keys
+        arrays = _emptied(arrays)
+        made = "a packed sequence with no query and one with no key"
+    status, failed, judged = _judged(case, arrays, _call(kernel, case, arrays))
+    extra = [o for o in case.options if o in ("sinks", "bias")]
+    return status, failed and f"{made}{' with ' + ' and '.join(extra) if extra else ''}: {failed}", judged
+
+
+def _emptied(arrays):
+    """A packed case's arrays with sequence 0's queries and sequence 1's keys removed."""
+    arrays = dict(arrays)
+    cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
+    cut = lambda x, cu, b: np.concatenate([x[..., :cu[b], :], x[..., cu[b + 1]:, :]], axis=-2)
+    for name in ("q", "dout"):
+        if name in arrays:
+            arrays[name] = cut(arrays[name], cu_q, 0)
+    arrays["k"], arrays["v"] = cut(arrays["k"], cu_k, 1), cut(arrays["v"], cu_k, 1)
+    lengths = lambda cu, b: np.where(np.arange(len(cu) - 1) == b, 0, np.diff(cu))
+    arrays["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(lengths(cu_q, 0))]).astype(cu_q.dtype)
+    arrays["cu_seqlens_k"] = np.concatenate([[0], np.cumsum(lengths(cu_k, 1))]).astype(cu_k.dtype)
+    return arrays
+
+
+def _nan_keys(kernel, case, promises):
+    arrays = case.arrays()
+    poisoned = dict(arrays)
+    if case.role == "visible":                     # key 0 of every sequence and kv head: every row sees it
+        for name in ("k", "v"):
+            poisoned[name] = arrays[name].copy()
+            poisoned[name][..., 0, :] = np.nan
+        out = np.asarray(_call(kernel, case, poisoned)["out"], np.float32)
+        reached = np.isnan(out).any(axis=-1)
+        if reached.all():
+            return "PASS", "", None
+        first = tuple(int(i) for i in np.argwhere(~reached)[0])
+        return ("FAIL", f"a NaN in key 0, which every row attends to, did not reach out in {int((~reached).sum())} "
+                f"of {reached.size} rows, the first at {first}", None)
+    unread = _unread_rows(arrays)                  # [pages, PAGE] the cache's rows no sequence reads
+    for name in ("k", "v"):
+        poisoned[name] = np.where(unread[:, None, :, None], np.nan, arrays[name]).astype(arrays[name].dtype)
+    status, failed, judged = _judged(case, arrays, _call(kernel, case, poisoned))
+    return status, failed and (f"NaN in the {int(unread.sum())} cache rows no sequence reads (an unused page, "
+                               f"the rows past cache_seqlens) reached the results: {failed}"), judged
+
+
+def _unread_rows(arrays):
+    """[pages, rows a page] bool: the paged cache's rows that no sequence's first cache_seqlens reads."""
+    pages, _, page, _ = arrays["k"].shape
+    read = np.zeros((pages, page), bool)
+    for table, length in zip(arrays["page_table"], arrays["cache_seqlens"]):
+        for j in range(int(length)):
+            read[table[j // page], j % page] = True
+    return ~read
+
+
 def _differing(a, b):
     """'' where a and b hold the same bits (any NaN where a NaN: its payload aside), else what
     differs: the dtype, the shape, or how many entries and the first (-0.0 is not +0.0)."""
@@ -238,4 +328,5 @@ def _other_bits(first, second, where):
 
 
 _CHECKS = {"honesty": _honesty, "lengths": _lengths, "determinism": _determinism,
-           "batch_invariance": _batch_invariance, "range": _range}
+           "batch_invariance": _batch_invariance, "range": _range, "empty_rows": _empty_rows,
+           "nan_keys": _nan_keys}

@@ -128,7 +128,8 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
         return ConformReport(**settings, grid=tuple(grid), results=tuple(results),
                              failures=tuple(failures), seconds=swept - times["start"],
                              shrink_seconds=end - swept, interrupted=interrupted, unsaved=record.unsaved,
-                             trials=tuple(trials), property_results=tuple(checked), saved=tuple(saved))
+                             trials=tuple(trials), property_results=tuple(checked), saved=tuple(saved),
+                             properties=names)
 
     bar.say(_plan(grid, trials, budget, timeout))
     try:

@@ -25,6 +25,7 @@ import os
 import textwrap
 from typing import NamedTuple
 
+from .properties import NEEDS
 from .supports import PLAIN
 
 WIDTH = 100                 # the longest line of the report
@@ -87,6 +88,7 @@ class ConformReport(NamedTuple):
     trials: tuple = ()      # the properties' trials (properties.py); property_results may hold fewer
     property_results: tuple = ()   # properties.PropertyResult of each trial run, in order
     saved: tuple = ()       # (trial id, .npz path) of each failing trial saved
+    properties: tuple = ()  # the properties asked for (properties.PROPERTIES names)
 
     @property
     def grid_size(self):
@@ -136,6 +138,11 @@ class ConformReport(NamedTuple):
             rows.append(PropertyRow(*key, len(mine), sum((t.property, t.dtype) == key for t in self.trials),
                                     count("PASS"), count("FAIL"), count("ERROR", "TIMEOUT"), smallest))
         return rows
+
+    def untried(self):
+        """The properties asked for that have no trial for this kernel: [(name, what it needs)]."""
+        tried = {t.property for t in self.trials}
+        return [(name, NEEDS[name]) for name in self.properties if name not in tried]
 
     def coverage(self):
         """One line: how many roles of every cell the run covered."""
@@ -198,9 +205,11 @@ class ConformReport(NamedTuple):
     def _property_lines(self):
         """The properties' table (properties.py), then what each failing one's smallest trial did."""
         rows = self.property_rows()
+        untried = [f"{name} (it needs {needs})" for name, needs in self.untried()]
+        lines = wrapped(f"no trial for this kernel's supports: {'; '.join(untried)}") if untried else []
         if not rows:
-            return []
-        lines = [f"{'property':<18}{'dtype':<{WIDTH_DTYPE}}{'trials':>8}{'passed':>8}{'failed':>8}{'errors':>8}"]
+            return lines
+        lines += [f"{'property':<18}{'dtype':<{WIDTH_DTYPE}}{'trials':>8}{'passed':>8}{'failed':>8}{'errors':>8}"]
         for r in rows:
             lines.append(f"{r.property:<18}{r.dtype:<{WIDTH_DTYPE}}{f'{r.tried}/{r.trials}':>8}{r.passed:>8}"
                          f"{r.failed:>8}{r.errors:>8}")
@@ -235,6 +244,7 @@ class ConformReport(NamedTuple):
                             "smallest_failing": None if r.smallest is None else trial_json(r.smallest)}
                            for r in self.property_rows()],
             "property_trials": [trial_json(r) for r in self.property_results],
+            "properties_without_trials": [{"property": name, "needs": needs} for name, needs in self.untried()],
         }, indent=2)
 
 
