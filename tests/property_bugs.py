@@ -20,6 +20,9 @@ shipped past kernel test suites; each breaks one property and passes the others.
     nan_swallowed         NaN in out replaced by 0: a NaN in the inputs no longer shows
     paged_tail_read       a paged cache's pages read whole, the rows past cache_seqlens masked by
                           -inf scores but multiplied by 0 in P v: a stale row's NaN reaches out
+    page_size_16          a paged cache read as pages of 16 rows whatever their size
+    packed_order_dependent  packed sequences after the first summed in another order: other bits
+                          where a sequence sits elsewhere in the pack (declared batch_invariant)
 """
 import itertools
 
@@ -167,3 +170,42 @@ def paged_tail_read(q, k, v, page_table=None, cache_seqlens=None, **options):
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
     return {"out": (p @ values).astype(q.dtype)}
+
+
+@declare(kind="numpy", supports=("gqa", "paged"))
+def page_size_16(q, k, v, page_table=None, cache_seqlens=None, **options):
+    """A paged kernel that finds token j at row j % 16 of page page_table[b, j // 16], whatever the
+    cache's page size: right in pages of 16 rows, wrong in any other."""
+    if page_table is None:
+        return numpy_float32(q, k, v, **options)
+    longest = int(max(cache_seqlens.max(initial=0), 1))
+    at = np.arange(longest)
+    gather = lambda x: np.stack([np.moveaxis(x[table[np.minimum(at // 16, table.size - 1)], :, at % 16], 0, 1)
+                                 for table in page_table])                       # [B, H_kv, L, d]
+    keep = (at[None, :] < cache_seqlens[:, None])[:, None, None, :]
+    used = lambda x: np.where(np.swapaxes(keep, -1, -2), gather(x), 0).astype(x.dtype)   # (no row past the end)
+    return numpy_float32(q, used(k), used(v), mask=keep, **options)
+
+
+@declare(kind="numpy", supports=("gqa", "varlen", "lse", "gradients", "batch_invariant"))
+def packed_order_dependent(q, k, v, dout=None, cu_seqlens_q=None, cu_seqlens_k=None, **options):
+    """Packed sequences after the first have their keys summed in reverse order: right to rounding,
+    but a sequence's bits depend on where it sits in the pack (declared batch_invariant)."""
+    packed = {} if cu_seqlens_q is None else {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    results = numpy_float32(q, k, v, dout=dout, **packed, **options)
+    if cu_seqlens_q is None or options.get("causal") is not None:
+        return results
+    order = np.concatenate([np.arange(cu_seqlens_k[0], cu_seqlens_k[1])]
+                           + [np.arange(b - 1, a - 1, -1) for a, b in zip(cu_seqlens_k[1:-1], cu_seqlens_k[2:])])
+    other = numpy_float32(q, k[:, order], v[:, order], dout=dout, **packed, **options)
+    later = np.arange(q.shape[-2]) >= cu_seqlens_q[1]                 # the rows of sequences 1, 2, ...
+    for name in ("out", "lse", "dq"):
+        if name in results:
+            axis = -1 if name == "lse" else -2
+            pick = later if axis == -1 else later[:, None]
+            results[name] = np.where(pick, other[name], results[name])
+    back = np.argsort(order)
+    for name in ("dk", "dv"):
+        if name in results:
+            results[name] = other[name][:, back]
+    return results

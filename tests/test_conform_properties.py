@@ -30,7 +30,7 @@ def failing(kernel, dtypes=DTYPES, names=None):
 
 
 def test_the_trials_are_named_once_and_the_first_round_tries_every_property_and_dtype():
-    trials = na.conform.properties(dtypes=DTYPES, supports=("gqa", "mask", "gradients"))
+    trials = na.conform.properties(dtypes=DTYPES, supports=("gqa", "mask", "varlen", "gradients"))
     assert len({str(t) for t in trials}) == len(trials)
     first = trials[:len(PROPERTIES) * len(DTYPES)]
     assert {(t.property, t.dtype) for t in first} == {(p, d) for p in PROPERTIES for d in DTYPES}
@@ -48,12 +48,13 @@ def test_an_honest_kernel_holds_every_property():
     ("cached_by_shape", "honesty"), ("wrong_at_one_length", "lengths"), ("partial_block_dropped", "lengths"),
     ("noisy", "determinism"), ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance"),
     ("unshifted_softmax", "range"), ("sink_leak", "empty_rows"), ("nan_swallowed", "nan_keys"),
-    ("paged_tail_read", "nan_keys")])
+    ("paged_tail_read", "nan_keys"), ("page_size_16", "layout"),
+    ("packed_order_dependent", "layout batch_invariance")])     # (its bits move with its place in a pack)
 def test_each_faulty_kernel_breaks_exactly_its_property(name, broken):
     names = None if broken != "lengths" else ("lengths",)          # (the others: in the slow test)
     dtype = "float16" if name == "unshifted_softmax" else "float32"
     found = failing(getattr(property_bugs, name), dtypes=(dtype,), names=names)
-    assert set(found) == {(broken, dtype)}, found
+    assert set(found) == {(one, dtype) for one in broken.split()}, found
     if name == "unshifted_softmax":
         assert [trial.case.role for trial, _ in found[broken, dtype]] == ["saturated"]
     if name == "wrong_at_one_length":
@@ -86,6 +87,11 @@ def test_what_fails_and_why_is_said():
                                              "of 184 rows")
     read = failing(property_bugs.paged_tail_read, dtypes=("float32",), names=("nan_keys",))["nan_keys", "float32"]
     assert read[0][0].case.role == "unread" and "reached the results: out:" in read[0][1].detail
+    pages = failing(property_bugs.page_size_16, dtypes=("float32",), names=("layout",))["layout", "float32"]
+    assert pages[0][1].detail.startswith("in pages of twice the size: out: max abs err")
+    order = failing(property_bugs.packed_order_dependent, dtypes=("float32",), names=("layout", "batch_invariance"))
+    assert order["layout", "float32"][0][1].detail.endswith("as drawn and packed in reverse order")
+    assert [trial.case.role for trial, _ in order["batch_invariance", "float32"]] == ["packed"]
     assert all(result.status == "FAIL" for result in said.values())
 
 
@@ -123,12 +129,15 @@ def test_the_properties_budget_runs_each_property_once_at_least(clock):
     report = na.conform(examples.numpy_float32, dtypes=("float32",), supports=("lse",), budget=0.5,
                         isolate=False, progress=False)
     tried = {(r.trial.property, r.trial.dtype) for r in report.property_results}
-    assert tried == {(p, "float32") for p in PROPERTIES if p != "empty_rows"} and report.status == "INCOMPLETE"
-    assert report.untried() == [("empty_rows", "one of the options mask, bottom_right, varlen")]
+    assert tried == {(p, "float32") for p in PROPERTIES if p not in ("empty_rows", "layout")}
+    assert report.status == "INCOMPLETE"
+    assert report.untried() == [("empty_rows", "one of the options mask, bottom_right, varlen"),
+                                ("layout", "one of the options varlen, paged")]
     assert "no trial for this kernel's supports: empty_rows (it needs one of the options mask, bottom_right, " \
            "varlen)" in " ".join(str(report).split())                # (a wrapped line read whole)
     assert json.loads(report.to_json())["properties_without_trials"] == [
-        {"property": "empty_rows", "needs": "one of the options mask, bottom_right, varlen"}]
+        {"property": "empty_rows", "needs": "one of the options mask, bottom_right, varlen"},
+        {"property": "layout", "needs": "one of the options varlen, paged"}]
 
 
 def test_unknown_properties_are_refused_by_name(capsys):

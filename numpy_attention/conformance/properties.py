@@ -12,9 +12,10 @@ reference (docs/conform.md names the threads each comes from):
                       wrong at exactly one length)
     determinism       the same inputs twice: the same bits where the kernel declares
                       'deterministic', else each call's results judged
-    batch_invariance  the first and last sequence of a batch of 3: their results in the batch
-                      against those of the same sequence alone; the same bits where the kernel
-                      declares 'batch_invariant', else the batch's rows judged as the lone case's
+    batch_invariance  the first and last sequence of a batch of 3 (and of a packed batch of 3
+                      sequences of other lengths): their results in the batch against those of
+                      the same sequence alone; the same bits where the kernel declares
+                      'batch_invariant', else the batch's rows judged as the lone case's
     range             q scaled so that each row's scores spread by 30 and more (a saturated
                       softmax: P nearly one-hot, its gradients tiny), and v scaled to RANGE_V (an
                       output and a dP far from 1; a kernel that keeps them in a 16-bit dtype
@@ -25,6 +26,10 @@ reference (docs/conform.md names the threads each comes from):
                       it takes them: judged under its fully_masked policy (with sinks: out 0, lse
                       the sink's logit), so a padded row that leaks into dsinks, dbias, dk or dv
                       fails
+    layout            the same sequences laid out otherwise: packed in reverse order, a paged
+                      cache's pages renumbered and of twice the size; each layout's results
+                      judged, and where the kernel declares 'batch_invariant' each sequence's
+                      the same bits in every layout but the page size
     nan_keys          a NaN in a key every row attends to must reach every row's out (a kernel
                       that swallows NaN hides its inputs' faults); NaN in the keys no sequence
                       may read (a paged cache's unused page and the rows past cache_seqlens)
@@ -51,9 +56,10 @@ from .judge import error_result
 from .kernels import as_kernel
 from .supports import EXCLUSIVE, check_dtypes, check_fully_masked, check_supports
 
-PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "nan_keys")
+PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "layout", "nan_keys")
 EMPTYING = ("mask", "bottom_right", "varlen")   # empty_rows: the options that leave rows without keys
-NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen"}   # a property that needs a support
+NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen",   # a property that needs a support
+         "layout": "one of the options varlen, paged"}
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
 LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
 WIDTH = 64                                                           # d of the trials' cases
@@ -112,12 +118,16 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
             if name == "lengths":
                 cases = [case(dtype, name, f"N={n}", 1, n_q, n) for n in LENGTHS for n_q in (n, 1)]
             elif name == "batch_invariance":
-                cases = [case(dtype, name, "batch of 3", 3, 33, 48)]
+                cases = [case(dtype, name, "batch of 3", 3, 33, 48)] + \
+                    ([case(dtype, name, "packed", 3, 31, 47, extra=("varlen",))] if "varlen" in options else [])
             elif name == "range":
                 cases = [case(dtype, name, "saturated", 1, 33, 64), case(dtype, name, "large v", 1, 35, 64)]
             elif name == "empty_rows":
                 cases = [case(dtype, name, way, *EMPTY_SHAPES[way], extra=(way,) + _with_empty(way, options, fully_masked))
                          for way in EMPTYING if way in options]
+            elif name == "layout":
+                cases = [case(dtype, name, way, *LAYOUT_SHAPES[way], extra=(way,)) for way in LAYOUT_SHAPES
+                         if way in options]
             elif name == "nan_keys":
                 cases = [case(dtype, name, "visible", 2, 23, 44)] + \
                     ([case(dtype, name, "unread", 2, 27, 45, extra=("paged",))] if "paged" in options else [])
@@ -128,6 +138,7 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
 
 
 EMPTY_SHAPES = {"mask": (2, 21, 40), "bottom_right": (2, 41, 23), "varlen": (3, 25, 37)}   # (B, N_q, N_k)
+LAYOUT_SHAPES = {"varlen": (3, 29, 43), "paged": (2, 13, 53)}
 
 
 def _with_empty(way, options, fully_masked):
@@ -218,8 +229,9 @@ def _batch_invariance(kernel, case, promises):
     arrays = case.arrays()
     whole = _call(kernel, case, arrays)
     for b in (0, case.batch - 1):                  # (the trials hold no option with a batch axis)
-        alone = {name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()}
-        in_batch = {name: x[b:b + 1] for name, x in whole.items()}
+        alone, in_batch = (_sequence(arrays, whole, b) if "varlen" in case.options else
+                           ({name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()},
+                            {name: x[b:b + 1] for name, x in whole.items()}))
         if "batch_invariant" in promises:
             differ = _other_bits(in_batch, _call(kernel, case._replace(batch=1), alone), "in the batch and alone")
             if differ:
@@ -228,6 +240,20 @@ def _batch_invariance(kernel, case, promises):
         if status != "PASS":
             return status, f"sequence {b} of {case.batch}, in the batch, judged alone: {failed}", judged
     return "PASS", "", None
+
+
+def _sequence(arrays, results, b):
+    """(packed sequence b's arrays alone, as a pack of one, and its rows of the pack's results)."""
+    cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
+    q_rows, k_rows = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+    alone = dict(arrays, cu_seqlens_q=np.array([0, q_rows.stop - q_rows.start], cu_q.dtype),
+                 cu_seqlens_k=np.array([0, k_rows.stop - k_rows.start], cu_k.dtype))
+    for name, rows in (("q", q_rows), ("dout", q_rows), ("k", k_rows), ("v", k_rows)):
+        if name in arrays:
+            alone[name] = arrays[name][:, rows]
+    mine = {name: x[..., q_rows] if name == "lse" else x[:, k_rows if name in ("dk", "dv") else q_rows]
+            for name, x in results.items()}
+    return alone, mine
 
 
 def _range(kernel, case, promises):
@@ -267,6 +293,78 @@ def _emptied(arrays):
     arrays["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(lengths(cu_q, 0))]).astype(cu_q.dtype)
     arrays["cu_seqlens_k"] = np.concatenate([[0], np.cumsum(lengths(cu_k, 1))]).astype(cu_k.dtype)
     return arrays
+
+
+def _layout(kernel, case, promises):
+    arrays = case.arrays()
+    first = _call(kernel, case, arrays)
+    status, failed, judged = _judged(case, arrays, first)
+    if status != "PASS":
+        return status, f"as drawn: {failed}", judged
+    if case.role == "varlen":
+        layouts = [("packed in reverse order", _reversed_sequences(arrays), True)]
+    else:
+        layouts = [("its pages renumbered", _renumbered(arrays), True),
+                   ("in pages of twice the size", _paged(arrays, 2 * arrays["k"].shape[2]), False)]
+    for said, (other, back), same_bits in layouts:
+        results = _call(kernel, case, other)
+        status, failed, judged = _judged(case, other, results)
+        if status != "PASS":
+            return status, f"{said}: {failed}", judged
+        if same_bits and "batch_invariant" in promises:
+            differ = _other_bits(first, back(results), f"as drawn and {said}")
+            if differ:
+                return "FAIL", differ, None
+    return "PASS", "", None
+
+
+def _reversed_sequences(arrays):
+    """(a packed case's arrays with its sequences in reverse order, a function that puts results of
+    those back in the drawn order)."""
+    cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
+    order = range(len(cu_q) - 2, -1, -1)
+    rows = lambda cu, seq: np.concatenate([np.arange(cu[b], cu[b + 1]) for b in seq]).astype(np.intp)
+    q_rows, k_rows = rows(cu_q, order), rows(cu_k, order)
+    cumulative = lambda cu: np.concatenate([[0], np.cumsum(np.diff(cu)[::-1])]).astype(cu.dtype)
+    other = {**arrays, "cu_seqlens_q": cumulative(cu_q), "cu_seqlens_k": cumulative(cu_k)}
+    for name, at in (("q", q_rows), ("dout", q_rows), ("k", k_rows), ("v", k_rows)):
+        if name in arrays:
+            other[name] = arrays[name][:, at]
+    back_q, back_k = np.argsort(q_rows), np.argsort(k_rows)
+
+    def back(results):                             # rows along N: out, dq, lse by query; dk, dv by key
+        return {name: np.take(x, back_k if name in ("dk", "dv") else back_q, axis=-1 if name == "lse" else -2)
+                for name, x in results.items()}
+    return other, back
+
+
+def _renumbered(arrays):
+    """(a paged case's arrays with its pages moved to other places of the pool, page_table
+    renumbered to match; the results' dk, dv pages moved back)."""
+    pages = arrays["k"].shape[0]
+    place = np.roll(np.arange(pages), pages // 2 + 1)[::-1]      # page p goes to place[p]
+    other = dict(arrays, page_table=place[arrays["page_table"]].astype(arrays["page_table"].dtype))
+    for name in ("k", "v"):
+        moved = np.empty_like(arrays[name])
+        moved[place] = arrays[name]
+        other[name] = moved
+    back = lambda results: {name: x[place] if name in ("dk", "dv") else x for name, x in results.items()}
+    return other, back
+
+
+def _paged(arrays, page):
+    """(a paged case's arrays repacked in pages of `page` rows, each sequence's pages in order after
+    the others'; None: its dk, dv are of other pages, not compared)."""
+    table, lengths = arrays["page_table"], arrays["cache_seqlens"]
+    per = -(-int(lengths.max(initial=1)) // page)
+    other = dict(arrays, page_table=np.arange(len(lengths) * per).reshape(len(lengths), per).astype(table.dtype))
+    for name in ("k", "v"):
+        x = arrays[name]
+        tokens = [np.concatenate([x[p] for p in row], axis=-2)[:, :per * page] for row in table]   # [H_kv, P old, d]
+        tokens = [np.concatenate([t, np.zeros(t.shape[:1] + (per * page - t.shape[1],) + t.shape[2:], x.dtype)],
+                                 axis=-2) for t in tokens]
+        other[name] = np.concatenate([t.reshape(t.shape[0], per, page, t.shape[-1]).swapaxes(0, 1) for t in tokens])
+    return other, None
 
 
 def _nan_keys(kernel, case, promises):
@@ -329,4 +427,4 @@ def _other_bits(first, second, where):
 
 _CHECKS = {"honesty": _honesty, "lengths": _lengths, "determinism": _determinism,
            "batch_invariance": _batch_invariance, "range": _range, "empty_rows": _empty_rows,
-           "nan_keys": _nan_keys}
+           "layout": _layout, "nan_keys": _nan_keys}
