@@ -2,6 +2,7 @@
 faulty kernel of tests/property_bugs.py breaks exactly the property it was written to break
 (the lengths: exactly at the lengths it is wrong at); conform reports them (table, JSON, saved
 cases) and the command picks them by name."""
+import importlib.util
 import json
 
 import numpy as np
@@ -123,6 +124,13 @@ def test_conform_reports_a_broken_property_and_saves_its_case(tmp_path):
     assert len(saved) == 2
     with np.load(saved[str(rows["lengths"].smallest.trial)]) as case:
         assert not na.crosscheck(**dict(case))                        # the saved case re-judges as failing
+    ratios = {r.trial.case.n_k: r.worst for r in report.property_results if r.trial.property == "lengths"}
+    assert ratios[144] > 1 and max(w for n, w in ratios.items() if n != 144) < 1   # what the picture draws
+    picture = tmp_path / "lengths-float32.png"
+    drawn = importlib.util.find_spec("matplotlib") is not None          # (the optional plot extra)
+    assert report.pictures == ((("lengths", "float32", str(picture)),) if drawn else ())
+    assert picture.exists() == drawn and (f"its trials' errors against N_k drawn in {picture}" in " ".join(text.split())) == drawn
+    assert lengths["picture"] == (str(picture) if drawn else None)
 
 
 def test_the_properties_budget_runs_each_property_once_at_least(clock):

@@ -30,11 +30,11 @@ class CaseResult(NamedTuple):
         failure); (nan, '') for an ERROR or a TIMEOUT."""
         if self.report is None:
             return math.nan, ""
-        row = max(self.report.rows, key=_share_of_bound)
-        return _share_of_bound(row), row.name
+        row = max(self.report.rows, key=share_of_bound)
+        return share_of_bound(row), row.name
 
 
-def _share_of_bound(row):
+def share_of_bound(row):
     """max_abs_err / bound of a TensorVerdict (0 / 0 = 0, x / 0 = inf)."""
     return row.max_abs_err / row.bound if row.bound > 0 else (0.0 if row.max_abs_err == 0 else math.inf)
 

@@ -43,6 +43,7 @@ kernel that caches by shape breaks honesty alone): a failure is its smallest cas
 but for `lengths`, whose failing trials name the lengths. Each trial's status is PASS, FAIL, ERROR
 (the kernel raised, exited or died, or gave what crosscheck cannot judge) or TIMEOUT.
 """
+import math
 import time
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ from .._checks import require_positive_int
 from ..oracle import CaseError, crosscheck
 from ..oracle.precision import PRECISIONS
 from .grid import make_case
-from .judge import error_result
+from .judge import error_result, share_of_bound
 from .kernels import as_kernel
 from .supports import EXCLUSIVE, check_dtypes, check_fully_masked, check_supports
 
@@ -84,6 +85,7 @@ class PropertyResult(NamedTuple):
     detail: str             # what differed (FAIL), what happened (ERROR, TIMEOUT); else ''
     seconds: float
     arrays: object = None   # a FAIL judged by crosscheck: its case with the kernel's results
+    worst: float = math.nan  # lengths: its worst tensor's max abs error over its bound (nan: not judged)
 
 
 def check_properties(names, argument="properties"):
@@ -163,10 +165,10 @@ def check_property(kernel, trial, promises=()):
     kernel = kernel if hasattr(kernel, "results") else as_kernel(kernel)      # a Kernel, a worker's
     start = time.perf_counter()
     try:
-        status, detail, arrays = _CHECKS[trial.property](kernel, trial.case, promises)
+        status, detail, arrays, *worst = _CHECKS[trial.property](kernel, trial.case, promises)
     except _CallFailed as failed:
         return PropertyResult(trial, failed.result.status, failed.result.error, time.perf_counter() - start)
-    return PropertyResult(trial, status, detail, time.perf_counter() - start, arrays)
+    return PropertyResult(trial, status, detail, time.perf_counter() - start, arrays, *worst)
 
 
 def _call(kernel, case, arrays=None):
@@ -179,17 +181,19 @@ def _call(kernel, case, arrays=None):
         raise _CallFailed(error_result(case, exc, start)) from None
 
 
-def _judged(case, arrays, results):
-    """(status, detail, arrays with results): crosscheck of the results on the case's arrays."""
+def _judged(case, arrays, results, worst=False):
+    """(status, detail, arrays with results): crosscheck of the results on the case's arrays;
+    with worst, also the worst tensor's max abs error over its bound."""
     judged = {**arrays, **results}
     try:
         report = crosscheck(**judged)
     except CaseError as exc:                  # results that are not a case: the kernel's
         raise _CallFailed(error_result(case, exc, time.perf_counter())) from None
+    share = (max(map(share_of_bound, report.rows)),) if worst else ()
     if report:
-        return "PASS", "", None
+        return ("PASS", "", None) + share
     failed = "; ".join(f"{row.name}: {', '.join(row.failed)}" for row in report.rows if not row.passed)
-    return "FAIL", failed, judged
+    return ("FAIL", failed, judged) + share
 
 
 def _honesty(kernel, case, promises):
@@ -208,8 +212,8 @@ def _honesty(kernel, case, promises):
 
 def _lengths(kernel, case, promises):
     arrays = case.arrays()
-    status, failed, judged = _judged(case, arrays, _call(kernel, case, arrays))
-    return status, failed and f"N_q = {case.n_q}, N_k = {case.n_k}: {failed}", judged
+    status, failed, judged, worst = _judged(case, arrays, _call(kernel, case, arrays), worst=True)
+    return status, failed and f"N_q = {case.n_q}, N_k = {case.n_k}: {failed}", judged, worst
 
 
 def _determinism(kernel, case, promises):

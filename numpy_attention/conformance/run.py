@@ -38,6 +38,7 @@ from .grid import cases
 from .judge import check, evaluate
 from .kernels import as_kernel
 from .progress import progress_bar
+from .pictures import draw_lengths
 from .properties import check_properties, check_property, properties as property_trials
 from .record import Record
 from .run_report import ConformReport, Failure, case_json, case_line, trial_json, wrapped
@@ -120,7 +121,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
                     supports=options + outputs + promised, fully_masked=fully_masked, budget=budget, timeout=timeout)
     record = Record(out_dir, {**settings, "grid_cases": len(grid)})
     bar = progress_bar(len(grid), progress)
-    results, failures, times, checked, saved = [], [], {"start": monotonic()}, [], []
+    results, failures, times, checked, saved, pictures = [], [], {"start": monotonic()}, [], [], []
 
     def report(interrupted=False):
         end = monotonic()
@@ -129,6 +130,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
                              failures=tuple(failures), seconds=swept - times["start"],
                              shrink_seconds=end - swept, interrupted=interrupted, unsaved=record.unsaved,
                              trials=tuple(trials), property_results=tuple(checked), saved=tuple(saved),
+                             pictures=tuple(pictures),
                              properties=names)
 
     bar.say(_plan(grid, trials, budget, timeout))
@@ -136,7 +138,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
         with record, caller as called:
             share = None if budget is None else budget * (1 - PROPERTY_SHARE if trials else 1)
             smallest = _sweep(called, grid, share, times, results, record, bar)
-            _check(called, trials, promised, budget, times, checked, record, bar, out_dir, saved)
+            _check(called, trials, promised, budget, times, checked, record, bar, out_dir, saved, pictures)
             times["swept"] = monotonic()
             for (option, dtype), (result, arrays) in smallest.items():
                 shrunk = shrink(called, result.case, result.report, arrays)
@@ -169,10 +171,11 @@ def _sweep(kernel, grid, budget, times, results, record, bar):
     return smallest
 
 
-def _check(kernel, trials, promised, budget, times, checked, record, bar, out_dir, saved):
+def _check(kernel, trials, promised, budget, times, checked, record, bar, out_dir, saved, pictures):
     """Run the properties' trials within the budget, appending each PropertyResult to `checked`
     (and to the record, and to stderr when it does not pass; a failing trial crosscheck judged
-    saved in out_dir, its (id, path) appended to `saved`); the first round always runs."""
+    saved in out_dir, its (id, path) appended to `saved`; a dtype's failing lengths drawn there,
+    (property, dtype, path) appended to `pictures`); the first round always runs."""
     first_round = len({(t.property, t.dtype) for t in trials})
     for n, trial in enumerate(trials):
         if budget is not None and n >= first_round and monotonic() - times["start"] >= budget:
@@ -186,6 +189,13 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar, out_di
             path = _save_arrays(str(result.trial), result.arrays, out_dir, record)
             if path is not None:
                 saved.append((str(result.trial), path))
+    if out_dir is not None:                            # a lengths failure: its errors against N_k
+        for dtype in dict.fromkeys(r.trial.dtype for r in checked if r.trial.property == "lengths"
+                                   and r.status == "FAIL"):
+            path = _drawn(os.path.join(os.fspath(out_dir), f"lengths-{dtype}.png"), [
+                r for r in checked if (r.trial.property, r.trial.dtype) == ("lengths", dtype)], record)
+            if path is not None:
+                pictures.append(("lengths", dtype, path))
 
 
 def _plan(grid, trials, budget, timeout):
@@ -229,8 +239,14 @@ def _save_arrays(name, arrays, out_dir, record):
 def _picture(path, arrays, record):
     """The case's error maps written to path (oracle/errormap.py); None where matplotlib
     is not installed, or the file cannot be written."""
+    return _drawn(path, arrays, record, lambda path, arrays: plot_error_maps(path, **arrays))
+
+
+def _drawn(path, what, record, draw=draw_lengths):
+    """draw(path, what) (a property's picture: pictures.py); None where matplotlib is not
+    installed, or the file cannot be written (remembered in the record)."""
     try:
-        plot_error_maps(path, **arrays)
+        draw(path, what)
     except ImportError:                     # matplotlib, imported when it draws
         return None
     except OSError as exc:

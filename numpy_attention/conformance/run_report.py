@@ -89,6 +89,7 @@ class ConformReport(NamedTuple):
     property_results: tuple = ()   # properties.PropertyResult of each trial run, in order
     saved: tuple = ()       # (trial id, .npz path) of each failing trial saved
     properties: tuple = ()  # the properties asked for (properties.PROPERTIES names)
+    pictures: tuple = ()    # (property, dtype, .png path) of each property's failures drawn
 
     @property
     def grid_size(self):
@@ -223,6 +224,8 @@ class ConformReport(NamedTuple):
             if str(result.trial) in saved:
                 lines += wrapped(f"saved as {saved[str(result.trial)]} (numpy-attention crosscheck FILE.npz "
                                  f"re-judges it)", "    ")
+            for path in (p for name, dtype, p in self.pictures if (name, dtype) == (r.property, r.dtype)):
+                lines += wrapped(f"its trials' errors against N_k drawn in {path}", "    ")
         return lines
 
     def to_json(self):
@@ -241,7 +244,9 @@ class ConformReport(NamedTuple):
             "cases": [case_json(r) for r in self.results],
             "properties": [{"property": r.property, "dtype": r.dtype, "tried": r.tried, "trials": r.trials,
                             "passed": r.passed, "failed": r.failed, "errors": r.errors,
-                            "smallest_failing": None if r.smallest is None else trial_json(r.smallest)}
+                            "smallest_failing": None if r.smallest is None else trial_json(r.smallest),
+                            "picture": next((p for name, dtype, p in self.pictures
+                                             if (name, dtype) == (r.property, r.dtype)), None)}
                            for r in self.property_rows()],
             "property_trials": [trial_json(r) for r in self.property_results],
             "properties_without_trials": [{"property": name, "needs": needs} for name, needs in self.untried()],
@@ -267,7 +272,7 @@ def trial_json(result):
     """A PropertyResult as a JSON object (what to_json's "property_trials" and the record hold)."""
     return {"id": str(result.trial), "property": result.trial.property, "dtype": result.trial.dtype,
             "case": result.trial.case.id, "status": result.status, "detail": result.detail or None,
-            "seconds": result.seconds}
+            "seconds": result.seconds, "worst_over_bound": _number(result.worst)}
 
 
 def wrapped(text, indent=""):
