@@ -173,7 +173,7 @@ class ConformReport(NamedTuple):
             worst = "" if math.isnan(c.worst) else f"{c.worst:.2g} {c.worst_tensor}"
             values = (c.cases, f"{c.roles_run}/{c.roles}", c.passed, c.failed, c.errors, c.timeouts, worst)
             lines.append((f"{c.option:<{WIDTH_OPTION}}{c.dtype:<{WIDTH_DTYPE}}"
-                          + "".join(f"{value:>{width}}" for value, (_, width) in zip(values, COLUMNS))).rstrip())
+                          + "".join(f" {value:>{width - 1}}" for value, (_, width) in zip(values, COLUMNS))).rstrip())
         failing = [c.failure for c in cells if c.failure]
         if failing:
             lines.append("failures, each shrunk to its smallest failing case:")
