@@ -23,6 +23,8 @@ shipped past kernel test suites; each breaks one property and passes the others.
     page_size_16          a paged cache read as pages of 16 rows whatever their size
     packed_order_dependent  packed sequences after the first summed in another order: other bits
                           where a sequence sits elsewhere in the pack (declared batch_invariant)
+    zeros_in_low_precision, one_row_repeated   zeros, or row 0's out in every row, in a 16-bit dtype
+                          (outputs a loose tolerance passes): every 16-bit trial fails, no float32 one
 """
 import itertools
 
@@ -209,3 +211,23 @@ def packed_order_dependent(q, k, v, dout=None, cu_seqlens_q=None, cu_seqlens_k=N
         if name in results:
             results[name] = other[name][:, back]
     return results
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def zeros_in_low_precision(q, k, v, dout=None, **options):
+    """Zeros for out and every gradient in a 16-bit dtype (KernelBench 165's class: an output
+    that a loose tolerance passes); honest in float32."""
+    results = numpy_float32(q, k, v, dout=dout, **options)
+    if q.dtype == np.float32:
+        return results
+    return {name: x if name == "lse" else np.zeros_like(x) for name, x in results.items()}
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def one_row_repeated(q, k, v, dout=None, **options):
+    """Every query row's out is row 0's, in a 16-bit dtype: right where attention is nearly
+    uniform (each row then the mean of v), wrong wherever rows differ; honest in float32."""
+    results = numpy_float32(q, k, v, dout=dout, **options)
+    if q.dtype == np.float32:
+        return results
+    return {**results, "out": np.broadcast_to(results["out"][..., :1, :], results["out"].shape).copy()}

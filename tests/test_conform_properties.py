@@ -64,6 +64,17 @@ def test_each_faulty_kernel_breaks_exactly_its_property(name, broken):
         assert {trial.case.n_k for trial, _ in found[broken, "float32"]} == {n for n in LENGTHS if n % 16 and n > 16}
 
 
+@pytest.mark.parametrize("name, passes", [("zeros_in_low_precision", ""),
+                                          ("one_row_repeated", "nan_keys")])    # (row 0's NaN, repeated)
+def test_degenerate_outputs_fail_every_trial_of_their_dtype_and_no_other(name, passes):
+    """Zeros, or one row repeated, in bfloat16: crosscheck's rule fails them on each property's
+    trial of that dtype (none of the trials is nearly uniform attention); float32, honest, passes."""
+    names = tuple(p for p in PROPERTIES if p != "lengths")             # (96 trials a dtype: the slow test's)
+    found = failing(getattr(property_bugs, name), dtypes=("float32", "bfloat16"), names=names)
+    untried = ("empty_rows", "layout")                                 # (no mask, varlen or paged)
+    assert set(found) == {(p, "bfloat16") for p in names if p not in untried + (passes,)}, found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["wrong_at_one_length", "partial_block_dropped"])
 def test_the_length_faults_break_no_other_property(name):
