@@ -23,6 +23,8 @@ shipped past kernel test suites; each breaks one property and passes the others.
     page_size_16          a paged cache read as pages of 16 rows whatever their size
     packed_order_dependent  packed sequences after the first summed in another order: other bits
                           where a sequence sits elsewhere in the pack (declared batch_invariant)
+    partial_block_of_320  keys past the last multiple of its declared block of 320 dropped: found
+                          only at the lengths its declaration adds (321, 639, 641; beyond 256)
     zeros_in_low_precision, one_row_repeated   zeros, or row 0's out in every row, in a 16-bit dtype
                           (outputs a loose tolerance passes): every 16-bit trial fails, no float32 one
 """
@@ -231,3 +233,16 @@ def one_row_repeated(q, k, v, dout=None, **options):
     if q.dtype == np.float32:
         return results
     return {**results, "out": np.broadcast_to(results["out"][..., :1, :], results["out"].shape).copy()}
+
+
+@declare(kind="numpy", supports=SUPPORTS, block_sizes=(320,))
+def partial_block_of_320(q, k, v, dout=None, **options):
+    """Keys past the last multiple of its block of 320 dropped, beyond one block (jax 27224 at a
+    block size past the lengths of 16 to 256: wrong from 321 to 639, and past 640)."""
+    n_k = k.shape[-2]
+    kept = n_k - n_k % 320 if n_k > 320 else n_k
+    results = numpy_float32(q, k[..., :kept, :], v[..., :kept, :], dout=dout, **options)
+    if dout is not None and kept < n_k:
+        pad = lambda x: np.concatenate([x, np.zeros(x.shape[:-2] + (n_k - kept,) + x.shape[-1:], x.dtype)], -2)
+        results.update(dk=pad(results["dk"]), dv=pad(results["dv"]))
+    return results

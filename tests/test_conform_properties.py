@@ -64,6 +64,26 @@ def test_each_faulty_kernel_breaks_exactly_its_property(name, broken):
         assert {trial.case.n_k for trial, _ in found[broken, "float32"]} == {n for n in LENGTHS if n % 16 and n > 16}
 
 
+def test_declared_block_sizes_add_lengths_that_find_a_fault_past_256():
+    """partial_block_of_320 passes the lengths of 16 to 256; its declared block adds 319, 320, 321,
+    639, 640, 641 (N_q = N_k and N_q = 1), and it fails at 321, 639 and 641 alone."""
+    kernel = property_bugs.partial_block_of_320
+    trials = na.conform.properties(names=("lengths",), dtypes=("float32",), supports=("gqa",), block_sizes=(320,))
+    added = {t.case.n_k for t in trials} - set(LENGTHS)
+    assert added == {319, 320, 321, 639, 640, 641} and len(trials) == 2 * (len(LENGTHS) + 6)
+    found = [trial for trial in trials[-12:]                           # (the added ones: last)
+             if na.conform.check_property(as_kernel(kernel), trial).status != "PASS"]
+    assert sorted({t.case.n_k for t in found}) == [321, 639, 641] and len(found) == 6
+    assert failing(kernel, names=("lengths",), dtypes=("float32",)) == {}     # undeclared: not found
+    report = na.conform(kernel, dtypes=("float32",), properties=("lengths",), isolate=False, progress=False)
+    row, = report.property_rows()                                      # conform reads the declaration
+    assert (row.trials, row.failed) == (2 * (len(LENGTHS) + 6), 6)
+    with pytest.raises(ValueError, match="block_sizes must hold integers from 2 to 4096"):
+        na.conform.properties(block_sizes=(1,))
+    with pytest.raises(ValueError, match="block_sizes must hold integers from 2 to 4096"):
+        na.conform.declare(kernel, block_sizes=(8192,))
+
+
 @pytest.mark.parametrize("name, passes", [("zeros_in_low_precision", ""),
                                           ("one_row_repeated", "nan_keys")])    # (row 0's NaN, repeated)
 def test_degenerate_outputs_fail_every_trial_of_their_dtype_and_no_other(name, passes):
@@ -164,3 +184,5 @@ def test_unknown_properties_are_refused_by_name(capsys):
         na.conform(examples.numpy_float32, properties=("honest",))
     assert main(["conform", "conform_bugs:scale_off", "--properties", "lenghts"]) == 2
     assert "--properties has the unknown name 'lenghts'" in capsys.readouterr().err
+    assert main(["conform", "conform_bugs:scale_off", "--block-sizes", "8192"]) == 2
+    assert "--block-sizes: must be an integer in [2, 4096], got '8192'" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from ..conformance import ConformInterrupted, conform
 from ..conformance.run import TIMEOUT
 from ..conformance.shrink import MAX_STEPS
 from ..conformance.properties import PROPERTIES, check_properties
-from ..conformance.supports import (DTYPES, FULLY_MASKED, KINDS, OPTIONS, OUTPUTS, PROMISES, check_dtypes,
+from ..conformance.supports import (DTYPES, FULLY_MASKED, KINDS, MAX_BLOCK, OPTIONS, OUTPUTS, PROMISES, check_dtypes,
                                     check_supports)
 from .cli import UsageError, import_object, integer
 
@@ -91,6 +91,9 @@ def add_arguments(parser):
                         help=f"the directory for the run's record, conform.jsonl, and the shrunk failing "
                              f"cases (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=integer(0), default=0, help="the grid's seed (default 0)")
+    parser.add_argument("--block-sizes", nargs="+", type=integer(2, MAX_BLOCK), metavar="N",
+                        help="the kernel's block sizes along N: the lengths property also tries each, "
+                             "twice each, and one either side (default: its declaration's)")
     parser.add_argument("--quiet", action="store_true",
                         help="nothing on stderr as the run goes (the plan, each case that does not pass, "
                              "the bar)")
@@ -121,7 +124,8 @@ def run(args):
             properties = () if properties == ["none"] else check_properties(properties, "--properties")
         report = conform(kernel, dtypes=dtypes, supports=options, budget=args.budget,
                          timeout=args.timeout, seed=args.seed, out_dir=args.out, kind=args.kind,
-                         fully_masked=args.fully_masked, progress=not args.quiet, properties=properties)
+                         fully_masked=args.fully_masked, progress=not args.quiet, properties=properties,
+                         block_sizes=args.block_sizes)
     except (ValueError, TypeError) as exc:         # an argument refused by name, a kernel not loaded
         raise UsageError(str(exc)) from None
     except ConformInterrupted as interrupted:      # the cases judged so far, then main's 130

@@ -64,7 +64,8 @@ def conformance_items(session, config, spec):
         grid = cases(dtypes=dtypes, supports=options + outputs, seed=config.getoption("--attention-seed"),
                      fully_masked=fully_masked)
         trials = properties(names=names, dtypes=dtypes, supports=options + outputs,
-                            seed=config.getoption("--attention-seed"), fully_masked=fully_masked)
+                            seed=config.getoption("--attention-seed"), fully_masked=fully_masked,
+                            block_sizes=declared.block_sizes or ())
     except (UsageError, ValueError, TypeError) as exc:
         raise pytest.UsageError(f"--attention-kernel {spec}: {exc}") from None
     promised = promises(supports)

@@ -8,8 +8,9 @@ reference (docs/conform.md names the threads each comes from):
                       write into any input (kernels.py) and no all-zero output where zeros would
                       pass (crosscheck's refusal)
     lengths           N_q = N_k, and decoding's N_q = 1, at every multiple of 16 up to 256 and one
-                      either side of it (a kernel right only at multiples of its block size, or
-                      wrong at exactly one length)
+                      either side of it, and at the block sizes the kernel declares and twice
+                      them, one either side (a kernel right only at multiples of its block size,
+                      or wrong at exactly one length)
     determinism       the same inputs twice: the same bits where the kernel declares
                       'deterministic', else each call's results judged
     batch_invariance  the first and last sequence of a batch of 3 (and of a packed batch of 3
@@ -55,7 +56,7 @@ from ..oracle.precision import PRECISIONS
 from .grid import make_case
 from .judge import error_result, share_of_bound
 from .kernels import as_kernel
-from .supports import EXCLUSIVE, check_dtypes, check_fully_masked, check_supports
+from .supports import EXCLUSIVE, check_block_sizes, check_dtypes, check_fully_masked, check_supports
 
 PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "layout", "nan_keys")
 EMPTYING = ("mask", "bottom_right", "varlen")   # empty_rows: the options that leave rows without keys
@@ -63,6 +64,7 @@ NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen",   # a pr
          "layout": "one of the options varlen, paged"}
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
 LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
+DECLARED_SQUARE = 2048      # lengths: N_q = N_k trials at a declared block size up to this N (above: N_q = 1)
 WIDTH = 64                                                           # d of the trials' cases
 SATURATING = 8.0            # range: q times this (the grid's q spreads each row's scores by about 4)
 RANGE_V = 2.0 ** 12         # range: v times this (float16's largest is 65504)
@@ -101,12 +103,17 @@ def check_properties(names, argument="properties"):
 
 
 def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), supports=("gradients",), seed=0,
-               fully_masked="zero"):
+               fully_masked="zero", block_sizes=()):
     """The trials of the properties `names` (None: all) for a kernel of these dtypes and
-    supports (supports.py; only its outputs and 'gqa' shape the trials), round-robin over
-    (property, dtype): the first round tries each once. For pytest:
+    supports (supports.py: its outputs and options shape the trials), round-robin over
+    (property, dtype): the first round tries each once. block_sizes: the kernel's along N
+    (supports.check_block_sizes): `lengths` also tries each, twice each, and one either side
+    (N_q = N_k up to DECLARED_SQUARE, decoding's N_q = 1 at any). For pytest:
     `pytest.mark.parametrize("trial", properties(...), ids=str)` with check_property."""
     names, dtypes = check_properties(names), check_dtypes(dtypes)
+    declared = tuple(n for b in check_block_sizes(block_sizes) for n in (b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1)
+                     if n not in LENGTHS)
+    lengths = LENGTHS + tuple(dict.fromkeys(declared))
     options, outputs = check_supports(supports, fully_masked)
     fully_masked = check_fully_masked(fully_masked)
     seed = require_positive_int(seed, "seed", minimum=0)
@@ -118,7 +125,8 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
     for name in names:
         for dtype in dtypes:
             if name == "lengths":
-                cases = [case(dtype, name, f"N={n}", 1, n_q, n) for n in LENGTHS for n_q in (n, 1)]
+                cases = [case(dtype, name, f"N={n}", 1, n_q, n) for n in lengths for n_q in (n, 1)
+                         if n_q == 1 or n <= DECLARED_SQUARE]
             elif name == "batch_invariance":
                 cases = [case(dtype, name, "batch of 3", 3, 33, 48)] + \
                     ([case(dtype, name, "packed", 3, 31, 47, extra=("varlen",))] if "varlen" in options else [])

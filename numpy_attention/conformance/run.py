@@ -43,8 +43,8 @@ from .properties import check_properties, check_property, properties as property
 from .record import Record
 from .run_report import ConformReport, Failure, case_json, case_line, trial_json, wrapped
 from .shrink import MAX_STEPS, shrink
-from .supports import (DEFAULT_SUPPORTS, DTYPES, check_dtypes, check_fully_masked, check_supports,
-                       declaration_of, declare, promises)
+from .supports import (DEFAULT_SUPPORTS, DTYPES, check_block_sizes, check_dtypes, check_fully_masked,
+                       check_supports, declaration_of, declare, promises)
 from .worker import Worker
 
 TIMEOUT = 60.0              # seconds a case may take by default
@@ -60,7 +60,7 @@ class ConformInterrupted(KeyboardInterrupt):
 
 
 def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=None, kind=None,
-            fully_masked=None, progress=None, timeout=TIMEOUT, isolate=True, properties=None):
+            fully_masked=None, progress=None, timeout=TIMEOUT, isolate=True, properties=None, block_sizes=None):
     """Run the kernel on the grid's cases and judge each against the oracle.
 
     Args:
@@ -88,6 +88,8 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
         properties: names among properties.PROPERTIES (None: all; () none): the properties
             checked beside the grid (properties.py), with the kernel's promises among supports
             ('deterministic', 'batch_invariant') held bit for bit.
+        block_sizes: the kernel's block sizes along N (integers from 2 to 4096): the lengths
+            property also tries each, twice each, and one either side. None: its declaration's.
     Returns:
         ConformReport (run_report.py): truthy iff the run passed; str() the table, to_json().
     Raises:
@@ -98,6 +100,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
     dtypes = check_dtypes(_given(dtypes, declared.dtypes, DTYPES))
     fully_masked = check_fully_masked(_given(fully_masked, declared.fully_masked, "zero"))
     supports = _given(supports, declared.supports, DEFAULT_SUPPORTS)
+    block_sizes = check_block_sizes(_given(block_sizes, declared.block_sizes, ()))
     if not isinstance(supports, str):                  # read twice (an iterator, once)
         with contextlib.suppress(TypeError):           # not iterable: check_supports says what it must be
             supports = tuple(supports)
@@ -116,7 +119,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
     timeout = timeout if isolate or runner.kind == "command" else None
     grid = cases(dtypes=dtypes, supports=options + outputs, seed=seed, fully_masked=fully_masked)
     trials = property_trials(names=names, dtypes=dtypes, supports=options + outputs, seed=seed,
-                             fully_masked=fully_masked)
+                             fully_masked=fully_masked, block_sizes=block_sizes)
     settings = dict(kernel=runner.name, kind=runner.kind, seed=seed, dtypes=dtypes,
                     supports=options + outputs + promised, fully_masked=fully_masked, budget=budget, timeout=timeout)
     record = Record(out_dir, {**settings, "grid_cases": len(grid)})

@@ -31,6 +31,8 @@ with declare() (the conformance run reads the declaration when its arguments are
 import difflib
 from typing import NamedTuple
 
+import numpy as np
+
 from .._checks import require_choice
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -39,6 +41,7 @@ OPTIONS = ("causal", "bottom_right", "gqa", "scale", "window", "softcap", "bias"
 OUTPUTS = ("lse", "gradients")
 PROMISES = ("deterministic", "batch_invariant")
 PLAIN = "plain"                             # the table's row of cases with no option
+MAX_BLOCK = 4096                            # the largest block size a kernel may declare
 DEFAULT_SUPPORTS = ("causal", "gqa", "gradients")
 FULLY_MASKED = ("zero", "uniform", "nan")   # attention_forward's policies for a row with no key
 KINDS = ("torch", "jax", "numpy", "command")
@@ -67,6 +70,8 @@ class Declaration(NamedTuple):
     supports: object        # tuple of OPTIONS, OUTPUTS and PROMISES names, or None
     dtypes: object          # tuple of DTYPES, or None
     fully_masked: object    # the kernel's policy for a row with no key (FULLY_MASKED), or None
+    block_sizes: object = None   # the kernel's block sizes along N (the lengths property tries
+                                 # them and twice them, one either side), or None
 
 
 def _unknown(name, argument, known):
@@ -131,7 +136,22 @@ def check_kind(kind):
     return None if kind is None else require_choice(kind, "kind", KINDS)
 
 
-def declare(kernel=None, *, kind=None, supports=None, dtypes=None, fully_masked=None):
+def check_block_sizes(block_sizes, argument="block_sizes"):
+    """block_sizes as a sorted tuple of distinct integers in [2, MAX_BLOCK] (an int: one);
+    ValueError / TypeError naming `argument`."""
+    sizes = (block_sizes,) if isinstance(block_sizes, (int, np.integer)) else block_sizes
+    try:
+        sizes = tuple(sizes)
+    except TypeError:
+        raise TypeError(f"{argument} must be an integer or a sequence of integers, got {block_sizes!r}") from None
+    for size in sizes:
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or not 2 <= size <= MAX_BLOCK:
+            raise ValueError(f"{argument} must hold integers from 2 to {MAX_BLOCK} (a kernel's block along N), "
+                             f"got {size!r}")
+    return tuple(sorted({int(size) for size in sizes}))
+
+
+def declare(kernel=None, *, kind=None, supports=None, dtypes=None, fully_masked=None, block_sizes=None):
     """Attach a Declaration to `kernel` (a function or any object that takes attributes), as
     its `conform_declaration`; with kernel None, a decorator that does. Checked at once:
     ValueError / TypeError naming the argument. Returns the kernel itself."""
@@ -139,14 +159,15 @@ def declare(kernel=None, *, kind=None, supports=None, dtypes=None, fully_masked=
         kind=check_kind(kind),
         supports=None if supports is None else _names(supports, "supports", (PLAIN,) + OPTIONS + OUTPUTS + PROMISES),
         dtypes=None if dtypes is None else check_dtypes(dtypes),
-        fully_masked=None if fully_masked is None else check_fully_masked(fully_masked))
+        fully_masked=None if fully_masked is None else check_fully_masked(fully_masked),
+        block_sizes=None if block_sizes is None else check_block_sizes(block_sizes))
     if declaration.supports is not None:
         check_supports(declaration.supports, declaration.fully_masked or "zero")
 
     def attach(kernel):
         if isinstance(kernel, str):
             raise TypeError("declare() cannot attach to a command line (a str): pass supports=, "
-                            "dtypes= and fully_masked= to conform() instead")
+                            "dtypes=, fully_masked= and block_sizes= to conform() instead")
         kernel.conform_declaration = declaration
         return kernel
     return attach if kernel is None else attach(kernel)
@@ -155,4 +176,4 @@ def declare(kernel=None, *, kind=None, supports=None, dtypes=None, fully_masked=
 def declaration_of(kernel):
     """The kernel's Declaration (all None if it has none)."""
     found = getattr(kernel, "conform_declaration", None)
-    return found if isinstance(found, Declaration) else Declaration(None, None, None, None)
+    return found if isinstance(found, Declaration) else Declaration(None, None, None, None, None)
