@@ -169,10 +169,10 @@ def paged_tail_read(q, k, v, page_table=None, cache_seqlens=None, **options):
     kept = np.arange(n_k)[None, None, None, :] < cache_seqlens[:, None, None, None]
     kept = kept & (np.arange(n_k)[None, None, None, :] <= np.arange(q.shape[-2])[None, None, :, None]
                    + cache_seqlens[:, None, None, None] - q.shape[-2]) if options.get("causal") is not None else kept
-    with np.errstate(invalid="ignore"):
-        s = np.where(kept, s, -np.inf)
-        p = np.exp(s - s.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
+    s = np.where(kept, s, -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isinf(top), 0, top))                   # a row with no key: 0 (out 0)
+    p /= np.maximum(p.sum(axis=-1, keepdims=True), np.finfo(np.float32).tiny)
     return {"out": (p @ values).astype(q.dtype)}
 
 

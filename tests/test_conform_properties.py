@@ -170,12 +170,12 @@ def test_the_properties_budget_runs_each_property_once_at_least(clock):
     tried = {(r.trial.property, r.trial.dtype) for r in report.property_results}
     assert tried == {(p, "float32") for p in PROPERTIES if p not in ("empty_rows", "layout")}
     assert report.status == "INCOMPLETE"
-    assert report.untried() == [("empty_rows", "one of the options mask, bottom_right, varlen"),
+    assert report.untried() == [("empty_rows", "one of the options mask, bottom_right, varlen, paged"),
                                 ("layout", "one of the options varlen, paged")]
     assert "no trial for this kernel's supports: empty_rows (it needs one of the options mask, bottom_right, " \
-           "varlen)" in " ".join(str(report).split())                # (a wrapped line read whole)
+           "varlen, paged)" in " ".join(str(report).split())                # (a wrapped line read whole)
     assert json.loads(report.to_json())["properties_without_trials"] == [
-        {"property": "empty_rows", "needs": "one of the options mask, bottom_right, varlen"},
+        {"property": "empty_rows", "needs": "one of the options mask, bottom_right, varlen, paged"},
         {"property": "layout", "needs": "one of the options varlen, paged"}]
 
 

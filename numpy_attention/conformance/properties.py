@@ -23,7 +23,8 @@ reference (docs/conform.md names the threads each comes from):
                       loses them), each judged
     empty_rows        query rows that keep no key, made by each way the kernel supports (a mask's
                       rows all False, a bottom-right diagonal with N_q > N_k, a packed batch with
-                      a sequence of no queries and one of no keys), with sinks and a bias where
+                      a sequence of no queries and one of no keys, a paged cache's sequence of
+                      cache_seqlens 0), with sinks and a bias where
                       it takes them: judged under its fully_masked policy (with sinks: out 0, lse
                       the sink's logit), so a padded row that leaks into dsinks, dbias, dk or dv
                       fails
@@ -59,8 +60,8 @@ from .kernels import as_kernel
 from .supports import EXCLUSIVE, check_block_sizes, check_dtypes, check_fully_masked, check_supports
 
 PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "layout", "nan_keys")
-EMPTYING = ("mask", "bottom_right", "varlen")   # empty_rows: the options that leave rows without keys
-NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen",   # a property that needs a support
+EMPTYING = ("mask", "bottom_right", "varlen", "paged")   # empty_rows: the options that leave rows without keys
+NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen, paged",   # a property that needs a support
          "layout": "one of the options varlen, paged"}
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
 LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
@@ -147,7 +148,8 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
     return [queue[r] for r in range(max(map(len, queues), default=0)) for queue in queues if r < len(queue)]
 
 
-EMPTY_SHAPES = {"mask": (2, 21, 40), "bottom_right": (2, 41, 23), "varlen": (3, 25, 37)}   # (B, N_q, N_k)
+EMPTY_SHAPES = {"mask": (2, 21, 40), "bottom_right": (2, 41, 23), "varlen": (3, 25, 37),   # (B, N_q, N_k)
+                "paged": (3, 11, 39)}
 LAYOUT_SHAPES = {"varlen": (3, 29, 43), "paged": (2, 13, 53)}
 
 
@@ -284,6 +286,10 @@ def _empty_rows(kernel, case, promises):
         made = "rows whose mask is all False"
     elif case.role == "bottom_right":
         made = f"rows 0 to {case.n_q - case.n_k - 1} (a bottom-right diagonal with N_q > N_k)"
+    elif case.role == "paged":                     # sequence 1's cache empty
+        arrays["cache_seqlens"] = np.where(np.arange(case.batch) == 1, 0, arrays["cache_seqlens"]).astype(
+            arrays["cache_seqlens"].dtype)
+        made = "a paged cache's sequence with cache_seqlens 0"
     else:                                          # sequence 0 without queries, sequence 1 without keys
         arrays = _emptied(arrays)
         made = "a packed sequence with no query and one with no key"
