@@ -9,7 +9,10 @@ by crosscheck against the float64 oracle, each failure shrunk to its smallest ca
     judge.py      one case judged: check() (for pytest), evaluate() (PASS / FAIL / ERROR / TIMEOUT)
     shrink.py     a failing case shrunk, greedily, to the smallest that still fails
     properties.py what relates a kernel's results on related cases: honesty, lengths,
-                  determinism, batch invariance (properties(), check_property())
+                  determinism, batch invariance, range, empty rows, layout, NaN keys
+                  (properties(), check_property())
+    layouts.py    a case's arrays laid out otherwise for them: packs reordered, pages moved
+    pictures.py   a property's failures drawn: lengths' errors against N_k
     progress.py   the sweep's lines on stderr as it goes, and its progress bar
     record.py     the run's record, out_dir/conform.jsonl, one line per case as it is judged
     run_report.py the ConformReport: the verdict, the option x dtype table, the failures, JSON

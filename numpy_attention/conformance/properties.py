@@ -56,6 +56,7 @@ from ..oracle import CaseError, crosscheck
 from ..oracle.precision import PRECISIONS
 from .grid import make_case
 from .judge import error_result, share_of_bound
+from .layouts import emptied, renumbered, repaged, reversed_sequences, sequence_alone, unread_rows
 from .kernels import as_kernel
 from .supports import EXCLUSIVE, check_block_sizes, check_dtypes, check_fully_masked, check_supports
 
@@ -243,7 +244,7 @@ def _batch_invariance(kernel, case, promises):
     arrays = case.arrays()
     whole = _call(kernel, case, arrays)
     for b in (0, case.batch - 1):                  # (the trials hold no option with a batch axis)
-        alone, in_batch = (_sequence(arrays, whole, b) if "varlen" in case.options else
+        alone, in_batch = (sequence_alone(arrays, whole, b) if "varlen" in case.options else
                            ({name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()},
                             {name: x[b:b + 1] for name, x in whole.items()}))
         if "batch_invariant" in promises:
@@ -254,20 +255,6 @@ def _batch_invariance(kernel, case, promises):
         if status != "PASS":
             return status, f"sequence {b} of {case.batch}, in the batch, judged alone: {failed}", judged
     return "PASS", "", None
-
-
-def _sequence(arrays, results, b):
-    """(packed sequence b's arrays alone, as a pack of one, and its rows of the pack's results)."""
-    cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
-    q_rows, k_rows = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-    alone = dict(arrays, cu_seqlens_q=np.array([0, q_rows.stop - q_rows.start], cu_q.dtype),
-                 cu_seqlens_k=np.array([0, k_rows.stop - k_rows.start], cu_k.dtype))
-    for name, rows in (("q", q_rows), ("dout", q_rows), ("k", k_rows), ("v", k_rows)):
-        if name in arrays:
-            alone[name] = arrays[name][:, rows]
-    mine = {name: x[..., q_rows] if name == "lse" else x[:, k_rows if name in ("dk", "dv") else q_rows]
-            for name, x in results.items()}
-    return alone, mine
 
 
 def _range(kernel, case, promises):
@@ -291,26 +278,11 @@ def _empty_rows(kernel, case, promises):
             arrays["cache_seqlens"].dtype)
         made = "a paged cache's sequence with cache_seqlens 0"
     else:                                          # sequence 0 without queries, sequence 1 without keys
-        arrays = _emptied(arrays)
+        arrays = emptied(arrays)
         made = "a packed sequence with no query and one with no key"
     status, failed, judged = _judged(case, arrays, _call(kernel, case, arrays))
     extra = [o for o in case.options if o in ("sinks", "bias")]
     return status, failed and f"{made}{' with ' + ' and '.join(extra) if extra else ''}: {failed}", judged
-
-
-def _emptied(arrays):
-    """A packed case's arrays with sequence 0's queries and sequence 1's keys removed."""
-    arrays = dict(arrays)
-    cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
-    cut = lambda x, cu, b: np.concatenate([x[..., :cu[b], :], x[..., cu[b + 1]:, :]], axis=-2)
-    for name in ("q", "dout"):
-        if name in arrays:
-            arrays[name] = cut(arrays[name], cu_q, 0)
-    arrays["k"], arrays["v"] = cut(arrays["k"], cu_k, 1), cut(arrays["v"], cu_k, 1)
-    lengths = lambda cu, b: np.where(np.arange(len(cu) - 1) == b, 0, np.diff(cu))
-    arrays["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(lengths(cu_q, 0))]).astype(cu_q.dtype)
-    arrays["cu_seqlens_k"] = np.concatenate([[0], np.cumsum(lengths(cu_k, 1))]).astype(cu_k.dtype)
-    return arrays
 
 
 def _layout(kernel, case, promises):
@@ -320,10 +292,10 @@ def _layout(kernel, case, promises):
     if status != "PASS":
         return status, f"as drawn: {failed}", judged
     if case.role == "varlen":
-        layouts = [("packed in reverse order", _reversed_sequences(arrays), True)]
+        layouts = [("packed in reverse order", reversed_sequences(arrays), True)]
     else:
-        layouts = [("its pages renumbered", _renumbered(arrays), True),
-                   ("in pages of twice the size", _paged(arrays, 2 * arrays["k"].shape[2]), False)]
+        layouts = [("its pages renumbered", renumbered(arrays), True),
+                   ("in pages of twice the size", repaged(arrays, 2 * arrays["k"].shape[2]), False)]
     for said, (other, back), same_bits in layouts:
         results = _call(kernel, case, other)
         status, failed, judged = _judged(case, other, results)
@@ -334,55 +306,6 @@ def _layout(kernel, case, promises):
             if differ:
                 return "FAIL", differ, None
     return "PASS", "", None
-
-
-def _reversed_sequences(arrays):
-    """(a packed case's arrays with its sequences in reverse order, a function that puts results of
-    those back in the drawn order)."""
-    cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
-    order = range(len(cu_q) - 2, -1, -1)
-    rows = lambda cu, seq: np.concatenate([np.arange(cu[b], cu[b + 1]) for b in seq]).astype(np.intp)
-    q_rows, k_rows = rows(cu_q, order), rows(cu_k, order)
-    cumulative = lambda cu: np.concatenate([[0], np.cumsum(np.diff(cu)[::-1])]).astype(cu.dtype)
-    other = {**arrays, "cu_seqlens_q": cumulative(cu_q), "cu_seqlens_k": cumulative(cu_k)}
-    for name, at in (("q", q_rows), ("dout", q_rows), ("k", k_rows), ("v", k_rows)):
-        if name in arrays:
-            other[name] = arrays[name][:, at]
-    back_q, back_k = np.argsort(q_rows), np.argsort(k_rows)
-
-    def back(results):                             # rows along N: out, dq, lse by query; dk, dv by key
-        return {name: np.take(x, back_k if name in ("dk", "dv") else back_q, axis=-1 if name == "lse" else -2)
-                for name, x in results.items()}
-    return other, back
-
-
-def _renumbered(arrays):
-    """(a paged case's arrays with its pages moved to other places of the pool, page_table
-    renumbered to match; the results' dk, dv pages moved back)."""
-    pages = arrays["k"].shape[0]
-    place = np.roll(np.arange(pages), pages // 2 + 1)[::-1]      # page p goes to place[p]
-    other = dict(arrays, page_table=place[arrays["page_table"]].astype(arrays["page_table"].dtype))
-    for name in ("k", "v"):
-        moved = np.empty_like(arrays[name])
-        moved[place] = arrays[name]
-        other[name] = moved
-    back = lambda results: {name: x[place] if name in ("dk", "dv") else x for name, x in results.items()}
-    return other, back
-
-
-def _paged(arrays, page):
-    """(a paged case's arrays repacked in pages of `page` rows, each sequence's pages in order after
-    the others'; None: its dk, dv are of other pages, not compared)."""
-    table, lengths = arrays["page_table"], arrays["cache_seqlens"]
-    per = -(-int(lengths.max(initial=1)) // page)
-    other = dict(arrays, page_table=np.arange(len(lengths) * per).reshape(len(lengths), per).astype(table.dtype))
-    for name in ("k", "v"):
-        x = arrays[name]
-        tokens = [np.concatenate([x[p] for p in row], axis=-2)[:, :per * page] for row in table]   # [H_kv, P old, d]
-        tokens = [np.concatenate([t, np.zeros(t.shape[:1] + (per * page - t.shape[1],) + t.shape[2:], x.dtype)],
-                                 axis=-2) for t in tokens]
-        other[name] = np.concatenate([t.reshape(t.shape[0], per, page, t.shape[-1]).swapaxes(0, 1) for t in tokens])
-    return other, None
 
 
 def _nan_keys(kernel, case, promises):
@@ -399,22 +322,12 @@ def _nan_keys(kernel, case, promises):
         first = tuple(int(i) for i in np.argwhere(~reached)[0])
         return ("FAIL", f"a NaN in key 0, which every row attends to, did not reach out in {int((~reached).sum())} "
                 f"of {reached.size} rows, the first at {first}", None)
-    unread = _unread_rows(arrays)                  # [pages, PAGE] the cache's rows no sequence reads
+    unread = unread_rows(arrays)                  # [pages, PAGE] the cache's rows no sequence reads
     for name in ("k", "v"):
         poisoned[name] = np.where(unread[:, None, :, None], np.nan, arrays[name]).astype(arrays[name].dtype)
     status, failed, judged = _judged(case, arrays, _call(kernel, case, poisoned))
     return status, failed and (f"NaN in the {int(unread.sum())} cache rows no sequence reads (an unused page, "
                                f"the rows past cache_seqlens) reached the results: {failed}"), judged
-
-
-def _unread_rows(arrays):
-    """[pages, rows a page] bool: the paged cache's rows that no sequence's first cache_seqlens reads."""
-    pages, _, page, _ = arrays["k"].shape
-    read = np.zeros((pages, page), bool)
-    for table, length in zip(arrays["page_table"], arrays["cache_seqlens"]):
-        for j in range(int(length)):
-            read[table[j // page], j % page] = True
-    return ~read
 
 
 def _differing(a, b):
