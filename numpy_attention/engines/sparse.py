@@ -98,7 +98,7 @@ def _run_spans(q, k, v, o, plan, tangents=None):
     return [x.reshape(shape) for x, shape in zip(outs, shapes)]
 
 
-def _lists(o, score_shape, at, rows):
+def _lists(o, at, rows):
     """The lists of the rows `rows` of the prefix `at` (a kv_slices one: a batch index, the G query
     heads of a kv head) as [G, b, K] int64, -1 where an entry names no key (padding, outside
     [0, N_k), past its row's topk_length; every entry when N_k = 0)."""
@@ -191,7 +191,7 @@ def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, k_dot=Non
     heads, b = at[-1].stop - at[-1].start, rows.stop - rows.start
     q_rows = q3[at + (rows,)].reshape((heads, b, q3.shape[-1]))
     s, saved, keep, index = _block_scores(o, score_shape, at, rows, q_rows, k_h,      # 1-4. (k_L not held)
-                                          _lists(o, score_shape, at, rows))[:4]
+                                          _lists(o, at, rows))[:4]
     top = s.real.max(axis=-1, initial=-np.inf).reshape(heads, b)      # the row's largest score
     P, lse, _ = softmax_row(s, _row_options(o), score_shape, index)   # 5. (s its scratch)
     cols = index[-1]
@@ -273,7 +273,7 @@ def _backward_block(o, score_shape, at, rows, q_rows, dout, D, lse, dlse, k_h, v
     its dq [G, b, d_k], returned; its shares of dk, dv scattered into them and its parameters'
     gradients added to params (a function of its own, so that its gathered keys are gone
     before the next block gathers values)."""
-    idx = _lists(o, score_shape, at, rows)
+    idx = _lists(o, at, rows)
     dp = _dots(dout, v_h[np.maximum(idx, 0)])                          # 7. dP~ = dout . v_L (one gather
     s, saved, keep, index, k_listed = _block_scores(o, score_shape, at, rows, q_rows, k_h, idx)   # at a time)
     cols = index[-1]
