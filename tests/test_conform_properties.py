@@ -14,6 +14,7 @@ from numpy_attention.commands.cli import main
 from numpy_attention.conformance import examples
 from numpy_attention.conformance.kernels import as_kernel
 from numpy_attention.conformance.properties import LENGTHS, PROPERTIES
+from numpy_attention.conformance.shrink import MAX_STEPS
 from numpy_attention.conformance.supports import declaration_of, promises
 
 DTYPES = ("float32", "bfloat16")
@@ -162,6 +163,27 @@ def test_conform_reports_a_broken_property_and_saves_its_case(tmp_path):
     assert report.pictures == ((("lengths", "float32", str(picture)),) if drawn else ())
     assert picture.exists() == drawn and (f"its trials' errors against N_k drawn in {picture}" in " ".join(text.split())) == drawn
     assert lengths["picture"] == (str(picture) if drawn else None)
+
+
+def test_a_failing_property_trial_is_shrunk_to_a_few_tokens_and_saved(tmp_path):
+    """batch_leak's batch trial (3 sequences of 33 queries and 48 keys, 4 heads of width 64) shrinks
+    to one query and one key a sequence, still failing as it did; the shrunk trial is reported,
+    in the JSON and saved for crosscheck. A lengths trial is not shrunk: it names its length."""
+    report = na.conform(property_bugs.batch_leak, dtypes=("float32",), supports=("lse",), out_dir=tmp_path,
+                        properties=("batch_invariance",), isolate=False, progress=False)
+    (first, found, runs), = report.shrunk_trials
+    case = found.trial.case
+    assert first.status == found.status == "FAIL" and 0 < runs <= MAX_STEPS
+    assert (case.batch, case.n_q, case.n_k) == (3, 1, 1) and case.tokens < first.trial.case.tokens
+    assert found.detail.startswith("sequence 2 of 3, in the batch, judged alone: out:")
+    assert f"shrunk to {case.id} in {runs} runs: sequence 2 of 3" in " ".join(str(report).split())
+    shrunk = json.loads(report.to_json())["properties"][0]["shrunk"]
+    assert (shrunk["case"], shrunk["runs"], shrunk["status"]) == (case.id, runs, "FAIL")
+    with np.load(dict(report.saved)[str(found.trial)]) as saved:
+        assert not na.crosscheck(**dict(saved))
+    lengths = na.conform(property_bugs.wrong_at_one_length, dtypes=("float32",), supports=("lse",),
+                         properties=("lengths",), isolate=False, progress=False)
+    assert not lengths and lengths.shrunk_trials == ()
 
 
 def test_the_properties_budget_runs_each_property_once_at_least(clock):

@@ -47,6 +47,7 @@ def test_a_broken_property_fails_its_trial(tmp_path):
                      "--attention-properties", "determinism")
     assert run.returncode == 1 and "1 failed" in run.stdout, run.stdout + run.stderr
     assert "FAIL determinism-float32-gqa-" in run.stdout and "between two calls on the same inputs" in run.stdout
+    assert ", shrunk in " in run.stdout and " runs to float32-" in run.stdout
 
 
 def test_a_kernel_that_cannot_be_loaded_is_a_usage_error(tmp_path):

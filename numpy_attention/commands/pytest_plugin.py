@@ -107,14 +107,22 @@ class CaseItem(pytest.Item):
 
 
 class TrialItem(CaseItem):
-    """One trial of a property (properties.py)."""
+    """One trial of a property (properties.py); a failure shrunk to its smallest case (but a
+    lengths trial's, which names its length)."""
 
     def __init__(self, *, kernel, trial, promised, **kwargs):
         super().__init__(kernel=kernel, case=trial.case, **kwargs)
         self.trial, self.promised = trial, promised
 
     def runtest(self):
-        from ..conformance.properties import check_property
-        result = check_property(self.kernel, self.trial, self.promised)
-        if result.status != "PASS":
+        from ..conformance.properties import check_property, fits
+        from ..conformance.shrink import shrink_trial
+        check = lambda trial: check_property(self.kernel, trial, self.promised)
+        result = check(self.trial)
+        if result.status == "PASS":
+            return
+        fit = fits(self.trial)
+        if result.status != "FAIL" or fit is None:
             raise ConformFailure(f"{result.status} {self.trial}: {result.detail}")
+        found, runs = shrink_trial(check, result, fit)
+        raise ConformFailure(f"FAIL {self.trial}, shrunk in {runs} runs to {found.trial.case.id}: {found.detail}")

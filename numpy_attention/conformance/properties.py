@@ -161,6 +161,22 @@ def _with_empty(way, options, fully_masked):
                  and (o != "sinks" or fully_masked == "zero"))
 
 
+def fits(trial):
+    """fits(case) -> bool: whether a smaller case still tries what `trial`'s property tries (for
+    shrink.shrink_trial): the option that makes its rows empty or its layout, its roles' shapes
+    (two sequences at least to compare, more queries than keys bottom-right). None: its trials
+    are not shrunk (a lengths trial names its length)."""
+    name, way = trial.property, trial.case.role
+    if name == "lengths":
+        return None
+    needs = {"batch_invariance": 2, "layout": 2 if way == "varlen" else 1,
+             "empty_rows": 2 if way in ("varlen", "paged") else 1}.get(name, 1)
+    kept = {"empty_rows": (way,), "layout": (way,), "nan_keys": ("paged",) if way == "unread" else (),
+            "batch_invariance": ("varlen",) if way == "packed" else ()}.get(name, ())
+    return lambda case: (case.batch >= needs and all(o in case.options for o in kept)
+                         and (way != "bottom_right" or case.n_q > case.n_k) and (way != "mask" or case.n_q >= 2))
+
+
 class _CallFailed(Exception):
     """The kernel raised, exited, died or timed out: the trial's ERROR or TIMEOUT result."""
 

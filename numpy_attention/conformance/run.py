@@ -39,10 +39,10 @@ from .judge import check, evaluate
 from .kernels import as_kernel
 from .progress import progress_bar
 from .pictures import draw_lengths
-from .properties import check_properties, check_property, properties as property_trials
+from .properties import check_properties, check_property, fits, properties as property_trials
 from .record import Record
 from .run_report import ConformReport, Failure, case_json, case_line, trial_json, wrapped
-from .shrink import MAX_STEPS, shrink
+from .shrink import MAX_STEPS, shrink, shrink_trial
 from .supports import (DEFAULT_SUPPORTS, DTYPES, check_block_sizes, check_dtypes, check_fully_masked,
                        check_supports, declaration_of, declare, promises)
 from .worker import Worker
@@ -124,7 +124,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
                     supports=options + outputs + promised, fully_masked=fully_masked, budget=budget, timeout=timeout)
     record = Record(out_dir, {**settings, "grid_cases": len(grid)})
     bar = progress_bar(len(grid), progress)
-    results, failures, times, checked, saved, pictures = [], [], {"start": monotonic()}, [], [], []
+    results, failures, times, checked, saved, pictures, shrunk_trials = [], [], {"start": monotonic()}, [], [], [], []
 
     def report(interrupted=False):
         end = monotonic()
@@ -133,7 +133,7 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
                              failures=tuple(failures), seconds=swept - times["start"],
                              shrink_seconds=end - swept, interrupted=interrupted, unsaved=record.unsaved,
                              trials=tuple(trials), property_results=tuple(checked), saved=tuple(saved),
-                             pictures=tuple(pictures),
+                             pictures=tuple(pictures), shrunk_trials=tuple(shrunk_trials),
                              properties=names)
 
     bar.say(_plan(grid, trials, budget, timeout))
@@ -141,7 +141,8 @@ def conform(kernel, *, dtypes=None, supports=None, budget=None, seed=0, out_dir=
         with record, caller as called:
             share = None if budget is None else budget * (1 - PROPERTY_SHARE if trials else 1)
             smallest = _sweep(called, grid, share, times, results, record, bar)
-            _check(called, trials, promised, budget, times, checked, record, bar, out_dir, saved, pictures)
+            _check(called, trials, promised, budget, times, checked, record, bar, out_dir, saved, pictures,
+                   shrunk_trials)
             times["swept"] = monotonic()
             for (option, dtype), (result, arrays) in smallest.items():
                 shrunk = shrink(called, result.case, result.report, arrays)
@@ -174,11 +175,13 @@ def _sweep(kernel, grid, budget, times, results, record, bar):
     return smallest
 
 
-def _check(kernel, trials, promised, budget, times, checked, record, bar, out_dir, saved, pictures):
+def _check(kernel, trials, promised, budget, times, checked, record, bar, out_dir, saved, pictures, shrunk):
     """Run the properties' trials within the budget, appending each PropertyResult to `checked`
     (and to the record, and to stderr when it does not pass; a failing trial crosscheck judged
-    saved in out_dir, its (id, path) appended to `saved`; a dtype's failing lengths drawn there,
-    (property, dtype, path) appended to `pictures`); the first round always runs."""
+    saved in out_dir, its (id, path) appended to `saved`); the first round always runs. Then
+    each property and dtype's smallest failing trial shrunk ((result, shrunk result, runs)
+    appended to `shrunk`, the shrunk one saved), and a dtype's failing lengths drawn in out_dir
+    ((property, dtype, path) appended to `pictures`)."""
     first_round = len({(t.property, t.dtype) for t in trials})
     for n, trial in enumerate(trials):
         if budget is not None and n >= first_round and monotonic() - times["start"] >= budget:
@@ -192,6 +195,20 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar, out_di
             path = _save_arrays(str(result.trial), result.arrays, out_dir, record)
             if path is not None:
                 saved.append((str(result.trial), path))
+    smallest = {}                                      # each (property, dtype)'s smallest failing trial,
+    for result in checked:                             # shrunk (lengths' are not: they name their length)
+        key = (result.trial.property, result.trial.dtype)
+        if result.status == "FAIL" and (key not in smallest or result.trial.case.scores < smallest[key].trial.case.scores):
+            smallest[key] = result
+    for result in smallest.values():
+        fit = fits(result.trial)
+        if fit is not None:
+            found, steps = shrink_trial(lambda trial: check_property(kernel, trial, promised), result, fit)
+            shrunk.append((result, found, steps))
+            if found is not result and found.arrays is not None and out_dir is not None:
+                path = _save_arrays(str(found.trial), found.arrays, out_dir, record)
+                if path is not None:
+                    saved.append((str(found.trial), path))
     if out_dir is not None:                            # a lengths failure: its errors against N_k
         for dtype in dict.fromkeys(r.trial.dtype for r in checked if r.trial.property == "lengths"
                                    and r.status == "FAIL"):

@@ -90,6 +90,8 @@ class ConformReport(NamedTuple):
     saved: tuple = ()       # (trial id, .npz path) of each failing trial saved
     properties: tuple = ()  # the properties asked for (properties.PROPERTIES names)
     pictures: tuple = ()    # (property, dtype, .png path) of each property's failures drawn
+    shrunk_trials: tuple = ()   # (smallest failing PropertyResult, the shrunk one, runs) of each
+                                # property and dtype whose trials shrink (shrink.shrink_trial)
 
     @property
     def grid_size(self):
@@ -221,6 +223,10 @@ class ConformReport(NamedTuple):
         for r in failing:
             result = r.smallest
             lines += wrapped(f"{r.property} {r.dtype}: {result.status} {result.trial.case.id}: {result.detail}", "  ")
+            for found, steps in ((found, steps) for first, found, steps in self.shrunk_trials if first is result):
+                lines += wrapped(f"shrunk to {found.trial.case.id} in {steps} runs" + (
+                    f": {found.detail}" if found is not result else ": no smaller case fails"), "    ")
+                result = found
             if str(result.trial) in saved:
                 lines += wrapped(f"saved as {saved[str(result.trial)]} (numpy-attention crosscheck FILE.npz "
                                  f"re-judges it)", "    ")
@@ -245,6 +251,8 @@ class ConformReport(NamedTuple):
             "properties": [{"property": r.property, "dtype": r.dtype, "tried": r.tried, "trials": r.trials,
                             "passed": r.passed, "failed": r.failed, "errors": r.errors,
                             "smallest_failing": None if r.smallest is None else trial_json(r.smallest),
+                            "shrunk": next(({**trial_json(found), "runs": steps} for first, found, steps
+                                            in self.shrunk_trials if first is r.smallest), None),
                             "picture": next((p for name, dtype, p in self.pictures
                                              if (name, dtype) == (r.property, r.dtype)), None)}
                            for r in self.property_rows()],

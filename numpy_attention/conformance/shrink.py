@@ -1,4 +1,5 @@
-"""Shrinking a failing case to the smallest shape and the fewest options that still fail.
+"""Shrinking a failing case (or a property's failing trial: shrink_trial) to the smallest shape
+and the fewest options that still fail.
 
 Greedy, like the shrinkers of QuickCheck and Hypothesis. Each move makes the case smaller:
 
@@ -78,6 +79,29 @@ def moves(case):
     return ([_smaller(field, half) for field in ("batch", "kv_heads", "groups", "n_k", "n_q", "d")]
             + [_without(name) for name in case.options + tuple(reversed(case.outputs))]
             + [_smaller(field, less_one) for field in ("n_k", "n_q")])
+
+
+def shrink_trial(check, result, fits, max_steps=MAX_STEPS):
+    """(the smallest failing PropertyResult found, the runs spent) from a property trial's FAIL
+    `result` (properties.py): its case made smaller by the moves above whose case `fits` the
+    property (fits(case) -> bool: what the property needs stays), each kept while check(trial)
+    still FAILs, as shrink keeps a case's."""
+    best, steps, tried = result, 0, set()
+    changed = True
+    while changed and steps < max_steps:
+        changed = False
+        for move in moves(best.trial.case):
+            while steps < max_steps:
+                smaller = move(best.trial.case)
+                if smaller is None or not fits(smaller) or smaller.id in tried:
+                    break
+                found = check(best.trial._replace(case=smaller))
+                steps += 1
+                if found.status != "FAIL":
+                    tried.add(smaller.id)
+                    break
+                best, changed = found, True
+    return best, steps
 
 
 def shrink(kernel, case, report, arrays, max_steps=MAX_STEPS):
