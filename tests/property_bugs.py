@@ -8,6 +8,7 @@ shipped past kernel test suites; each breaks one property and passes the others.
                           wrong at one KV length, right one either side)
     partial_block_dropped ignores the keys past the last multiple of 16 (jax issue 27224:
                           right only at multiples of the block size)
+    partial_block_doubled counts the keys past the last multiple of 16 twice
     noisy                 one ulp of noise on out from a per-process counter: not the same bits
                           twice (declared deterministic)
     batch_dependent       each sequence's keys summed in another order when it is not alone:
@@ -25,6 +26,8 @@ shipped past kernel test suites; each breaks one property and passes the others.
                           where a sequence sits elsewhere in the pack (declared batch_invariant)
     partial_block_of_320  keys past the last multiple of its declared block of 320 dropped: found
                           only at the lengths its declaration adds (321, 639, 641; beyond 256)
+    rows_rotated          each row's out is the next row's: the output's norm exactly right
+                          (flash-attention PR 2553), every row wrong
     zeros_in_low_precision, one_row_repeated   zeros, or row 0's out in every row, in a 16-bit dtype
                           (outputs a loose tolerance passes): every 16-bit trial fails, no float32 one
 """
@@ -246,3 +249,28 @@ def partial_block_of_320(q, k, v, dout=None, **options):
         pad = lambda x: np.concatenate([x, np.zeros(x.shape[:-2] + (n_k - kept,) + x.shape[-1:], x.dtype)], -2)
         results.update(dk=pad(results["dk"]), dv=pad(results["dv"]))
     return results
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def partial_block_doubled(q, k, v, dout=None, **options):
+    """The keys past the last multiple of 16 counted twice (a last partial block accumulated
+    again): right at multiples of 16 and below 16 keys, wrong one past them."""
+    n_k = k.shape[-2]
+    kept = n_k - n_k % 16 if n_k >= 16 else n_k
+    if kept == n_k:
+        return numpy_float32(q, k, v, dout=dout, **options)
+    again = lambda x: np.concatenate([x, x[..., kept:, :]], axis=-2)
+    results = numpy_float32(q, again(k), again(v), dout=dout, **options)
+    if dout is not None:                                 # both copies' gradients to the key's
+        fold = lambda x: np.concatenate([x[..., :kept, :], x[..., kept:n_k, :] + x[..., n_k:, :]], axis=-2)
+        results.update(dk=fold(results["dk"]), dv=fold(results["dv"]))
+    return results
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def rows_rotated(q, k, v, dout=None, **options):
+    """Each query row's out is the next row's (flash-attention PR 2553: a forward wrong by far
+    while its output's norm matched the reference's): every head's norm exactly the honest
+    one's, every row wrong."""
+    results = numpy_float32(q, k, v, dout=dout, **options)
+    return {**results, "out": np.roll(results["out"], 1, axis=-2)}

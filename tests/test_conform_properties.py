@@ -48,7 +48,7 @@ def test_an_honest_kernel_holds_every_property():
 
 @pytest.mark.parametrize("name, broken", [
     ("cached_by_shape", "honesty"), ("wrong_at_one_length", "lengths"), ("partial_block_dropped", "lengths"),
-    ("noisy", "determinism"), ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance"),
+    ("partial_block_doubled", "lengths"), ("noisy", "determinism"), ("batch_dependent", "batch_invariance"), ("batch_leak", "batch_invariance"),
     ("unshifted_softmax", "range"), ("sink_leak", "empty_rows"), ("nan_swallowed", "nan_keys"),
     ("paged_tail_read", "nan_keys"), ("page_size_16", "layout"),
     ("packed_order_dependent", "layout batch_invariance")])     # (its bits move with its place in a pack)
@@ -61,8 +61,19 @@ def test_each_faulty_kernel_breaks_exactly_its_property(name, broken):
         assert [trial.case.role for trial, _ in found[broken, dtype]] == ["saturated"]
     if name == "wrong_at_one_length":
         assert {trial.case.n_k for trial, _ in found[broken, "float32"]} == {144}
-    if name == "partial_block_dropped":
+    if name in ("partial_block_dropped", "partial_block_doubled"):
         assert {trial.case.n_k for trial, _ in found[broken, "float32"]} == {n for n in LENGTHS if n % 16 and n > 16}
+
+
+def test_a_norm_preserving_wrong_forward_fails_every_judged_trial():
+    """rows_rotated's out has the honest out's norm in every head, to the bit, and fails each
+    property trial crosscheck judges (all but nan_keys' NaN, which still reaches every row)."""
+    q, k, v = (np.random.default_rng(3).standard_normal((1, 2, 9, 8)).astype(np.float32) for _ in range(3))
+    honest, rotated = examples.numpy_float32(q, k, v)["out"], property_bugs.rows_rotated(q, k, v)["out"]
+    assert np.array_equal(np.linalg.norm(honest, axis=(-2, -1)), np.linalg.norm(rotated, axis=(-2, -1)))
+    names = tuple(p for p in PROPERTIES if p != "lengths")
+    found = failing(property_bugs.rows_rotated, dtypes=("float32",), names=names)
+    assert set(found) == {(p, "float32") for p in names if p not in ("empty_rows", "layout", "nan_keys")}, found
 
 
 def test_declared_block_sizes_add_lengths_that_find_a_fault_past_256():
@@ -97,7 +108,7 @@ def test_degenerate_outputs_fail_every_trial_of_their_dtype_and_no_other(name, p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["wrong_at_one_length", "partial_block_dropped"])
+@pytest.mark.parametrize("name", ["wrong_at_one_length", "partial_block_dropped", "partial_block_doubled"])
 def test_the_length_faults_break_no_other_property(name):
     assert set(failing(getattr(property_bugs, name), dtypes=("float32",))) == {("lengths", "float32")}
 
