@@ -84,7 +84,7 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
         implementation = ("sparse" if options.get("topk_indices") is not None and "sparse" in engines else
                           "tiled" if options.get("block_size") is not None and "tiled" in engines else "textbook")
     if implementation == "textbook" and options.get("block_size") is not None:
-        raise ValueError("this runs on the textbook engine; block_size selects the tiled one")
+        raise ValueError("this runs on the textbook engine; block_size belongs to the tiled and sparse ones")
     planned = {name: options.pop(name) for name in ("block_size", "workers", "scheduler") if name in options}
     q, k, v, o = attention_options(q, k, v, **options)
     plan = attention_plan(o, q.shape, k.shape, implementation=implementation, **planned)

@@ -94,8 +94,8 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         mask: keep-mask broadcastable to [B, H, N_q, N_k] (True/nonzero = attend).
         attention_options: passed to attention_forward (causal, bias, fully_masked, ...);
             `implementation` also picks the module's engine (module docstring): 'textbook'
-            runs the textbook pair, 'blocked' (default) the threaded one; 'tiled' is refused
-            (it never forms the attention weights this returns). `workers` runs the
+            runs the textbook pair, 'blocked' (default, with topk_indices too) the threaded one;
+            'tiled' and 'sparse' are refused (they never form the attention weights this returns). `workers` runs the
             projections too, where None gives every core for at least
             plan.PARALLEL_PROJECTIONS multiply-adds in the four projections
             (B (2 N_q D + N_k (kdim + vdim)) D) or PARALLEL_SCORES scores, else 1.
@@ -104,10 +104,10 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
         read-only view of the cache's P (like a tensor torch saved for backward, it must not
         change); np.array(attn_weights) is a writable copy.
     """
-    if attention_options.get("block_size") is not None or attention_options.get("implementation") == "tiled":
+    if attention_options.get("block_size") is not None or attention_options.get("implementation") in ("tiled", "sparse"):
         raise ValueError("multihead_forward returns the attention weights [B, H, N_q, N_k], which the "
-                         "tiled engine (implementation='tiled', or block_size) never forms; call attention_forward(..., "
-                         "implementation='tiled') on split heads for O(N) memory")
+                         "tiled and sparse engines (implementation='tiled' or 'sparse', or block_size) never form; "
+                         "call attention_forward(..., implementation='tiled') on split heads for O(N) memory")
     query, key, value = (as_float_array(x, name) for name, x in
                          (("query", query), ("key", key), ("value", value)))
     shapes = f"query {query.shape}, key {key.shape}, value {value.shape}"
@@ -136,7 +136,8 @@ def multihead_forward(query, key, value, params, num_heads, *, mask=None, **atte
     B, N_q, N_k = query.shape[0], query.shape[1], key.shape[1]
     projections = B * (2 * N_q * D + N_k * (key.shape[2] + value.shape[2])) * D      # multiply-adds
     scores = score_count((B, num_heads, N_q, D // num_heads), N_k)
-    engine = attention_options.get("implementation") or "blocked"
+    engine = attention_options.get("implementation") or "blocked"      # (with topk_indices too: not sparse)
+    attention_options = {**attention_options, "implementation": engine}
     workers = resolve_workers(attention_options.get("workers"), engine, scores, projections)
     if engine == "textbook":
         out, cache = textbook_multihead_forward(query, key, value, params, num_heads, mask, attention_options)

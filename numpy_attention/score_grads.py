@@ -78,7 +78,8 @@ class ScoreGrads:
                       np.arange(n).reshape((1,) * a + (n,) + (1,) * (ds.ndim - a - 1))
                       for a, n in enumerate(part.shape[:-1])]
                 cols = index[-1].reshape((1,) * (ds.ndim - index[-1].ndim) + index[-1].shape)
-                np.add.at(part, (*at, cols if part.shape[-1] > 1 else 0 * cols), ds)
+                where = (*at, cols if part.shape[-1] > 1 else 0 * cols)
+                np.add.at(part, tuple(np.broadcast_to(i, ds.shape) for i in where), ds)
         if self.rows is not None:
             self.rows[_within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
                 ds, self.options, self.score_shape, index)

@@ -53,9 +53,11 @@ def _broadcasts(shape, to):
 
 def mask_mod_keep(mask_mod, score_shape, index):
     """mask_mod(b, h, q_idx, kv_idx) on the block S[index]: a bool array broadcastable to it."""
-    indices = mod_indices(score_shape, index)
-    block = np.broadcast_shapes(*(i.shape for i in indices))
-    keep = np.asarray(mask_mod(*indices))
+    gathered = isinstance(index[-1], np.ndarray)
+    ranges = index_ranges(index[:-1] if gathered else index, score_shape)
+    block = tuple(len(range(r.start, r.stop, r.step)) for r in ranges)
+    block = block[:-1] + index[-1].shape[-1:] if gathered else block          # (a gathered block's K columns)
+    keep = np.asarray(mask_mod(*mod_indices(score_shape, index)))
     if keep.dtype != bool:
         raise TypeError(f"mask_mod must return booleans (True = attend), got dtype {keep.dtype}")
     if not _broadcasts(keep.shape, block):

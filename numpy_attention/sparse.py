@@ -26,6 +26,7 @@ from .engines.sparse import sparse_backward, sparse_forward
 from .forward_mode import attention_jvp
 from .option_checks import check_qkv
 from .options import options_record
+from .topk import check_lists
 
 
 class SparseCache(NamedTuple):
@@ -74,6 +75,7 @@ def sparse_attention_forward(q, k, v, indices, *, topk_length=None, scale=None, 
         [..., H, N_q], and a SparseCache (the backward runs as the forward did).
     """
     q, k, v = check_qkv(q, k, v)
+    check_lists(indices, topk_length, q.shape, k.shape)               # (its errors name `indices`)
     dtype = result_dtype(q, k, v)
     q, k, v, o = options_record(*(kept(x, dtype) for x in (q, k, v)), topk_indices=indices, topk_length=topk_length,
                                 scale=scale, fully_masked=fully_masked)

@@ -9,7 +9,7 @@ import textwrap
 import ml_dtypes
 import numpy as np
 import pytest
-from optional import JAX_REASON, TORCH_REASON
+from optional import JAX_REASON, MLX_REASON, TORCH_REASON
 
 import conform_bugs
 import numpy_attention as na
@@ -162,6 +162,21 @@ def test_jax_example_passes_on_a_small_budget(clock):
     report = na.conform(examples.jax_xla, budget=1.5, properties=())
     assert len(report.results) == 2 and report.fully_masked == "uniform", report
     assert all(r.status == "PASS" for r in report.results), report
+
+
+def test_mlx_example_passes_its_first_cases_and_properties():
+    """MLX's fused attention (a NumPy kernel that calls MLX): a dozen of its grid's cases (one key,
+    short) in the three dtypes, and its empty rows (a mask's, bottom-right's) under its
+    'uniform' policy."""
+    pytest.importorskip("mlx.core", reason=MLX_REASON)
+    kernel = as_kernel(examples.mlx_sdpa)
+    grid = cases(supports=examples.MLX, fully_masked="uniform")
+    first = [case for case in grid if case.role == "one key"][:6] + [case for case in grid if case.role == "short"][:6]
+    for case in first:
+        result, _ = evaluate(kernel, case)
+        assert result.status == "PASS", (case.id, result)
+    for trial in na.conform.properties(names=("empty_rows",), supports=examples.MLX, fully_masked="uniform"):
+        assert na.conform.check_property(kernel, trial).status == "PASS", trial
 
 
 def test_a_kernel_that_raises_is_an_error_row(clock):

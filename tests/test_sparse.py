@@ -196,8 +196,8 @@ def test_memory_holds_a_block_of_gathered_keys_not_the_scores(frozen):
 
 
 @pytest.mark.parametrize("change, error, words", [
-    ({"indices": np.zeros((2, 3, 7, 6), int)}, ValueError, r"indices must be \[\.\.\., H_kv or H, N_q, K\]"),
-    ({"indices": np.zeros((2, 2, 7, 6))}, TypeError, "indices must be integers"),
+    ({"indices": np.zeros((2, 3, 7, 6), int)}, ValueError, r"^indices must be \[\.\.\., H_kv or H, N_q, K\]"),
+    ({"indices": np.zeros((2, 2, 7, 6))}, TypeError, "^indices must be integers"),
     ({"topk_length": np.zeros((2, 6), int)}, ValueError, r"topk_length must be integers \[\.\.\., N_q\]"),
     ({"block_rows": 0}, ValueError, "block_rows must be a positive integer or None"),
     ({"workers": 0}, ValueError, "workers must be a positive integer"),

@@ -158,6 +158,67 @@ def test_a_repeated_key_is_that_key_gathered_twice_on_every_engine(engine):
     close(grads.dbias, ref.dbias.reshape(2, 4, copies, 6).sum(axis=2), "dbias")
 
 
+def test_complex_inputs_keep_nan_in_both_parts_of_a_row_with_no_key():
+    """A complex-step check reads NaN's imaginary part: a row with no key under 'nan' is nan+nanj on
+    the sparse engine as on the dense ones (out, its tangent, dv)."""
+    q, k, v, dout, lists = inputs(seed=4)
+    q = q + 1e-30j
+    sparse = na.attention_forward(q, k, v, topk_indices=lists, fully_masked="nan")
+    dense = na.attention_forward(q, k, v, topk_indices=lists, fully_masked="nan", implementation="blocked")
+    assert np.isnan(sparse[0][:, :, 1].imag).all() and np.isnan(dense[0][:, :, 1].imag).all()
+    assert np.isnan(na.attention_backward(dout, sparse[1]).dv.imag).all()
+    jvp = na.attention_jvp(q, k, v, *(np.ones(x.shape) for x in (q, k, v)), topk_indices=lists, fully_masked="nan")
+    assert np.isnan(jvp[1][:, :, 1].imag).all() and np.isnan(jvp[3][:, :, 1].imag).all()
+
+
+def test_memory_holds_no_row_of_all_keys_and_one_copy_of_what_is_shared():
+    """Peaks (tracemalloc) of cases where a careless engine forms [N_q, N_k] or copies per slice:
+    'uniform' rows without a key (each such row's weights only, not every row's); a bias
+    [N_q, N_k] broadcast over 4 x 8 (batch, kv head) slices (one gradient of it, not 32); lists
+    per kv head for 16 query heads (its keys gathered once, not 16 times)."""
+    import tracemalloc
+    rng = np.random.default_rng(6)
+
+    def peak(call):
+        tracemalloc.start()
+        call()
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return top
+    n = 3000
+    q, k, v = (rng.standard_normal((1, 1, n, 8)) for _ in range(3))
+    lists = rng.integers(0, n, (1, 1, n, 2))
+    lists[..., 7, :] = -1
+    out, cache = na.attention_forward(q, k, v, topk_indices=lists, fully_masked="uniform")
+    assert peak(lambda: na.attention_backward(out, cache)) < n * n * 8 / 8            # an eighth of [N_q, N_k]
+    q, k, v = (rng.standard_normal((4, 8, 400, 8)) for _ in range(3))
+    bias = rng.standard_normal((400, 400))
+    out, cache = na.attention_forward(q, k, v, topk_indices=rng.integers(0, 400, (4, 8, 400, 4)), bias=bias,
+                                      workers=1)
+    assert peak(lambda: na.attention_backward(out, cache)) < 8 * bias.nbytes                 # (32 copies: 32)
+    q = rng.standard_normal((1, 16, 256, 64))
+    k, v = (rng.standard_normal((1, 1, 2048, 64)) for _ in range(2))
+    listed = rng.integers(0, 2048, (1, 1, 256, 64))
+    gathered = 256 * 64 * 64 * 8                                                        # one kv head's k_L
+    assert peak(lambda: na.attention_forward(q, k, v, topk_indices=listed, workers=1)) < 6 * gathered
+
+
+def test_the_module_with_lists_runs_a_dense_engine_for_its_weights():
+    """multihead_forward returns the weights [B, H, N_q, N_k], which the sparse engine never forms:
+    with topk_indices it runs the blocked engine (the textbook's results), and refuses 'sparse'."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 5, 8))
+    params = {**{f"W_{n}.weight": rng.standard_normal((8, 8)) for n in "qkvo"},
+              **{f"W_{n}.bias": rng.standard_normal(8) for n in "qkvo"}}
+    lists = rng.integers(-1, 5, (2, 2, 5, 3))
+    out, weights, _ = na.multihead_forward(x, x, x, params, 2, topk_indices=lists)
+    ref, ref_weights, _ = na.multihead_forward(x, x, x, params, 2, topk_indices=lists, implementation="textbook")
+    close(out, ref, "out")
+    close(weights, ref_weights, "weights")
+    with pytest.raises(ValueError, match="the tiled and sparse engines .* never form"):
+        na.multihead_forward(x, x, x, params, 2, topk_indices=lists, implementation="sparse")
+
+
 def test_the_plan_chooses_and_refuses():
     q, k, v, dout, lists = inputs()
     assert na.attention_forward(q, k, v, topk_indices=lists)[1].plan.block_size == 2 ** 15 // K

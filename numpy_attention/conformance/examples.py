@@ -10,13 +10,16 @@
                       mean of v ('uniform'), as JAX's large negative fill gives; float32 and
                       bfloat16 (under jax.jit, XLA's CPU dot_general refuses float16 x float16
                       accumulated in float32: "precision 'F16_F16_F32' is not supported")
+    mlx_sdpa          mlx.core.fast.scaled_dot_product_attention (the optional extra `mlx`), its
+                      gradients by mx.vjp: a NumPy kernel that calls MLX; fully masked rows the
+                      mean of v ('uniform'), as MLX's boolean mask gives
     numpy_float32     this package's attention in float32, results rounded to the dtype: a NumPy
                       kernel with every option and output
 
 Each adapter translates the case's options (kernels.py: crosscheck's case keys) into its
 library's arguments, and nothing else: a mask, a bottom-right diagonal or a window that the
-library takes only as an attention mask is built here as one (_keep). torch and JAX are
-imported when a kernel is called.
+library takes only as an attention mask is built here as one (_keep). torch, JAX and MLX
+are imported when a kernel is called.
 """
 import math
 import warnings
@@ -33,18 +36,18 @@ SDPA = ("causal", "bottom_right", "gqa", "scale", "window", "bias", "mask", "gra
 SDPA_FLASH = tuple(name for name in SDPA if name != "bias")    # the CPU flash kernel: no float attn_mask
 FLEX = ("causal", "bottom_right", "gqa", "scale", "window", "softcap", "bias", "mask", "alibi", "lse")
 JAX = ("causal", "gqa", "scale", "window", "bias", "mask", "lse", "gradients")
+MLX = ("causal", "bottom_right", "gqa", "scale", "window", "mask", "gradients")   # (its one mask: no bias beside it)
 
 
 def _keep(n_q, n_k, causal, window):
-    """The keep-mask [N_q, N_k] of causal and window as a torch bool tensor (None: every key
+    """The keep-mask [N_q, N_k] of causal and window as a NumPy bool array (None: every key
     kept). The diagonal: i + N_k - N_q for causal='bottom_right', else i; a window
     (left, right) keeps j in [diagonal - left, diagonal + right] (-1: no bound on that side)."""
-    import torch
     if not causal and window is None:
         return None
-    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
     diagonal = i + (n_k - n_q if causal == "bottom_right" else 0)
-    keep = j <= diagonal if causal else torch.ones((n_q, n_k), dtype=torch.bool)
+    keep = j <= diagonal if causal else np.ones((n_q, n_k), dtype=bool)
     left, right = window if window is not None else (-1, -1)
     if left >= 0:
         keep = keep & (j >= diagonal - left)
@@ -64,6 +67,7 @@ def _sdpa(backend, q, k, v, causal=False, scale=None, window=None, bias=None, ma
         kwargs["is_causal"] = True
     else:
         keep = _keep(q.shape[-2], k.shape[-2], causal, window)
+        keep = None if keep is None else torch.as_tensor(keep)
         if mask is not None:
             keep = mask if keep is None else keep & mask
         if bias is not None:
@@ -104,6 +108,7 @@ def torch_flex(q, k, v, causal=False, scale=None, window=None, softcap=None, bia
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
     n_q, n_k = q.shape[-2], k.shape[-2]
     keep = _keep(n_q, n_k, causal, window)
+    keep = None if keep is None else torch.as_tensor(keep)
     if mask is not None:                                   # [B, 1, N_q, N_k]
         keep = mask[:, 0] if keep is None else keep & mask[:, 0]
 
@@ -146,6 +151,29 @@ def jax_xla(q, k, v, causal=False, scale=None, window=None, bias=None, mask=None
         return_residual=True)
     lse = jnp.swapaxes(lse, -1, -2)                         # [B, N_q, H] -> [B, H, N_q]
     return laid_out(out), jnp.where(lse <= JAX_FILL, -jnp.inf, lse)
+
+
+@declare(kind="numpy", supports=MLX, fully_masked="uniform")
+def mlx_sdpa(q, k, v, dout=None, causal=False, scale=None, window=None, mask=None):
+    """MLX's fused attention on the case's arrays (NumPy, in the case's dtype), on MLX's CPU: the
+    keep-mask of the mask, the diagonal and the window as its boolean mask (a bias would be a
+    second, additive one, which it does not take); out and, with dout, dq, dk, dv by mx.vjp."""
+    import mlx.core as mx
+    dtype = q.dtype
+    typed = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float16}.get(dtype, mx.bfloat16)
+    as_mx = lambda x: mx.array(np.asarray(x, np.float32)).astype(typed)
+    keep = _keep(q.shape[-2], k.shape[-2], causal, window)
+    if mask is not None:
+        keep = mask if keep is None else keep & mask
+    attn_mask = None if keep is None else mx.array(np.ascontiguousarray(keep))
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    attend = lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=attn_mask)
+    back = lambda x: np.array(x.astype(mx.float32)).astype(dtype)
+    inputs = [as_mx(x) for x in (q, k, v)]
+    if dout is None:
+        return {"out": back(attend(*inputs))}
+    (out,), grads = mx.vjp(attend, inputs, [as_mx(dout)])
+    return {"out": back(out), **{name: back(g) for name, g in zip(("dq", "dk", "dv"), grads)}}
 
 
 @declare(kind="numpy", supports=OPTIONS + OUTPUTS)

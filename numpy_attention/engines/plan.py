@@ -63,8 +63,8 @@ def available_cores():
 
 def resolve_workers(workers, implementation, scores, projections=0):
     """workers as an int >= 1; more than one runs the blocked, tiled or sparse engine on threads.
-    None: every core this process may use (os.sched_getaffinity) for the blocked and tiled
-    engines when they compute at least PARALLEL_SCORES scores (score_count), or when
+    None: every core this process may use (os.sched_getaffinity) for those engines when they
+    compute at least PARALLEL_SCORES scores (score_count), or when
     MultiHeadAttention's projections take at least PARALLEL_PROJECTIONS multiply-adds
     (`projections`), where threads gained here (below both there is little work to share);
     else 1. The sparse engine counts the listed entries as its scores."""

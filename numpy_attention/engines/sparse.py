@@ -40,7 +40,7 @@ The bits are the same on any number of workers or a cluster.
 import numpy as np
 import scipy.sparse
 
-from .._layout import kv_index, kv_slices, tiles, with_head_axis
+from .._layout import kv_index, kv_slices, spans_slices, tiles, with_head_axis
 from .. import scores
 from ..caches import AttentionGrads, TiledAttentionCache
 from ..score_grads import ScoreGrads
@@ -94,32 +94,32 @@ def _run_spans(q, k, v, o, plan, tangents=None):
     for (at, rows), results in zip(items, run_tasks(_span, items, plan.workers, shared, plan.scheduler)):
         for whole, part in zip(outs, results):
             whole[at + (rows,)] = part
-    shapes = (q.shape[:-1] + v.shape[-1:], q.shape[:-1], q.shape[:-1], q.shape[:-1] + v.shape[-1:], q.shape[:-1])
-    return [x.reshape(shape) for x, shape in zip(outs, shapes)]
+    rows, outs_of = q.shape[:-1], q.shape[:-1] + v.shape[-1:]              # the caller's layout
+    shapes = [outs_of, rows, rows] + ([outs_of, rows] if tangents is not None else [])
+    return [x.reshape(shape) for x, shape in zip(outs, shapes, strict=True)]
 
 
 def _lists(o, at, rows):
     """The lists of the rows `rows` of the prefix `at` (a kv_slices one: a batch index, the G query
-    heads of a kv head) as [G, b, K] int64, -1 where an entry names no key (padding, outside
-    [0, N_k), past its row's topk_length; every entry when N_k = 0)."""
+    heads of a kv head) as [G, b, K] int64 (lists per query head) or [1, b, K] (one list per kv
+    head: its keys are gathered once for its G query heads), -1 where an entry names no key
+    (padding, outside [0, N_k), past its row's topk_length; every entry when N_k = 0)."""
     t, heads = o.topk, at[-1]
-    lists = t.indices[at[:-1] + ((heads if t.groups == 1 else slice(heads.start // t.groups,
-                                                                     heads.start // t.groups + 1)), rows)]
+    per_kv_head = slice(heads.start // t.groups, heads.start // t.groups + 1)     # (t.groups = G)
+    lists = t.indices[at[:-1] + ((heads if t.groups == 1 else per_kv_head), rows)]
     lengths = None if t.lengths is None else t.lengths[at[:-1] + (rows,)]
     idx = np.where(listed(lists, lengths, t.n_k), lists.astype(np.int64, copy=False), -1)
     idx = idx.reshape(idx.shape[-3:])
-    if t.n_k == 0:
-        idx = idx[..., :0]
-    return np.broadcast_to(idx, (heads.stop - heads.start,) + idx.shape[1:])
+    return idx[..., :0] if t.n_k == 0 else idx
 
 
 def _block_scores(o, score_shape, at, rows, q_rows, k_h, idx):
     """Steps 1-4 on the gathered block of the rows `rows` of prefix `at`, q_rows [G, b, d_k],
-    k_h [N_k, d_k] its kv head's keys and idx [G, b, K] their lists (_lists): (S [.., G, b, K],
-    scores.Saved, keep, index, k_L)."""
+    k_h [N_k, d_k] its kv head's keys and idx [G or 1, b, K] their lists (_lists): (S [.., G, b,
+    K], scores.Saved, keep, index, k_L [G or 1, b, K, d_k])."""
     cols = np.maximum(idx, 0)
     index = at + (rows, cols)
-    k_listed = k_h[cols]                                                   # [G, b, K, d_k]
+    k_listed = k_h[cols]                                                   # [G or 1, b, K, d_k]
     s = _dots(q_rows, k_listed) * o.scale                                 # 1. s_t = scale q . k_{L_t}
     s = s.reshape((1,) * (len(score_shape) - 3) + s.shape)                 # the scores' axes
     keep = keep_mask(o, score_shape, index)
@@ -129,13 +129,13 @@ def _block_scores(o, score_shape, at, rows, q_rows, k_h, idx):
 
 
 def _dots(x, listed_rows):
-    """[G, b, d] . [G, b, K, d] -> [G, b, K]: each row with its K gathered rows."""
+    """[G, b, d] . [G or 1, b, K, d] -> [G, b, K]: each row with its K gathered rows."""
     return (x[..., None, :] @ np.swapaxes(listed_rows, -1, -2))[..., 0, :]
 
 
 def _mix(weights, listed_rows):
-    """[.., G, b, K] x [G, b, K, d] -> [G, b, d]: each row's weighted sum of its gathered rows."""
-    return (weights.reshape(listed_rows.shape[:-1])[..., None, :] @ listed_rows)[..., 0, :]
+    """[.., G, b, K] x [G or 1, b, K, d] -> [G, b, d]: each row's weighted sum of its gathered rows."""
+    return (weights.reshape(weights.shape[-3:])[..., None, :] @ listed_rows)[..., 0, :]
 
 
 def _dropped(P, o, score_shape, index):
@@ -149,12 +149,22 @@ def _row_options(o):
     return o if o.fully_masked == "zero" else o._replace(fully_masked="zero")
 
 
-def _no_key_weights(o, score_shape, at, rows):
-    """The 'uniform' policy's weights of the rows `rows` over all N_k keys [.., G, b, N_k]:
-    1 / N_k, times the dropout scale."""
-    shape = (1,) * (len(score_shape) - 3) + (at[-1].stop - at[-1].start, rows.stop - rows.start, score_shape[-1])
-    return _dropped(np.full(shape, masked_row_weight("uniform", score_shape[-1])), o, score_shape,
-                    at + (rows, slice(None)))
+def _uniform_rows(o, score_shape, at, rows, dead):
+    """The 'uniform' policy's weights over all N_k keys of each row without a key (dead [G, b]),
+    in np.argwhere(dead)'s order: [n, N_k], 1 / N_k times the row's dropout scale, read a row at
+    a time (never [b, N_k] of them); without dropout [1, N_k], every such row's."""
+    weight = masked_row_weight("uniform", score_shape[-1])
+    if o.dropout_scale is None:
+        return np.full((1, score_shape[-1]), weight)
+    row = lambda g, i: at[:-1] + (slice(at[-1].start + g, at[-1].start + g + 1), slice(rows.start + i, rows.start + i + 1),
+                                  slice(None))
+    return np.stack([weight * block_of(o.dropout_scale, score_shape, row(g, i)).reshape(-1)
+                     for g, i in np.argwhere(dead)]).reshape(-1, score_shape[-1])
+
+
+def _nan(dtype):
+    """NaN in `dtype` (a complex one's: NaN in both parts, as 0 * NaN gives on the dense engines)."""
+    return np.array(complex(np.nan, np.nan) if np.dtype(dtype).kind == "c" else np.nan, dtype)
 
 
 def _no_key(x, dead, o, score_shape, at, rows, values):
@@ -163,9 +173,10 @@ def _no_key(x, dead, o, score_shape, at, rows, values):
     if o.fully_masked == "zero" or not dead.any():
         return x
     if o.fully_masked == "nan":
-        return np.where(dead[..., None], np.nan, x)
-    fill = _no_key_weights(o, score_shape, at, rows).reshape(dead.shape + values.shape[:1]) @ values
-    return np.where(dead[..., None], fill, x)
+        return np.where(dead[..., None], _nan(x.dtype), x)
+    x = x.copy()
+    x[dead] = _uniform_rows(o, score_shape, at, rows, dead) @ values
+    return x
 
 
 def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, **tangents):
@@ -212,7 +223,7 @@ def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, k_dot=Non
         _mix(_dropped(P, o, score_shape, index), vd_h[cols])          # 6-7.
     lse_dot = lse_dot.reshape(heads, b)
     return (out, lse.reshape(heads, b), top, _no_key(out_dot, dead, o, score_shape, at, rows, vd_h),
-            np.where(dead, np.nan, lse_dot) if o.fully_masked == "nan" else lse_dot)
+            np.where(dead, _nan(lse_dot.dtype), lse_dot) if o.fully_masked == "nan" else lse_dot)
 
 
 def sparse_backward(dout, cache, dlse=None, *, method="flash", return_stages=False):
@@ -231,41 +242,53 @@ def sparse_backward(dout, cache, dlse=None, *, method="flash", return_stages=Fal
         D = np.where(np.isneginf(lse.real), 0, np.sum(dout3 * with_head_axis(cache.out), axis=-1))
     dlse3 = None if dlse is None else dlse.reshape(score_shape[:-1])
     slices = kv_slices(score_shape, group)
-    items = [(at, dout3[at], D[at], lse[at], None if dlse3 is None else dlse3[at]) for at in slices]
-    shared = {"o": o, "score_shape": score_shape, "block_rows": plan.block_size, "q3": q3, "k3": k3, "v3": v3}
-    results = run_tasks(_backward_slice, items, plan.workers, shared, plan.scheduler)
+    # one task for all slices where the bias broadcasts across them (its gradient sums over them:
+    # one copy of it, not one a slice), else a task a slice
+    whole = o.bias is not None and spans_slices(o.bias, len(score_shape), score_shape)
+    items = [(slices,)] if whole else [([at],) for at in slices]
+    shared = {"o": o, "score_shape": score_shape, "block_rows": plan.block_size, "q3": q3, "k3": k3, "v3": v3,
+              "dout3": dout3, "D": D, "lse": lse, "dlse": dlse3}
+    results = run_tasks(_backward_slices, items, plan.workers, shared, plan.scheduler)
     dtype = np.result_type(q3, dout3)
     dq, dk, dv = np.empty(q3.shape, dtype), np.empty(k3.shape, dtype), np.empty(v3.shape, dtype)
-    for at, (dq_s, dk_s, dv_s, _) in zip(slices, results):
-        dq[at], dk[kv_index(at, group)], dv[kv_index(at, group)] = dq_s, dk_s, dv_s
+    for (ats,), (grads, _) in zip(items, results):
+        for at, (dq_s, dk_s, dv_s) in zip(ats, grads):
+            dq[at], dk[kv_index(at, group)], dv[kv_index(at, group)] = dq_s, dk_s, dv_s
     return AttentionGrads(dq=dq.reshape(cache.q.shape), dk=dk.reshape(cache.k.shape), dv=dv.reshape(cache.v.shape),
                           **ScoreGrads.total([r[-1] for r in results], o, score_shape, dtype))
 
 
-def _backward_slice(at, dout, D, lse, dlse, *, o, score_shape, block_rows, q3, k3, v3):
-    """One task of the backward: the G query heads of prefix `at` (dout [.., G, N_q, d_v]; D, lse,
-    dlse [.., G, N_q]) -> (dq, dk, dv of the slice, its ScoreGrads), dk and dv summed over its
-    blocks in order."""
-    group = q3.shape[-3] // k3.shape[-3]
-    kv = kv_index(at, group)
+def _backward_slices(ats, *, o, score_shape, block_rows, q3, k3, v3, dout3, D, lse, dlse):
+    """One task of the backward: the slices `ats` (kv_slices prefixes: the G query heads of a kv
+    head), in order -> ([(dq, dk, dv) of each], their ScoreGrads), each slice's dk and dv
+    summed over its blocks in order."""
+    params = ScoreGrads(o, score_shape, np.result_type(q3, dout3), region=[at + (slice(None), slice(None))
+                                                                           for at in ats])
+    return [_backward_slice(at, o, score_shape, block_rows, q3, k3, v3, dout3, D, lse, dlse, params)
+            for at in ats], params
+
+
+def _backward_slice(at, o, score_shape, block_rows, q3, k3, v3, dout3, D, lse, dlse, params):
+    """(dq, dk, dv) of the slice `at` (dout3 [.., H, N_q, d_v]; D, lse, dlse [.., H, N_q]), its
+    parameters' gradients added to params."""
+    kv = kv_index(at, q3.shape[-3] // k3.shape[-3])
     k_h, v_h = k3[kv].reshape(k3.shape[-2:]), v3[kv].reshape(v3.shape[-2:])
-    heads, dtype = at[-1].stop - at[-1].start, np.result_type(q3, dout)
-    n_q = score_shape[-2]
-    q_heads, dout = q3[at].reshape((heads, n_q, q3.shape[-1])), dout.reshape((heads, n_q, dout.shape[-1]))
+    heads, dtype, n_q = at[-1].stop - at[-1].start, np.result_type(q3, dout3), score_shape[-2]
+    q_heads, dout = q3[at].reshape((heads, n_q, q3.shape[-1])), dout3[at].reshape((heads, n_q, dout3.shape[-1]))
     dq, dk, dv = np.empty(q_heads.shape, dtype), np.zeros(k_h.shape, dtype), np.zeros(v_h.shape, dtype)
-    params = ScoreGrads(o, score_shape, dtype, region=at + (slice(None), slice(None)))
     for rows in tiles(n_q, block_rows):
-        at_rows = lambda x: None if x is None else x[..., rows]
-        dq[:, rows] = _backward_block(o, score_shape, at, rows, q_heads[:, rows], dout[:, rows], at_rows(D),
-                                      at_rows(lse), at_rows(dlse), k_h, v_h, dk, dv, params)
-    dead = np.isneginf(lse.real).reshape(heads, n_q)
+        block = lambda x: None if x is None else x[at + (rows,)]
+        dq[:, rows] = _backward_block(o, score_shape, at, rows, q_heads[:, rows], dout[:, rows], block(D),
+                                      block(lse), block(dlse), k_h, v_h, dk, dv, params)
+    dead = np.isneginf(lse[at].real).reshape(heads, n_q)
     if o.fully_masked != "zero" and dead.any():                            # rows with no key: all N_k keys
         if o.fully_masked == "nan":
-            dv[...] = np.nan
-        else:
-            weights = _no_key_weights(o, score_shape, at, slice(0, n_q)).reshape(dead.shape + v_h.shape[:1])
-            dv += np.einsum("hik,hid->kd", np.where(dead[..., None], weights, 0), dout)
-    return dq, dk, dv, params
+            dv[...] = _nan(dtype)
+        else:                                                              # dv += w^T dout of each such row
+            weights = _uniform_rows(o, score_shape, at, slice(0, n_q), dead)   # (one row for all: their douts' sum)
+            douts = dout[dead] if o.dropout_scale is not None else dout[dead].sum(axis=0, keepdims=True)
+            dv += weights.T @ douts
+    return dq, dk, dv
 
 
 def _backward_block(o, score_shape, at, rows, q_rows, dout, D, lse, dlse, k_h, v_h, dk, dv, params):
@@ -283,9 +306,10 @@ def _backward_block(o, score_shape, at, rows, q_rows, dout, D, lse, dlse, k_h, v
                                      overwrite_dp=True)                # 5.
     if dsink is not None:
         params.add_sink(dsink.sum(axis=-1), index)
-    ds = scores.backward(ds, o, score_shape, index, saved, keep, params).reshape(cols.shape)   # 4-2.
+    ds = scores.backward(ds, o, score_shape, index, saved, keep, params)   # 4-2.
+    ds = ds.reshape(ds.shape[-3:])
     _scatter(dk, cols, ds * o.scale, q_rows)                           # 1. dk_L += scale dS q
-    _scatter(dv, cols, _dropped(P, o, score_shape, index).reshape(cols.shape), dout)   # dv_L += P~ dout
+    _scatter(dv, cols, _dropped(P, o, score_shape, index).reshape(ds.shape), dout)   # dv_L += P~ dout
     return _mix(ds, k_listed) * o.scale                                #    dq = scale dS k_L
 
 
@@ -293,7 +317,8 @@ def _scatter(target, cols, weights, rows_of):
     """target [N_k, d] += for every entry t of each row i: weights_it rows_of_i at key cols_it,
     i.e. M rows_of with M [N_k, b] the sum of weights_it at (cols_it, i) (a scipy.sparse matrix:
     a key listed several times gets every weight; a padding entry's weight is 0), head by head.
-    cols, weights [G, b, K]; rows_of [G, b, d]."""
+    cols [G or 1, b, K], weights [G, b, K]; rows_of [G, b, d]."""
+    cols = np.broadcast_to(cols, weights.shape)
     n_rows, top = cols.shape[-2], cols.shape[-1]
     row = np.repeat(np.arange(n_rows), top)
     for h in range(cols.shape[0]):
