@@ -191,10 +191,7 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar, out_di
         record.add(trial_json(result))
         if result.status != "PASS":
             bar.say("\n".join(wrapped(f"{result.status} {result.trial}: {result.detail}")))
-        if result.arrays is not None and out_dir is not None:
-            path = _save_arrays(str(result.trial), result.arrays, out_dir, record)
-            if path is not None:
-                saved.append((str(result.trial), path))
+        _save_trial(result, out_dir, record, saved)
     smallest = {}                                      # each (property, dtype)'s smallest failing trial,
     for result in checked:                             # shrunk (lengths' are not: they name their length)
         key = (result.trial.property, result.trial.dtype)
@@ -205,10 +202,8 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar, out_di
         if fit is not None:
             found, steps = shrink_trial(lambda trial: check_property(kernel, trial, promised), result, fit)
             shrunk.append((result, found, steps))
-            if found is not result and found.arrays is not None and out_dir is not None:
-                path = _save_arrays(str(found.trial), found.arrays, out_dir, record)
-                if path is not None:
-                    saved.append((str(found.trial), path))
+            if found is not result:
+                _save_trial(found, out_dir, record, saved)
     if out_dir is not None:                            # a lengths failure: its errors against N_k
         for dtype in dict.fromkeys(r.trial.dtype for r in checked if r.trial.property == "lengths"
                                    and r.status == "FAIL"):
@@ -216,6 +211,15 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar, out_di
                 r for r in checked if (r.trial.property, r.trial.dtype) == ("lengths", dtype)], record)
             if path is not None:
                 pictures.append(("lengths", dtype, path))
+
+
+def _save_trial(result, out_dir, record, saved):
+    """A trial crosscheck judged (result.arrays: its case with the kernel's results) saved in
+    out_dir as <its id>.npz, (id, path) appended to `saved`; nothing without out_dir or arrays."""
+    if result.arrays is not None and out_dir is not None:
+        path = _save_arrays(str(result.trial), result.arrays, out_dir, record)
+        if path is not None:
+            saved.append((str(result.trial), path))
 
 
 def _plan(grid, trials, budget, timeout):

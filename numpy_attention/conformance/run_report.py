@@ -223,7 +223,8 @@ class ConformReport(NamedTuple):
         for r in failing:
             result = r.smallest
             lines += wrapped(f"{r.property} {r.dtype}: {result.status} {result.trial.case.id}: {result.detail}", "  ")
-            for found, steps in ((found, steps) for first, found, steps in self.shrunk_trials if first is result):
+            for found, steps in ((found, steps) for first, found, steps in self.shrunk_trials
+                                 if (first.trial.property, first.trial.dtype) == (r.property, r.dtype)):
                 lines += wrapped(f"shrunk to {found.trial.case.id} in {steps} runs" + (
                     f": {found.detail}" if found is not result else ": no smaller case fails"), "    ")
                 result = found
@@ -252,7 +253,8 @@ class ConformReport(NamedTuple):
                             "passed": r.passed, "failed": r.failed, "errors": r.errors,
                             "smallest_failing": None if r.smallest is None else trial_json(r.smallest),
                             "shrunk": next(({**trial_json(found), "runs": steps} for first, found, steps
-                                            in self.shrunk_trials if first is r.smallest), None),
+                                            in self.shrunk_trials if (first.trial.property, first.trial.dtype)
+                                            == (r.property, r.dtype)), None),
                             "picture": next((p for name, dtype, p in self.pictures
                                              if (name, dtype) == (r.property, r.dtype)), None)}
                            for r in self.property_rows()],
