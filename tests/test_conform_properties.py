@@ -188,10 +188,16 @@ def test_a_failing_property_trial_is_shrunk_to_a_few_tokens_and_saved(tmp_path):
     assert (case.batch, case.n_q, case.n_k) == (3, 1, 1) and case.tokens < first.trial.case.tokens
     assert found.detail.startswith("sequence 2 of 3, in the batch, judged alone: out:")
     assert f"shrunk to {case.id} in {runs} runs: sequence 2 of 3" in " ".join(str(report).split())
-    shrunk = json.loads(report.to_json())["properties"][0]["shrunk"]
-    assert (shrunk["case"], shrunk["runs"], shrunk["status"]) == (case.id, runs, "FAIL")
+    row = json.loads(report.to_json())["properties"][0]
+    assert (row["shrunk"]["case"], row["shrunk"]["runs"], row["shrunk"]["status"]) == (case.id, runs, "FAIL")
     with np.load(dict(report.saved)[str(found.trial)]) as saved:
         assert not na.crosscheck(**dict(saved))
+    ratios = first.by_entry                                            # each sequence judged alone
+    assert len(ratios) == 3 and max(ratios[:2]) < 1 < ratios[2] and row["smallest_failing"]["by_entry"][2] > 1
+    picture = tmp_path / "batch_invariance-float32.png"                # drawn: a bar a sequence
+    drawn = importlib.util.find_spec("matplotlib") is not None
+    assert picture.exists() == drawn and row["picture"] == (str(picture) if drawn else None)
+    assert (f"each sequence's error, judged alone, drawn in {picture}" in " ".join(str(report).split())) == drawn
     lengths = na.conform(property_bugs.wrong_at_one_length, dtypes=("float32",), supports=("lse",),
                          properties=("lengths",), isolate=False, progress=False)
     assert not lengths and lengths.shrunk_trials == ()

@@ -13,10 +13,10 @@ reference (docs/conform.md names the threads each comes from):
                       or wrong at exactly one length)
     determinism       the same inputs twice: the same bits where the kernel declares
                       'deterministic', else each call's results judged
-    batch_invariance  the first and last sequence of a batch of 3 (and of a packed batch of 3
-                      sequences of other lengths): their results in the batch against those of
-                      the same sequence alone; the same bits where the kernel declares
-                      'batch_invariant', else the batch's rows judged as the lone case's
+    batch_invariance  each sequence of a batch of 3 (and of a packed batch of 3 sequences of other
+                      lengths): its rows of the batch's results judged as the lone sequence's;
+                      where the kernel declares 'batch_invariant', the first and last sequence's
+                      the same bits alone and in the batch
     range             q scaled so that each row's scores spread by 30 and more (a saturated
                       softmax: P nearly one-hot, its gradients tiny), and v scaled to RANGE_V (an
                       output and a dP far from 1; a kernel that keeps them in a 16-bit dtype
@@ -90,6 +90,7 @@ class PropertyResult(NamedTuple):
     seconds: float
     arrays: object = None   # a FAIL judged by crosscheck: its case with the kernel's results
     worst: float = math.nan  # lengths: its worst tensor's max abs error over its bound (nan: not judged)
+    by_entry: tuple = ()    # batch_invariance: each sequence's worst error over its bound, judged alone
 
 
 def check_properties(names, argument="properties"):
@@ -192,10 +193,10 @@ def check_property(kernel, trial, promises=()):
     kernel = kernel if hasattr(kernel, "results") else as_kernel(kernel)      # a Kernel, a worker's
     start = time.perf_counter()
     try:
-        status, detail, arrays, *worst = _CHECKS[trial.property](kernel, trial.case, promises)
+        status, detail, arrays, *measured = _CHECKS[trial.property](kernel, trial.case, promises)
     except _CallFailed as failed:
         return PropertyResult(trial, failed.result.status, failed.result.error, time.perf_counter() - start)
-    return PropertyResult(trial, status, detail, time.perf_counter() - start, arrays, *worst)
+    return PropertyResult(trial, status, detail, time.perf_counter() - start, arrays, **dict(measured))
 
 
 def _call(kernel, case, arrays=None):
@@ -240,7 +241,7 @@ def _honesty(kernel, case, promises):
 def _lengths(kernel, case, promises):
     arrays = case.arrays()
     status, failed, judged, worst = _judged(case, arrays, _call(kernel, case, arrays), worst=True)
-    return status, failed and f"N_q = {case.n_q}, N_k = {case.n_k}: {failed}", judged, worst
+    return status, failed and f"N_q = {case.n_q}, N_k = {case.n_k}: {failed}", judged, ("worst", worst)
 
 
 def _determinism(kernel, case, promises):
@@ -259,18 +260,20 @@ def _determinism(kernel, case, promises):
 def _batch_invariance(kernel, case, promises):
     arrays = case.arrays()
     whole = _call(kernel, case, arrays)
-    for b in (0, case.batch - 1):                  # (the trials hold no option with a batch axis)
+    found, by_entry = ("PASS", "", None), []
+    for b in range(case.batch):                    # (the trials hold no option with a batch axis)
         alone, in_batch = (sequence_alone(arrays, whole, b) if "varlen" in case.options else
                            ({name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()},
                             {name: x[b:b + 1] for name, x in whole.items()}))
-        if "batch_invariant" in promises:
+        if "batch_invariant" in promises and b in (0, case.batch - 1):    # the first and last: bit for bit
             differ = _other_bits(in_batch, _call(kernel, case._replace(batch=1), alone), "in the batch and alone")
             if differ:
                 return "FAIL", f"sequence {b} of {case.batch}, {differ}", None
-        status, failed, judged = _judged(case, alone, in_batch)
-        if status != "PASS":
-            return status, f"sequence {b} of {case.batch}, in the batch, judged alone: {failed}", judged
-    return "PASS", "", None
+        status, failed, judged, worst = _judged(case, alone, in_batch, worst=True)   # each judged alone
+        by_entry.append(worst)
+        if status != "PASS" and found[0] == "PASS":
+            found = status, f"sequence {b} of {case.batch}, in the batch, judged alone: {failed}", judged
+    return (*found, ("by_entry", tuple(by_entry)))
 
 
 def _range(kernel, case, promises):

@@ -38,7 +38,7 @@ from .grid import cases
 from .judge import check, evaluate
 from .kernels import as_kernel
 from .progress import progress_bar
-from .pictures import draw_lengths
+from .pictures import pictures as property_pictures
 from .properties import check_properties, check_property, fits, properties as property_trials
 from .record import Record
 from .run_report import ConformReport, Failure, case_json, case_line, trial_json, wrapped
@@ -180,8 +180,8 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar, out_di
     (and to the record, and to stderr when it does not pass; a failing trial crosscheck judged
     saved in out_dir, its (id, path) appended to `saved`); the first round always runs. Then
     each property and dtype's smallest failing trial shrunk ((result, shrunk result, runs)
-    appended to `shrunk`, the shrunk one saved), and a dtype's failing lengths drawn in out_dir
-    ((property, dtype, path) appended to `pictures`)."""
+    appended to `shrunk`, the shrunk one saved), and a dtype's failing lengths and batch drawn in
+    out_dir (pictures.py; (property, dtype, path) appended to `pictures`)."""
     first_round = len({(t.property, t.dtype) for t in trials})
     for n, trial in enumerate(trials):
         if budget is not None and n >= first_round and monotonic() - times["start"] >= budget:
@@ -204,13 +204,11 @@ def _check(kernel, trials, promised, budget, times, checked, record, bar, out_di
             shrunk.append((result, found, steps))
             if found is not result:
                 _save_trial(found, out_dir, record, saved)
-    if out_dir is not None:                            # a lengths failure: its errors against N_k
-        for dtype in dict.fromkeys(r.trial.dtype for r in checked if r.trial.property == "lengths"
-                                   and r.status == "FAIL"):
-            path = _drawn(os.path.join(os.fspath(out_dir), f"lengths-{dtype}.png"), [
-                r for r in checked if (r.trial.property, r.trial.dtype) == ("lengths", dtype)], record)
+    if out_dir is not None:                            # failing lengths and batches: their errors drawn
+        for name, dtype, draw, what in property_pictures(checked):
+            path = _drawn(os.path.join(os.fspath(out_dir), f"{name}-{dtype}.png"), what, record, draw)
             if path is not None:
-                pictures.append(("lengths", dtype, path))
+                pictures.append((name, dtype, path))
 
 
 def _save_trial(result, out_dir, record, saved):
@@ -266,7 +264,7 @@ def _picture(path, arrays, record):
     return _drawn(path, arrays, record, lambda path, arrays: plot_error_maps(path, **arrays))
 
 
-def _drawn(path, what, record, draw=draw_lengths):
+def _drawn(path, what, record, draw):
     """draw(path, what) (a property's picture: pictures.py); None where matplotlib is not
     installed, or the file cannot be written (remembered in the record)."""
     try:

@@ -29,6 +29,7 @@ from .properties import NEEDS
 from .supports import PLAIN
 
 WIDTH = 100                 # the longest line of the report
+DRAWN = {"lengths": "its trials' errors against N_k", "batch_invariance": "each sequence's error, judged alone,"}
 WIDTH_OPTION, WIDTH_DTYPE = 14, 10
 COLUMNS = (("cases", 5), ("roles", 7), ("passed", 8), ("failed", 8), ("errors", 8), ("timeouts", 10),
            ("worst err/bound", 17))
@@ -232,7 +233,7 @@ class ConformReport(NamedTuple):
                 lines += wrapped(f"saved as {saved[str(result.trial)]} (numpy-attention crosscheck FILE.npz "
                                  f"re-judges it)", "    ")
             for path in (p for name, dtype, p in self.pictures if (name, dtype) == (r.property, r.dtype)):
-                lines += wrapped(f"its trials' errors against N_k drawn in {path}", "    ")
+                lines += wrapped(f"{DRAWN[r.property]} drawn in {path}", "    ")
         return lines
 
     def to_json(self):
@@ -282,7 +283,8 @@ def trial_json(result):
     """A PropertyResult as a JSON object (what to_json's "property_trials" and the record hold)."""
     return {"id": str(result.trial), "property": result.trial.property, "dtype": result.trial.dtype,
             "case": result.trial.case.id, "status": result.status, "detail": result.detail or None,
-            "seconds": result.seconds, "worst_over_bound": _number(result.worst)}
+            "seconds": result.seconds, "worst_over_bound": _number(result.worst),
+            "by_entry": [_number(x) for x in result.by_entry] or None}
 
 
 def wrapped(text, indent=""):
