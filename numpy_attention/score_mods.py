@@ -31,6 +31,8 @@ def mod_indices(score_shape, index):
     batch index (the flat index over the leading axes; 0 without any), h the query head,
     q_idx and kv_idx the row and the column (in the packed axes, with packed sequences; a
     gathered block's kv_idx is its columns, scores.py)."""
+    if len(score_shape) < 3:                        # one head's [N_q, N_k] ([N, d] inputs): b = h = 0
+        return tuple(x[0] for x in mod_indices((1,) + tuple(score_shape), (slice(None),) + tuple(index)))
     gathered = isinstance(index[-1], np.ndarray)
     ranges, ndim = index_ranges(index[:-1] if gathered else index, score_shape), len(score_shape)
     along = lambda axis, values: values.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))

@@ -58,8 +58,9 @@ def with_sink_weight(P, lse, options, score_shape=None, index=WHOLE):
     if options.sinks is None:
         return P
     sink = with_sink(np.zeros(P.shape[:-1] + (0,), P.dtype), options, score_shape, index)
-    with np.errstate(invalid="ignore"):              # a -inf sink in a dead row: -inf - (-inf)
-        return np.concatenate([P, np.exp(sink - lse[..., None])], axis=-1)
+    with np.errstate(invalid="ignore"):              # a -inf sink in a dead row: -inf - (-inf), weight 0
+        weight = np.where(np.isneginf(sink.real), 0, np.exp(sink - lse[..., None]))
+    return np.concatenate([P, weight.astype(P.dtype, copy=False)], axis=-1)
 
 
 def softmax_row(S, options, score_shape=None, index=WHOLE, out=None):

@@ -546,3 +546,19 @@ def test_a_float32_backward_through_an_analytic_score_mod_keeps_float32_accuracy
     for g32, g in zip(grads32[:3], grads[:3]):
         assert g32.dtype == np.float32
         assert np.abs(g32 - g).max() <= 1e-5 * np.abs(g).max()
+
+
+def test_one_heads_2d_inputs_take_a_score_mod_and_a_mask_mod_with_b_and_h_zero():
+    """q [N_q, d], k, v [N_k, d]: the textbook's scores are [N_q, N_k], its mods' b and h 0 (one
+    head of one sequence), as the blocked and tiled engines' [1, N_q, N_k]; forward and backward."""
+    rng = np.random.default_rng(9)
+    q, k, v, dout = (rng.standard_normal(shape) for shape in [(3, 4), (5, 4), (5, 4), (3, 4)])
+    mods = dict(score_mod=lambda s, b, h, i, j: 1.1 * s + 0.1 * (i - j) + 0.3 * h + 0.2 * b,
+                mask_mod=lambda b, h, i, j: (j != 2) | (h + b > 0))
+    results = []
+    for engine in ("textbook", "blocked", "tiled"):
+        out, cache = na.attention_forward(q, k, v, implementation=engine, **mods)
+        results.append((out, *na.attention_backward(dout, cache)[:3]))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-14)

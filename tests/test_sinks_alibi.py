@@ -138,3 +138,25 @@ def test_per_head_lists_keep_float32_and_check_finite_covers_them():
     assert na.attention_forward(*f32, sinks=[0.1, 0.2, 0.3, 0.4], alibi_slopes=[0.5] * 4)[0].dtype == np.float32
     with pytest.raises(ValueError, match="alibi_slopes .* non-finite"):
         na.attention_forward(q, k, v, alibi_slopes=[np.nan, 0, 0, 0], check_finite=True)
+
+
+@pytest.mark.parametrize("engine", ["textbook", "blocked", "tiled", "sparse"])
+def test_a_sink_of_minus_inf_on_a_row_with_no_key_weighs_nothing(engine):
+    """A -inf sink is no sink; on a row whose keys are all masked its weight exp(sink - lse) is
+    exp(-inf - (-inf)): 0, not NaN. dsinks, out, lse and the tangents stay finite on every engine
+    (the head with a finite sink too), dsinks 0 for the -inf sink."""
+    rng = np.random.default_rng(5)
+    q, dout = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 2, 3, 4))
+    k, v = rng.standard_normal((1, 2, 5, 4)), rng.standard_normal((1, 2, 5, 4))
+    keep = np.ones((3, 5), bool)
+    keep[1] = False                                                    # row 1: no key
+    sinks = np.array([-np.inf, 0.5])
+    lists = np.where(keep, np.arange(5), -1)[None, None].repeat(2, axis=1)    # the same keys as lists
+    given = {"topk_indices": lists} if engine == "sparse" else {"mask": keep, "implementation": engine}
+    out, cache = na.attention_forward(q, k, v, sinks=sinks, **given)
+    grads = na.attention_backward(dout, cache)
+    assert np.isfinite(out).all() and np.isfinite(grads.dsinks).all() and grads.dsinks[0] == 0
+    assert np.isfinite(grads.dq).all() and np.isfinite(grads.dk).all() and np.isfinite(grads.dv).all()
+    if engine != "blocked":                                            # (no forward mode on blocked)
+        jvp = na.attention_jvp(q, k, v, q, k, v, sinks=sinks, sinks_dot=np.ones(2), **given)
+        assert all(np.isfinite(x).all() for x in (jvp[1], jvp[3][:, 1]))
