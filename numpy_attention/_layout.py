@@ -1,8 +1,8 @@
 """Layout pieces shared by the textbook and the engines.
 
 A leaf module (it imports only _checks): the checks of causal alignment and the window
-(positions.py says which pairs they keep), the grouped-query fold and its matmuls, the
-scale in any dtype, and undoing a broadcast.
+(positions.py says which pairs they keep), a block's index into the scores, the grouped-query
+fold and its matmuls, the scale in any dtype, and undoing a broadcast.
 
 Shape legend:  ... leading batch axes,  H query heads,  H_kv key/value heads,
 G = H / H_kv,  N lengths,  X a trailing width.
@@ -29,6 +29,24 @@ def index_ranges(index, shape):
         index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
     index = index + (slice(None),) * (len(shape) - len(index))
     return tuple(slice(*part.indices(n)) for part, n in zip(index, shape))
+
+
+def is_gathered(index):
+    """Whether the block `index` into the scores gathers each row's own columns: its last entry
+    an integer array cols [heads, rows, K] (scores.py's gathered block) instead of a slice."""
+    return isinstance(index[-1], np.ndarray)
+
+
+def block_ranges(index, shape):
+    """index_ranges of a block of the scores of `shape`; a gathered block's with every column."""
+    return index_ranges(index[:-1] if is_gathered(index) else index, shape)
+
+
+def gathered_cols(index, ndim):
+    """A gathered block's columns cols [heads, rows, K] with `ndim` axes (leading ones added):
+    broadcastable to the block."""
+    cols = index[-1]
+    return cols.reshape((1,) * (ndim - cols.ndim) + cols.shape)
 
 
 def with_head_axis(x):

@@ -17,8 +17,8 @@ order (total), so that the bits do not depend on how the blocks were cut or wher
 """
 import numpy as np
 
-from ._layout import index_ranges, unbroadcast
-from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient, head_gradient, is_gathered
+from ._layout import block_ranges, gathered_cols, index_ranges, is_gathered, unbroadcast
+from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient, head_gradient
 
 
 def _within(parts, region):
@@ -67,17 +67,16 @@ class ScoreGrads:
     def add(self, ds, index):
         """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there
         (a gathered block's [..., heads, rows, K], scattered back to its columns)."""
-        gathered = is_gathered(index)
-        ranges = self._ranges(index)
+        ranges = block_ranges(index, self.score_shape)
         if self.dbias is not None:
             part = self.dbias[_within(self._bias_part(ranges), self.bias_at)]
-            if not gathered:
+            if not is_gathered(index):
                 part += unbroadcast(ds, part.shape)
             else:                                   # each entry to its column (0 where the bias broadcasts)
                 at = [np.zeros((1,) * ds.ndim, np.intp) if n == 1 else
                       np.arange(n).reshape((1,) * a + (n,) + (1,) * (ds.ndim - a - 1))
                       for a, n in enumerate(part.shape[:-1])]
-                cols = index[-1].reshape((1,) * (ds.ndim - index[-1].ndim) + index[-1].shape)
+                cols = gathered_cols(index, ds.ndim)
                 where = (*at, cols if part.shape[-1] > 1 else 0 * cols)
                 np.add.at(part, tuple(np.broadcast_to(i, ds.shape) for i in where), ds)
         if self.rows is not None:
@@ -87,12 +86,7 @@ class ScoreGrads:
     def add_sink(self, dsink, index):
         """Add the block S[index]'s sink gradient, dsink [..., heads]: its sink column of dS summed
         over the block's rows."""
-        self.sinks[_within(self._ranges(index)[:-2], self.region[:-2])] += dsink
-
-    def _ranges(self, index):
-        """The slices of each axis of the scores that the block S[index] spans (a gathered block: all
-        columns)."""
-        return index_ranges(index[:-1] if is_gathered(index) else index, self.score_shape)
+        self.sinks[_within(block_ranges(index, self.score_shape)[:-2], self.region[:-2])] += dsink
 
     def add_mod(self, grads):
         """Add a block's score_mod_params gradients {name: gradient}."""

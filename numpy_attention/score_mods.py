@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._layout import index_ranges, unbroadcast
+from ._layout import block_ranges, gathered_cols, is_gathered, unbroadcast
 
 
 def mod_indices(score_shape, index):
@@ -33,15 +33,14 @@ def mod_indices(score_shape, index):
     gathered block's kv_idx is its columns, scores.py)."""
     if len(score_shape) < 3:                        # one head's [N_q, N_k] ([N, d] inputs): b = h = 0
         return tuple(x[0] for x in mod_indices((1,) + tuple(score_shape), (slice(None),) + tuple(index)))
-    gathered = isinstance(index[-1], np.ndarray)
-    ranges, ndim = index_ranges(index[:-1] if gathered else index, score_shape), len(score_shape)
+    ranges, ndim = block_ranges(index, score_shape), len(score_shape)
     along = lambda axis, values: values.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
     lead = tuple(score_shape[:-3])
     b = np.arange(int(np.prod(lead, dtype=np.int64))).reshape(lead)[ranges[:-3]]
     b = b.reshape(b.shape + (1, 1, 1))
     h, q_idx, kv_idx = (along(a, np.arange(score_shape[a])[ranges[a]]) for a in (ndim - 3, ndim - 2, ndim - 1))
-    if gathered:
-        kv_idx = index[-1].reshape((1,) * (ndim - index[-1].ndim) + index[-1].shape)
+    if is_gathered(index):
+        kv_idx = gathered_cols(index, ndim)
     return b, h, q_idx, kv_idx
 
 
@@ -55,10 +54,8 @@ def _broadcasts(shape, to):
 
 def mask_mod_keep(mask_mod, score_shape, index):
     """mask_mod(b, h, q_idx, kv_idx) on the block S[index]: a bool array broadcastable to it."""
-    gathered = isinstance(index[-1], np.ndarray)
-    ranges = index_ranges(index[:-1] if gathered else index, score_shape)
-    block = tuple(len(range(r.start, r.stop, r.step)) for r in ranges)
-    block = block[:-1] + index[-1].shape[-1:] if gathered else block          # (a gathered block's K columns)
+    block = tuple(len(range(r.start, r.stop, r.step)) for r in block_ranges(index, score_shape))
+    block = block[:-1] + index[-1].shape[-1:] if is_gathered(index) else block   # (a gathered block's K columns)
     keep = np.asarray(mask_mod(*mod_indices(score_shape, index)))
     if keep.dtype != bool:
         raise TypeError(f"mask_mod must return booleans (True = attend), got dtype {keep.dtype}")

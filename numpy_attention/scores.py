@@ -50,7 +50,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from ._checks import as_scalar, require_positive_int
-from ._layout import grouped_matmul, scaled, unbroadcast
+from ._layout import gathered_cols, grouped_matmul, is_gathered, scaled, unbroadcast
 from .near_misses import unexpected_keyword
 from .positions import band_keep, distance, positions, sequence_of
 from .score_mods import (call_score_mod, mask_mod_keep, mod_indices, score_mod_param_grads,
@@ -142,12 +142,6 @@ def _positions(options, score_shape, index, align):
                      options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k)
 
 
-def is_gathered(index):
-    """Whether the block S[index] gathers each row's own columns (its last entry an integer
-    array [heads, rows, K]) instead of a slice of them."""
-    return isinstance(index[-1], np.ndarray)
-
-
 def block_of(x, score_shape, index):
     """x (broadcastable to the scores) at the block S[index]: a view of it, or for a gathered
     block x[.., i, cols[.., i, t]] [..., heads, rows, K]."""
@@ -155,8 +149,7 @@ def block_of(x, score_shape, index):
     if not is_gathered(index):
         return x[index]
     rows = x[index[:-1]]                                              # [..., heads, rows, N_k]
-    cols = index[-1].reshape((1,) * (rows.ndim - index[-1].ndim) + index[-1].shape)
-    return np.take_along_axis(rows, cols, axis=-1)
+    return np.take_along_axis(rows, gathered_cols(index, rows.ndim), axis=-1)
 
 
 # ----------------------------------------------------------------------------- 3. ALiBi

@@ -58,7 +58,7 @@ from .grid import make_case
 from .judge import error_result, share_of_bound
 from .layouts import emptied, renumbered, repaged, reversed_sequences, sequence_alone, unread_rows
 from .kernels import as_kernel
-from .supports import EXCLUSIVE, check_block_sizes, check_dtypes, check_fully_masked, check_supports
+from .supports import EXCLUSIVE, ZERO_ONLY, check_block_sizes, check_dtypes, check_fully_masked, check_supports
 
 PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "layout", "nan_keys")
 EMPTYING = ("mask", "bottom_right", "varlen", "paged")   # empty_rows: the options that leave rows without keys
@@ -68,6 +68,9 @@ MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208
 LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
 DECLARED_SQUARE = 2048      # lengths: N_q = N_k trials at a declared block size up to this N (above: N_q = 1)
 WIDTH = 64                                                           # d of the trials' cases
+EMPTY_SHAPES = {"mask": (2, 21, 40), "bottom_right": (2, 41, 23), "varlen": (3, 25, 37),   # (B, N_q, N_k)
+                "paged": (3, 11, 39)}   # of each way's empty_rows trial, and of each layout trial:
+LAYOUT_SHAPES = {"varlen": (3, 29, 43), "paged": (2, 13, 53)}   # (no trial shares another's shapes)
 SATURATING = 8.0            # range: q times this (the grid's q spreads each row's scores by about 4)
 RANGE_V = 2.0 ** 12         # range: v times this (float16's largest is 65504)
 
@@ -150,16 +153,11 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
     return [queue[r] for r in range(max(map(len, queues), default=0)) for queue in queues if r < len(queue)]
 
 
-EMPTY_SHAPES = {"mask": (2, 21, 40), "bottom_right": (2, 41, 23), "varlen": (3, 25, 37),   # (B, N_q, N_k)
-                "paged": (3, 11, 39)}
-LAYOUT_SHAPES = {"varlen": (3, 29, 43), "paged": (2, 13, 53)}
-
-
 def _with_empty(way, options, fully_masked):
     """The options an empty_rows trial made `way` holds beside it: sinks (with the 'zero' policy)
     and a bias, where the kernel takes them and the case format allows them together."""
     return tuple(o for o in ("sinks", "bias") if o in options and frozenset((way, o)) not in EXCLUSIVE
-                 and (o != "sinks" or fully_masked == "zero"))
+                 and fully_masked in ZERO_ONLY.get(o, (fully_masked,)))
 
 
 def fits(trial):

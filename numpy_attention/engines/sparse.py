@@ -179,11 +179,14 @@ def _no_key(x, dead, o, score_shape, at, rows, values):
     return x
 
 
-def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, **tangents):
+def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, k_dot=None, v_dot=None, **tangents):
     """One task of the forward (or, with tangents, the JVP): the blocks of the rows `span` of prefix
     `at`, each (out [G, b, d_v], lse, max_logits [G, b][, out_dot, lse_dot]) written into the span's."""
     kv = kv_index(at, q3.shape[-3] // k3.shape[-3])
-    k_h, v_h = k3[kv].reshape(k3.shape[-2:]), v3[kv].reshape(v3.shape[-2:])
+    head = lambda x: None if x is None else x[kv].reshape(x.shape[-2:])   # its kv head's [N_k, d]
+    k_h, v_h = head(k3), head(v3)
+    if k_dot is not None:
+        tangents.update(kd_h=head(k_dot), vd_h=head(v_dot))
     results = None
     for part in tiles(span.stop - span.start, block_rows):
         rows = slice(span.start + part.start, span.start + part.stop)
@@ -195,7 +198,7 @@ def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, **tangents):
     return results
 
 
-def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, k_dot=None, v_dot=None, bias_dot=None,
+def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None, vd_h=None, bias_dot=None,
                    alibi_slopes_dot=None, sinks_dot=None):
     """(out [G, b, d_v], lse, max_logits [G, b][, out_dot, lse_dot]) of one block (a function of
     its own, so that its gathered keys and values are gone before the next block gathers)."""
@@ -211,9 +214,7 @@ def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, k_dot=Non
     out = _no_key(_mix(_dropped(P, o, score_shape, index), v_listed), dead, o, score_shape, at, rows, v_h)   # 6-7.
     if q_dot is None:
         return out, lse.reshape(heads, b), top
-    kv = kv_index(at, q3.shape[-3] // k_dot.shape[-3])                 # forward mode
-    qd_rows = q_dot[at + (rows,)].reshape(q_rows.shape)
-    kd_h, vd_h = (x[kv].reshape(x.shape[-2:]) for x in (k_dot, v_dot))
+    qd_rows = q_dot[at + (rows,)].reshape(q_rows.shape)                # forward mode
     s_dot = (_dots(qd_rows, k_h[cols]) + _dots(q_rows, kd_h[cols])) * o.scale   # 1.
     s_dot = scores.tangent(s_dot.reshape(s.shape), o, score_shape, index, saved, keep, bias_dot,
                            alibi_slopes_dot)                           # 2-4.
