@@ -68,6 +68,8 @@ class PropertyRow(NamedTuple):
     failed: int
     errors: int             # ERROR and TIMEOUT results
     smallest: object        # the smallest trial that did not pass (a PropertyResult), or None
+    shrunk: object = None   # (the smallest failing trial shrunk: a PropertyResult, the runs it took), or None
+    picture: object = None  # the .png its failures are drawn in, or None
 
 
 class ConformReport(NamedTuple):
@@ -139,8 +141,12 @@ class ConformReport(NamedTuple):
             failing = [r for r in mine if r.status != "PASS"]
             smallest = min(failing, key=lambda r: r.trial.case.scores, default=None)
             count = lambda *statuses: sum(r.status in statuses for r in mine)
+            shrunk = next(((found, runs) for first, found, runs in self.shrunk_trials
+                           if (first.trial.property, first.trial.dtype) == key), None)
+            picture = next((path for name, dtype, path in self.pictures if (name, dtype) == key), None)
             rows.append(PropertyRow(*key, len(mine), sum((t.property, t.dtype) == key for t in self.trials),
-                                    count("PASS"), count("FAIL"), count("ERROR", "TIMEOUT"), smallest))
+                                    count("PASS"), count("FAIL"), count("ERROR", "TIMEOUT"), smallest, shrunk,
+                                    picture))
         return rows
 
     def untried(self):
@@ -224,16 +230,16 @@ class ConformReport(NamedTuple):
         for r in failing:
             result = r.smallest
             lines += wrapped(f"{r.property} {r.dtype}: {result.status} {result.trial.case.id}: {result.detail}", "  ")
-            for found, steps in ((found, steps) for first, found, steps in self.shrunk_trials
-                                 if (first.trial.property, first.trial.dtype) == (r.property, r.dtype)):
-                lines += wrapped(f"shrunk to {found.trial.case.id} in {steps} runs" + (
+            if r.shrunk is not None:
+                found, runs = r.shrunk
+                lines += wrapped(f"shrunk to {found.trial.case.id} in {runs} runs" + (
                     f": {found.detail}" if found is not result else ": no smaller case fails"), "    ")
                 result = found
             if str(result.trial) in saved:
                 lines += wrapped(f"saved as {saved[str(result.trial)]} (numpy-attention crosscheck FILE.npz "
                                  f"re-judges it)", "    ")
-            for path in (p for name, dtype, p in self.pictures if (name, dtype) == (r.property, r.dtype)):
-                lines += wrapped(f"{DRAWN[r.property]} drawn in {path}", "    ")
+            if r.picture is not None:
+                lines += wrapped(f"{DRAWN[r.property]} drawn in {r.picture}", "    ")
         return lines
 
     def to_json(self):
@@ -253,11 +259,8 @@ class ConformReport(NamedTuple):
             "properties": [{"property": r.property, "dtype": r.dtype, "tried": r.tried, "trials": r.trials,
                             "passed": r.passed, "failed": r.failed, "errors": r.errors,
                             "smallest_failing": None if r.smallest is None else trial_json(r.smallest),
-                            "shrunk": next(({**trial_json(found), "runs": steps} for first, found, steps
-                                            in self.shrunk_trials if (first.trial.property, first.trial.dtype)
-                                            == (r.property, r.dtype)), None),
-                            "picture": next((p for name, dtype, p in self.pictures
-                                             if (name, dtype) == (r.property, r.dtype)), None)}
+                            "shrunk": None if r.shrunk is None else {**trial_json(r.shrunk[0]), "runs": r.shrunk[1]},
+                            "picture": r.picture}
                            for r in self.property_rows()],
             "property_trials": [trial_json(r) for r in self.property_results],
             "properties_without_trials": [{"property": name, "needs": needs} for name, needs in self.untried()],
