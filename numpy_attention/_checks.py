@@ -228,34 +228,32 @@ def broadcast_shape_to(x, name, target_shape, legend):
                          f"per-batch, per-key values [B, N_k] are given as [B, 1, 1, N_k])")
 
 
-def as_mask(mask, name, target_shape, legend):
+def as_mask(mask, name, target_shape, legend, hint=""):
     """A keep-mask (True/nonzero = attend) as a bool array broadcastable to target_shape; a
-    float one holds 0 and 1 only (require_keep_mask)."""
+    float one holds 0 and 1 only (require_keep_mask, whose message ends with `hint`)."""
     arr = to_numpy(mask, name)
     if is_float_dtype(arr.dtype) and arr.dtype.itemsize < 4:
         arr = arr.astype(np.float32)                 # float16, bfloat16, float8: exactly
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{name} must be a bool, integer or float array (nonzero = attend), "
                         f"got dtype {arr.dtype} with shape {arr.shape}")
-    require_keep_mask(arr, name)
+    require_keep_mask(arr, name, hint)
     broadcast_shape_to(arr, name, target_shape, legend)
     return arr != 0
 
 
-def require_keep_mask(x, name):
-    """x itself, raising ValueError naming `bias=` if x is a float array holding anything but 0
-    and 1: torch's additive float mask (0 and -inf, or -1e9) read as a keep-mask would attend
-    exactly the keys it masks."""
+def require_keep_mask(x, name, hint=""):
+    """x itself, raising ValueError naming `bias=` (then `hint`) if x is a float array holding
+    anything but 0 and 1: torch's additive float mask (0 and -inf, or -1e9) read as a keep-mask
+    would attend exactly the keys it masks."""
     if not is_float_dtype(x.dtype):
         return x
     bad = (x != 0) & (x != 1)
     if bad.any():
         what = "NaN" if np.isnan(x[bad].astype(np.float64)).any() else "entries other than 0 and 1"
-        scaled = "; a dropout mask scaled by 1 / (1 - p) is dropout_mask != 0 with dropout_p=p" \
-            if name == "dropout_mask" else ""
         raise ValueError(f"{name} of shape {x.shape} and dtype {x.dtype} holds {what} ({offenders(name, x, bad)}): "
                          f"a float {name} is a keep-mask of 0 and 1 (1 = keep); a float mask of 0 and -inf (or "
-                         f"-1e9) is an additive bias: pass it as bias={scaled}")
+                         f"-1e9) is an additive bias: pass it as bias={hint}")
     return x
 
 

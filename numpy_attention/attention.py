@@ -23,8 +23,8 @@ from .engines.sparse import sparse_backward, sparse_forward
 from .engines.tiled import tiled_backward, tiled_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .rope import rope_backward, rope_qk
-from .option_checks import FULLY_MASKED_POLICIES, check_per_head
-from .options import attention_options, with_options
+from .option_checks import FULLY_MASKED_POLICIES, check_head_vector
+from .options import HEAD_ROWS, attention_options, with_options
 from .textbook import textbook_backward, textbook_forward
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
@@ -98,11 +98,11 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
                              "topk_indices: each sequence's keys are its cache_seqlens rows")
         q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
         paged = check_pages(q, k, v, page_table, cache_seqlens)
-        per_head = check_per_head(q.shape, options.get("sinks"), options.get("alibi_slopes"), q.shape[0])
+        per_head = {row.name: check_head_vector(q.shape, row.name, options.get(row.name), row.batched, q.shape[0])
+                    for row in HEAD_ROWS}                           # against the caller's q
         q, k, v = pack(q, k, v, paged)
         cu_q, cu_k = cu_seqlens(paged)
-        options = {**options, "sinks": per_head[0], "alibi_slopes": per_head[1], "cu_seqlens_q": cu_q,
-                   "cu_seqlens_k": cu_k}
+        options = {**options, **per_head, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
     q, k, v, options = attention_options(q, k, v, **options)        # the math, checked once
     plan = attention_plan(options, q.shape, k.shape, implementation=implementation,   # where and how
                           block_size=block_size, workers=workers, scheduler=scheduler)

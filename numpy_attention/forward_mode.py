@@ -40,7 +40,7 @@ from .engines.plan import attention_plan
 from .engines.sparse import sparse_jvp
 from .engines.tiled import tiled_jvp
 from . import scores
-from .options import attention_options
+from .options import OPTIONS, attention_options
 from .rope import rope_apply, rope_backward, rope_qk
 from .softmax_row import softmax_row_tangent, with_sink_weight
 
@@ -92,8 +92,8 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
     if rope is not None:                               # q, k turned by their positions
         q, k, turned = rope_qk(q, k, rope, o)
     cache = textbook_forward(q, k, v, o, plan)[1] if implementation == "textbook" else None
-    primals = {"q_dot": q, "k_dot": k, "v_dot": v, "bias_dot": o.bias, "sinks_dot": o.sinks,
-               "alibi_slopes_dot": o.alibi_slopes}
+    primals = {"q_dot": q, "k_dot": k, "v_dot": v,                    # and each option with a gradient
+               **{f"{row.name}_dot": getattr(o, row.name) for row in OPTIONS if row.gradient}}
     checked = {}
     for name, x in tangents.items():
         if x is None and name in ("q_dot", "k_dot", "v_dot"):
@@ -159,7 +159,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
                             scores.Saved(cache.softcap_tanh, cache.score_mod_input), None, None)
     P_row = with_sink_weight(cache.weights, cache.lse, o)
     P_dot_row = softmax_row_tangent(cache.weights, cache.lse, S_dot, o)[0]
-    pad = lambda x: x if o.sinks is None else np.concatenate([x, np.zeros(x.shape[:-1] + (1,), x.dtype)], -1)
+    pad = lambda x: np.concatenate([x, np.zeros(x.shape[:-1] + (P_row.shape[-1] - n_k,), x.dtype)], -1)   # sink's 0
     dP, dP_dot = (pad(grouped_matmul(dout, _t(x)) * drop) for x in (v, dot["v_dot"]))     # 7.
     dv = grouped_sum_matmul(cache.weights * drop, dout, h_kv)
     dv_dot = grouped_sum_matmul(P_dot_row[..., :n_k] * drop, dout, h_kv)

@@ -69,43 +69,28 @@ def _int_array(x, name):
     return arr.astype(np.int64)
 
 
-def check_sinks_and_slopes(q, sinks, alibi_slopes, fully_masked, sequences=None):
-    """sinks and alibi_slopes checked (check_per_head) for q and its `sequences` packed
-    sequences (None: not packed). With sinks a row whose keys are all masked puts its whole
-    weight on the sink: out = 0 and lse = sink, which is the 'zero' policy's output; the other
-    policies are refused.
+def check_head_vector(q_shape, name, x, batched, sequences=None):
+    """x, the option `name` (an OPTIONS row of shape 'heads'), as a float (or complex) array, or
+    None, checked against the caller's q [..., H, N_q, d_k] (a single head's [N, d]: H = 1): [H];
+    where the row is `batched`, also [..., H] (q's leading axes), or with B = `sequences` packed
+    sequences (or a paged KV cache's batch) [B, H], one row per sequence (FlashAttention's varlen
+    and kvcache). ValueError naming the shapes accepted and q's.
     """
-    checked = check_per_head(q.shape, sinks, alibi_slopes, sequences)
-    if sinks is not None and fully_masked != "zero":
-        raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "
-                         f"fully_masked={fully_masked!r} does not apply; use 'zero'")
-    return checked
-
-
-def check_per_head(q_shape, sinks, alibi_slopes, sequences=None):
-    """(sinks, alibi_slopes) as float (or complex) arrays, or None, checked against the caller's
-    q [..., H, N_q, d_k] (a single head's [N, d]: H = 1): sinks [H]; alibi_slopes [H] or
-    [..., H] (q's leading axes), or with B = `sequences` sequences (packed, or a paged KV
-    cache's batch) [H] or [B, H], one row per sequence (FlashAttention's varlen and kvcache).
-    ValueError naming the shapes accepted and q's.
-    """
+    if x is None:
+        return None
     heads = q_shape[-3] if len(q_shape) >= 3 else 1
-    if sequences is None:
-        slopes = ([(heads,), tuple(q_shape[:-2])], f"[H] or [..., H] for q {tuple(q_shape)}")
+    if not batched:
+        shapes, legend = [(heads,)], f"[H] for q {tuple(q_shape)}"
+    elif sequences is None:
+        shapes, legend = [(heads,), tuple(q_shape[:-2])], f"[H] or [..., H] for q {tuple(q_shape)}"
     else:
-        slopes = ([(heads,), (sequences, heads)], f"[H], or [B, H] with one row per sequence, "
-                                                  f"for q {tuple(q_shape)} and B = {sequences} sequences")
-    checked = []
-    for name, x, (shapes, legend) in (("sinks", sinks, ([(heads,)], f"[H] for q {tuple(q_shape)}")),
-                                      ("alibi_slopes", alibi_slopes, slopes)):
-        if x is not None:
-            x = as_float_array(x, name)
-            shapes = list(dict.fromkeys(shapes))                 # [..., H] of q [H, N, d] is [H]
-            if x.shape not in shapes:
-                raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))} ({legend}), "
-                                 f"got {x.shape}")
-        checked.append(x)
-    return checked
+        shapes, legend = [(heads,), (sequences, heads)], (f"[H], or [B, H] with one row per sequence, "
+                                                          f"for q {tuple(q_shape)} and B = {sequences} sequences")
+    x = as_float_array(x, name)
+    shapes = list(dict.fromkeys(shapes))                 # [..., H] of q [H, N, d] is [H]
+    if x.shape not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))} ({legend}), got {x.shape}")
+    return x
 
 
 def check_qkv(q, k, v):
@@ -196,5 +181,6 @@ def dropout_scale(dropout_mask, dropout_p, score_shape, legend):
             raise ValueError("dropout_p > 0 needs an explicit dropout_mask (keep = True); "
                              "attention_forward draws no random numbers")
         return None
-    keep = as_mask(dropout_mask, "dropout_mask", score_shape, legend)
+    keep = as_mask(dropout_mask, "dropout_mask", score_shape, legend,
+                   hint="; a dropout mask scaled by 1 / (1 - p) is dropout_mask != 0 with dropout_p=p")
     return keep / (1.0 - dropout_p)

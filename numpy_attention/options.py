@@ -27,7 +27,7 @@ from ._checks import (as_float_array, as_mask, broadcast_shape_to, read_only_cop
                       require_positive_real, require_probability, result_dtype)
 from ._layout import check_window, resolve_alignment
 from .option_checks import (check_fully_masked, check_mods, check_packed_sequences, check_qkv,
-                            check_sinks_and_slopes, check_topk, check_vjps, dropout_scale, require_finite)
+                            check_head_vector, check_topk, check_vjps, dropout_scale, require_finite)
 from .scores import check_keep_steps
 
 class Option(NamedTuple):
@@ -40,33 +40,40 @@ class Option(NamedTuple):
     case: Optional[str] = None      # how a .npz case holds it (oracle/schema.py decodes each kind):
                                     # 'array' as given, 'float' a float array rounded to the candidate's
                                     # dtype, or a 0-d or small array of kind 'mask', 'causal', 'align',
-                                    # 'window', 'positive', 'probability', 'policy'; None: no key
+                                    # 'pair' (ints (left, right)), 'positive', 'probability', 'policy';
+                                    # None: no key
     shape: Optional[str] = None     # an array's: 'scores' broadcastable to [..., H, N_q, N_k], 'heads' an
                                     # [H] (or [..., H], [B, H]) vector (its gradient sums each head's rows)
     gradient: Optional[str] = None  # its gradient's name in AttentionGrads and in a case
     tiled: bool = True              # the tiled engine computes it (engines/plan.py refuses it otherwise)
+    neginf: bool = False            # a float array that may hold -inf (a masked score, no sink); NaN and
+                                    # +inf never (check_finite, and a case's inputs)
+    batched: bool = False           # a 'heads' vector may also be [..., H] (q's leading axes) or, with
+                                    # packed sequences, [B, H] (check_head_vector); its gradient likewise
+    conform: Optional[str] = None   # its name among conform's options (conformance/supports.py), whose
+                                    # cases draw it (conformance/grid.py); in that order
 
 
 OPTIONS = (
-    Option("mask", None, "keep", "keep-mask broadcastable to [..., H, N_q, N_k]; True/nonzero = attend.",
-           case="mask", shape="scores"),
-    Option("bias", None, "score", "additive float scores broadcastable to [..., H, N_q, N_k]; gets a "
-           "gradient, grads.dbias. An additive mask (0 / -inf) belongs here.", case="float", shape="scores",
-           gradient="dbias"),
     Option("causal", False, "keep", "False, True, 'top_left' (torch is_causal) or 'bottom_right' "
            "(FlashAttention).", case="causal"),
     Option("align", None, "keep", "diagonal alignment for causal=True and for window: 'top_left' "
            "(default) or 'bottom_right'.", case="align"),
+    Option("scale", None, "score", "multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled "
+           "experiment.", case="positive", conform="scale"),
     Option("window", None, "keep", "(left, right) sliding window around the diagonal, -1 = unbounded "
            "(FlashAttention's window_size; FlashAttention aligns it bottom-right, so pass "
-           "align='bottom_right' to match it when N_q != N_k).", case="window"),
-    Option("scale", None, "score", "multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled "
-           "experiment.", case="positive"),
+           "align='bottom_right' to match it when N_q != N_k).", case="pair", conform="window"),
     Option("softcap", None, "score", "S <- softcap * tanh(S / softcap), after scaling and before bias and "
-           "masks.", case="positive", tiled=False),
+           "masks.", case="positive", tiled=False, conform="softcap"),
+    Option("bias", None, "score", "additive float scores broadcastable to [..., H, N_q, N_k]; gets a "
+           "gradient, grads.dbias. An additive mask (0 / -inf) belongs here.", case="float", shape="scores",
+           gradient="dbias", neginf=True, conform="bias"),
+    Option("mask", None, "keep", "keep-mask broadcastable to [..., H, N_q, N_k]; True/nonzero = attend.",
+           case="mask", shape="scores", conform="mask"),
     Option("dropout_mask", None, "output", "explicit keep-mask broadcastable to the weights: "
            "P <- P * dropout_mask / (1 - dropout_p). No RNG inside.", case="array", shape="scores",
-           tiled=False),
+           tiled=False, conform="dropout"),
     Option("dropout_p", 0.0, "output", "the drop probability of dropout_mask.", case="probability"),
     Option("fully_masked", "zero", "row", "a row with every score -inf gives 'zero' output 0 and gradient 0 "
            "(torch 2.5+ SDPA, FlashAttention, ONNX); 'uniform' the mean of v's rows (the seed's -1e9 "
@@ -74,18 +81,18 @@ OPTIONS = (
            "engine has 'zero' alone.", case="policy"),
     Option("check_finite", False, "input", "raise ValueError on NaN/Inf in q, k, v (and NaN/+inf in "
            "bias) instead of letting them poison the rows they touch."),
-    Option("sinks", None, "row", "[H]: one more logit per query head in every row's softmax, with no "
-           "value (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the sink's "
-           "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
-           "and lse = sink (fully_masked must be 'zero'); the gradient is grads.dsinks.",
-           case="float", shape="heads", gradient="dsinks"),
     Option("alibi_slopes", None, "score", "[H] or [..., H]: ALiBi, S <- S - slope_h * |i + N_k - N_q - j|, "
            "the distance from the bottom-right-aligned diagonal (FlashAttention's convention; for "
            "N_q == N_k it is |i - j|, torch's and the paper's; a top-left form is bias = -slope * "
            "|i - j|); gets a gradient, grads.dalibi_slopes. With packed sequences or a paged KV "
            "cache: [H], or [B, H] with one row per sequence (as FlashAttention's varlen and kvcache "
            "functions take them), whose gradient's row b sums over sequence b's rows only.",
-           case="float", shape="heads", gradient="dalibi_slopes"),
+           case="float", shape="heads", gradient="dalibi_slopes", batched=True, conform="alibi"),
+    Option("sinks", None, "row", "[H]: one more logit per query head in every row's softmax, with no "
+           "value (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the sink's "
+           "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
+           "and lse = sink (fully_masked must be 'zero'); the gradient is grads.dsinks.",
+           case="float", shape="heads", gradient="dsinks", neginf=True, conform="sinks"),
     Option("cu_seqlens_q", None, "keep", "[B + 1] int, with cu_seqlens_k: FlashAttention's varlen, B "
            "sequences packed along the length axes, q [H, total_q, d_k], k, v [H_kv, total_k, d]; no "
            "row attends across a sequence boundary, and causal, window and ALiBi align on each "
@@ -119,7 +126,9 @@ OPTIONS = (
 )
 KEYWORDS = tuple(row.name for row in OPTIONS)
 GRADIENTS = tuple(row.gradient for row in OPTIONS if row.gradient)           # AttentionGrads' of the options
-HEAD_GRADIENTS = tuple(row.gradient for row in OPTIONS if row.gradient and row.shape == "heads")   # [..., H]
+NEGINF = tuple(row.name for row in OPTIONS if row.neginf)               # may hold -inf
+HEAD_ROWS = tuple(row for row in OPTIONS if row.shape == "heads")                   # [H], [..., H] vectors
+HEAD_GRADIENTS = tuple(row.gradient for row in HEAD_ROWS if row.gradient)
 _DEFAULTS = {row.name: row.default for row in OPTIONS}
 
 
@@ -222,15 +231,17 @@ def options_record(q, k, v, **given):
     dropout_p = require_probability(a["dropout_p"], "dropout_p")
     drop = dropout_scale(a["dropout_mask"], dropout_p, score_shape, legend)
     packed = check_packed_sequences(q, k, a["cu_seqlens_q"], a["cu_seqlens_k"], a["seqused_k"])
-    sinks, alibi_slopes = check_sinks_and_slopes(q, a["sinks"], a["alibi_slopes"], fully_masked,
-                                                 None if packed[0] is None else packed[0].size - 1)
+    sequences = None if packed[0] is None else packed[0].size - 1
+    per_head = {row.name: check_head_vector(q.shape, row.name, a[row.name], row.batched, sequences)
+                for row in HEAD_ROWS}
+    sinks, alibi_slopes = per_head["sinks"], per_head["alibi_slopes"]
+    if sinks is not None and fully_masked != "zero":             # a row with no key: out 0, lse = sink
+        raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "
+                         f"fully_masked={fully_masked!r} does not apply; use 'zero'")
     if require_bool(a["check_finite"], "check_finite"):
-        for name, x in (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)):
+        for name, x in {"q": q, "k": k, "v": v, "bias": bias, **per_head}.items():
             if x is not None:
-                require_finite(name, x)
-        for name, x in (("bias", bias), ("sinks", sinks)):         # -inf: masked, or no sink
-            if x is not None:
-                require_finite(name, x, allow_neginf=True)
+                require_finite(name, x, allow_neginf=name in NEGINF)
     # a float64 bias widens float32 scores; per-head vectors (often Python lists) widen only to
     # complex, for complex-step checks: real ones are cast to the scores' dtype
     dtype = result_dtype(q, bias, *(x for x in (sinks, alibi_slopes) if x is not None and x.dtype.kind == "c"))

@@ -8,6 +8,7 @@ import pytest
 
 import numpy_attention as na
 from numpy_attention.caches import AttentionGrads
+from numpy_attention.conformance import supports
 from numpy_attention.conformance.kernels import GRADIENT_OF
 from numpy_attention.options import OPTIONS, attention_options, untiled
 from numpy_attention.oracle import schema, slices
@@ -29,10 +30,12 @@ def test_the_rows_are_unique_and_their_columns_take_known_values():
     assert len(set(NAMES)) == len(NAMES)
     for row in OPTIONS:
         assert row.acts in ("score", "keep", "row", "output", "input"), row
-        assert row.case in (None, "array", "float", "mask", "causal", "align", "window", "positive",
+        assert row.case in (None, "array", "float", "mask", "causal", "align", "pair", "positive",
                             "probability", "policy"), row
         assert row.shape in (None, "scores", "heads"), row
         assert row.gradient is None or row.gradient in AttentionGrads._fields, row
+        assert not row.neginf or row.case == "float", row
+        assert not row.batched or row.shape == "heads", row
 
 
 def test_the_case_reader_and_the_oracle_take_their_lists_from_the_rows():
@@ -70,3 +73,38 @@ def test_an_unknown_keyword_is_refused_with_the_closest_name():
     q = np.ones((2, 3, 4))
     with pytest.raises(TypeError, match="unexpected keyword argument 'softcapp'.*softcap"):
         na.attention_forward(q, q, q, softcapp=2.0)
+
+
+def test_conforms_options_and_their_other_names_come_from_the_rows():
+    named = [row.conform for row in OPTIONS if row.conform]
+    assert [name for name in supports.OPTIONS if name in named] == named
+    for row in OPTIONS:
+        if row.conform and row.conform != row.name:        # the keyword is a near miss of its name
+            with pytest.raises(ValueError, match=f"'{row.conform}'"):
+                supports.check_supports((row.name,), "zero")
+
+
+@pytest.mark.parametrize("row", [row for row in OPTIONS if row.case == "float"], ids=lambda row: row.name)
+def test_check_finite_allows_minus_infinity_where_the_row_says_so(row):
+    """bias and sinks may hold -inf (a masked score, no sink); ALiBi's slopes may not; none NaN."""
+    q = np.ones((1, 2, 3, 4))
+    value = lambda x: np.full((2,), x) if row.shape == "heads" else np.full((3, 3), x)
+    na.attention_forward(q, q, q, check_finite=True, **{row.name: value(0.0)})
+    with pytest.raises(ValueError, match=f"{row.name} .* non-finite"):
+        na.attention_forward(q, q, q, check_finite=True, **{row.name: value(np.nan)})
+    if row.neginf:
+        na.attention_forward(q, q, q, check_finite=True, **{row.name: value(-np.inf)})
+    else:
+        with pytest.raises(ValueError, match=f"{row.name} .* non-finite"):
+            na.attention_forward(q, q, q, check_finite=True, **{row.name: value(-np.inf)})
+
+
+@pytest.mark.parametrize("row", [row for row in OPTIONS if row.shape == "heads"], ids=lambda row: row.name)
+def test_a_per_head_vector_takes_a_batch_axis_where_the_row_says_so(row):
+    q = np.ones((3, 2, 4, 4))
+    na.attention_forward(q, q, q, **{row.name: np.zeros(2)})
+    if row.batched:
+        na.attention_forward(q, q, q, **{row.name: np.zeros((3, 2))})
+    else:
+        with pytest.raises(ValueError, match=rf"{row.name} must have shape \(2,\) \(\[H\] for q \(3, 2, 4, 4\)\)"):
+            na.attention_forward(q, q, q, **{row.name: np.zeros((3, 2))})

@@ -62,6 +62,7 @@ GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv",                 # an input -> it
                **{row.name: row.gradient for row in OPTIONS if row.gradient}}
 FLOAT_INPUTS = ("q", "k", "v", "dout") + FLOAT_OPTIONS  # cast to the case's dtype for the kernel
 NOT_OPTIONS = ("q", "k", "v", "dout", "precision", "fully_masked")  # the case keys a kernel is not given
+PAIRS = tuple(row.name for row in OPTIONS if row.case == "pair")    # given as a tuple (left, right)
 RESULTS = ("out", "lse") + tuple(GRADIENT_OF.values())  # what is read of a kernel's results
 LIBRARIES = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "flax": "jax"}   # package -> kind
 
@@ -177,12 +178,12 @@ def command_args(line):
 
 def _arguments(arrays, gradients):
     """(q, k, v, options, dout): the case's arrays as a kernel takes them, still NumPy: the
-    float inputs in the case's dtype, 0-d options as Python values, window a tuple; each
+    float inputs in the case's dtype, 0-d options as Python values, a pair (window) a tuple; each
     array a read-only copy."""
     storage = PRECISIONS[str(arrays["precision"])].storage
 
     def value(name, x):
-        if name == "window":
+        if name in PAIRS:
             return tuple(int(w) for w in x)
         if x.ndim == 0:
             return x.item()

@@ -62,6 +62,7 @@ from .supports import EXCLUSIVE, ZERO_ONLY, check_block_sizes, check_dtypes, che
 
 PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "layout", "nan_keys")
 EMPTYING = ("mask", "bottom_right", "varlen", "paged")   # empty_rows: the options that leave rows without keys
+COMPANIONS = ("sinks", "bias")                           # and those its trials hold beside them (_with_empty)
 NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen, paged",   # a property that needs a support
          "layout": "one of the options varlen, paged"}
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
@@ -156,7 +157,7 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
 def _with_empty(way, options, fully_masked):
     """The options an empty_rows trial made `way` holds beside it: sinks (with the 'zero' policy)
     and a bias, where the kernel takes them and the case format allows them together."""
-    return tuple(o for o in ("sinks", "bias") if o in options and frozenset((way, o)) not in EXCLUSIVE
+    return tuple(o for o in COMPANIONS if o in options and frozenset((way, o)) not in EXCLUSIVE
                  and fully_masked in ZERO_ONLY.get(o, (fully_masked,)))
 
 
@@ -298,7 +299,7 @@ def _empty_rows(kernel, case, promises):
         arrays = emptied(arrays)
         made = "a packed sequence with no query and one with no key"
     status, failed, judged = _judged(case, arrays, _call(kernel, case, arrays))
-    extra = [o for o in case.options if o in ("sinks", "bias")]
+    extra = [o for o in case.options if o in COMPANIONS]
     return status, failed and f"{made}{' with ' + ' and '.join(extra) if extra else ''}: {failed}", judged
 
 

@@ -34,10 +34,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
+from ..options import OPTIONS as OPTION_ROWS
 
 DTYPES = ("float32", "bfloat16", "float16")
-OPTIONS = ("causal", "bottom_right", "gqa", "scale", "window", "softcap", "bias", "mask", "dropout",
-           "alibi", "sinks", "varlen", "paged")
+OPTIONS = (("causal", "bottom_right", "gqa") + tuple(row.conform for row in OPTION_ROWS if row.conform)
+           + ("varlen", "paged"))          # attention_forward's options by the table's conform names
 OUTPUTS = ("lse", "gradients")
 PROMISES = ("deterministic", "batch_invariant")
 PLAIN = "plain"                             # the table's row of cases with no option
@@ -56,11 +57,11 @@ NEAR_MISSES = {
     "top_left": "top-left causal is 'causal'", "is_causal": "'causal' (top-left)",
     "causal_lower_right": "'bottom_right'", "enable_gqa": "'gqa'", "mqa": "'gqa' (H_kv = 1 included)",
     "softmax_scale": "'scale'", "window_size": "'window'", "local_window_size": "'window'",
-    "attn_mask": "'mask' (bool) or 'bias' (float)", "dropout_mask": "'dropout'",
-    "alibi_slopes": "'alibi'", "cu_seqlens": "'varlen'", "page_table": "'paged'",
+    "attn_mask": "'mask' (bool) or 'bias' (float)", "cu_seqlens": "'varlen'", "page_table": "'paged'",
     "kv_cache": "'paged'", "logsumexp": "'lse'", "grad": "'gradients'", "grads": "'gradients'",
     "backward": "'gradients'", "bf16": "'bfloat16'", "fp16": "'float16'", "half": "'float16'",
     "fp32": "'float32'", "float": "'float32'", "float64": "'float32' (float64 is the oracle's)",
+    **{row.name: f"'{row.conform}'" for row in OPTION_ROWS if row.conform not in (None, row.name)},
 }
 
 

@@ -14,7 +14,7 @@ from .._checks import is_float_dtype, require_choice
 from .._files import replacing
 from ..attention import attention_backward, attention_forward
 from ..near_misses import NEAR_MISSES
-from ..options import attention_options
+from ..options import NEGINF, attention_options
 from ..rope import rope_qk
 from .memory import too_large
 from .npz import read_npz
@@ -63,11 +63,11 @@ def _read_tensors(arrays, precision, layout):
 
 def _require_finite(tensors, inputs):
     """CaseError naming the key when an input the rule cannot judge with holds a value that is
-    not finite: q, k, v, dout and the tangents (after their descales), a NaN or +inf in bias or
-    sinks (-inf masks a score, or is no sink), a non-finite ALiBi slope. An infinite input
+    not finite: q, k, v, dout and the tangents (after their descales), a float option's (a -inf
+    in options.NEGINF's: it masks a score, or is no sink). An infinite input
     makes every bound infinite, and anything would pass."""
     for name, x, allowed in [(n, inputs[n], ()) for n in INPUTS if n in inputs] + [
-            (n, tensors[n].astype(np.float64), (-np.inf,) if n != "alibi_slopes" else ())
+            (n, tensors[n].astype(np.float64), (-np.inf,) if n in NEGINF else ())
             for n in FLOAT_OPTIONS if n in tensors]:
         bad = ~np.isfinite(x) & ~np.isin(x, allowed)
         if bad.any():

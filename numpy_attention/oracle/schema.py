@@ -134,7 +134,7 @@ def _causal(arrays, name):
     return _scalar(arrays, name, "bool")
 
 
-def _window(arrays, name):
+def _pair(arrays, name):
     x = np.asarray(arrays[name])
     if x.shape != (2,) or x.dtype.kind not in "iu":
         raise CaseError(f"{name} must be an integer array of shape (2,), got dtype {x.dtype} "
@@ -157,7 +157,7 @@ def _real(check):
 
 # an option's kind (options.OPTIONS' case) -> decode(arrays, name): its Python value, checked by
 # attention_forward's rules ('array' and 'float' options: as given)
-_DECODE = {"mask": _mask, "causal": _causal, "window": _window, "align": word(ALIGNMENTS),
+_DECODE = {"mask": _mask, "causal": _causal, "pair": _pair, "align": word(ALIGNMENTS),
            "positive": _real(require_positive_real), "probability": _real(require_probability),
            "policy": word(FULLY_MASKED_POLICIES)}
 

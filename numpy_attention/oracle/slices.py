@@ -20,7 +20,7 @@ from ..options import OPTIONS
 
 SUMMED = tuple(row.name for row in OPTIONS if row.gradient)   # their gradients sum where they broadcast
 BY_SCORE = tuple(row.name for row in OPTIONS if row.shape == "scores")   # to the scores [..., H, N_q, N_k]
-BY_HEAD = tuple(row.name for row in OPTIONS if row.shape == "heads")     # to [..., H]
+BY_HEAD = {row.name: row.batched for row in OPTIONS if row.shape == "heads"}   # to [H] or [..., H]
 
 
 def case_slices(case):
@@ -82,7 +82,7 @@ def _cut_option(name, x, at, ndim):
     topk_length [..., N_q] to its leading indices."""
     if x is None or at == (Ellipsis,):
         return x
-    if name == "sinks":
+    if name in BY_HEAD and not BY_HEAD[name]:        # [H] alone: the slice's heads
         return np.asarray(x)[at[-1]]
     if name == "topk_length":                        # [..., N_q]: the slice's leading indices
         return x[at[:-1]]
