@@ -1,18 +1,12 @@
 """Layout pieces shared by the textbook and the engines.
 
-A leaf module (it imports only _checks): the checks of causal alignment and the window
-(positions.py says which pairs they keep), a block's index into the scores, the grouped-query
-fold and its matmuls, the scale in any dtype, and undoing a broadcast.
+A leaf module (it imports nothing of the package): a block's index into the scores, the
+grouped-query fold and its matmuls, the scale in any dtype, and undoing a broadcast.
 
 Shape legend:  ... leading batch axes,  H query heads,  H_kv key/value heads,
 G = H / H_kv,  N lengths,  X a trailing width.
 """
 import numpy as np
-
-from ._checks import brief, require_choice
-
-ALIGNMENTS = ("top_left", "bottom_right")
-WINDOW_MAX = 2 ** 62        # a window side above this reaches every key of any array numpy can hold
 
 
 def tiles(n, b):
@@ -108,34 +102,6 @@ def unbroadcast(g, shape):
     g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
     axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
     return g.sum(axis=axes, keepdims=True) if axes else g
-
-
-def resolve_alignment(causal, align):
-    """One diagonal alignment for causal and window: 'top_left' (torch is_causal) by default."""
-    if isinstance(causal, str):
-        require_choice(causal, "causal", ALIGNMENTS)
-        if align is not None and align != causal:
-            raise ValueError(f"causal={causal!r} contradicts align={align!r}")
-        return True, causal
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {brief(causal)}")
-    if align is not None:
-        require_choice(align, "align", ALIGNMENTS)
-    return bool(causal), align or "top_left"
-
-
-def check_window(window):
-    """window as (left, right) ints >= -1 (-1 = unbounded), or None; ValueError otherwise."""
-    if window is None:
-        return None
-    ok = (isinstance(window, (tuple, list)) and len(window) == 2
-          and all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
-                  and w >= -1 for w in window))
-    if not ok:
-        raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
-                         f"(-1 = unbounded), got {brief(window)}")
-    # a side wider than any sequence is unbounded; clamped, positions + right cannot overflow int64
-    return tuple(min(int(w), WINDOW_MAX) for w in window)
 
 
 def kv_slices(score_shape, group, whole=False):

@@ -25,7 +25,7 @@ import numpy as np
 
 from ._checks import (as_float_array, as_mask, broadcast_shape_to, read_only_copy, require_bool,
                       require_positive_real, require_probability, result_dtype)
-from ._layout import check_window, resolve_alignment
+from .positions import check_window, resolve_alignment
 from .option_checks import (check_fully_masked, check_mods, check_packed_sequences, check_qkv,
                             check_head_vector, check_topk, check_vjps, dropout_scale, require_finite)
 from .scores import check_keep_steps

@@ -1,7 +1,8 @@
 """Where each score sits: its query's diagonal and its key's position, in their own sequence.
 
 Causal masking, the sliding window and ALiBi depend only on positions. A leaf module (it
-imports nothing of the package).
+imports only _checks): the checks of causal alignment and of the window, and which pairs they
+keep.
 
 One sequence (the usual case): row i and column j are their own positions, and the
 diagonal of row i is i (top_left, torch's is_causal) or i + N_k - N_q (bottom_right,
@@ -24,6 +25,39 @@ sequence, and aligns on that sequence's own lengths:
 from typing import NamedTuple, Optional
 
 import numpy as np
+
+from ._checks import brief, require_choice
+
+ALIGNMENTS = ("top_left", "bottom_right")
+WINDOW_MAX = 2 ** 62        # a window side above this reaches every key of any array numpy can hold
+
+
+def resolve_alignment(causal, align):
+    """One diagonal alignment for causal and window: 'top_left' (torch is_causal) by default."""
+    if isinstance(causal, str):
+        require_choice(causal, "causal", ALIGNMENTS)
+        if align is not None and align != causal:
+            raise ValueError(f"causal={causal!r} contradicts align={align!r}")
+        return True, causal
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be False, True, 'top_left' or 'bottom_right'; got {brief(causal)}")
+    if align is not None:
+        require_choice(align, "align", ALIGNMENTS)
+    return bool(causal), align or "top_left"
+
+
+def check_window(window):
+    """window as (left, right) ints >= -1 (-1 = unbounded), or None; ValueError otherwise."""
+    if window is None:
+        return None
+    ok = (isinstance(window, (tuple, list)) and len(window) == 2
+          and all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+                  and w >= -1 for w in window))
+    if not ok:
+        raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
+                         f"(-1 = unbounded), got {brief(window)}")
+    # a side wider than any sequence is unbounded; clamped, positions + right cannot overflow int64
+    return tuple(min(int(w), WINDOW_MAX) for w in window)
 
 
 class Positions(NamedTuple):
@@ -59,15 +93,15 @@ def positions(n_q, n_k, rows, cols, align, cu_seqlens_q=None, cu_seqlens_k=None,
     return Positions(diagonal=rows - cu_seqlens_q[seq_q] + offset[seq_q], cols=local_cols, same=same)
 
 
-def band_keep(pos, causal, window):
-    """The pairs that the sequences, causal masking and the window keep (the positions' broadcast
-    shape: [r, c], or [..., r, K]); None: all."""
+def band_keep(pos, options):
+    """The pairs that the sequences, causal masking and the window (options') keep (the
+    positions' broadcast shape: [r, c], or [..., r, K]); None: all."""
     j, diagonal = pos.cols, pos.diagonal
     bounds = []
-    if causal:
+    if options.causal:
         bounds.append(j <= diagonal)
-    if window is not None:
-        left, right = window
+    if options.window is not None:
+        left, right = options.window
         if left >= 0:
             bounds.append(j >= diagonal - left)
         if right >= 0:
@@ -76,6 +110,12 @@ def band_keep(pos, causal, window):
     for bound in bounds:
         keep = bound if keep is None else keep & bound
     return keep
+
+
+def banded(options):
+    """Whether the keys a row keeps depend on its position (band_keep): causal masking, a
+    window, packed sequences."""
+    return bool(options.causal or options.window is not None or options.cu_seqlens_q is not None)
 
 
 def distance(pos):

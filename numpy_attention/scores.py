@@ -118,7 +118,7 @@ def keep_mask(options, score_shape, index=WHOLE):
     if not o.masked:
         return None
     at = _positions(o, score_shape, index, o.align)
-    keep = band_keep(at, o.causal, o.window)                          # [rows, cols] or None
+    keep = band_keep(at, o)                                           # [rows, cols] or None
     for name, value in o.keep_steps:
         part = KEEP_STEPS[name].keep(value, at)                       # [rows, cols]
         keep = part if keep is None else keep & part

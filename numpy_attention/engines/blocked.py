@@ -41,6 +41,7 @@ from .. import scores
 from ..score_grads import ScoreGrads
 from ..scores import keep_mask
 from .parallel import run_tasks
+from ..positions import banded
 from ..softmax_row import softmax_row, softmax_row_backward, with_sink
 
 BLOCK_BYTES = 8 << 20       # scores per block: the best of 1-32 MiB measured here (a few MiB, about L2)
@@ -113,8 +114,7 @@ def _diagonal(options):
     """Whether the columns a block skips (_kept_columns) move with its rows: causal masking, a
     window, packed sequences or a step of scores.KEEP_STEPS, where columns are skipped at all."""
     o = options
-    return (bool(o.causal or o.window is not None or o.cu_seqlens_q is not None or o.keep_steps)
-            and not _every_score_counts(o))
+    return (banded(o) or bool(o.keep_steps)) and not _every_score_counts(o)
 
 
 def _block_scores(q3, k3, options, score_shape, block, group, cols, keep, out=None):

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice, require_keep_mask, require_positive_real, require_probability
-from .._layout import ALIGNMENTS, check_window, resolve_alignment
+from ..positions import ALIGNMENTS, check_window, resolve_alignment
 from ..option_checks import FULLY_MASKED_POLICIES
 from ..options import OPTIONS as OPTION_ROWS
 from ..near_misses import near_miss
