@@ -2,7 +2,7 @@
 and per planted bug the cases, how many failed (the catch rate), how many of those the
 diagnosis named, and how many it did not try (a case too large to rerun the oracle).
 
-    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8|topk [--cases 200] [--seed 0]
+    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8|topk|maxlogits|gate [--cases 200] [--seed 0]
 
 rope (tests/rope_kernels.py): float32 and bfloat16 torch candidates, Hugging Face's turn or
 FlashAttention's, then SDPA and autograd's backward (out, dq, dk, dv); 1-2 batches, 1-2 kv
@@ -34,6 +34,19 @@ gathered and attended in float32 (FlashMLA's reference order), autograd's backwa
 with topk_block_size. The bugs: every index one key over; -1 read as the last key; a key listed
 twice getting one use's gradient (the backward's scatter an assignment); the block size
 doubled.
+
+maxlogits (tests/maxlogits_kernels.py): max_logits in float32, bfloat16 and float16, as
+FlashAttention's row_max (float32 scores, per row, times the scale), TransformerEngine's
+return_max_logit (per head) or a model's eager scores in the dtype, with out and lse of a float32
+softmax; 1-2 batches, 1-2 kv heads with 1-2 queries each, N_k of 8-199, N_q of 1, N_k or N_k / 3,
+d of 32, 64 or 128, causal or not, one in three with sinks. The bugs: the max before the scale;
+the max in base 2; the running max started at the sink.
+
+gate (tests/gate_kernels.py): Qwen3-Next's output gate in float32 and bfloat16, headwise or
+elementwise, as Hugging Face's eager attention (SDPA, then times sigmoid(gate), in the dtype) or
+a kernel gating in float32 in its epilogue, autograd's backward (out, dq, dk, dv, dgate); 1-2
+batches, 1-2 kv heads with 1-2 queries each, N_k of 8-159, N_q of 1, N_k or N_k / 3, d of 32 or
+64, causal or not. The bugs: the gate not applied; the gate applied without its sigmoid.
 """
 import argparse
 import os
@@ -47,7 +60,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("rope", "mla", "fp8", "topk"), required=True,
+    parser.add_argument("--variant", choices=("rope", "mla", "fp8", "topk", "maxlogits", "gate"), required=True,
                         help="the variant's candidates")
     parser.add_argument("--cases", type=int, default=200, help="cases per dtype, each honest and with each "
                                                                  "bug (default 200)")

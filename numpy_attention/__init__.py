@@ -33,7 +33,7 @@ before it on its line; a subpackage named on a line (oracle, ...) is one name th
 modules import each other freely (tests/test_layers.py walks every import):
 
     helpers      numpy_attention _checks _exits _files near_misses positions _layout engines.parallel
-    ops          linear softmax heads rope params paged combine topk
+    ops          linear softmax heads rope params paged combine topk gate
     scores       score_mods scores softmax_row score_grads option_checks options caches
     textbook     textbook
     engines      engines engines.sparse engines.plan engines.projections engines.blocked engines.tiled

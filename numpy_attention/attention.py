@@ -21,6 +21,7 @@ from .engines.blocked import blocked_backward, blocked_forward
 from .engines.plan import attention_plan
 from .engines.sparse import sparse_backward, sparse_forward
 from .engines.tiled import tiled_backward, tiled_forward
+from .gate import gate_backward, gate_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .rope import rope_backward, rope_qk
 from .option_checks import FULLY_MASKED_POLICIES, check_head_vector
@@ -93,9 +94,9 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
     paged = None
     if page_table is not None or cache_seqlens is not None:          # gather the pages: packed sequences
         if any(options.get(name) is not None for name in ("mask", "bias", "cu_seqlens_q", "seqused_k",
-                                                            "topk_indices")):
+                                                            "topk_indices", "gate")):
             raise ValueError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens, seqused_k or "
-                             "topk_indices: each sequence's keys are its cache_seqlens rows")
+                             "topk_indices (each sequence's keys are its cache_seqlens rows), nor a gate")
         q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
         paged = check_pages(q, k, v, page_table, cache_seqlens)
         per_head = {row.name: check_head_vector(q.shape, row.name, options.get(row.name), row.batched, q.shape[0])
@@ -111,6 +112,8 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
         q, k, turned = rope_qk(q, k, rope, options)
     forward, _ = ENGINES[plan.implementation]
     out, cache = forward(q, k, v, options, plan)
+    if options.gate is not None:                                    # out = (P V) * sigmoid(gate)
+        out = gate_forward(out, options.gate)
     cache = cache._replace(rope=turned, paged=paged)                # for the backward
     return (out if paged is None else unpack_rows(out, paged)), cache
 
@@ -137,8 +140,8 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
         return_stages: also return AttentionStages(dP, dS, D) for per-stage comparison
             (not with the tiled and sparse engines, which never form them).
     Returns:
-        AttentionGrads(dq, dk, dv, dbias, stages, dsinks, dalibi_slopes); dq, dk, dv are
-        contiguous arrays; dbias, dsinks, dalibi_slopes None without their option.
+        AttentionGrads(dq, dk, dv, dbias, stages, dsinks, dalibi_slopes, dscore_mod_params,
+        dgate); dq, dk, dv are contiguous arrays; the others None without their option.
     """
     require_cache(cache, AttentionCache, "attention_backward",      # (a TiledAttentionCache is one)
                   arrays=("q", "k", "v", "out", "lse") + (() if isinstance(cache, TiledAttentionCache)
@@ -157,8 +160,13 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
             raise ValueError(f"dlse must have lse's shape {cache.lse.shape} [..., H, N_q], "
                              f"got {np.shape(dlse)}")
         dlse = as_float_array(dlse, "dlse").astype(dout.dtype, copy=False)
+    gate = cache.options.gate
+    if gate is not None:                                            # out = O * sigmoid(gate): dO, dgate
+        dout, dgate = gate_backward(dout, cache.out, gate)
     _, backward = ENGINES[cache.plan.implementation]
     grads = backward(dout, cache, dlse, method=method, return_stages=return_stages)
+    if gate is not None:
+        grads = grads._replace(dgate=dgate)
     if cache.rope is not None:                                      # back to the unturned q and k
         q_turn, k_turn = cache.rope
         grads = grads._replace(dq=rope_backward(grads.dq, q_turn), dk=rope_backward(grads.dk, k_turn))

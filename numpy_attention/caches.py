@@ -31,7 +31,7 @@ class AttentionCache(NamedTuple):
     q: np.ndarray                   # [..., H, N_q, d_k]
     k: np.ndarray                   # [..., H_kv, N_k, d_k]
     v: np.ndarray                   # [..., H_kv, N_k, d_v]
-    out: np.ndarray                 # [..., H, N_q, d_v]
+    out: np.ndarray                 # [..., H, N_q, d_v] P V (before an output gate: gate.py)
     lse: np.ndarray                 # [..., H, N_q] logsumexp of each row of S (-inf: fully masked)
     weights: Optional[np.ndarray] = None     # [..., H, N_q, N_k] P, after the fully-masked policy,
                                              # before dropout (None: tiled)
@@ -42,8 +42,8 @@ class AttentionCache(NamedTuple):
     plan: AttentionPlan = TEXTBOOK   # the engine that made it, and computes its backward
     paged: Optional[PagedLayout] = None      # q, k, v were packed from a paged KV cache (paged.py)
     rope: Optional[tuple] = None             # (RopeCache of q, of k): q and k were turned (rope.py)
-    max_logits: Optional[np.ndarray] = None  # [..., H, N_q] each row's largest score S (-inf: no key kept;
-                                             # the sparse engine's, None for the others)
+    max_logits: Optional[np.ndarray] = None  # [..., H, N_q] each row's largest score Re S, its max logit
+                                             # (-inf: no key kept; scores.row_max)
 
     @property
     def scores(self):
@@ -55,8 +55,8 @@ class AttentionCache(NamedTuple):
 
 
 class TiledAttentionCache(AttentionCache):
-    """The tiled and sparse engines' cache: options, q, k, v, out and lse (and the sparse engine's
-    max_logits); P is recomputed by the backward."""
+    """The tiled and sparse engines' cache: options, q, k, v, out, lse and max_logits; P is
+    recomputed by the backward."""
     __slots__ = ()
 
 
@@ -75,6 +75,7 @@ class AttentionGrads(NamedTuple):
     dsinks: Optional[np.ndarray] = None        # sinks' shape, with sinks
     dalibi_slopes: Optional[np.ndarray] = None   # alibi_slopes' shape, with ALiBi
     dscore_mod_params: Optional[dict] = None     # {name: gradient} of score_mod_params, with them
+    dgate: Optional[np.ndarray] = None           # gate's shape, with an output gate
 
 
 class MultiHeadCache(NamedTuple):

@@ -39,6 +39,7 @@ from .caches import AttentionGrads
 from .engines.plan import attention_plan
 from .engines.sparse import sparse_jvp
 from .engines.tiled import tiled_jvp
+from .gate import gate_jvp
 from . import scores
 from .options import OPTIONS, attention_options
 from .rope import rope_apply, rope_backward, rope_qk
@@ -111,22 +112,32 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
 
 
 def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None, sinks_dot=None,
-                  alibi_slopes_dot=None, **options):
+                  alibi_slopes_dot=None, gate_dot=None, **options):
     """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
 
     options: attention_forward's (options.OPTIONS, rope, the keep steps); computed by the
     textbook, or with implementation='tiled' (or a block_size) by the tiled engine's online
     softmax carrying the tangents (engines/tiled.py, tiled_jvp: O(N) memory), or with
     topk_indices by the sparse engine (engines/sparse.py, sparse_jvp; implementation='textbook'
-    computes it densely). A tangent left None is 0.
+    computes it densely). A tangent left None is 0. With a gate, out and out_dot are the gated
+    ones (gate.py), lse and lse_dot the attention's.
     """
     q, k, v, o, plan, cache, dot, _ = _primal_and_tangents(q, k, v, dict(
         q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,
-        alibi_slopes_dot=alibi_slopes_dot), options, engines=("textbook", "tiled", "sparse"))
+        alibi_slopes_dot=alibi_slopes_dot, gate_dot=gate_dot), options, engines=("textbook", "tiled", "sparse"))
     if cache is None:                                  # the tiled or sparse engine: O(N) memory
         jvp = tiled_jvp if plan.implementation == "tiled" else sparse_jvp
-        return jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"], dot["bias_dot"],
-                   dot["alibi_slopes_dot"], dot["sinks_dot"])
+        out, out_dot, lse, lse_dot = jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"],
+                                         dot["bias_dot"], dot["alibi_slopes_dot"], dot["sinks_dot"])
+    else:
+        out, out_dot, lse, lse_dot = _textbook_jvp(q, k, v, o, cache, dot)
+    if o.gate is not None:                             # 8. out = O * sigmoid(gate)
+        out, out_dot = gate_jvp(out, out_dot, o.gate, dot["gate_dot"])
+    return out, out_dot, lse, lse_dot
+
+
+def _textbook_jvp(q, k, v, o, cache, dot):
+    """(O, O_dot, lse, lse_dot) on the textbook's cache: steps 1-7 carrying the tangents."""
     saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], saved, dot["bias_dot"],      # 1-4.
                             dot["alibi_slopes_dot"])
@@ -143,11 +154,13 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     Hessian of <dout, out> times the tangent (forward over reverse; module docstring).
 
     options as attention_jvp's (bias, sinks and ALiBi slopes are constants here), but no
-    score_mod: its second derivative would be needed.
+    score_mod (its second derivative would be needed) and no gate.
     """
     if options.get("score_mod") is not None:
         raise ValueError("attention_hvp takes no score_mod: the Hessian needs its second derivative, which "
                          "the oracle does not take; mask_mod is accepted")
+    if options.get("gate") is not None:
+        raise ValueError("attention_hvp takes no gate: its Hessian is of attention alone (steps 1-7)")
     q, k, v, o, _, cache, dot, turned = _primal_and_tangents(q, k, v, dict(q_dot=q_dot, k_dot=k_dot,
                                                                            v_dot=v_dot), options)
     if dout is None:

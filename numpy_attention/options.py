@@ -43,7 +43,8 @@ class Option(NamedTuple):
                                     # 'pair' (ints (left, right)), 'positive', 'probability', 'policy';
                                     # None: no key
     shape: Optional[str] = None     # an array's: 'scores' broadcastable to [..., H, N_q, N_k], 'heads' an
-                                    # [H] (or [..., H], [B, H]) vector (its gradient sums each head's rows)
+                                    # [H] (or [..., H], [B, H]) vector (its gradient sums each head's rows),
+                                    # 'output' broadcastable to out [..., H, N_q, d_v]
     gradient: Optional[str] = None  # its gradient's name in AttentionGrads and in a case
     tiled: bool = True              # the tiled engine computes it (engines/plan.py refuses it otherwise)
     neginf: bool = False            # a float array that may hold -inf (a masked score, no sink); NaN and
@@ -93,6 +94,10 @@ OPTIONS = (
            "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
            "and lse = sink (fully_masked must be 'zero'); the gradient is grads.dsinks.",
            case="float", shape="heads", gradient="dsinks", neginf=True, conform="sinks"),
+    Option("gate", None, "output", "[..., H, N_q, 1] (headwise) or [..., H, N_q, d_v] (elementwise), "
+           "broadcastable to out: Qwen3-Next's output gate, out <- (P V) * sigmoid(gate) (gate.py; lse and "
+           "cache.out are the attention's, before it); gets a gradient, grads.dgate.", case="float",
+           shape="output", gradient="dgate", conform="gate"),
     Option("cu_seqlens_q", None, "keep", "[B + 1] int, with cu_seqlens_k: FlashAttention's varlen, B "
            "sequences packed along the length axes, q [H, total_q, d_k], k, v [H_kv, total_k, d]; no "
            "row attends across a sequence boundary, and causal, window and ALiBi align on each "
@@ -142,6 +147,7 @@ class AttentionOptions(NamedTuple):
     window: Optional[tuple]             # (left, right), -1 = unbounded
     dropout_scale: Optional[np.ndarray]  # dropout_mask / (1 - dropout_p), broadcastable to P (read-only)
     dropout_p: float                    # the drop probability (0 without dropout)
+    gate: Optional[np.ndarray]          # the output gate broadcastable to out [..., H, N_q, d_v] (read-only)
     fully_masked: str                   # 'zero', 'uniform' or 'nan'
     sinks: Optional[np.ndarray]         # [H] one extra logit per query head, with no value (read-only)
     alibi_slopes: Optional[np.ndarray]  # [H], [..., H], or [B, H] per packed sequence (read-only)
@@ -227,6 +233,10 @@ def options_record(q, k, v, **given):
     if bias is not None:
         bias = as_float_array(bias, "bias")
         broadcast_shape_to(bias, "bias", score_shape, legend)
+    gate = a["gate"]
+    if gate is not None:
+        gate = as_float_array(gate, "gate")
+        broadcast_shape_to(gate, "gate", q.shape[:-1] + v.shape[-1:], "the output [..., H, N_q, d_v]")
     keep = None if a["mask"] is None else as_mask(a["mask"], "mask", score_shape, legend)
     dropout_p = require_probability(a["dropout_p"], "dropout_p")
     drop = dropout_scale(a["dropout_mask"], dropout_p, score_shape, legend)
@@ -239,14 +249,14 @@ def options_record(q, k, v, **given):
         raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "
                          f"fully_masked={fully_masked!r} does not apply; use 'zero'")
     if require_bool(a["check_finite"], "check_finite"):
-        for name, x in {"q": q, "k": k, "v": v, "bias": bias, **per_head}.items():
+        for name, x in {"q": q, "k": k, "v": v, "bias": bias, **per_head, "gate": gate}.items():
             if x is not None:
                 require_finite(name, x, allow_neginf=name in NEGINF)
-    # a float64 bias widens float32 scores; per-head vectors (often Python lists) widen only to
-    # complex, for complex-step checks: real ones are cast to the scores' dtype
-    dtype = result_dtype(q, bias, *(x for x in (sinks, alibi_slopes) if x is not None and x.dtype.kind == "c"))
+    # a float64 bias widens float32 scores; per-head vectors (often Python lists) and the gate
+    # widen only to complex, for complex-step checks: real ones are cast to the scores' dtype
+    dtype = result_dtype(q, bias, *(x for x in (sinks, alibi_slopes, gate) if x is not None and x.dtype.kind == "c"))
     q, k, v = (x.astype(dtype, copy=False) for x in (q, k, v))
-    sinks, alibi_slopes = (None if x is None else x.astype(dtype) for x in (sinks, alibi_slopes))
+    sinks, alibi_slopes, gate = (None if x is None else x.astype(dtype) for x in (sinks, alibi_slopes, gate))
     if drop is not None:                                         # keep / (1 - p) in the scores' dtype
         drop = drop.astype(q.real.dtype)
     if packed[0] is not None and fully_masked == "uniform":
@@ -262,7 +272,7 @@ def options_record(q, k, v, **given):
     return q, k, v, AttentionOptions(
         scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
         causal=causal, align=align, window=window, dropout_scale=read_only_copy(drop),
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, gate=read_only_copy(gate),
         fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),

@@ -299,6 +299,17 @@ def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN, rounding=NO
     return s, Saved(softcap_tanh, mod_input)
 
 
+def row_max(s, options, score_shape=None, index=WHOLE):
+    """Each row's largest score (its max logit) of the block S[index] that `forward` returned:
+    [..., heads, rows] of Re S, -inf in a row with no score kept. A key listed c times counts
+    with its own score, without its weight's log c (as a gathering kernel sees it)."""
+    o, shape = options, s.shape if score_shape is None else score_shape
+    s = s.real
+    if o.topk is not None and not is_gathered(index) and o.topk.repeats:
+        s = s - log_multiplicity(o.topk, shape, index, s.dtype)
+    return s.max(axis=-1, initial=-np.inf)
+
+
 def _multiplicity(s, options, score_shape, index, rounding):
     """s + log c where the block's row lists its key c > 1 times (top-k lists; a gathered block
     gathers the key c times instead, and so adds nothing)."""

@@ -31,14 +31,18 @@ Forward, in this order (the blog's, with every option in its place):
        S = score_mod(S, b, h, q_idx, kv_idx)   FlexAttention's, when given
     4. S = -inf where not kept              keep = mask & causal & window & mask_mod & listed
                                             (True = attend)
-    (steps 2-4 are scores.py's, the score pipeline every engine applies to its blocks)
+    (steps 2-4 are scores.py's, the score pipeline every engine applies to its blocks;
+     max_logits = each row's largest S, QK-clip's statistic: scores.row_max)
     5. P = softmax(S), lse = logsumexp(S)   rows of all -inf: the `fully_masked` policy;
                                             sinks: one more logit per row, with no value
                                             (softmax_row.py, forward, backward and tangent)
     6. P~ = P * dropout_mask / (1 - dropout_p)
     7. out = P~ v
+    8. out = out * sigmoid(gate)            only with an output gate: gate.py, which attention.py
+                                            applies around every engine (the cache keeps step 7's)
 
 Backward, the same steps in reverse (derivations in docs/derivations.md):
+    8. dgate = dout * out_7 * sigmoid'(gate) summed to gate's shape,  dout = dout * sigmoid(gate)
     7. dv = P~^T dout,  dP~ = dout v^T
     6. dP = dP~ * dropout_mask / (1 - dropout_p)
     5. dS = P * (dP - rowsum(P * dP))       = P * (dP - D),  D = rowsum(dout * out)
@@ -118,13 +122,14 @@ def textbook_forward(q, k, v, options, plan=TEXTBOOK):
     """
     o = options
     S, saved = attention_scores(q, k, o)            # 1-4.                    [..., H, N_q, N_k]
+    max_logits = scores.row_max(S, o)               #    each row's largest score  [..., H, N_q]
     P, lse, top = softmax_row(S, o)                 # 5. P = softmax(S), lse = logsumexp(S)  (S is
                                                     #    used up); sinks, fully masked rows: softmax_row.py
     P_drop = P if o.dropout_scale is None else P * o.dropout_scale   # 6. dropout
     out = grouped_matmul(P_drop, v)                 # 7. out = P~ v           [..., H, N_q, d_v]
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=P, lse=lse,
                                top=top[..., 0], softcap_tanh=saved.softcap_tanh,
-                               score_mod_input=saved.mod_input, plan=plan)
+                               score_mod_input=saved.mod_input, plan=plan, max_logits=max_logits)
 
 
 def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):

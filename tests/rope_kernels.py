@@ -81,11 +81,8 @@ def rope_case(rng, dtype, bug=None):
     """(case, settings): a crosscheck case (dict of arrays and rope_* keys) of a torch candidate, honest or
     with a bug, and its draw's settings."""
     s = draw(rng)
-    b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
-    t = DTYPES[dtype]
-    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
-    q, dout = (torch.randn(b, h, n_q, d, generator=gen).to(t) for _ in range(2))
-    k, v = (torch.randn(b, h_kv, n_k, d, generator=gen).to(t) for _ in range(2))
+    n_q, n_k = s["n_q"], s["n_k"]
+    q, dout, k, v, _ = variant_sweeps.torch_inputs(rng, s, DTYPES[dtype])
     positions_k = np.arange(n_k) + s["offset"]
     positions_q = positions_k[n_k - n_q:]
     layout = s["layout"]

@@ -32,7 +32,7 @@ def test_the_rows_are_unique_and_their_columns_take_known_values():
         assert row.acts in ("score", "keep", "row", "output", "input"), row
         assert row.case in (None, "array", "float", "mask", "causal", "align", "pair", "positive",
                             "probability", "policy"), row
-        assert row.shape in (None, "scores", "heads"), row
+        assert row.shape in (None, "scores", "heads", "output"), row
         assert row.gradient is None or row.gradient in AttentionGrads._fields, row
         assert not row.neginf or row.case == "float", row
         assert not row.batched or row.shape == "heads", row
@@ -46,7 +46,7 @@ def test_the_case_reader_and_the_oracle_take_their_lists_from_the_rows():
             assert row.gradient in schema.GRADIENTS and row.gradient in schema.CANDIDATES
             assert GRADIENT_OF[row.name] == row.gradient and row.name in slices.SUMMED
         assert (row.name in slices.BY_HEAD) == (row.shape == "heads")
-        assert (row.name in slices.BY_SCORE) == (row.shape == "scores")
+        assert (row.name in slices.BY_SCORE) == (row.shape in ("scores", "output"))
 
 
 def test_given_names_the_options_set_to_other_than_their_default():
@@ -88,7 +88,7 @@ def test_conforms_options_and_their_other_names_come_from_the_rows():
 def test_check_finite_allows_minus_infinity_where_the_row_says_so(row):
     """bias and sinks may hold -inf (a masked score, no sink); ALiBi's slopes may not; none NaN."""
     q = np.ones((1, 2, 3, 4))
-    value = lambda x: np.full((2,), x) if row.shape == "heads" else np.full((3, 3), x)
+    value = lambda x: np.full({"heads": (2,), "output": (3, 1), "scores": (3, 3)}[row.shape], x)
     na.attention_forward(q, q, q, check_finite=True, **{row.name: value(0.0)})
     with pytest.raises(ValueError, match=f"{row.name} .* non-finite"):
         na.attention_forward(q, q, q, check_finite=True, **{row.name: value(np.nan)})

@@ -1,9 +1,22 @@
 """A sweep of crosscheck over a variant's candidates, honest and with planted bugs: the loop the
 variants' candidate modules share (tests/rope_kernels.py, mla_kernels.py, fp8_kernels.py,
-topk_kernels.py: each sweeps its rope_case, mla_case, fp8_case or topk_case)."""
+topk_kernels.py, maxlogits_kernels.py, gate_kernels.py: each sweeps its rope_case, mla_case, ...),
+and the standard normal inputs of their draws (torch_inputs)."""
 import numpy as np
 
 import numpy_attention as na
+
+
+def torch_inputs(rng, s, dtype):
+    """(q, dout [B, H, N_q, d], k, v [B, H_kv, N_k, d], generator): standard normal tensors of the
+    shapes of a draw's settings s (batch, h_kv, groups, n_q, n_k, d) in the torch dtype, drawn by a
+    generator seeded from rng (which draws on, for the case's other tensors)."""
+    import torch
+    b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    q, dout = (torch.randn(b, h, n_q, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, h_kv, n_k, d, generator=gen).to(dtype) for _ in range(2))
+    return q, dout, k, v, gen
 
 
 def sweep(case, bugs, cases, seed=0, dtypes=("float32", "bfloat16")):

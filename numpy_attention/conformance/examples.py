@@ -179,13 +179,14 @@ def mlx_sdpa(q, k, v, dout=None, causal=False, scale=None, window=None, mask=Non
 @declare(kind="numpy", supports=OPTIONS + OUTPUTS)
 def numpy_float32(q, k, v, dout=None, **options):
     """This package's attention_forward / attention_backward in float32, out and the gradients
-    rounded to the inputs' dtype (lse kept in float32, as kernels keep it)."""
+    rounded to the inputs' dtype (lse and max_logits kept in float32, as kernels keep them)."""
     dtype = q.dtype
     wide = lambda x: x.astype(np.float32)
     options = {name: wide(x) if name in FLOAT_OPTIONS else x for name, x in options.items()}
     out, cache = attention_forward(wide(q), wide(k), wide(v), **options)
-    paged = cache.paged                                 # lse of a paged cache's rows: packed
-    results = {"out": out.astype(dtype), "lse": cache.lse if paged is None else unpack_rows(cache.lse, paged)}
+    rows = (lambda x: x) if cache.paged is None else (lambda x: unpack_rows(x, cache.paged))   # a paged
+    results = {"out": out.astype(dtype), "lse": rows(cache.lse),                # cache's rows: packed
+               "max_logits": rows(cache.max_logits).astype(np.float32)}
     if dout is not None:
         grads = attention_backward(wide(dout), cache)._asdict()
         results.update({GRADIENT_OF[name]: grads[GRADIENT_OF[name]].astype(dtype) for name in GRADIENT_OF

@@ -97,7 +97,7 @@ class ConformCase(NamedTuple):
 
 def make_case(dtype, cell, role, options, outputs, batch, kv_heads, groups, n_q, n_k, d, fully_masked, seed):
     """A ConformCase with its id (the id names every field but the seed, the cell and the role)."""
-    tags = "+".join(["out"] + [{"lse": "lse", "gradients": "grad"}[name] for name in outputs])
+    tags = "+".join(["out"] + [{"lse": "lse", "max_logits": "max", "gradients": "grad"}[name] for name in outputs])
     shape = f"b{batch}h{kv_heads * groups}kv{kv_heads}-q{n_q}k{n_k}-d{d}"
     policy = "" if fully_masked == "zero" else f"-{fully_masked}"
     case_id = f"{dtype}-{'+'.join(options) or PLAIN}-{shape}-{tags}{policy}"
@@ -171,7 +171,7 @@ def draw(case):
     q [B, H, N_q, d], k, v [B, H_kv, N_k, d], dout [B, H, N_q, d] (with 'gradients'): float32
     arrays holding values of case.dtype; with varlen q [H, total_q, d], k, v [H_kv, total_k, d];
     with paged k, v [pages, H_kv, PAGE, d]. Options as 0-d or small arrays (schema.py), the
-    float ones (bias, sinks, alibi_slopes) rounded to the dtype; precision names the dtype.
+    float ones (bias, sinks, alibi_slopes, gate) rounded to the dtype; precision names the dtype.
     """
     rng = np.random.default_rng([case.seed, zlib.crc32(case.id.encode())])
     storage = PRECISIONS[case.dtype].storage
@@ -222,6 +222,8 @@ def draw(case):
         arrays["alibi_slopes"] = rounded(2.0 ** (-8 * np.arange(1, heads + 1) / heads))
     if "sinks" in o:
         arrays["sinks"] = normal(heads)
+    if "gate" in o:                                       # headwise or elementwise, q's rows
+        arrays["gate"] = rounded(2 * rng.standard_normal(q_shape[:-1] + (int(rng.choice([1, d])),)))
     if case.fully_masked != "zero":
         arrays["fully_masked"] = np.array(case.fully_masked)
     arrays["precision"] = np.array(case.dtype)

@@ -1,13 +1,15 @@
 """How a kernel is called on a case: a torch, JAX or NumPy callable, or a command line.
 
     kind     the call (options: the case's option keys)          its gradients
-    torch    fn(q, k, v, **options) -> out or (out, lse)           out.backward(dout); q.grad, ...
+    torch    fn(q, k, v, **options) -> out, (out, lse) or          out.backward(dout); q.grad, ...
+             (out, lse, max_logits)
              torch tensors of the case's dtype
-    jax      fn(q, k, v, **options) -> out or (out, lse)           jax.vjp, cotangent (dout, 0)
+    jax      fn(q, k, v, **options) -> as torch's                   jax.vjp, cotangent (dout, 0[, 0])
              jax arrays of the case's dtype, under jax.jit (the forward and the vjp one
              compilation; q, k, v and the float options traced, the others constants)
     numpy    fn(q, k, v, **options, dout=dout) -> {"out": ...,     the kernel's own dq, dk, dv
-             "lse": ..., "dq": ...}, arrays of the case's dtype     (dout given with 'gradients')
+             "lse": ..., "max_logits": ..., "dq": ...}, arrays      (dout given with 'gradients')
+             of the case's dtype
              (ml_dtypes.bfloat16 for bfloat16)
     command  "prog --in {in} --out {out}" (without the two          the dq, dk, dv it writes
              placeholders, the two paths are appended): reads the
@@ -20,7 +22,7 @@ scalars (causal True or 'bottom_right', the scale, a probability), a window as a
 .grad is judged too, by GRADIENT_OF's names), the sequences' offsets and a page table
 int32. A command's input file is the case itself: q, k, v, dout as float32
 arrays holding values of the dtype that its `precision` key names (float32, bfloat16,
-float16); its output file holds out and any of lse, dq, dk, dv, dbias, dsinks, dalibi_slopes,
+float16); its output file holds out and any of lse, max_logits, dq, dk, dv, dbias, dsinks, dalibi_slopes,
 in any float dtype crosscheck reads (storage.py).
 
 The kernel cannot change the case it is judged on. Every array it is given is a copy (NumPy
@@ -35,8 +37,9 @@ The kind is told from the kernel when not given: a str is a command; a callable 
 with supports.declare(kind=...) is that; else 'torch' or 'jax' if its code names torch or JAX
 (the modules of its function, its class, the global names its code uses and the variables it
 closes over), else 'numpy'.
-A kernel's results are those its declaration asks for: lse with 'lse' (KernelError if it
-returns none), dq, dk, dv with 'gradients'; what it returns beyond them is not judged.
+A kernel's results are those its declaration asks for: lse with 'lse', max_logits with
+'max_logits' (KernelError if it returns none), dq, dk, dv with 'gradients'; what it returns
+beyond them is not judged.
 """
 import functools
 import inspect
@@ -63,7 +66,8 @@ GRADIENT_OF = {"q": "dq", "k": "dk", "v": "dv",                 # an input -> it
 FLOAT_INPUTS = ("q", "k", "v", "dout") + FLOAT_OPTIONS  # cast to the case's dtype for the kernel
 NOT_OPTIONS = ("q", "k", "v", "dout", "precision", "fully_masked")  # the case keys a kernel is not given
 PAIRS = tuple(row.name for row in OPTIONS if row.case == "pair")    # given as a tuple (left, right)
-RESULTS = ("out", "lse") + tuple(GRADIENT_OF.values())  # what is read of a kernel's results
+ROW_RESULTS = ("lse", "max_logits")                 # what a torch or JAX kernel returns after out
+RESULTS = ("out",) + ROW_RESULTS + tuple(GRADIENT_OF.values())  # what is read of a kernel's results
 LIBRARIES = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "flax": "jax"}   # package -> kind
 
 
@@ -213,13 +217,15 @@ def _unwritten(given, arrays):
                               f"{name}, which is judged as drawn)")
 
 
-def _out_and_lse(returned):
-    """(out, lse or None) from a kernel that returns out or (out, lse)."""
-    if isinstance(returned, (tuple, list)):
-        if len(returned) != 2:
-            raise KernelError(f"the kernel returned {len(returned)} values; it returns out or (out, lse)")
-        return returned[0], returned[1]
-    return returned, None
+def _returned(returned):
+    """{"out": out, "lse": lse or None, "max_logits": ... or None} from a kernel that returns
+    out, (out, lse) or (out, lse, max_logits)."""
+    if not isinstance(returned, (tuple, list)):
+        return {"out": returned}
+    if not 2 <= len(returned) <= 1 + len(ROW_RESULTS):
+        raise KernelError(f"the kernel returned {len(returned)} values; it returns out, (out, lse) or "
+                          f"(out, lse, max_logits)")
+    return dict(zip(("out",) + ROW_RESULTS, returned))
 
 
 def _torch(fn, arrays, outputs):
@@ -237,11 +243,10 @@ def _torch(fn, arrays, outputs):
     q, k, v = (tensor(name, x) for name, x in zip("qkv", (q, k, v)))
     options = {name: tensor(name, x) for name, x in options.items()}
     given = {"q": q, "k": k, "v": v, **options}
-    out, lse = _out_and_lse(fn(q, k, v, **options))
-    results = {"out": out, "lse": lse}
+    results = _returned(fn(q, k, v, **options))
     if gradients:
         given["dout"] = tensor("dout", dout)
-        out.backward(given["dout"])
+        results["out"].backward(given["dout"])
         results.update({GRADIENT_OF[name]: given[name].grad for name in GRADIENT_OF
                         if name in given and given[name].grad is not None})
     return given, results
@@ -266,18 +271,16 @@ def _jax(fn, arrays, outputs):
 
     def forward_and_back(primals, dout):
         returned, vjp = jax.vjp(call, *primals)
-        out, lse = _out_and_lse(returned)
+        out = _returned(returned)["out"]
         cotangent = dout.astype(out.dtype)
-        if lse is not None:                       # no loss on lse: its cotangent is 0
-            cotangent = type(returned)((cotangent, jnp.zeros_like(lse)))
+        if isinstance(returned, (tuple, list)):   # no loss on lse, max_logits: their cotangents are 0
+            cotangent = type(returned)((cotangent, *(jnp.zeros_like(x) for x in returned[1:])))
         return returned, vjp(cotangent)
 
     if not gradients:
-        out, lse = _out_and_lse(jax.jit(call)(*primals))
-        return given, {"out": out, "lse": lse}
+        return given, _returned(jax.jit(call)(*primals))
     returned, grads = jax.jit(forward_and_back)(primals, jnp.asarray(dout))
-    out, lse = _out_and_lse(returned)
-    return given, {"out": out, "lse": lse, **{GRADIENT_OF[name]: g for name, g in zip(names, grads)}}
+    return given, {**_returned(returned), **{GRADIENT_OF[name]: g for name, g in zip(names, grads)}}
 
 
 def _numpy(fn, arrays, outputs):
@@ -326,12 +329,15 @@ def _wanted(results, outputs):
     """The results that `outputs` asks for (None is absent; names not in RESULTS are not read);
     KernelError for one it lacks."""
     results = {name: x for name, x in results.items() if x is not None and name in RESULTS}
-    if "lse" in outputs and "lse" not in results:
-        raise KernelError("the kernel returned no lse; its declaration says it returns one "
-                          "('lse' in supports): return (out, lse)")
+    for name in ROW_RESULTS:
+        if name in outputs and name not in results:
+            raise KernelError(f"the kernel returned no {name}; its declaration says it returns one "
+                              f"({name!r} in supports): return (out, lse{', max_logits' * (name != 'lse')}), "
+                              f"or a dict with {name!r} (numpy)")
     missing = [name for name in ("dq", "dk", "dv") if name not in results]
     if "gradients" in outputs and missing:
         raise KernelError(f"the kernel gave no {missing[0]}; its declaration says it has gradients "
                           f"('gradients' in supports)")
-    dropped = (() if "lse" in outputs else ("lse",)) + (() if "gradients" in outputs else tuple(GRADIENT_OF.values()))
+    dropped = tuple(name for name in ROW_RESULTS if name not in outputs) + \
+        (() if "gradients" in outputs else tuple(GRADIENT_OF.values()))
     return {name: x for name, x in results.items() if name not in dropped}

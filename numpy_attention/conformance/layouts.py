@@ -11,6 +11,8 @@ draws (grid.py: crosscheck's keys) and returns new ones (the case's own are neve
 """
 import numpy as np
 
+from ..oracle.schema import ROWS
+
 
 def sequence_alone(arrays, results, b):
     """(packed sequence b's arrays alone, as a pack of one, and its rows of the pack's results)."""
@@ -21,7 +23,7 @@ def sequence_alone(arrays, results, b):
     for name, rows in (("q", q_rows), ("dout", q_rows), ("k", k_rows), ("v", k_rows)):
         if name in arrays:
             alone[name] = arrays[name][:, rows]
-    mine = {name: x[..., q_rows] if name == "lse" else x[:, k_rows if name in ("dk", "dv") else q_rows]
+    mine = {name: x[..., q_rows] if name in ROWS else x[:, k_rows if name in ("dk", "dv") else q_rows]
             for name, x in results.items()}
     return alone, mine
 
@@ -56,7 +58,7 @@ def reversed_sequences(arrays):
     back_q, back_k = np.argsort(q_rows), np.argsort(k_rows)
 
     def back(results):                             # rows along N: out, dq, lse by query; dk, dv by key
-        return {name: np.take(x, back_k if name in ("dk", "dv") else back_q, axis=-1 if name == "lse" else -2)
+        return {name: np.take(x, back_k if name in ("dk", "dv") else back_q, axis=-1 if name in ROWS else -2)
                 for name, x in results.items()}
     return other, back
 

@@ -13,10 +13,12 @@
                 dropout       dropout_mask [B, H, N_q, N_k] bool with its dropout_p
                 alibi         alibi_slopes [H]
                 sinks         sinks [H]
+                gate          gate [B, H, N_q, 1] or [B, H, N_q, d]: out = (P V) sigmoid(gate)
                 varlen        packed sequences: q [H, total_q, d], cu_seqlens_q, cu_seqlens_k
                 paged         a paged KV cache: k, v [pages, H_kv, page, d], page_table, cache_seqlens
     outputs   what the kernel returns besides out, on every case:
                 lse           the logsumexp [..., H, N_q], natural log
+                max_logits    each row's largest score [..., H, N_q], after the scale (-inf: no key)
                 gradients     dq, dk, dv (and the options' gradients where it gives them)
     promises  what the kernel's results keep, held bit for bit by the properties (properties.py):
                 deterministic     the same inputs give the same bits
@@ -39,7 +41,7 @@ from ..options import OPTIONS as OPTION_ROWS
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIONS = (("causal", "bottom_right", "gqa") + tuple(row.conform for row in OPTION_ROWS if row.conform)
            + ("varlen", "paged"))          # attention_forward's options by the table's conform names
-OUTPUTS = ("lse", "gradients")
+OUTPUTS = ("lse", "max_logits", "gradients")
 PROMISES = ("deterministic", "batch_invariant")
 PLAIN = "plain"                             # the table's row of cases with no option
 MAX_BLOCK = 4096                            # the largest block size a kernel may declare
@@ -49,7 +51,7 @@ KINDS = ("torch", "jax", "numpy", "command")
 # options that one case cannot hold together (the case format refuses them, or they contradict)
 EXCLUSIVE = frozenset(frozenset(pair) for pair in (
     ("causal", "bottom_right"), ("varlen", "paged"), ("varlen", "mask"), ("varlen", "bias"),
-    ("varlen", "dropout"), ("paged", "mask"), ("paged", "bias"), ("paged", "dropout")))
+    ("varlen", "dropout"), ("paged", "mask"), ("paged", "bias"), ("paged", "dropout"), ("paged", "gate")))
 # options that take fully_masked='zero' only (attention_forward's rule)
 ZERO_ONLY = {"varlen": ("zero", "nan"), "paged": ("zero", "nan"), "sinks": ("zero",)}
 # other names for an option or a dtype: what to write instead

@@ -137,6 +137,7 @@ def blocked_forward(q, k, v, options, plan):
                            for on in (o.softcap is not None, o.score_mod is not None)))   # stages, whole
     lse = np.empty(score_shape[:-1], q.dtype)                        # [..., H, N_q]
     top = np.empty(score_shape[:-1] + (1,), np.intp)
+    max_logits = np.empty(score_shape[:-1], q.real.dtype)           # [..., H, N_q]
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], q.dtype)           # [..., H, N_q, d_v]
     saved_out = np.empty_like(out)                                   # the cache's copy
     def forward_block(block):                                        # writes only its own rows
@@ -147,6 +148,7 @@ def blocked_forward(q, k, v, options, plan):
         for whole, part in zip(saved, saved_block):
             if part is not None:
                 whole[index] = part
+        max_logits[block] = scores.row_max(s, o, score_shape, index)   # each row's largest score
         _, lse[block], top_cols = softmax_row(s, o, score_shape, index,   # 5. P = softmax(S), lse,
                                               out=p_block[..., cols])      #    in P's place
         dead = np.isneginf(lse[block].real)[..., None]               # fully masked rows
@@ -163,7 +165,7 @@ def blocked_forward(q, k, v, options, plan):
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=shape(saved_out), weights=shape(p),
                                lse=lse.reshape(q.shape[:-1]), top=top.reshape(q.shape[:-1]),
                                softcap_tanh=shape(saved.softcap_tanh), score_mod_input=shape(saved.mod_input),
-                               plan=plan)
+                               plan=plan, max_logits=max_logits.reshape(q.shape[:-1]))
 
 
 def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):

@@ -206,7 +206,7 @@ def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None
     q_rows = q3[at + (rows,)].reshape((heads, b, q3.shape[-1]))
     s, saved, keep, index = _block_scores(o, score_shape, at, rows, q_rows, k_h,      # 1-4. (k_L not held)
                                           _lists(o, at, rows))[:4]
-    top = s.real.max(axis=-1, initial=-np.inf).reshape(heads, b)      # the row's largest score
+    top = scores.row_max(s, o, score_shape, index).reshape(heads, b)  # the row's largest score
     P, lse, _ = softmax_row(s, _row_options(o), score_shape, index)   # 5. (s its scratch)
     cols = index[-1]
     v_listed = v_h[cols]

@@ -78,27 +78,30 @@ def tiled_forward(q, k, v, options, plan):
 
     q, k, v and options as `attention_options` returns them; the plan's block_size, workers and
     scheduler (engines/plan.py).
-    Returns out [..., H, N_q, d_v] and a TiledAttentionCache (out and lse inside).
+    Returns out [..., H, N_q, d_v] and a TiledAttentionCache (out, lse and max_logits inside).
     """
     o = options
     q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                      # [..., H, N_q, N_k]
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype=q3.dtype)     # [..., H, N_q, d_v]
     lse = np.empty(q3.shape[:-1], dtype=q3.dtype)                      # [..., H, N_q]
+    max_logits = np.empty(q3.shape[:-1], dtype=q3.real.dtype)          # [..., H, N_q]
     row_tiles = tiles(score_shape[-2], plan.block_size)
     items = [(scaled(q3[..., rows, :], o.scale), rows) for rows in row_tiles]
     shared = _shared(o, plan, k3=k3, v3=v3, score_shape=score_shape)
     for rows, result in zip(row_tiles, run_tasks(_forward_rows, items, plan.workers, shared, plan.scheduler)):
-        out[..., rows, :], lse[..., rows] = result
+        out[..., rows, :], lse[..., rows], max_logits[..., rows] = result
     out, lse = out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
-    return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse, plan=plan)
+    return out, TiledAttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), lse=lse, plan=plan,
+                                    max_logits=max_logits.reshape(q.shape[:-1]))
 
 
 def _forward_rows(q_i, rows, tangents=None, *, o, block_size, k3, v3, score_shape):
-    """(out_i, lse_i) of one query tile (q_i scaled) by the online softmax over key tiles j;
-    with tangents (Tangents of the tile), also (out_dot_i, lse_dot_i) (tiled_jvp)."""
+    """(out_i, lse_i, max_logits_i) of one query tile (q_i scaled) by the online softmax over key
+    tiles j; with tangents (Tangents of the tile), (out_i, lse_i, out_dot_i, lse_dot_i) (tiled_jvp)."""
     lead = q_i.shape[:-1]                                               # [..., H, b_q]
     m = np.full(lead, -np.inf, dtype=q_i.real.dtype)                    # running row max of Re S
+    top = m.copy()                                                      # of the scores alone (m: the sink's too)
     l = np.zeros(lead, dtype=q_i.dtype)                                 # running row sum of P
     acc = np.zeros(lead + v3.shape[-1:], dtype=q_i.dtype)               # running P v
     acc_dot, l_dot = np.zeros(acc.shape, acc.dtype), np.zeros(lead, l.dtype)   # sum P (S_dot v + v_dot), sum P S_dot
@@ -113,6 +116,7 @@ def _forward_rows(q_i, rows, tangents=None, *, o, block_size, k3, v3, score_shap
         if keep is False:
             continue
         m_new = np.maximum(m, s.real.max(axis=-1))
+        top = np.maximum(top, scores.row_max(s, o, score_shape, (Ellipsis, rows, cols)))
         shift = np.where(np.isneginf(m_new), 0.0, m_new)                # nothing kept yet: any shift
         s -= shift[..., None]
         p = np.exp(s, out=s)                                            # P_ij = exp(S_ij - m'), in place
@@ -132,7 +136,7 @@ def _forward_rows(q_i, rows, tangents=None, *, o, block_size, k3, v3, score_shap
     with np.errstate(divide="ignore"):
         lse = np.where(dead, -np.inf, np.where(np.isneginf(m), 0.0, m) + np.log(np.where(dead, 1, l)))
     if tangents is None:
-        return out, lse
+        return out, lse, top
     lse_dot = l_dot / safe_l[..., 0]                                    # <P, S_dot>
     return out, lse, (acc_dot - out * l_dot[..., None]) / safe_l, lse_dot
 

@@ -20,7 +20,7 @@ from .memory import too_large
 from .npz import read_npz
 from .precision import PRECISIONS
 from .schema import (CANDIDATES, DESCALES, FLOAT_OPTIONS, FORWARD_MODE, GRADIENTS, INPUTS, KEYS, LAID_OUT, LAYOUTS,
-                     LSE_BASES, PER_HEAD, Case, CaseError, check_keys, decode_options, word)
+                     LSE_BASES, OPTION_OF, Case, CaseError, check_keys, decode_options, word)
 from .storage import StorageError, decode, infer_precision
 from .transforms import (checked_topk, dequantized, fp8_settings, latent_kv, packed_if_paged, token_lists,
                          tokens)
@@ -122,7 +122,7 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None, memory=Fal
         raise CaseError(f"precision {chosen.name!r} is checked forward only; the case has {gradients[0]}")
     if gradients and "dout" not in tensors:
         raise CaseError(f"missing key 'dout': the upstream gradient that {gradients[0]} belongs to")
-    for gradient, option in (("dbias", "bias"), *PER_HEAD.items()):
+    for gradient, option in OPTION_OF.items():
         if gradient in tensors and option not in tensors:
             raise CaseError(f"{gradient} is given but {option} is not")
     chosen, block = fp8_settings(arrays, chosen)
@@ -166,12 +166,17 @@ def split_case(arrays, *, precision=None, layout=None, lse_base=None, memory=Fal
                      ("out_dot", out_shape), ("lse_dot", q.shape[:-1]),
                      ("dout", out_shape), ("out", out_shape), ("lse", q.shape[:-1]),
                      ("dq", q.shape), ("dk", k.shape), ("dv", v.shape), ("dkv", k.shape),
-                     ("dbias", np.shape(tensors.get("bias"))),
-                     *((g, np.shape(tensors.get(o))) for g, o in PER_HEAD.items())):
+                     *((g, np.shape(tensors.get(o))) for g, o in OPTION_OF.items())):
         if n in tensors:
             if n == "lse":
                 _require_lse_shape(tensors[n], shape)
             _require_shape(tensors, n, shape)
+    if "max_logits" in tensors:                                     # per row, or per head (over the
+        heads = q.shape[-3] if q.ndim >= 3 else 1                    # batch and the rows)
+        shapes = (q.shape[:-1], (heads,))
+        if tensors["max_logits"].shape not in shapes:
+            raise CaseError(f"max_logits must have shape {shapes[0]} (each row's largest score, like lse) or "
+                            f"{shapes[1]} (each head's, over the batch and the rows), got {tensors['max_logits'].shape}")
     return Case(inputs=inputs, options=options,
                 candidates={n: tensors[n] for n in CANDIDATES if n in tensors},
                 precision=chosen, layout=layout, lse_base=lse_base, paged=paged, latent=latent,

@@ -18,19 +18,15 @@ The mix-ups and their reruns are mixups.py's. The factors: -1, 2, 1/2, 1 / scale
 1 - p (dropout not rescaled by 1 / (1 - p)); and rows of out or lse shifted by one (verdicts.py
 adds: the [..., N, H, d] layout read as [..., H, N, d]).
 
-Named from the candidate alone, before any rerun: lse in base 2 where the case says base e,
-or the reverse; and split-KV merges' mix-ups in the rows with no key (the oracle's lse
--inf): NaN there and only there (two empty states merged), a finite lse there (an empty
-split's sentinel), or lse +inf in rows that have keys (an empty split's +inf merged); MLA's
-dkv missing one use; and a sparse top-k backward that writes each use's dk, dv to its key
-instead of adding it (a key several queries list, or one lists twice, keeps one use's).
+Before any rerun, the mix-ups named from the candidate and the oracle's results alone
+(named.py).
 """
 import math
 
 import numpy as np
 
-from ..topk import counts, topk_lists
 from .mixups import Mixup, case_mixups, combined, rerun_oracle
+from .named import named_directly, rel_l2
 from .schema import GRADIENTS
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
@@ -42,17 +38,6 @@ PAIR_SCORES = 2 ** 20   # pairs of mix-ups are tried on cases of at most this ma
 PAIRED = 6              # of the mix-ups that bring the candidate nearest, this many
 FIT_STEPS = 4           # Gauss-Newton steps of the scale fitted to the failing tensors,
 FIT_STEP = 2.0 ** -20   # each one's directions by a difference of log(scale) this large
-
-
-def rel_l2(x, ref):
-    """||x - ref|| / ||ref|| over the finite entries (inf where their non-finite entries differ)."""
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if not np.array_equal(np.isfinite(x), np.isfinite(ref)):
-        return math.inf
-    finite = np.isfinite(ref)
-    norm = float(np.linalg.norm(np.where(finite, ref, 0)))
-    err = float(np.linalg.norm(np.where(finite, x - ref, 0)))
-    return err / norm if norm > 0 else (0.0 if err == 0 else math.inf)
 
 
 def diagnose(case, truth, failing, noise=None, laid_out=None):
@@ -70,8 +55,7 @@ def diagnose(case, truth, failing, noise=None, laid_out=None):
     noise = {n: (noise or {}).get(n, 0.0) for n in candidates}
     distance = {n: rel_l2(candidates[n], truth[n]) for n in candidates}
     judge = _Judge(candidates, distance, noise)
-    found = (_lse_base(candidates, truth, case, judge) or _empty_rows(candidates, truth)
-             or _latent_parts(candidates, truth, case, judge) or _written_once(candidates, truth, case, judge))
+    found = named_directly(candidates, truth, case, judge)
     if found:
         return found
     gradients = any(n in candidates for n in GRADIENTS)
@@ -103,110 +87,6 @@ def diagnose(case, truth, failing, noise=None, laid_out=None):
                     if found:
                         return [found]
     return []
-
-
-def _lse_base(candidates, truth, case, judge):
-    """The line when the candidate's lse is in the other base than the case says: base 2 read
-    as base e (lse / ln 2), or base e read as base 2 (lse ln 2); else []."""
-    if "lse" not in candidates:
-        return []
-    other, factor = ("2", math.log(2)) if case.lse_base == "e" else ("e", 1 / math.log(2))
-    err = rel_l2(candidates["lse"] * factor, truth["lse"])
-    if not judge.explains(err, "lse"):
-        return []
-    said = {"e": "base e", "2": "base 2"}
-    return [f"lse matches lse in {said[other]} (rel L2 {err:.1e}); the case says {said[case.lse_base]} "
-            f"(lse_base={other!r} reads it)"]
-
-
-def _empty_rows(candidates, truth):
-    """Lines for the split-KV merges' mix-ups around rows with no key (the oracle's lse -inf),
-    which no rerun shows: NaN in those rows alone (two empty states merged, exp(-inf - (-inf)));
-    a finite lse there (an empty split's finite sentinel carried through); lse +inf in rows that
-    have keys (an empty split's +inf, FlashAttention's lse of a row with no key, merged as a
-    score). [] when none of them."""
-    lse = truth.get("lse")
-    if lse is None:
-        return []
-    dead = np.isneginf(lse)                                      # [..., H, N_q]
-    rows = lambda x: x if x.ndim == dead.ndim else np.any(x, axis=-1)   # out's entries -> rows
-    lines = []
-    nan = [n for n in ("out", "lse") if n in candidates and np.isnan(candidates[n]).any()]
-    if nan and dead.any() and all(not (rows(np.isnan(candidates[n])) & ~dead).any() for n in nan):
-        count = int(np.sum(np.any([rows(np.isnan(candidates[n])) for n in nan], axis=0)))
-        lines.append(f"{', '.join(nan)} {'is' if len(nan) == 1 else 'are'} NaN in {count} of the "
-                     f"{int(dead.sum())} query rows with no key, and only there: a merge of two empty "
-                     f"states (lse -inf each) computed exp(-inf - (-inf)); such a row's out is 0 and "
-                     f"its lse -inf (a merge takes a largest lse of -inf as empty)")
-    if "lse" in candidates:
-        cand = candidates["lse"]
-        finite = dead & np.isfinite(cand)
-        if finite.any():
-            lines.append(f"lse is finite ({float(cand[finite].min()):.3g}) in {int(finite.sum())} of the "
-                         f"{int(dead.sum())} query rows with no key, where -inf is expected (or "
-                         f"FlashAttention's +inf): an empty split's finite sentinel carried through a merge")
-        infinite = ~dead & np.isfinite(lse) & np.isposinf(cand)
-        if infinite.any():
-            lines.append(f"lse is +inf in {int(infinite.sum())} query rows that have keys: an empty "
-                         f"split's +inf (FlashAttention's lse of a row with no key) merged as a score, "
-                         f"where a merge must read it as -inf")
-    return lines
-
-
-def _latent_parts(candidates, truth, case, judge):
-    """The line when an MLA candidate's dkv is one use's gradient alone: the keys' dk (the
-    values' gradient not added into kv's first columns) or the values' [dv ; 0]; else []."""
-    if "dkv" not in candidates or "dk" not in truth:
-        return []
-    values = np.zeros_like(truth["dk"])
-    values[..., :case.latent] = truth["dv"]
-    for alone, did in ((truth["dk"], "the keys' gradient dk alone (the values' dv not added)"),
-                       (values, "the values' gradient [dv ; 0] alone (the keys' dk not added)")):
-        err = rel_l2(candidates["dkv"], alone)
-        if judge.explains(err, "dkv"):
-            return [f"dkv matches {did} (rel L2 {err:.1e}); kv serves as the keys and as the values, and "
-                    f"its gradient is the sum of both"]
-    return []
-
-
-def _written_once(candidates, truth, case, judge):
-    """The line when a sparse top-k candidate's dk and dv are, entry by entry, the gradient of
-    one of its key's uses (its scatter writes where it should add, and a scatter of rows with
-    repeated indices may keep each column from another write): the nearest use's for each
-    entry, a use u = (query head h, row i) with c > 0 copies of key j in its list giving
-        dv_j = P_hij / c dout_hi,   dk_j = dS_hij / c (scale q_hi)     (one copy's share)
-    from the oracle's stages P, dS; else []."""
-    named = [n for n in ("dk", "dv") if n in candidates]
-    if case.topk is None or not named or "dout" not in case.inputs or "P" not in truth or "dS" not in truth:
-        return []
-    q, dout = (np.asarray(case.inputs[n], np.float64) for n in ("q", "dout"))
-    k_shape = case.inputs["k"].shape
-    scale = case.options.get("scale") or 1 / math.sqrt(q.shape[-1])
-    shape = q.shape[:-3] + (k_shape[-3], q.shape[-3] // k_shape[-3], q.shape[-2], k_shape[-2])
-    lists = topk_lists(case.topk[0], case.topk[1], q.shape, k_shape)
-    copies = counts(lists, q.shape[:-1] + k_shape[-2:-1]).reshape(shape)        # [..., H_kv, G, N_q, N_k]
-    uses = np.nonzero(copies)                                                    # (..., g, h of g, i, j)
-    at = lambda x: np.reshape(x, shape)[uses]                                    # each use's
-    rows = lambda x: x.reshape(shape[:-1] + x.shape[-1:])[uses[:-1]]             # its query row's
-    share = {"dv": (at(truth["P"]) / at(copies))[:, None] * rows(dout),
-             "dk": (at(truth["dS"]) / at(copies))[:, None] * rows(q * scale)}
-    keys = uses[:-3] + uses[-1:]                                                 # its key: (..., g, j)
-    parts = []
-    for name in named:
-        cand = candidates[name]
-        nearest = np.full(cand.shape, np.inf)
-        np.minimum.at(nearest, keys, (cand[keys] - share[name]) ** 2)
-        unused = np.isinf(nearest)
-        nearest[unused] = cand[unused] ** 2                                      # a key no query lists: 0
-        err = math.sqrt(nearest.sum()) / max(float(np.linalg.norm(cand)), 1e-300)
-        if not judge.near(err, name):
-            return []
-        parts.append((name, err))
-    if not any(judge.explains(err, name) for name, err in parts):
-        return []
-    return [f"{', '.join(n for n, _ in parts)} {'matches' if len(parts) == 1 else 'match'} one use's gradient "
-            f"for each key (rel L2 {max(e for _, e in parts):.1e}): the backward writes each use's gradient to "
-            f"its key; a key that several queries list, or one lists twice, gets the sum of all its uses"]
 
 
 def _tried(rerun, mixup):
@@ -321,12 +201,16 @@ class _Judge:
         return "; ".join(lines)
 
 
-def _known_factors(case):
-    """{factor: its name} of the constants a kernel may multiply a result by wrongly."""
+def _known_factors(case, name):
+    """{factor: its name} of the constants a kernel may multiply the result `name` by wrongly."""
     d_k, given = case.inputs["q"].shape[-1], case.options.get("scale")
     scale = given if given is not None else 1 / math.sqrt(d_k)
+    unscaled = ("the largest q k^T before the softmax scale (FlashAttention's row_max): max_logits is "
+                "after it, row_max * scale" if name == "max_logits" else "a backward without the scale")
     known = {-1.0: "negated", 2.0: "times 2", 0.5: "times 1/2",
-             1 / scale: f"times {1 / scale:g} = 1 / scale: a backward without the scale",
+             1 / scale: f"times {1 / scale:g} = 1 / scale: {unscaled}",
+             **({math.log2(math.e): "times log2(e) = 1.4427: in base 2 (a kernel's exp2 units, S log2 e)"}
+                if name == "max_logits" else {}),
              scale: f"times {scale:g}: the scale applied once more"}
     p = float(case.options.get("dropout_p", 0) or 0)
     if "dropout_mask" in case.options and 0 < p < 1:
@@ -337,7 +221,7 @@ def _known_factors(case):
 def _factor(cand, ref, case, name, judge):
     """(how, rel L2) where cand is a known constant times ref (known_factors), over the whole
     tensor or head by head (heads on axis -3; -2 for lse), the other heads equal; else None."""
-    known = _known_factors(case)
+    known = _known_factors(case, name)
     near = lambda c: next((f for f in known if math.isclose(c, f, rel_tol=1e-2)), None)
     finite = np.isfinite(ref) & np.isfinite(cand)
     if not finite.all():

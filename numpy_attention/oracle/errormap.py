@@ -47,7 +47,8 @@ from .rule import abs_errors, baseline_rows, judge
 DECADES = 4             # the colour scale spans ratios 10^-4 .. 10^4 (beyond: the end colours)
 PANEL_HEIGHT = 2.4      # inches per tensor
 DPI = 100
-_AFTER_HEAD = {"lse": 1, "lse_dot": 1, **{name: 0 for name in HEAD_GRADIENTS}}   # axes after the head's; else 2
+_AFTER_HEAD = {"lse": 1, "lse_dot": 1, "max_logits": 1,        # axes after the head's; else 2
+               **{name: 0 for name in HEAD_GRADIENTS}}
 _ROWS = {"dk": "key row", "dv": "key row", **{name: "one entry per head" for name in HEAD_GRADIENTS}}   # else "query row"
 _HEADS = {"dk": "kv head", "dv": "kv head", "dbias": "bias head"}      # else "head"
 _FEATURES = {"out": "d_v", "out_dot": "d_v", "dv": "d_v", "dq": "d_k", "dk": "d_k", "dbias": "key column"}
@@ -91,7 +92,8 @@ def head_rows(name, ratios):
     """A tensor's entry ratios as [batch, H, rows, features] (module docstring's table): the
     axes before the head axis flattened into one, axes of length 1 where it has none."""
     r = np.asarray(ratios)
-    r = r.reshape(r.shape + (1,) * (2 - _AFTER_HEAD.get(name, 2)))
+    after = 0 if name == "max_logits" and r.ndim == 1 else _AFTER_HEAD.get(name, 2)   # [H]: per head
+    r = r.reshape(r.shape + (1,) * (2 - after))
     r = r.reshape((1,) * max(0, 3 - r.ndim) + r.shape)
     return r.reshape((-1,) + r.shape[-3:])
 

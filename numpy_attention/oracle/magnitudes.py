@@ -138,7 +138,8 @@ def magnitudes_of(sums, inputs, options):
     scale = options.get("scale", 1 / np.sqrt(q.shape[-1]))
     longest = lambda x: _lengths(x).max(initial=0)
     lse = sums["lse"] + scale * longest(q) * longest(k) + np.log(max(k.shape[-2], 1))
-    mags = {"out": sums["out"] * v.max(initial=0), "lse": lse}
+    mags = {"out": sums["out"] * v.max(initial=0), "lse": lse,
+            "max_logits": sums["lse"] + scale * longest(q) * longest(k)}   # a score's terms
     if "dout" in inputs:
         mags.update(dv=sums["dv"] * np.abs(inputs["dout"]).max(initial=0),
                     dq=scale * sums["dq"] * k.max(initial=0),

@@ -60,7 +60,7 @@ def rerun_oracle(inputs, options, gradients, mixup, latent=None):
         unscaled = options.get("scale") or 1 / math.sqrt(q.shape[-1])
         q = np.concatenate([q[..., :latent], q[..., latent:] / unscaled], axis=-1)
     out, cache = attention_forward(q, k, v, **options)
-    result = {"out": out, "lse": cache.lse}
+    result = {"out": out, "lse": cache.lse, "max_logits": cache.max_logits}
     if gradients and "dout" in inputs:
         grads = attention_backward(inputs["dout"].astype(np.float64), cache)
         dk, dv = grads.dk, grads.dv

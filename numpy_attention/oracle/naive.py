@@ -160,7 +160,7 @@ def _swap(x):
 
 
 def naive_attention(q, k, v, options, dout=None):
-    """out, lse (and dq, dk, dv, dbias with dout) in q's dtype, as a dict.
+    """out, lse, max_logits (and dq, dk, dv, dbias with dout) in q's dtype, as a dict.
 
     q, k, v and options (an AttentionOptions record) as `attention_options` returns them:
     naive_attention(*attention_options(q, k, v, **kwargs), dout=dout). Without dout, the
@@ -175,6 +175,7 @@ def naive_attention(q, k, v, options, dout=None):
     keys = _Keys(k3, v3)
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], dtype)
     lse = np.empty(q3.shape[:-1], dtype)
+    max_logits = np.empty(q3.shape[:-1], dtype)
     dq = np.empty(q3.shape, dtype)
     dk = np.zeros(q3.shape[:-3] + k3.shape[-3:-1] + q3.shape[-1:], dtype)   # running sums over the rows
     dv = np.zeros(q3.shape[:-3] + v3.shape[-3:], dtype)
@@ -186,6 +187,7 @@ def naive_attention(q, k, v, options, dout=None):
             runs, keep = kept_runs(o, score_shape, index)
             f = _forward_tile(q_t, keys.at(runs), o, score_shape, index, runs, keep)
             out[..., g::groups, rows, :], lse[..., g::groups, rows] = f["out"], f["lse"]
+            max_logits[..., g::groups, rows] = f["max_logits"]
             if dout3 is None:
                 continue
             dq[..., g::groups, rows, :], dk_t, dv_t = _backward_tile(dout3[..., g::groups, rows, :], q_t, f, o,
@@ -195,7 +197,8 @@ def naive_attention(q, k, v, options, dout=None):
                 dv[..., run, :] += dv_t[..., cols, :]
             if o.sinks is not None:
                 params.add_sink(f["dsink"], index + (slice(None),))
-    result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
+    result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1]),
+              "max_logits": max_logits.reshape(q.shape[:-1])}
     if dout3 is not None:
         result.update(dq=dq.reshape(q.shape), dk=(o.scale * dk).reshape(k.shape), dv=dv.reshape(v.shape))
         result.update({name: g for name, g in ScoreGrads.total([params], o, score_shape, dtype).items()
@@ -269,11 +272,13 @@ class _Keys:
 
 def _forward_tile(q, keys, o, score_shape, index, runs, keep):
     """The forward of one tile, q [..., H_kv, r, d_k], on its runs of keys (W of them; keys:
-    _Keys.at): dict out [..., H_kv, r, d_v], lse [..., H_kv, r] and, for the backward, S,
+    _Keys.at): dict out [..., H_kv, r, d_v], lse, max_logits [..., H_kv, r] and, for the backward, S,
     the score steps' Saved, dead rows, the dropout and the sink's weight."""
     s = recursive_matmul(q * o.scale, _swap(keys["k"]))               # 1.  [..., H_kv, r, W]
     s, saved = _score_steps(s, o, score_shape, index, runs, keep)    # 2-4. (scores.py)
     w = s.shape[-1]
+    max_logits = np.max([scores.row_max(s[..., cols], o, score_shape, index + (run,))   # each row's
+                         for run, cols in _side_by_side(runs)], axis=0, initial=-np.inf)  # largest score
     s_row = with_sink(s, o, score_shape, index + (slice(None),))     # sinks: one more logit, no value
     m = np.max(s_row, axis=-1, keepdims=True, initial=-np.inf)       # -inf: no key (N_k = 0) or all masked
     m = np.where(np.isneginf(m), 0, m)
@@ -290,7 +295,8 @@ def _forward_tile(q, keys, o, score_shape, index, runs, keep):
     drop = block_of(o.dropout_scale, score_shape, index + (slice(None),))
     drop = None if drop is None else _on_runs(drop, runs, -1)
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
-    return {"out": key_chunks_sum(p_drop, keys["v_chunks"]), "lse": lse, "s": s, "p": p, "dead": dead,
+    return {"out": key_chunks_sum(p_drop, keys["v_chunks"]), "lse": lse, "max_logits": max_logits, "s": s,
+            "p": p, "dead": dead,
             "drop": drop, "saved": saved, "p_sink": p_row[..., w:], "keys": keys}
 
 

@@ -129,6 +129,7 @@ def recipe_backwards(q, k, v, options, precision, dout=None, backwards=(("eager"
                  v=rnd(v3 * inv_keep) if reorder else v3)                        # out = P~ (v / (1 - p))
     out = np.empty(q3.shape[:-1] + v3.shape[-1:], np.float32)
     lse = np.empty(q3.shape[:-1], np.float32)
+    max_logits = np.empty(q3.shape[:-1], np.float32)
     dout3 = None if dout is None else rnd(with_head_axis(dout))
     runs = [None if dout3 is None or backward is None else _backward_run(rnd, backward, saved, q3, k3, v3, o,
                                                                          score_shape, mlx)
@@ -138,12 +139,13 @@ def recipe_backwards(q, k, v, options, precision, dout=None, backwards=(("eager"
         index = (Ellipsis, rows, slice(None))
         f = _forward_rows(rnd, q3[..., rows, :], k3, v3, used, o, precision, score_shape, index,
                           reorder, scores)
-        out[..., rows, :], lse[..., rows] = f.out, f.lse
+        out[..., rows, :], lse[..., rows], max_logits[..., rows] = f.out, f.lse, f.max_logits
         stages = _flash_stages(dout3[..., rows, :], o, f) if flash else None   # the flash backwards' S, P, dP
         for run in runs:
             if run is not None:
                 _backward_rows(rnd, run, dout3[..., rows, :], o, f, rows, stages)
-    result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1])}
+    result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1]),
+              "max_logits": max_logits.reshape(q.shape[:-1])}
     shapes = (q.shape, k.shape, v.shape)
     return [dict(result) if run is None else {**result, **_gradients(rnd, run, o, reorder, *shapes)} for run in runs]
 
@@ -216,6 +218,7 @@ class _Forward(NamedTuple):
     p_drop: np.ndarray      # P~ as multiplied with used.v
     out: np.ndarray
     lse: np.ndarray
+    max_logits: np.ndarray  # [..., H, b] each row's largest score
     reorder: bool
     distance: object        # how the forward rounded ALiBi's distances (None: not)
     index: tuple            # the block's index into the scores
@@ -250,6 +253,7 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
     p_drop = round_to(p_drop, precision.weights)
     return _Forward(q=q, k=k, v=v, used=used, keep=keep, saved=saved, drop=drop, p=p, p_drop=p_drop,
                     out=rnd(_tile_matmul(p_drop, used.v, bits)), lse=lse, reorder=reorder,
+                    max_logits=scores.row_max(s, o, score_shape, index),
                     distance=rounding.distance, index=index, score_shape=score_shape, p_sink=p_sink)
 
 

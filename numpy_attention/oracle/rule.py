@@ -93,7 +93,7 @@ import numpy as np
 
 from ..options import GRADIENTS
 
-K_DEFAULT = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, **{name: 3.0 for name in GRADIENTS},
+K_DEFAULT = {"out": 2.0, "lse": 2.0, "max_logits": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, **{name: 3.0 for name in GRADIENTS},
              "out_dot": 3.0, "lse_dot": 3.0}
 ATOL_ULPS = 4
 K_L2 = 2.0

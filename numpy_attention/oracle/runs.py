@@ -12,6 +12,8 @@ float64 candidate is naive.py; of a 16- or 8-bit one, each way of the precision'
 runs in (batch index, kv head) slices (slices.py), put back together in a fixed order: the
 results are bitwise the same for any number of workers, or on a cluster.
 """
+from functools import partial
+
 import numpy as np
 
 from .._layout import grouped_matmul, with_head_axis
@@ -20,12 +22,14 @@ from ..caches import TEXTBOOK
 from ..engines.parallel import run_tasks
 from ..engines.plan import PARALLEL_SCORES, attention_plan
 from ..engines.tiled import tile_scores
+from ..gate import gate_forward, sigmoid
 from ..options import GRADIENTS, attention_options, untiled
 from ..paged import scatter_keys, unpack_rows
 from . import row_blocks
 from .schema import CANDIDATES, FLOAT_OPTIONS, CaseError
 from .magnitudes import magnitudes_of, max_sums, term_magnitudes, term_sums, whole_stages
 from .naive import WAY as NAIVE_WAY, naive_attention
+from .gated import gated, gated_dout
 from .precision import round_to
 from .recipe import TILE_ROWS, recipe_backwards
 from .rotary import turn_qk, turned_case
@@ -77,7 +81,7 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
     scale_factor: the scale times this (the rule's scale check reruns the oracle so).
     scheduler: a Dask Client for the tiled engine's slices (stages False), or None.
     Returns:
-        dict with out [..., H, N_q, d_v], lse [..., H, N_q], and with gradients and dout
+        dict with out [..., H, N_q, d_v], lse and max_logits [..., H, N_q], and with gradients and dout
         dq, dk, dv (dbias with a bias); with stages also the scores S (-inf where masked),
         the weights P and P~ (after dropout) [..., H, N_q, N_k], and with gradients the
         stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
@@ -88,7 +92,9 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
     plan = attention_plan(record, q.shape, k.shape, **engine)
     forward, _ = ENGINES[plan.implementation]
     out, cache = forward(q, k, v, record, plan)
-    result = {"out": out, "lse": cache.lse}
+    gate = record.gate
+    result = {"out": out if gate is None else gate_forward(out, gate), "lse": cache.lse,
+              "max_logits": cache.max_logits}
     if stages:
         dropout_scale = record.dropout_scale
         p_drop = cache.weights if dropout_scale is None else cache.weights * dropout_scale
@@ -96,7 +102,7 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
     if gradients and dout is not None:
         if forward_of is not None:
             cache = _from_candidate_forward(cache, forward_of, dtype)
-        g = attention_backward(dout, cache, method="flash" if forward_of else "vjp",
+        g = attention_backward(dout, cache, method="flash" if forward_of else "vjp",   # (and the gate's)
                                return_stages=stages)
         dq, dk = scale * g.dq, g.dk
         result.update(zip(("dq", "dk"), (dq, dk) if back is None else back(dq, dk)), dv=g.dv)
@@ -107,10 +113,12 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
 
 
 def _from_candidate_forward(cache, forward_of, dtype):
-    """The oracle's cache with the candidate's out and lse (a +inf lse, FlashAttention's fully
+    """The oracle's cache with the candidate's out (over sigmoid(gate) with a gate) and lse (a +inf lse, FlashAttention's fully
     masked row, is -inf), for a flash backward: the tiled engine's recomputes P from them;
     for the others P = exp(S - lse) here, and the textbook's flash backward."""
     out = np.asarray(forward_of["out"]).astype(dtype)
+    if cache.options.gate is not None:                  # the attention's O, before the gate
+        out = out / sigmoid(cache.options.gate)
     lse = np.asarray(forward_of["lse"]).astype(dtype)
     lse = np.where(np.isposinf(lse) & np.isneginf(cache.lse), -np.inf, lse)
     if isinstance(cache, TiledAttentionCache):
@@ -132,7 +140,8 @@ def baseline(inputs, options, dtype, gradients=True):
     """
     work = np.result_type(dtype, np.float32)
     q, k, v, dout, record, scale, back = case_in(inputs, options, dtype, 1 + np.finfo(work).eps)
-    result = naive_attention(q, k, v, record, dout=dout if gradients else None)
+    dout = dout if gradients else None
+    result = gated(naive_attention(q, k, v, record, dout=gated_dout(dout, record.gate)), dout, record.gate)
     if "dq" in result:
         result["dq"] = scale * result["dq"]
         if back is not None:
@@ -224,8 +233,10 @@ def _baseline(case, ways, gradients, block_rows):
     saved = round_to(case.candidates["out"], p.compute) if any_reads and "out" in case.candidates else None
     backwards = [(backward, saved if reads else None) for backward, _, reads, _, _ in (every[way][1] for way in ways)]
     gradients = gradients and any(backward is not None for backward, _ in backwards)   # None: a forward-only way
-    results = recipe_backwards(q, k, v, record, p, dout=dout if gradients else None, backwards=backwards,
+    dout, rnd = dout if gradients else None, partial(round_to, dtype=p.compute)
+    results = recipe_backwards(q, k, v, record, p, dout=gated_dout(dout, record.gate, rnd), backwards=backwards,
                                reorder=reorder, block_rows=block_rows, mlx=mlx, scores=scores)
+    results = [gated(result, dout, record.gate, rnd) for result in results]
     if back is not None:
         for result in results:
             if "dq" in result:
@@ -302,10 +313,10 @@ def reads_kernel_out(case, gradients):
     """Whether the case's baselines end with the flash backward that reads the candidate's out
     for D = rowsum(dout * out), as a FlashAttention backward reads its forward's: in a 16- or
     8-bit precision, for a case with gradients and an out (not on a paged cache, whose out is
-    laid out otherwise). The gradients are held to it only when that out passes: a wrong out
+    laid out otherwise, nor with a gate, whose out is not the attention's). The gradients are held to it only when that out passes: a wrong out
     must not excuse the gradients it would make wrong."""
     return (case.precision.recipe and gradients and "dout" in case.inputs and "out" in case.candidates
-            and case.paged is None)
+            and case.paged is None and "gate" not in case.options)
 
 
 def case_block_rows(case):
@@ -372,9 +383,9 @@ def _call(job):
 
 
 def unpaged(results, paged):
-    """A result dict of the packed problem in the paged case's layout: out, lse, dq back to
+    """A result dict of the packed problem in the paged case's layout: out, lse, max_logits, dq back to
     [B, H, N_q, ...], dk, dv scattered into the pages (paged.py)."""
-    back = {"out": unpack_rows, "lse": unpack_rows, "dq": unpack_rows,
+    back = {"out": unpack_rows, "lse": unpack_rows, "max_logits": unpack_rows, "dq": unpack_rows,
             "dk": lambda x, p: scatter_keys(x, p.k_cache_shape, p),
             "dkv": lambda x, p: scatter_keys(x, p.k_cache_shape, p),
             "dv": lambda x, p: scatter_keys(x, p.v_cache_shape, p)}

@@ -28,6 +28,8 @@ NPZ.jl) can produce a case. Keys (shape legend of textbook.py):
                               head_dim_v (0-d int r): the values are kv[..., :r] (mla.py)
     candidate   out [..., H, N_q, d_v]   (required)
                 lse [..., H, N_q]        dq, dk, dv (the shapes of q, k, v)   dbias (bias's shape)
+                max_logits [..., H, N_q] each row's largest score S (after the scale; -inf for a row
+                              with no key), or [H] each head's, over the batch and the rows
                 dkv (kv's shape, with kv: the keys' and the values' gradients summed)
                 (lse of a fully masked row: -inf, or FlashAttention's +inf; rule.py)
 
@@ -64,9 +66,10 @@ _KIND = {row.name: row.case for row in OPTION_ROWS if row.case is not None}   # 
 OPTIONS = tuple(_KIND) + PAGED + tuple(KEEP_STEPS) + ROPE   # + scores.py's steps, by name; rope gathered
                                                             # into attention_forward's rope={...}
 FLOAT_OPTIONS = tuple(name for name, kind in _KIND.items() if kind == "float")   # rounded to the candidate's dtype
-PER_HEAD = {row.gradient: row.name for row in OPTION_ROWS if row.gradient and row.shape == "heads"}
+OPTION_OF = {row.gradient: row.name for row in OPTION_ROWS if row.gradient}   # a gradient's option
 GRADIENTS = ("dq", "dk", "dv") + tuple(row.gradient for row in OPTION_ROWS if row.gradient) + ("dkv",)
-CANDIDATES = ("out", "lse") + GRADIENTS[:-1] + ("out_dot", "lse_dot", "dkv")
+CANDIDATES = ("out", "lse", "max_logits") + GRADIENTS[:-1] + ("out_dot", "lse_dot", "dkv")
+ROWS = ("lse", "max_logits")                          # a number per query row [..., H, N_q]
 FORWARD_MODE = ("out_dot", "lse_dot")
 DESCALES = ("q_descale", "k_descale", "v_descale")
 FP8 = ("descale_block", "intermediate_dtype", "accumulator_bits")   # float8: the descales' block, P's dtype
@@ -79,7 +82,8 @@ LAYOUTS = ("bhnd", "bnhd")
 LSE_BASES = ("e", "2")
 KEYS = INPUTS + OPTIONS + CANDIDATES + DESCALES + FP8 + SETTINGS + LATENT + TOPK
 # tensors with a head axis and a length axis, in [..., H, N, d] (or FlashAttention's [..., N, H, d])
-LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot", "kv", "dkv")
+LAID_OUT = ("q", "k", "v", "dout", "out", "dq", "dk", "dv", "q_dot", "k_dot", "v_dot", "out_dot", "kv", "dkv",
+            "gate", "dgate")
 
 
 class Case(NamedTuple):

@@ -19,7 +19,8 @@ from .._layout import cut, kv_index, kv_slices, spans_slices, with_head_axis
 from ..options import OPTIONS
 
 SUMMED = tuple(row.name for row in OPTIONS if row.gradient)   # their gradients sum where they broadcast
-BY_SCORE = tuple(row.name for row in OPTIONS if row.shape == "scores")   # to the scores [..., H, N_q, N_k]
+BY_SCORE = tuple(row.name for row in OPTIONS if row.shape in ("scores", "output"))   # to [..., H, N_q, X]
+WHOLE_AXES = tuple(row.gradient for row in OPTIONS if row.gradient and row.name in BY_SCORE)   # their gradients
 BY_HEAD = {row.name: row.batched for row in OPTIONS if row.shape == "heads"}   # to [H] or [..., H]
 
 
@@ -59,8 +60,8 @@ def put_together(case, ats, results):
         return results[0]
     group = q.shape[-3] // k.shape[-3]
     heads = q.ndim - 2
-    shapes = {"out": q.shape[:-1] + v.shape[-1:], "lse": q.shape[:-1], "dq": q.shape, "dk": k.shape,
-              "dv": v.shape}
+    shapes = {"out": q.shape[:-1] + v.shape[-1:], "lse": q.shape[:-1], "max_logits": q.shape[:-1], "dq": q.shape,
+              "dk": k.shape, "dv": v.shape}
     shapes.update({f"d{name}": np.shape(case.options[name]) for name in SUMMED
                    if case.options.get(name) is not None})
     whole = {}
@@ -69,16 +70,16 @@ def put_together(case, ats, results):
         for at, result in zip(ats, results):
             if name in ("dk", "dv"):
                 whole[name][kv_index(at, group)] = result[name]
-            elif name in ("out", "lse", "dq"):
+            elif name in ("out", "lse", "max_logits", "dq"):
                 whole[name][at] = result[name]
-            else:                                    # dbias [.. scores], dsinks, dalibi_slopes [.., H]
-                cut(whole[name], at, q.ndim if name == "dbias" else heads)[...] = result[name]
+            else:                                    # dbias [.. scores], dgate [.. out], dsinks, dalibi_slopes [.., H]
+                cut(whole[name], at, q.ndim if name in WHOLE_AXES else heads)[...] = result[name]
     return whole
 
 
 def _cut_option(name, x, at, ndim):
     """The case's option `name` for the slice at (scores of ndim axes): mask, bias, dropout
-    cut along the scores' axes, ALiBi slopes along [..., H], sinks [H] to the slice's heads,
+    cut along the scores' axes, a gate along out's, ALiBi slopes along [..., H], sinks [H] to the slice's heads,
     topk_length [..., N_q] to its leading indices."""
     if x is None or at == (Ellipsis,):
         return x

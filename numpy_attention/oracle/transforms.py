@@ -5,6 +5,7 @@ the tensors the case stores.
                 times their descales, broadcast by descale_of from each of the shapes a descale takes
     MLA         latent_kv: the keys kv [..., 1, N_k, r + p], the values kv[..., :r]; latent_sum: a
                 result's dkv = dk + [dv ; 0]
+    max logits  per_head: a result's max_logits [..., H, N_q] as the [H] a candidate may give
     top-k       checked_topk: the lists checked; tokens: their size as token lists; token_lists: key
                 blocks as their tokens (Case.topk)
     paged       packed_if_paged: a paged KV cache's case as packed sequences (paged.py)
@@ -124,6 +125,23 @@ def latent_kv(arrays, tensors):
     tensors["k"], tensors["v"] = kv, kv[..., :r]
     del tensors["kv"]
     return r
+
+
+def heads_max(candidates):
+    """Whether the candidate's max_logits is given per head, [H] (1-d)."""
+    return candidates.get("max_logits") is not None and candidates["max_logits"].ndim == 1
+
+
+def per_head(results, candidates):
+    """results with their max_logits [..., H, N_q] taken to [H], the largest over the batch and
+    the rows (TransformerEngine's return_max_logit, QK-clip's statistic), where the candidate's
+    max_logits is given per head (1-d); else results as they are (None stays None)."""
+    if results is None or not heads_max(candidates) or results.get("max_logits") is None:
+        return results
+    x = results["max_logits"]
+    x = x.reshape((1,) * (2 - x.ndim) + x.shape)               # a single head's [N_q]: H = 1
+    return {**results, "max_logits": np.max(np.moveaxis(x, -2, 0).reshape(x.shape[-2], -1), axis=-1,
+                                            initial=-np.inf)}
 
 
 def latent_sum(results, latent, dtype=None):

@@ -37,7 +37,8 @@ from ..engines.parallel import cluster
 from ..engines.plan import check_scheduler, resolve_workers
 from . import row_blocks, rule
 from .case import split_case
-from .diagnosis import diagnose, rel_l2
+from .diagnosis import diagnose
+from .named import rel_l2
 from .naive import WAY as NAIVE_WAY
 from .precision import PRECISIONS, eps
 from .rotary import angle_error
@@ -45,9 +46,10 @@ from .rule import K_L2, CrosscheckReport, atol_for, judge
 from .runs import (SCALE_STEP, baselines, case_block_rows, case_magnitudes, case_score_shape, case_ways,
                    concurrently, reads_kernel_out, reference, scale_directions, scale_offsets, unpaged,
                    ways_by_forward)
-from .schema import CANDIDATES, FORWARD_MODE, GRADIENTS, CaseError, check_keys
+from .schema import CANDIDATES, FORWARD_MODE, GRADIENTS, ROWS, CaseError, check_keys
 from .tangents import add_tangents
-from .transforms import latent_sum
+from .gated import dgate_magnitude
+from .transforms import heads_max, latent_sum, per_head
 
 HINT_PRECISIONS = ("bfloat16", "float16")   # a float32 result may hold a 16-bit kernel's values
 PROGRESS_SCORES = 2 ** 22   # a case this large (some seconds and up) reports its stages to `progress`
@@ -81,17 +83,17 @@ def _atol(case, name, dtype, oracle, magnitude, given):
     magnitudes), ulps of the precision or of the tensor's dtype, the coarser (float32 results
     stored as float64 are still a float32 kernel's). In a 16- or 8-bit one: half an ulp of its
     largest entry, in the precision's output dtype at least (a bfloat16 result may come as
-    float32 values), but in its own dtype for lse, which kernels keep in float32, and then at
-    least eps(T) / 2 (_summed_in_t); and at least 4 float32 ulps of its largest sum of terms,
-    the rounding of the kernel's float32 sums, for a tensor that cancels to 0 or near it (dq and
-    dk with one key in a row: exactly 0, and a kernel's rounding noise)."""
+    float32 values), but in its own dtype for lse and max_logits, which kernels keep in float32
+    (and for lse then at least eps(T) / 2: _summed_in_t); and at least 4 float32 ulps of its
+    largest sum of terms, the rounding of the kernel's float32 sums, for a tensor that cancels
+    to 0 or near it (dq and dk with one key in a row: exactly 0, and a kernel's rounding noise)."""
     if given is not None:
         return given
     largest = float(np.max(np.abs(oracle[np.isfinite(oracle)]), initial=0))
     if not case.precision.recipe:                     # a float32 kernel's results stored as float64: float32's
         wider = dtype if eps(dtype) >= eps(case.precision.output) else case.precision.output
         return atol_for(wider, largest if magnitude is None else magnitude)
-    ulp = eps(dtype) if name == "lse" else max(eps(dtype), eps(case.precision.output))
+    ulp = eps(dtype) if name in ROWS else max(eps(dtype), eps(case.precision.output))
     return max(ulp / 2 * largest, _summed_in_t(case, name),
                0.0 if magnitude is None else atol_for(np.float32, magnitude))
 
@@ -190,7 +192,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             computed = baselines(case, want_grads, block_rows, client, workers, ways=numbers)
             for number, base in zip(numbers, computed):
                 base = latent_sum(base, case.latent, case.precision.output if low else None)
-                bases[number] = base if case.paged is None else unpaged(base, case.paged)
+                bases[number] = per_head(base if case.paged is None else unpaged(base, case.paged),
+                                         case.candidates)
 
         say(f"the {case.precision.name} baselines ({len(first)} way{'s' * (len(first) > 1)})")
         compute(first)
@@ -201,9 +204,14 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         mags = case_magnitudes(case, truth, whole, block_rows, client, workers)
         if case.latent is not None and "dk" in mags:     # MLA's dkv: the terms of dk and of dv
             mags["dkv"] = mags["dk"] + mags["dv"]
+        if "dgate" in case.candidates:                   # the gate's: dout * O * s (1 - s)
+            mags["dgate"] = dgate_magnitude(case.inputs["dout"], truth["out"], case.options["gate"])
         directions = scale_directions(truth, done["shifted"]) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (unpaged(x, case.paged) for x in (truth, against, directions))
+        truth, against = per_head(truth, case.candidates), per_head(against, case.candidates)
+        if heads_max(case.candidates):                  # no scale check of a head's largest score
+            directions = {name: x for name, x in directions.items() if name != "max_logits"}
         names = [names for names, _ in ways]             # each way's (forward, gradient) names
         offsets = scale_offsets(case, ways)
         def verdict(name, held, cand=None, by=judge):     # judged by the baselines of the ways `held`
@@ -328,15 +336,15 @@ def _diagnosis(arrays, case, truth, bases, failing, whole):
     """The diagnosis lines of a failing case: the mix-up it matches (diagnosis.py, given the
     rounding of the case's precision: the baselines' rel L2 errors; or the other layout);
     none for a large case (not whole), whose reruns would be whole arrays; on a paged cache
-    the reruns' results are put in its layout."""
+    the reruns' results are put in its layout (and a max_logits given per head, per head)."""
     if not whole:
         return ["not run: the case is too large to rerun the oracle under each mix-up "
                 f"(more than {row_blocks.SCORE_BUDGET:,} scores)"]
     noise = {name: max(rel_l2(b[name], truth[name]) for b in bases if name in b) for name in failing
              if any(name in b for b in bases)}
-    if case.paged is not None:
-        return diagnose(case, truth, failing, noise, laid_out=lambda results: unpaged(results, case.paged))
-    return diagnose(case, truth, failing, noise) or _layout_mixup(arrays, case, failing)
+    paged = (lambda results: results) if case.paged is None else (lambda results: unpaged(results, case.paged))
+    found = diagnose(case, truth, failing, noise, laid_out=lambda results: per_head(paged(results), case.candidates))
+    return found if case.paged is not None else found or _layout_mixup(arrays, case, failing)
 
 
 def _precision_hint(arrays, case, settings):
