@@ -2,7 +2,7 @@
 and per planted bug the cases, how many failed (the catch rate), how many of those the
 diagnosis named, and how many it did not try (a case too large to rerun the oracle).
 
-    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8|topk|maxlogits|gate [--cases 200] [--seed 0]
+    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8|mxfp8|topk|maxlogits|gate [--cases 200] [--seed 0]
 
 rope (tests/rope_kernels.py): float32 and bfloat16 torch candidates, Hugging Face's turn or
 FlashAttention's, then SDPA and autograd's backward (out, dq, dk, dv); 1-2 batches, 1-2 kv
@@ -26,6 +26,11 @@ bfloat16 kernel reading a dequantized FP8 KV cache; 1-2 batches, 1-2 kv heads wi
 queries each, N_k of 8-299, d of 32, 64 or 128, causal or not. The bugs: a descale dropped
 (q's, k's or v's); v's applied twice; the first head's descale for every head (where the
 scales are finer than per tensor).
+
+mxfp8 (tests/fp8_kernels.py, mx_sweep): fp8's cases with MXFP8's scales in place of the drawn
+ones, an e8m0 power of two for each 32 elements of a row, products accumulated in float32. The
+bugs: fp8's, and a tensor's e8m0 scales read with a bias of 128 (halved), or one block over
+along d.
 
 topk (tests/topk_kernels.py): sparse top-k attention in float32 and bfloat16, each query's keys
 gathered and attended in float32 (FlashMLA's reference order), autograd's backward
@@ -60,20 +65,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("rope", "mla", "fp8", "topk", "maxlogits", "gate"), required=True,
+    parser.add_argument("--variant", choices=("rope", "mla", "fp8", "mxfp8", "topk", "maxlogits", "gate"), required=True,
                         help="the variant's candidates")
     parser.add_argument("--cases", type=int, default=200, help="cases per dtype, each honest and with each "
                                                                  "bug (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (default 0)")
+    parser.add_argument("--peers", action="store_true", help="also count the cases the peers' own tests fail "
+                                                             "(fp8, mxfp8: cosine >= 0.99; atol 0.5, RMSE 0.15)")
     args = parser.parse_args()
     import importlib
-    kernels = importlib.import_module(f"{args.variant}_kernels")
+    from variant_sweeps import PEER_RULES
+    module, sweep = {"mxfp8": ("fp8", "mx_sweep")}.get(args.variant, (args.variant, "sweep"))
+    kernels = importlib.import_module(f"{module}_kernels")
     load = OtherLoad()
     print(machine_line())
-    counts = kernels.sweep(args.cases, args.seed)
-    rows = [[dtype, what, judged, failed] + (["-", "-"] if what == "honest" else [named, not_run])
-            for (dtype, what), (judged, failed, named, not_run) in sorted(counts.items())]
-    print(table(["dtype", "candidate", "cases", "crosscheck failed", "diagnosis named it", "not tried"], rows))
+    counts = getattr(kernels, sweep)(args.cases, args.seed, **({"peers": True} if args.peers else {}))
+    rows = [[dtype, what, judged, failed] + (["-", "-"] if what == "honest" else [named, not_run]) + list(peers)
+            for (dtype, what), (judged, failed, named, not_run, *peers) in sorted(counts.items())]
+    peer_names = [f"{rule} failed" for rule in PEER_RULES] if args.peers else []
+    print(table(["dtype", "candidate", "cases", "crosscheck failed", "diagnosis named it", "not tried"] + peer_names,
+                rows))
     print("\n" + load.line())
 
 

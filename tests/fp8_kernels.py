@@ -5,7 +5,10 @@ one: benchmarks/variant_sweeps.py --variant fp8).
 The inputs are quantized as an FP8 pipeline does: x / scale rounded to float8 (e4m3 or e5m2),
 scale = the largest |x| of its group over the format's largest value, and the scale is the
 kernel's descale. A group is the whole tensor, a (batch, kv head) (FlashAttention-3's descale_q/k/v
-[B, H_kv]), a token of a head (vLLM's per-token-head scales) or a block of 16 or 64 tokens of a head.
+[B, H_kv]), a token of a head (vLLM's per-token-head scales) or a block of 16 or 64 tokens of a head;
+or, for MXFP8 (mx_case), 32 elements of a row, the scale a power of two (OCP's MX format: 2 to the
+floor of log2 of the block's largest |x| less the element format's largest exponent, 8 for e4m3,
+15 for e5m2, the elements clamped to the format's range), stored as e8m0.
 
 Two orders, written from the peers' references:
     'fa3'      FlashAttention-3's: q k^T of the float8 values in float32 times both descales,
@@ -21,7 +24,8 @@ Two orders, written from the peers' references:
                float32, P and P v in bfloat16 (intermediate dtype bfloat16 only)
 The bugs: one descale dropped (q's, k's or v's, in turn); v's applied twice; the first head's
 descale used for every head and batch entry (a per-tensor kernel given per-head scales; not
-planted where the scales are per tensor).
+planted where the scales are per tensor). MXFP8's besides (MX_BUGS): the culprit's e8m0 scales
+read with a bias of 128 (halved); its scales one block over along d (where d has two blocks).
 """
 import math
 
@@ -32,15 +36,24 @@ import torch
 import variant_sweeps
 
 FORMATS = {"float8_e4m3fn": (torch.float8_e4m3fn, 448.0), "float8_e5m2": (torch.float8_e5m2, 57344.0)}
+MX_EXPONENT = {"float8_e4m3fn": 8, "float8_e5m2": 15}                   # the elements' largest exponent
+MX_BLOCK = 32
 GROUPS = ("tensor", "head", "token", "block")
 BUGS = {"descale_dropped": "_descale dropped", "descale_twice": "v_descale applied twice",
         "first_head_descale": "the first head's"}
+MX_BUGS = {**BUGS, "exponent_bias": "bias 127 read as 128", "next_block": "one over along d"}
 
 
 def quantize(x, group, block, fmt):
     """(x8 as a float8 tensor, descale float32) of x [B, H, N, d] by its group's largest |x|."""
     dtype, largest = FORMATS[fmt]
     b, h, n, _ = x.shape
+    if group == "mx":                                                   # 32 along d, a power of two
+        blocks = torch.nn.functional.pad(x.abs(), (0, -x.shape[-1] % MX_BLOCK)).reshape(b, h, n, -1, MX_BLOCK)
+        amax = blocks.amax(dim=-1).clamp_min(2.0 ** -100)               # [B, H, N, ceil(d / 32)]
+        descale = torch.exp2(torch.floor(torch.log2(amax)) - MX_EXPONENT[fmt])
+        scaled = x / expand(descale, x.shape, group, block)
+        return scaled.clamp(-largest, largest).to(dtype), descale
     if group == "tensor":
         amax = x.abs().amax()
     elif group == "head":
@@ -55,13 +68,15 @@ def quantize(x, group, block, fmt):
 
 
 def expand(descale, shape, group, block):
-    """The descale broadcast to x [B, H, N, 1]."""
+    """The descale broadcast to x [B, H, N, 1] (MXFP8's to x [B, H, N, d])."""
     if group == "tensor":
         return descale
     if group == "head":
         return descale[..., None, None]
     if group == "block":
         descale = descale.repeat_interleave(block, dim=-1)[..., :shape[-2]]
+    if group == "mx":
+        return descale.repeat_interleave(MX_BLOCK, dim=-1)[..., :shape[-1]]
     return descale[..., None]
 
 
@@ -77,13 +92,19 @@ def draw(rng):
                 culprit="qkv"[int(rng.integers(3))], accumulator=22 if how == "fa3" and rng.integers(2) else 32)
 
 
-def fp8_case(rng, dtype, bug=None):
+def fp8_case(rng, dtype, bug=None, mx=False):
     """A crosscheck case (dict) of a torch FP8 candidate (its output bfloat16; dtype names the
-    precision's sweep key, float8 always), honest or with a bug; None where the bug changes nothing."""
+    precision's sweep key, float8 always), honest or with a bug; None where the bug changes nothing.
+    mx: MXFP8's scales (e8m0, 32 elements of a row each) in place of the drawn group, products
+    accumulated in float32."""
     s = draw(rng)
+    if mx:
+        s.update(group="mx", accumulator=32)
     if bug == "first_head_descale" and (s["group"] == "tensor" or s["group"] == "head" and s["batch"] * s["h_kv"]
                                         * s["groups"] == 1):
         return None                                      # one descale a tensor: nothing to mix up
+    if bug == "next_block" and s["d"] <= MX_BLOCK:
+        return None                                      # one block a row: no next one
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
     b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
     spread = lambda heads: torch.exp(torch.randn(b, heads, 1, 1, generator=gen) / 2)   # heads' magnitudes differ
@@ -97,9 +118,17 @@ def fp8_case(rng, dtype, bug=None):
         used["v"] = used["v"] * used["v"]
     elif bug == "first_head_descale":
         used = {name: x.flatten()[0] for name, x in used.items()}
+    elif bug == "exponent_bias":                         # 2^(e - 128): every scale halved
+        used[s["culprit"]] = used[s["culprit"]] / 2
+    elif bug == "next_block":                            # block b's scale on block b + 1
+        rolled = torch.roll(used[s["culprit"]], MX_BLOCK, dims=-1)
+        if torch.equal(rolled, used[s["culprit"]]):
+            return None                                  # every row's blocks share their scale
+        used[s["culprit"]] = rolled
     out, lse = attend(stored, used, s)
     arrays = {name: stored[name][0] for name in "qkv"}
-    arrays.update({f"{name}_descale": stored[name][1].numpy() for name in "qkv"}, out=out, lse=lse,
+    e8m0 = lambda x: x.numpy().astype(ml_dtypes.float8_e8m0fnu) if mx else x.numpy()
+    arrays.update({f"{name}_descale": e8m0(stored[name][1]) for name in "qkv"}, out=out, lse=lse,
                   precision=np.array(s["fmt"]), intermediate_dtype=np.array(s["intermediate"]))
     if s["group"] == "block":
         arrays["descale_block"] = np.array(s["block"])
@@ -143,6 +172,12 @@ def narrow_matmul(a, b, bits):
     return acc
 
 
-def sweep(cases, seed=0, dtypes=("float8",)):
+def sweep(cases, seed=0, dtypes=("float8",), peers=False):
     """variant_sweeps.sweep over this module's cases and bugs."""
-    return variant_sweeps.sweep(fp8_case, BUGS, cases, seed, dtypes)
+    return variant_sweeps.sweep(fp8_case, BUGS, cases, seed, dtypes, peers)
+
+
+def mx_sweep(cases, seed=0, dtypes=("mxfp8",), peers=False):
+    """variant_sweeps.sweep over MXFP8's cases (fp8_case with mx) and MX_BUGS."""
+    return variant_sweeps.sweep(lambda rng, dtype, bug: fp8_case(rng, dtype, bug, mx=True), MX_BUGS, cases,
+                                seed, dtypes, peers)

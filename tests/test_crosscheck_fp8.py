@@ -133,3 +133,57 @@ def test_bad_fp8_keys_are_refused_by_name(change, words):
         arrays.update({n: arrays[n].astype(ml_dtypes.bfloat16) for n in "qkv"})
     with pytest.raises(CaseError, match=words):
         na.crosscheck(**arrays)
+
+
+# ----------------------------------------------------------------------------- MXFP8
+
+def _e8m0_values(scales):
+    """e8m0 scales as float64 by the OCP MX specification: the byte e is 2^(e - 127), 0xFF NaN."""
+    e = scales.view(np.uint8).astype(np.float64)
+    return np.where(e == 255, np.nan, np.exp2(e - 127))
+
+
+def test_mxfp8_scales_dequantize_each_32_elements_of_a_row():
+    """An MXFP8 case (fp8_kernels.fp8_case with mx): the oracle's inputs are each element times
+    its block's e8m0 scale, read here by the specification's bytes, and its out is torch's
+    float64 attention of them to 1e-12."""
+    from numpy_attention._checks import to_numpy
+    from numpy_attention.oracle import split_case
+    from numpy_attention.oracle.runs import reference
+    rng = np.random.default_rng(5)
+    arrays = next(a for a in (fp8_kernels.fp8_case(rng, "mxfp8", mx=True) for _ in range(20)) if a["q"].shape[-1] > 32)
+    arrays = {name: to_numpy(x, name) for name, x in arrays.items()}
+    case = split_case(arrays)
+    for name in "qkv":
+        scales, d = arrays[f"{name}_descale"], arrays[name].shape[-1]
+        assert scales.dtype == ml_dtypes.float8_e8m0fnu and scales.shape[-1] == -(-d // 32)
+        want = arrays[name].astype(np.float64) * np.repeat(_e8m0_values(scales), 32, axis=-1)[..., :d]
+        np.testing.assert_array_equal(case.inputs[name], want)
+    t = {n: torch.tensor(case.inputs[n]) for n in "qkv"}
+    causal = "causal" in arrays
+    mask = None
+    if causal:
+        n_q, n_k = t["q"].shape[-2], t["k"].shape[-2]
+        mask = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q
+    want = torch.nn.functional.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask, enable_gqa=True)
+    got = reference(case.inputs, case.options, np.float64, gradients=False)["out"]
+    assert np.abs(got - want.numpy()).max() < 1e-12
+
+
+def test_mxfp8_candidates_pass_honest_and_fail_with_each_bug():
+    """fp8_kernels.mx_sweep, a few cases (benchmarks/variant_sweeps.py --variant mxfp8: 200)."""
+    counts = fp8_kernels.mx_sweep(6, seed=2)
+    for (_, what), (judged, failed, named, not_run) in counts.items():
+        if what == "honest":
+            assert (judged, failed) == (6, 0), counts
+        else:
+            assert judged and failed == judged and named >= judged // 2 and not not_run, (what, counts)
+
+
+def test_an_mx_scale_of_another_width_or_nan_is_refused():
+    arrays = _fp8_case()
+    with pytest.raises(CaseError, match=r"per 32 elements of a row \(MXFP8\)"):
+        na.crosscheck(**{**arrays, "q_descale": np.ones((1, 2, 5, 3), np.float32)})
+    nan = np.full((1, 2, 5, 1), 255, np.uint8).view(ml_dtypes.float8_e8m0fnu)   # e8m0's NaN
+    with pytest.raises(CaseError, match="q_descale must hold finite values > 0"):
+        na.crosscheck(**{**arrays, "q_descale": nan})

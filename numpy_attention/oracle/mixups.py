@@ -161,21 +161,36 @@ def _causal_keep(n_q, n_k, align, shift):
 
 def _descale_mixups(scales):
     """float8's mix-ups, each a rerun on inputs dequantized otherwise: one scale a tensor (the
-    first head's, where the case's vary) for all of them, or for one; each descale dropped, or
-    applied twice."""
-    varying = {name: (stored, descale) for name, (stored, descale) in scales.items() if np.ptp(descale) > 0}
+    first head's, where the case's vary) for all of them, or for one; each descale dropped,
+    applied twice; with blocks along d (MXFP8's e8m0 scales), each halved or doubled (its
+    exponent read one off) and each row's block scales one block over."""
+    varying = {name: (stored, descale) for name, (stored, descale, _) in scales.items() if np.ptp(descale) > 0}
     if varying:
         yield Mixup("the first head's descale of each tensor for every head and batch entry (one scale a "
                     "tensor)", "the case's descales vary", {},
                     inputs={name: stored * np.ravel(descale)[0] for name, (stored, descale) in varying.items()})
-    for name, (stored, descale) in scales.items():
+    for name, (stored, descale, along_d) in scales.items():
         said = f"the case's values of {name} are its float8 values times {name}_descale"
         yield Mixup(f"{name}_descale dropped", said, {}, inputs={name: stored})
         yield Mixup(f"{name}_descale applied twice", said, {}, inputs={name: stored * descale * descale})
+        if along_d is not None:
+            yield from _block_mixups(name, stored, descale, along_d, said)
         if name in varying and len(varying) > 1:
             first = np.ravel(descale)[0]
             yield Mixup(f"the first head's {name}_descale ({first:.4g}) for every head and batch entry",
                         said, {}, inputs={name: stored * first})
+
+
+def _block_mixups(name, stored, descale, along_d, said):
+    """MXFP8's mix-ups of a descale in blocks of `along_d` along d (e8m0: powers of two): the
+    scales halved or doubled (the exponent read one off), and one block over."""
+    for factor, how, bias in ((0.5, "halved", 128), (2.0, "doubled", 126)):
+        yield Mixup(f"{name}_descale {how} (an exponent one off: e8m0's bias 127 read as {bias})", said, {},
+                    inputs={name: stored * descale * factor})
+    if stored.shape[-1] > along_d:
+        shifted = np.roll(descale, along_d, axis=-1)                 # block b's scale on block b + 1
+        yield Mixup(f"{name}_descale's blocks one over along d (block b's scale on block b + 1)", said, {},
+                    inputs={name: stored * shifted})
 
 
 def _rope_mixups(rope, o, n_q, n_k, d_k):

@@ -3,6 +3,7 @@ the tensors the case stores.
 
     float8      fp8_settings (P's dtype, the accumulator, the descales' block), dequantized: q, k, v
                 times their descales, broadcast by descale_of from each of the shapes a descale takes
+                (per tensor, head, token, block of tokens, or MXFP8's block of 32 along d)
     MLA         latent_kv: the keys kv [..., 1, N_k, r + p], the values kv[..., :r]; latent_sum: a
                 result's dkv = dk + [dv ; 0]
     max logits  per_head: a result's max_logits [..., H, N_q] as the [H] a candidate may give
@@ -18,6 +19,8 @@ from ..paged import check_pages, cu_seqlens, pack, pack_rows
 from ..topk import block_indices, check_lists, listed
 from .precision import ACCUMULATOR_BITS, PRECISIONS, round_to
 from .schema import DESCALES, FP8, INPUTS, INTERMEDIATE, TOPK, CaseError, integer, word
+
+WIDTH_BLOCKS = (32, 16)     # a descale's blocks along d: MXFP8's, NVFP4's (width_block)
 
 
 def fp8_settings(arrays, precision):
@@ -48,9 +51,9 @@ def fp8_settings(arrays, precision):
 
 
 def dequantized(tensors, precision, block):
-    """(q, k, v (dout) as float64 values, {name: (stored values, descale [..., H, N, 1])}): float8
-    inputs times their descales (descale_of), the stored values and descales kept for the
-    diagnosis's reruns."""
+    """(q, k, v (dout) as float64 values, {name: (stored values, descale [..., H, N, 1] or
+    [..., H, N, d], its block along d or None)}): float8 inputs times their descales
+    (descale_of), the stored values and descales kept for the diagnosis's reruns."""
     given = [name for name in DESCALES if name in tensors]
     if given and not precision.forward_only:
         raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
@@ -66,15 +69,26 @@ def dequantized(tensors, precision, block):
             where = tuple(int(i) for i in np.argwhere(bad)[0]) if descale.ndim else ()
             raise CaseError(f"{name} must hold finite values > 0 (a kernel multiplies {name[0]} by them), got "
                             f"{descale[where]:g}" + (f" at {list(where)}" if where else ""))
+        along_d = width_block(descale.shape, x.shape)
         descale = descale_of(descale, x.shape, inputs["k"].shape, block, name)
-        scales[name[0]] = (x, descale)
+        scales[name[0]] = (x, descale, along_d)
         with np.errstate(over="ignore"):                     # an overflow is refused by split_case
             inputs[name[0]] = x * descale
     return inputs, scales
 
 
+def width_block(descale_shape, shape):
+    """The block along the head width d of a descale of that shape for a tensor of `shape`:
+    WIDTH_BLOCKS[0] = 32 for [..., H, N, ceil(d / 32)] (MXFP8's e8m0 scale a 32 elements of a
+    row), WIDTH_BLOCKS[1] = 16 for [..., H, N, ceil(d / 16)] (NVFP4's a 16); else None."""
+    if len(descale_shape) != len(shape) or tuple(descale_shape[:-1]) != tuple(shape[:-1]):
+        return None
+    return next((b for b in WIDTH_BLOCKS if descale_shape[-1] == -(-shape[-1] // b)), None)
+
+
 def descale_of(descale, shape, k_shape, block, name):
-    """A descale broadcast to its tensor's [..., H, N, 1] (shape: the tensor's), by its shape:
+    """A descale broadcast to its tensor's [..., H, N, 1] (shape: the tensor's), or with blocks
+    along d to [..., H, N, d], by its shape:
 
         ()                      per tensor (vLLM's k_scale, v_scale)
         k's [..., H_kv]         per batch entry and kv head (FlashAttention-3's descale_q/k/v;
@@ -82,10 +96,15 @@ def descale_of(descale, shape, k_shape, block, name):
         [..., H] (q)            per batch entry and query head
         [..., H, N]             per token of a head (vLLM's per-token-head scales)
         [..., H, ceil(N / B)]   per block of B = descale_block tokens of a head
+        [..., H, N, ceil(d / 32)]  per block of 32 elements of a row (MXFP8: e8m0 scales)
+        [..., H, N, ceil(d / 16)]  per block of 16 elements of a row (NVFP4's block scales)
     CaseError naming the shapes it takes otherwise."""
     heads, n = shape[:-2], shape[-2]
     if descale.ndim == 0:
         return descale
+    along_d = width_block(descale.shape, shape)
+    if along_d is not None:
+        return np.repeat(descale, along_d, axis=-1)[..., :shape[-1]]
     if len(shape) >= 3 and descale.shape == tuple(k_shape[:-2]):
         groups = shape[-3] // k_shape[-3]
         return np.repeat(descale, groups, axis=-1)[..., None, None]
@@ -98,7 +117,9 @@ def descale_of(descale, shape, k_shape, block, name):
     blocks = f", [..., H, ceil(N / {block})] = {tuple(heads) + (-(-n // block),)}" if block else ""
     raise CaseError(f"{name} of shape {descale.shape} is none of the shapes a descale of {name[0]} {shape} "
                     f"takes: () per tensor, k's [..., H_kv] = {tuple(k_shape[:-2])} per (batch, kv head), "
-                    f"[..., H] = {tuple(heads)} per head, [..., H, N] = {tuple(shape[:-1])} per token{blocks}")
+                    f"[..., H] = {tuple(heads)} per head, [..., H, N] = {tuple(shape[:-1])} per token{blocks}, "
+                    f"[..., H, N, ceil(d / 32)] = {tuple(shape[:-1]) + (-(-shape[-1] // 32),)} per 32 elements "
+                    f"of a row (MXFP8)")
 
 
 def latent_kv(arrays, tensors):
