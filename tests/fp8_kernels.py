@@ -24,7 +24,9 @@ Two orders, written from the peers' references:
                float32, P and P v in bfloat16 (intermediate dtype bfloat16 only)
 The bugs: one descale dropped (q's, k's or v's, in turn); v's applied twice; the first head's
 descale used for every head and batch entry (a per-tensor kernel given per-head scales; not
-planted where the scales are per tensor). MXFP8's besides (MX_BUGS): the culprit's e8m0 scales
+planted where the scales are per tensor); in FlashAttention-3's order, P v by an online softmax whose
+P~ = exp(S - m) 2^8 is held in e4m3 with its row max moved only past 4 (log2), saturating at 448
+(flash-attention issue 2716; where it saturates at all). MXFP8's besides (MX_BUGS): the culprit's e8m0 scales
 read with a bias of 128 (halved); its scales one block over along d (where d has two blocks).
 """
 import math
@@ -40,7 +42,7 @@ MX_EXPONENT = {"float8_e4m3fn": 8, "float8_e5m2": 15}                   # the el
 MX_BLOCK = 32
 GROUPS = ("tensor", "head", "token", "block")
 BUGS = {"descale_dropped": "_descale dropped", "descale_twice": "v_descale applied twice",
-        "first_head_descale": "the first head's"}
+        "first_head_descale": "the first head's", "p_saturates": "saturated at e4m3's 448"}
 MX_BUGS = {**BUGS, "exponent_bias": "bias 127 read as 128", "next_block": "one over along d"}
 
 
@@ -103,6 +105,8 @@ def fp8_case(rng, dtype, bug=None, mx=False):
     if bug == "first_head_descale" and (s["group"] == "tensor" or s["group"] == "head" and s["batch"] * s["h_kv"]
                                         * s["groups"] == 1):
         return None                                      # one descale a tensor: nothing to mix up
+    if bug == "p_saturates" and (s["how"] != "fa3" or s["accumulator"] != 32):
+        return None                                      # FlashAttention-3's order, float32 sums
     if bug == "next_block" and s["d"] <= MX_BLOCK:
         return None                                      # one block a row: no next one
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
@@ -125,7 +129,11 @@ def fp8_case(rng, dtype, bug=None, mx=False):
         if torch.equal(rolled, used[s["culprit"]]):
             return None                                  # every row's blocks share their scale
         used[s["culprit"]] = rolled
-    out, lse = attend(stored, used, s)
+    out, lse = attend(stored, used, s, lazy=bug == "p_saturates")
+    if bug == "p_saturates":
+        out, saturated = out
+        if not saturated:
+            return None                                  # P~ stayed below 448: nothing saturated
     arrays = {name: stored[name][0] for name in "qkv"}
     e8m0 = lambda x: x.numpy().astype(ml_dtypes.float8_e8m0fnu) if mx else x.numpy()
     arrays.update({f"{name}_descale": e8m0(stored[name][1]) for name in "qkv"}, out=out, lse=lse,
@@ -139,8 +147,9 @@ def fp8_case(rng, dtype, bug=None, mx=False):
     return arrays
 
 
-def attend(stored, used, s):
-    """The candidate's (out bfloat16, lse float32), in its order (module docstring)."""
+def attend(stored, used, s, lazy=False):
+    """The candidate's (out bfloat16, lse float32), in its order (module docstring); lazy: its P v
+    by lazy_softmax_pv, out then (out, saturated)."""
     groups = s["groups"]
     repeat = lambda x: x.repeat_interleave(groups, dim=1) if x.ndim == 4 and x.shape[1] > 1 else x
     scale = 1 / math.sqrt(s["d"])
@@ -156,10 +165,36 @@ def attend(stored, used, s):
         keep = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q
         scores = scores.masked_fill(~keep, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
+    if lazy:
+        return lazy_softmax_pv(scores, v), lse
     p = torch.softmax(scores, dim=-1)
     p = p.to(torch.float8_e4m3fn).float() if s["intermediate"] == "float8_e4m3fn" else p.to(torch.bfloat16)
     out = product(p.to(v.dtype), v)
     return out.to(torch.bfloat16), lse
+
+
+def lazy_softmax_pv(scores, v, offset=8.0, threshold=4.0, tile=128):
+    """(out bfloat16, saturated): P v by FlashAttention-3's online softmax on float8 P as flash-attention
+    issue 2716 describes it, in float32: P~ = exp2(S log2 e - m + offset) over tiles of keys, the row max
+    m moved only when a tile passes it by more than `threshold` (log2), P~ converted to e4m3 with
+    saturation (cvt satfinite: 448 where larger), l summed from P~ before the conversion."""
+    x = scores * math.log2(math.e)
+    m = torch.full(x.shape[:-1], -math.inf)
+    l, acc = torch.zeros(x.shape[:-1]), torch.zeros(x.shape[:-1] + v.shape[-1:])
+    saturated = False
+    for start in range(0, x.shape[-1], tile):
+        xs = x[..., start:start + tile]
+        top = xs.amax(dim=-1)
+        m_new = torch.where(torch.isneginf(m) | (top > m + threshold), torch.maximum(m, top), m)
+        shift = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        rescale = torch.where(torch.isneginf(m), 0.0, torch.exp2(m - shift))
+        p = torch.exp2(xs - shift[..., None] + offset)
+        saturated = saturated or bool((p > 448).any())
+        p8 = p.clamp(max=448).to(torch.float8_e4m3fn).float()
+        acc = acc * rescale[..., None] + p8 @ v[..., start:start + tile, :].float()
+        l = l * rescale + p.sum(dim=-1)
+        m = m_new
+    return (acc / l.clamp_min(1e-30)[..., None]).to(torch.bfloat16), saturated
 
 
 def narrow_matmul(a, b, bits):

@@ -4,6 +4,8 @@ token of a head and per block of tokens (descale_of), P rounded to float8 or kep
 candidates honest and with planted bugs (tests/fp8_kernels.py; the longer sweep:
 benchmarks/variant_sweeps.py --variant fp8), the diagnosis naming a descale dropped, applied
 twice or one scale used for every head, and bad keys refused by name."""
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -187,3 +189,32 @@ def test_an_mx_scale_of_another_width_or_nan_is_refused():
     nan = np.full((1, 2, 5, 1), 255, np.uint8).view(ml_dtypes.float8_e8m0fnu)   # e8m0's NaN
     with pytest.raises(CaseError, match="q_descale must hold finite values > 0"):
         na.crosscheck(**{**arrays, "q_descale": nan})
+
+
+def test_flashattention_issue_2716s_saturated_p_is_caught_and_named():
+    """Scores that rise by 1.3 to 2.1 (natural log; 1.9 to 3 in log2) after the first tile of 128
+    keys: FlashAttention-3's online softmax with offset 8 and a lazy rescale past 4 (log2) puts P~
+    at up to 2^(8 + 3) > 448, saturated in e4m3; eager rescaling (threshold 0) keeps it below 2^8
+    and passes."""
+    gen = torch.Generator().manual_seed(11)
+    n_k, d = 300, 64
+    q = torch.randn(1, 1, 4, d, generator=gen)
+    k = torch.randn(1, 1, n_k, d, generator=gen) * 0.3
+    k[0, 0, 200:204] = 0.25 * q[0, 0]                                   # each query's own later key
+    v = torch.randn(1, 1, n_k, d, generator=gen)
+    s = dict(groups=1, d=d, how="fa3", causal=False, accumulator=32, intermediate="float8_e4m3fn")
+    stored = {name: fp8_kernels.quantize(x, "tensor", 16, "float8_e4m3fn") for name, x in zip("qkv", (q, k, v))}
+    used = {name: descale for name, (_, descale) in stored.items()}
+    scores = (stored["q"][0].float() * used["q"]) @ (stored["k"][0].float() * used["k"]).transpose(-1, -2) / 8
+    rise = (scores[..., 128:].amax(-1) - scores[..., :128].amax(-1)) * math.log2(math.e)   # log2 units
+    assert 8.8 - 8 < float(rise.min()) and float(rise.max()) < 4        # P~ past 448, m not moved
+    arrays = {name: stored[name][0] for name in "qkv"}
+    arrays.update({f"{name}_descale": stored[name][1].numpy() for name in "qkv"}, precision=np.array("float8_e4m3fn"))
+    (out, saturated), lse = fp8_kernels.attend(stored, used, s, lazy=True)
+    assert saturated
+    report = na.crosscheck(**arrays, out=out, lse=lse)
+    assert not report and "saturated at e4m3's 448 in 4 of 4 query rows" in report.diagnosis[0], report
+    assert "2^8 with the row max m moved only past 4 (log2) in tiles of 128 keys" in report.diagnosis[0]
+    v8 = stored["v"][0].float() * used["v"]
+    eager, saturated = fp8_kernels.lazy_softmax_pv(scores, v8, threshold=0.0)
+    assert not saturated and na.crosscheck(**arrays, out=eager, lse=lse)

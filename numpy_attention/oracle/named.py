@@ -8,6 +8,8 @@ rerun of the oracle (diagnosis.py reruns it under the others):
                    merged); a finite max_logits there
     sink_in_max    max_logits the largest of the scores and the sink (a running max started at it)
     gate_mixups    out without its output gate, or with the gate in place of sigmoid(gate)
+    p_saturation   a float8 out whose P saturated e4m3 in an online softmax with an offset and
+                   a lazy rescale (p_range.py), with the rows where it did
     latent_parts   MLA's dkv missing one use
     written_once   a sparse top-k backward that writes each use's dk, dv to its key instead of
                    adding it (a key several queries list, or one lists twice, keeps one use's)
@@ -19,8 +21,14 @@ import math
 
 import numpy as np
 
+from .._layout import with_head_axis
 from ..gate import sigmoid
+from ..options import attention_options
+from ..scores import attention_scores
 from ..topk import counts, topk_lists
+from .p_range import SETTINGS, lazy_out
+
+UNMODELLED = ("sinks", "dropout_mask", "rope", "gate")    # options p_saturation's softmax does not hold
 
 
 def rel_l2(x, ref):
@@ -38,6 +46,7 @@ def named_directly(candidates, truth, case, judge):
     """The lines of the first of these mix-ups the candidate matches; [] when none does."""
     return (lse_base(candidates, truth, case, judge) or empty_rows(candidates, truth)
             or sink_in_max(candidates, truth, case, judge) or gate_mixups(candidates, truth, case, judge)
+            or p_saturation(candidates, case, judge)
             or latent_parts(candidates, truth, case, judge) or written_once(candidates, truth, case, judge))
 
 
@@ -82,6 +91,32 @@ def gate_mixups(candidates, truth, case, judge):
         err = rel_l2(candidates["out"], wrong)
         if judge.explains(err, "out"):
             return [f"out matches {said} (rel L2 {err:.1e}); out = (P V) * sigmoid(gate)"]
+    return []
+
+
+def p_saturation(candidates, case, judge):
+    """The line when a float8 candidate's out is that of an online softmax whose P~ saturated
+    e4m3's 448 (p_range.py), under the first of p_range.SETTINGS that explains it, naming the
+    rows it saturated in; else [] (also for a case it does not model: sinks, dropout, rope, MLA,
+    a paged cache)."""
+    o = case.options
+    if ("out" not in candidates or not case.precision.forward_only or case.paged is not None
+            or case.latent is not None or any(o.get(name) is not None for name in UNMODELLED)):
+        return []
+    q, k, v, record = attention_options(*(case.inputs[name] for name in "qkv"), **o)
+    s = attention_scores(q, k, record)[0]
+    v = with_head_axis(v)
+    v = np.repeat(v, with_head_axis(q).shape[-3] // v.shape[-3], axis=-3)
+    for offset, threshold, tile in SETTINGS:
+        out, saturated = lazy_out(s, v, offset, threshold, tile)
+        err = rel_l2(candidates["out"], out.reshape(candidates["out"].shape))
+        if saturated.any() and judge.explains(err, "out"):
+            rows = [tuple(int(i) for i in at) for at in np.argwhere(saturated)[:3]]
+            return [f"out matches float8 P saturated at e4m3's 448 in {int(saturated.sum())} of {saturated.size} "
+                    f"query rows, e.g. [..., head, row] {', '.join(map(str, rows))} (rel L2 {err:.1e}): P = "
+                    f"exp(S - m) 2^{offset:g} with the row max m moved only past {threshold:g} (log2) in tiles "
+                    f"of {tile} keys reaches 2^{offset + threshold:g}; e4m3 holds 2^8.8 (rescale past "
+                    f"{8.8 - offset:.1f}, or a smaller offset)"]
     return []
 
 
