@@ -39,7 +39,8 @@ def test_each_planted_bug_is_caught_and_mostly_named(counts, bug):
     candidate's bfloat16 scores round beyond the diagnosis's reach: q's or k's descale dropped in
     a kernel that dequantizes to bfloat16)."""
     judged, failed, named, _ = counts[("float8", bug)]
-    assert judged >= CASES // 2 and failed == judged and named >= 0.6 * judged, counts
+    least = 1 if bug == "p_saturates" else CASES // 2     # P saturates where a later tile's scores rise
+    assert judged >= least and failed == judged and named >= 0.6 * judged, counts
 
 
 @pytest.mark.parametrize("shape, block, expected", [
