@@ -219,3 +219,22 @@ def test_flashattention_issue_2716s_saturated_p_is_caught_and_named():
     v8 = stored["v"][0].float() * used["v"]
     eager, saturated = fp8_kernels.lazy_softmax_pv(scores, v8, threshold=0.0)
     assert not saturated and na.crosscheck(**arrays, out=eager, lse=lse)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_16_bit_case_names_its_accumulator_too(precision):
+    """accumulator_bits for any 16- or 8-bit precision: a bfloat16 (float16) kernel whose forward
+    products accumulate in 14 bits (narrow_matmul, torch) fails a case that says nothing of its
+    accumulator and passes one that says so; float32 has no recipe to narrow and refuses it."""
+    dtype = getattr(torch, precision)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 256, generator=gen).to(dtype) for n in (8, 96, 96))
+    narrow = lambda a, b: fp8_kernels.narrow_matmul(a.float(), b.float(), 14).to(dtype)
+    s = narrow(q, k.transpose(-1, -2)) * (1 / 16)                           # in the dtype, as eager code
+    p = torch.softmax(s.float(), dim=-1).to(dtype)
+    out = narrow(p, v)
+    case = dict(q=q, k=k, v=v, out=out)
+    assert not na.crosscheck(**case)
+    assert na.crosscheck(**case, accumulator_bits=np.array(14))
+    with pytest.raises(CaseError, match="accumulator_bits belongs to a 16- or 8-bit precision"):
+        na.crosscheck(**{name: x.float() for name, x in case.items()}, accumulator_bits=np.array(14))

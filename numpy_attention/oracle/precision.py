@@ -33,7 +33,7 @@ class Precision(NamedTuple):
     output: np.dtype        # the dtype of out (and of the gradients)
     forward_only: bool      # no recipe for a backward (float8)
     recipe: bool            # False: the naive baseline in `compute` (float32, float64)
-    accumulator: int = 32   # the forward's products accumulate in this many bits (float8's accumulator_bits)
+    accumulator: int = 32   # the forward's products accumulate in this many bits (the case's accumulator_bits)
 
 
 _F8E4, _F8E5, _BF16 = (np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,

@@ -25,10 +25,14 @@ WIDTH_BLOCKS = (32, 16)     # a descale's blocks along d: MXFP8's, NVFP4's (widt
 
 def fp8_settings(arrays, precision):
     """(the precision with P's dtype the case's intermediate_dtype and its products' accumulator
-    accumulator_bits wide, descale_block or None)."""
-    given = [name for name in FP8 if name in arrays]
+    accumulator_bits wide, descale_block or None). accumulator_bits applies to any 16- or 8-bit
+    precision (the recipe's forward products), the other two to float8's."""
+    given = [name for name in FP8 if name in arrays and name != "accumulator_bits"]
     if given and not precision.forward_only:
         raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
+    if "accumulator_bits" in arrays and not precision.recipe:
+        raise CaseError(f"accumulator_bits belongs to a 16- or 8-bit precision, whose recipe sums its products "
+                        f"so; this case's is {precision.name!r}")
     block = None
     if "descale_block" in arrays:
         block = integer(arrays, "descale_block")
