@@ -216,16 +216,17 @@ def require_cache(cache, cache_type, function, arrays=()):
                             f"its {field} is {type(getattr(cache, field)).__name__}, not an array")
 
 
-def broadcast_shape_to(x, name, target_shape, legend):
-    """Raise ValueError unless array `x` broadcasts to `target_shape`."""
+def broadcast_shape_to(x, name, target_shape, legend,
+                       example="per-batch, per-key values [B, N_k] are given as [B, 1, 1, N_k]"):
+    """Raise ValueError unless array `x` broadcasts to `target_shape`; the message ends with how
+    numpy aligns the axes and `example`."""
     try:
         shape = np.broadcast_shapes(x.shape, tuple(target_shape))
     except ValueError:
         shape = None
     if shape != tuple(target_shape):
         raise ValueError(f"{name} of shape {x.shape} does not broadcast to {legend} "
-                         f"{tuple(target_shape)} (numpy broadcasting aligns the trailing axes: "
-                         f"per-batch, per-key values [B, N_k] are given as [B, 1, 1, N_k])")
+                         f"{tuple(target_shape)} (numpy broadcasting aligns the trailing axes: {example})")
 
 
 def as_mask(mask, name, target_shape, legend, hint=""):

@@ -87,9 +87,9 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
             'tcp://host:8786' (a Client is opened for the call). Results are bitwise those
             of a local run. The backward uses the forward's (a Client must still be open).
     Returns:
-        out [..., H, N_q, d_v] and an AttentionCache (weights P and lse inside;
-        cache.scores recomputes S), or a TiledAttentionCache (out and lse; max_logits too
-        for 'sparse') for 'tiled' and 'sparse'.
+        out [..., H, N_q, d_v] (times sigmoid(gate) with a gate) and an AttentionCache (weights
+        P, lse and max_logits inside; cache.scores recomputes S; cache.out is P V, before a
+        gate), or a TiledAttentionCache (out, lse and max_logits) for 'tiled' and 'sparse'.
     """
     paged = None
     if page_table is not None or cache_seqlens is not None:          # gather the pages: packed sequences

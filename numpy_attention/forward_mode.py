@@ -4,7 +4,7 @@ Shape legend as in textbook.py; a dot marks a tangent (a direction of the inputs
 primal's shape: q_dot [..., H, N_q, d_k], k_dot, v_dot like k, v.
 
 attention_jvp: the directional derivative of (out, lse) along (q_dot, k_dot, v_dot) (and
-bias_dot, sinks_dot, alibi_slopes_dot), the forward's steps differentiated in order:
+bias_dot, sinks_dot, alibi_slopes_dot, gate_dot), the forward's steps differentiated in order:
 
     1. S_dot = scale (q_dot k^T + q k_dot^T)
     2. S_dot = (1 - tanh^2(S / softcap)) S_dot                     softcap
@@ -13,6 +13,7 @@ bias_dot, sinks_dot, alibi_slopes_dot), the forward's steps differentiated in or
     5. P_dot = P * (S_dot - <P, S_dot>),  lse_dot = <P, S_dot>     rows with the sink's column
     6. P~_dot = P_dot * dropout_mask / (1 - p)
     7. out_dot = P~_dot v + P~ v_dot
+    8. out_dot = out_dot sigmoid(g) + out sigmoid'(g) g_dot          an output gate (gate.py)
 With rope, q and k are turned first (rope.py) and so are their tangents, rope being linear:
 q_dot <- R_q q_dot, k_dot <- R_k k_dot.
 

@@ -80,8 +80,9 @@ OPTIONS = (
            "(torch 2.5+ SDPA, FlashAttention, ONNX); 'uniform' the mean of v's rows (the seed's -1e9 "
            "fill, JAX), gradient 0 to q, k; 'nan' NaN output (the SDPA formula written out). The tiled "
            "engine has 'zero' alone.", case="policy"),
-    Option("check_finite", False, "input", "raise ValueError on NaN/Inf in q, k, v (and NaN/+inf in "
-           "bias) instead of letting them poison the rows they touch."),
+    Option("check_finite", False, "input", "raise ValueError on NaN/Inf in q, k, v and the float options "
+           "(a -inf in bias and sinks masks a score, or is no sink) instead of letting them poison the rows "
+           "they touch."),
     Option("alibi_slopes", None, "score", "[H] or [..., H]: ALiBi, S <- S - slope_h * |i + N_k - N_q - j|, "
            "the distance from the bottom-right-aligned diagonal (FlashAttention's convention; for "
            "N_q == N_k it is |i - j|, torch's and the paper's; a top-left form is bias = -slope * "
@@ -236,7 +237,8 @@ def options_record(q, k, v, **given):
     gate = a["gate"]
     if gate is not None:
         gate = as_float_array(gate, "gate")
-        broadcast_shape_to(gate, "gate", q.shape[:-1] + v.shape[-1:], "the output [..., H, N_q, d_v]")
+        broadcast_shape_to(gate, "gate", q.shape[:-1] + v.shape[-1:], "the output [..., H, N_q, d_v]",
+                           "a gate per head and query row is [..., H, N_q, 1]")
     keep = None if a["mask"] is None else as_mask(a["mask"], "mask", score_shape, legend)
     dropout_p = require_probability(a["dropout_p"], "dropout_p")
     drop = dropout_scale(a["dropout_mask"], dropout_p, score_shape, legend)

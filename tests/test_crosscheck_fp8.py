@@ -238,3 +238,16 @@ def test_a_16_bit_case_names_its_accumulator_too(precision):
     assert na.crosscheck(**case, accumulator_bits=np.array(14))
     with pytest.raises(CaseError, match="accumulator_bits belongs to a 16- or 8-bit precision"):
         na.crosscheck(**{name: x.float() for name, x in case.items()}, accumulator_bits=np.array(14))
+
+
+def test_mxfp8s_next_block_mixup_moves_whole_blocks_of_a_short_last_one():
+    """d = 48: blocks of 32 and 16; the mix-up puts each row's scale of block b on block b + 1
+    (the last block's on the first), a block at a time."""
+    from numpy_attention.oracle.mixups import _block_mixups
+    from numpy_attention.oracle.transforms import descale_of
+    compact = np.exp2(np.arange(2 * 3 * 2).reshape(1, 2, 3, 2) - 3.0)         # [B, H, N, ceil(48 / 32)]
+    stored = np.ones((1, 2, 3, 48))
+    descale = descale_of(compact, stored.shape, stored.shape, None, "q_descale")
+    *_, shifted = _block_mixups("q", stored, descale, 32, "")
+    want = np.concatenate([np.repeat(compact[..., 1:], 32, -1), np.repeat(compact[..., :1], 16, -1)], -1)
+    np.testing.assert_array_equal(shifted.inputs["q"], want)

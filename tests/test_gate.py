@@ -46,13 +46,15 @@ def test_every_engine_gates_and_differentiates_the_gate(gate, option):
         assert np.abs(cache.out - plain).max() < 1e-15, engine          # the cache holds P V
         grads = na.attention_backward(DOUT, cache)
         assert grads.dgate.shape == g.shape
+        close = lambda a, b: abs(a - b) <= 1e-14 * max(1.0, abs(b))
         forward = lambda x: na.attention_forward(Q, K, V, gate=x, implementation="textbook", **options)[0]
-        assert abs(np.sum(grads.dgate * u) - complex_step(forward, g, u)) < 1e-12, engine
-        for name, x in zip("qv", (Q, V)):
+        assert close(np.sum(grads.dgate * u), complex_step(forward, g, u)), engine
+        calls = {"q": lambda y: na.attention_forward(y, K, V, gate=g, **options)[0],
+                 "k": lambda y: na.attention_forward(Q, y, V, gate=g, **options)[0],
+                 "v": lambda y: na.attention_forward(Q, K, y, gate=g, **options)[0]}
+        for name, x in zip("qkv", (Q, K, V)):
             w = rng.standard_normal(x.shape)
-            f = (lambda y: na.attention_forward(y, K, V, gate=g, **options)[0]) if name == "q" else \
-                (lambda y: na.attention_forward(Q, K, y, gate=g, **options)[0])
-            assert abs(np.sum(getattr(grads, f"d{name}") * w) - complex_step(f, x, w)) < 1e-12, (engine, name)
+            assert close(np.sum(getattr(grads, f"d{name}") * w), complex_step(calls[name], x, w)), (engine, name)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -203,3 +205,28 @@ def test_conform_draws_a_gate_and_judges_dgate(torch):
         return qwen3_next(q, k, v, causal=causal) + 0 * gate.sum()
     report = na.conform.check(ungated, plain_grid[0])
     assert not report and "the gate not applied" in report.diagnosis[0], report
+
+
+@pytest.mark.parametrize("value", [-20.0, -12.0])
+def test_a_gate_that_shrinks_out_shrinks_every_bound(value):
+    """The term magnitudes are the attention's under dout * sigmoid(gate), out's times the gate:
+    with sigmoid(gate) near 1e-9 a wrong out, dq or dv still fails."""
+    f32 = lambda x: x.astype(np.float32)
+    q, k, v, dout = (f32(x) for x in (Q, K, V, DOUT))
+    gate = np.full((2, 4, 5, 1), value, np.float32)
+    out, cache = na.attention_forward(q, k, v, gate=gate, causal=True)
+    grads = na.attention_backward(dout, cache)
+    case = dict(q=q, k=k, v=v, dout=dout, gate=gate, causal=True, out=out, dq=grads.dq, dk=grads.dk, dv=grads.dv,
+                dgate=grads.dgate)
+    assert na.crosscheck(**case)
+    for name, wrong in (("out", out * 1.3), ("dq", grads.dq * 0), ("dv", grads.dv * 1.5), ("dgate", grads.dgate * 1.5)):
+        report = na.crosscheck(**{**case, name: wrong})
+        assert not report and not next(row for row in report.rows if row.name == name).passed, (name, report)
+
+
+def test_crosscheck_refuses_a_gate_on_a_paged_cache():
+    case = dict(q=Q[:, :, :2], k=rng.standard_normal((3, 2, 4, 8)), v=rng.standard_normal((3, 2, 4, 6)),
+                page_table=np.array([[0, 1], [2, 0]]), cache_seqlens=np.array([5, 3]), gate=np.zeros((2, 4, 2, 1)),
+                out=np.zeros((2, 4, 2, 6)))
+    with pytest.raises(CaseError, match="a paged KV cache .* takes no mask, bias, cu_seqlens, seqused_k or gate"):
+        na.crosscheck(**case)

@@ -229,3 +229,24 @@ def test_torch_candidates_pass_honest_and_fail_with_each_bug_named(torch):
             assert judged == 6 and failed == 0, (dtype, counts)
         else:
             assert judged and failed == named == judged and not not_run, (dtype, what, counts)
+
+
+def test_a_single_heads_max_logits_is_judged_per_row():
+    """q [N_q, d]: max_logits [N_q] is per row (the rows' shape wins), [1] the head's."""
+    q, k, v = (x.astype(np.float32) for x in (Q[0, 0], K[0, 0], V[0, 0]))
+    out, cache = na.attention_forward(q, k, v)
+    assert na.crosscheck(q=q, k=k, v=v, out=out, max_logits=cache.max_logits)
+    assert na.crosscheck(q=q, k=k, v=v, out=out, max_logits=cache.max_logits.max(keepdims=True))
+    assert not na.crosscheck(q=q, k=k, v=v, out=out, max_logits=cache.max_logits[::-1].copy())
+
+
+def test_one_heads_wrong_max_logits_is_named_by_its_head():
+    case, max_logits = kernel_case(np.float32, causal=True)
+    doubled = max_logits.copy()
+    doubled[:, 1] *= 2
+    report = na.crosscheck(**case, max_logits=doubled)
+    assert not report and "with head 1 times 2" in report.diagnosis[0], report
+    heads = max_logits.max(axis=(0, 2))
+    heads[2] *= math.sqrt(8)                                           # head 2's before the scale
+    report = na.crosscheck(**case, max_logits=heads)
+    assert not report and "with head 2 times 2.82843 = 1 / scale" in report.diagnosis[0], report

@@ -27,7 +27,7 @@ import numpy as np
 
 from .mixups import Mixup, case_mixups, combined, rerun_oracle
 from .named import named_directly, rel_l2
-from .schema import GRADIENTS
+from .schema import GRADIENTS, ROWS
 
 CLOSER = 100.0          # a rerun explains a tensor this much nearer than the oracle,
 NEAR = 1e-2             # and within this rel L2 of it;
@@ -220,7 +220,8 @@ def _known_factors(case, name):
 
 def _factor(cand, ref, case, name, judge):
     """(how, rel L2) where cand is a known constant times ref (known_factors), over the whole
-    tensor or head by head (heads on axis -3; -2 for lse), the other heads equal; else None."""
+    tensor or head by head (heads on axis -3; -2 for lse and max_logits, -1 for a max_logits
+    given per head), the other heads equal; else None."""
     known = _known_factors(case, name)
     near = lambda c: next((f for f in known if math.isclose(c, f, rel_tol=1e-2)), None)
     finite = np.isfinite(ref) & np.isfinite(cand)
@@ -235,7 +236,7 @@ def _factor(cand, ref, case, name, judge):
         err = rel_l2(cand, factor * ref)
         if judge.explains(err, name):
             return known[factor], err
-    axis = -2 if name == "lse" else -3
+    axis = -3 if name not in ROWS else -2 if ref.ndim > 1 else -1        # the heads' axis ([H]: per head)
     if ref.ndim < -axis or ref.shape[axis] < 2:
         return None
     others = tuple(a for a in range(ref.ndim) if a != ref.ndim + axis)
@@ -256,11 +257,11 @@ def _factor(cand, ref, case, name, judge):
 
 
 def _shifted_rows(cand, ref, name, judge):
-    """(how, rel L2) where cand is ref with its rows (the query axis: -2, -1 for lse) moved by
-    one, as a kernel that stores each row one place off; else None."""
-    if name not in ("out", "lse"):
+    """(how, rel L2) where cand is ref with its rows (the query axis: -2, -1 for lse and
+    max_logits) moved by one, as a kernel that stores each row one place off; else None."""
+    if name not in ("out",) + ROWS or name == "max_logits" and ref.ndim < 2:   # (not [H], per head)
         return None
-    axis = -1 if name == "lse" else -2
+    axis = -1 if name in ROWS else -2
     if ref.ndim < -axis or ref.shape[axis] < 2:
         return None
     for shift in (1, -1):

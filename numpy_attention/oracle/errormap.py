@@ -88,11 +88,13 @@ def crosscheck_errors(**arrays):
     return report, ratios
 
 
-def head_rows(name, ratios):
+def head_rows(name, ratios, heads=True):
     """A tensor's entry ratios as [batch, H, rows, features] (module docstring's table): the
-    axes before the head axis flattened into one, axes of length 1 where it has none."""
+    axes before the head axis flattened into one, axes of length 1 where it has none. heads:
+    whether the case has a head axis (out's ratios of 3 axes or more), which makes a max_logits
+    of one axis one per head."""
     r = np.asarray(ratios)
-    after = 0 if name == "max_logits" and r.ndim == 1 else _AFTER_HEAD.get(name, 2)   # [H]: per head
+    after = 0 if name == "max_logits" and r.ndim == 1 and heads else _AFTER_HEAD.get(name, 2)
     r = r.reshape(r.shape + (1,) * (2 - after))
     r = r.reshape((1,) * max(0, 3 - r.ndim) + r.shape)
     return r.reshape((-1,) + r.shape[-3:])
@@ -103,7 +105,7 @@ def error_maps(**arrays):
     map[h, i] = max over the batch and the features of |X - oracle| / bound (module
     docstring); > 1 where the tensor fails its max-abs or row-wise check, inf at a NaN."""
     _, ratios = crosscheck_errors(**arrays)
-    return {name: _fold(head_rows(name, r)) for name, r in ratios.items()}
+    return {name: _fold(head_rows(name, r, np.ndim(ratios["out"]) >= 3)) for name, r in ratios.items()}
 
 
 def _fold(r):
@@ -152,7 +154,7 @@ def draw_error_maps(path, report, ratios):
     canvas(fig)
     axes = fig.subplots(len(names), 2, squeeze=False)
     for (left, right), verdict in zip(axes, report.rows):
-        r = head_rows(verdict.name, ratios[verdict.name])
+        r = head_rows(verdict.name, ratios[verdict.name], np.ndim(ratios["out"]) >= 3)
         image = _panel(left, _fold(r), cmap, norm)
         said = (f"FAIL: {verdict.failed[0]}" if not verdict.passed else
                 f"PASS (max |err| / bound {float(np.max(r, initial=0.0)):.3g})")

@@ -4,7 +4,7 @@ each op rounded to the baseline's precision (naive.py's dtype, the recipe's T).
     dO = dout * sigmoid(g)              the attention's upstream gradient (gated_dout)
     out = O * sigmoid(g)                dgate = sum over g's broadcast axes of dout * O * s (1 - s)
 
-and dgate's term magnitude for the rule's atol (dgate_magnitude).
+and the term magnitudes for the rule's atol under a gate (attention_case, gated_magnitudes).
 """
 import numpy as np
 
@@ -31,8 +31,28 @@ def gated(result, dout, gate, rnd=lambda x: x):
     return result
 
 
-def dgate_magnitude(dout, out, gate):
-    """dgate's largest sum of |terms| (magnitudes.py), |dout * O * s (1 - s)| summed over gate's
-    broadcast axes, from the oracle's out = O * s."""
+def attention_case(case, truth):
+    """(case, truth) of the attention under a case's output gate, for its term magnitudes: dout
+    times sigmoid(gate) (the attention's upstream gradient) and out over it (O = P V); the two
+    as they are without a gate."""
+    gate = case.options.get("gate")
+    if gate is None:
+        return case, truth
     s = sigmoid(np.asarray(gate, np.float64))
-    return float(np.max(unbroadcast(np.abs(dout * out * (1 - s)), np.shape(gate)), initial=0))
+    inputs = {**case.inputs, **({"dout": case.inputs["dout"] * s} if "dout" in case.inputs else {})}
+    return case._replace(inputs=inputs), {**truth, "out": truth["out"] / s}
+
+
+def gated_magnitudes(mags, case, truth):
+    """The term magnitudes of the attention (attention_case's) as the gated results': out's
+    times the largest sigmoid(gate) (each entry's terms times its own), and dgate's, the sums
+    of |dout * O * s (1 - s)| over gate's broadcast axes (from the oracle's out = O * s)."""
+    gate = case.options.get("gate")
+    if gate is None:
+        return mags
+    s = sigmoid(np.asarray(gate, np.float64))
+    mags = {**mags, "out": mags["out"] * float(np.max(s))}
+    if "dout" in case.inputs:
+        mags["dgate"] = float(np.max(unbroadcast(np.abs(case.inputs["dout"] * truth["out"] * (1 - s)),
+                                                 np.shape(gate)), initial=0))
+    return mags

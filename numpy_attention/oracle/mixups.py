@@ -187,8 +187,9 @@ def _block_mixups(name, stored, descale, along_d, said):
     for factor, how, bias in ((0.5, "halved", 128), (2.0, "doubled", 126)):
         yield Mixup(f"{name}_descale {how} (an exponent one off: e8m0's bias 127 read as {bias})", said, {},
                     inputs={name: stored * descale * factor})
-    if stored.shape[-1] > along_d:
-        shifted = np.roll(descale, along_d, axis=-1)                 # block b's scale on block b + 1
+    if stored.shape[-1] > along_d:                                   # block b's scale on block b + 1
+        blocks = np.roll(descale[..., ::along_d], 1, axis=-1)
+        shifted = np.repeat(blocks, along_d, axis=-1)[..., :stored.shape[-1]]
         yield Mixup(f"{name}_descale's blocks one over along d (block b's scale on block b + 1)", said, {},
                     inputs={name: stored * shifted})
 

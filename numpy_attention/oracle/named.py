@@ -23,12 +23,13 @@ import numpy as np
 
 from .._layout import with_head_axis
 from ..gate import sigmoid
-from ..options import attention_options
+from ..options import OPTIONS, attention_options
 from ..scores import attention_scores
 from ..topk import counts, topk_lists
 from .p_range import SETTINGS, lazy_out
 
-UNMODELLED = ("sinks", "dropout_mask", "rope", "gate")    # options p_saturation's softmax does not hold
+UNMODELLED = ("rope",) + tuple(row.name for row in OPTIONS   # what p_saturation's softmax does not hold: rope,
+                               if row.acts in ("row", "output") and row.default is None)   # sinks, dropout, a gate
 
 
 def rel_l2(x, ref):
@@ -187,6 +188,8 @@ def written_once(candidates, truth, case, judge):
     if case.topk is None or not named or "dout" not in case.inputs or "P" not in truth or "dS" not in truth:
         return []
     q, dout = (np.asarray(case.inputs[n], np.float64) for n in ("q", "dout"))
+    if case.options.get("gate") is not None:                                     # the attention's dO
+        dout = dout * sigmoid(np.asarray(case.options["gate"], np.float64))
     k_shape = case.inputs["k"].shape
     scale = case.options.get("scale") or 1 / math.sqrt(q.shape[-1])
     shape = q.shape[:-3] + (k_shape[-3], q.shape[-3] // k_shape[-3], q.shape[-2], k_shape[-2])

@@ -24,13 +24,14 @@ NPZ.jl) can produce a case. Keys (shape legend of textbook.py):
                               rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow,
                               rope_truncate (0-d bool), rope_mscale, rope_mscale_all_dim,
                               rope_attention_factor (Hugging Face's YaRN keys)
+                gate          float broadcastable to out: out = (P V) * sigmoid(gate) (gate.py)
                 kv            MLA's latent keys [..., 1, N_k, r + p] in place of k and v, with
                               head_dim_v (0-d int r): the values are kv[..., :r] (mla.py)
     candidate   out [..., H, N_q, d_v]   (required)
                 lse [..., H, N_q]        dq, dk, dv (the shapes of q, k, v)   dbias (bias's shape)
                 max_logits [..., H, N_q] each row's largest score S (after the scale; -inf for a row
                               with no key), or [H] each head's, over the batch and the rows
-                dkv (kv's shape, with kv: the keys' and the values' gradients summed)
+                dkv (kv's shape, with kv: the keys' and the values' gradients summed)   dgate (gate's shape)
                 (lse of a fully masked row: -inf, or FlashAttention's +inf; rule.py)
 
 The candidate's dtype is that of its tensors (float16, float32 or float64; each

@@ -152,16 +152,19 @@ def latent_kv(arrays, tensors):
     return r
 
 
-def heads_max(candidates):
-    """Whether the candidate's max_logits is given per head, [H] (1-d)."""
-    return candidates.get("max_logits") is not None and candidates["max_logits"].ndim == 1
+def heads_max(case):
+    """Whether the case's candidate max_logits is given per head, [H]: not of the shape of its
+    rows, q's [..., H, N_q] (the caller's q with a paged cache), which wins where they agree."""
+    given = case.candidates.get("max_logits")
+    rows = (case.inputs["q"].shape if case.paged is None else case.paged.q_shape)[:-1]
+    return given is not None and given.shape != tuple(rows)
 
 
-def per_head(results, candidates):
+def per_head(results, case):
     """results with their max_logits [..., H, N_q] taken to [H], the largest over the batch and
-    the rows (TransformerEngine's return_max_logit, QK-clip's statistic), where the candidate's
-    max_logits is given per head (1-d); else results as they are (None stays None)."""
-    if results is None or not heads_max(candidates) or results.get("max_logits") is None:
+    the rows (TransformerEngine's return_max_logit, QK-clip's statistic), where the case's
+    candidate gives it per head (heads_max); else results as they are (None stays None)."""
+    if results is None or not heads_max(case) or results.get("max_logits") is None:
         return results
     x = results["max_logits"]
     x = x.reshape((1,) * (2 - x.ndim) + x.shape)               # a single head's [N_q]: H = 1
@@ -230,8 +233,8 @@ def packed_if_paged(arrays, inputs, options):
     cu_seqlens among the options. The candidates stay in the caller's layout."""
     if "page_table" not in arrays and "cache_seqlens" not in arrays:
         return inputs, options, None
-    if {"mask", "bias", "cu_seqlens_q", "seqused_k"} & set(options):
-        raise CaseError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens or seqused_k")
+    if {"mask", "bias", "cu_seqlens_q", "seqused_k", "gate"} & set(options):
+        raise CaseError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens, seqused_k or gate")
     try:
         paged = check_pages(inputs["q"], inputs["k"], inputs["v"], arrays.get("page_table"),
                             arrays.get("cache_seqlens"))

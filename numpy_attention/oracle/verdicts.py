@@ -48,7 +48,7 @@ from .runs import (SCALE_STEP, baselines, case_block_rows, case_magnitudes, case
                    ways_by_forward)
 from .schema import CANDIDATES, FORWARD_MODE, GRADIENTS, ROWS, CaseError, check_keys
 from .tangents import add_tangents
-from .gated import dgate_magnitude
+from .gated import attention_case, gated_magnitudes
 from .transforms import heads_max, latent_sum, per_head
 
 HINT_PRECISIONS = ("bfloat16", "float16")   # a float32 result may hold a 16-bit kernel's values
@@ -192,8 +192,7 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             computed = baselines(case, want_grads, block_rows, client, workers, ways=numbers)
             for number, base in zip(numbers, computed):
                 base = latent_sum(base, case.latent, case.precision.output if low else None)
-                bases[number] = per_head(base if case.paged is None else unpaged(base, case.paged),
-                                         case.candidates)
+                bases[number] = per_head(base if case.paged is None else unpaged(base, case.paged), case)
 
         say(f"the {case.precision.name} baselines ({len(first)} way{'s' * (len(first) > 1)})")
         compute(first)
@@ -201,16 +200,15 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
             add_tangents(case, truth, [bases[number] for number in first], wide)
             against.update({name: truth[name] for name in FORWARD_MODE})
         say("the term magnitudes")
-        mags = case_magnitudes(case, truth, whole, block_rows, client, workers)
+        mags = gated_magnitudes(case_magnitudes(*attention_case(case, truth), whole, block_rows, client, workers),
+                                case, truth)             # (with an output gate: the attention's, gated)
         if case.latent is not None and "dk" in mags:     # MLA's dkv: the terms of dk and of dv
             mags["dkv"] = mags["dk"] + mags["dv"]
-        if "dgate" in case.candidates:                   # the gate's: dout * O * s (1 - s)
-            mags["dgate"] = dgate_magnitude(case.inputs["dout"], truth["out"], case.options["gate"])
         directions = scale_directions(truth, done["shifted"]) if low else {}
         if case.paged is not None:                       # the packed problem's results, as the caller's
             truth, against, directions = (unpaged(x, case.paged) for x in (truth, against, directions))
-        truth, against = per_head(truth, case.candidates), per_head(against, case.candidates)
-        if heads_max(case.candidates):                  # no scale check of a head's largest score
+        truth, against = per_head(truth, case), per_head(against, case)
+        if heads_max(case):                              # no scale check of a head's largest score
             directions = {name: x for name, x in directions.items() if name != "max_logits"}
         names = [names for names, _ in ways]             # each way's (forward, gradient) names
         offsets = scale_offsets(case, ways)
@@ -343,7 +341,7 @@ def _diagnosis(arrays, case, truth, bases, failing, whole):
     noise = {name: max(rel_l2(b[name], truth[name]) for b in bases if name in b) for name in failing
              if any(name in b for b in bases)}
     paged = (lambda results: results) if case.paged is None else (lambda results: unpaged(results, case.paged))
-    found = diagnose(case, truth, failing, noise, laid_out=lambda results: per_head(paged(results), case.candidates))
+    found = diagnose(case, truth, failing, noise, laid_out=lambda results: per_head(paged(results), case))
     return found if case.paged is not None else found or _layout_mixup(arrays, case, failing)
 
 
