@@ -24,10 +24,11 @@ Two orders, written from the peers' references:
                float32, P and P v in bfloat16 (intermediate dtype bfloat16 only)
 The bugs: one descale dropped (q's, k's or v's, in turn); v's applied twice; the first head's
 descale used for every head and batch entry (a per-tensor kernel given per-head scales; not
-planted where the scales are per tensor); in FlashAttention-3's order, P v by an online softmax whose
-P~ = exp(S - m) 2^8 is held in e4m3 with its row max moved only past 4 (log2), saturating at 448
-(flash-attention issue 2716; where that moves out beyond P~'s own rounding). MXFP8's besides (MX_BUGS): the culprit's e8m0 scales
-read with a bias of 128 (halved); its scales one block over along d (where d has two blocks).
+planted where the scales are per tensor); in FlashAttention-3's order, P v by an online softmax
+whose P~ = exp(S - m) 2^8 is held in e4m3 with its row max moved only past 4 (log2), saturating
+at 448 (flash-attention issue 2716; where that moves out beyond P~'s own rounding). MXFP8's
+besides (MX_BUGS): the culprit's e8m0 scales read with a bias of 128 (halved); its scales one
+block over along d (where d has two blocks).
 """
 import math
 
@@ -174,12 +175,13 @@ def attend(stored, used, s, lazy=False):
 
 
 def lazy_softmax_pv(scores, v, offset=8.0, threshold=4.0, tile=128):
-    """(out bfloat16, saturated): P v by FlashAttention-3's online softmax on float8 P as flash-attention
-    issue 2716 describes it, in float32: P~ = exp2(S log2 e - m + offset) over tiles of keys, the row max
-    m moved only when a tile passes it by more than `threshold` (log2), P~ converted to e4m3 with
-    saturation (cvt satfinite: 448 where larger), l summed from P~ before the conversion. saturated:
-    whether the saturation moved out by more than e4m3's half-ulp (2^-4) of its largest entry, P~'s
-    own rounding (the saturated share of the sums, P~ - 448 where larger, times v)."""
+    """(out bfloat16, saturated): P v by FlashAttention-3's online softmax on float8 P as
+    flash-attention issue 2716 describes it, in float32: P~ = exp2(S log2 e - m + offset) over tiles
+    of keys, the row max m moved only when a tile passes it by more than `threshold` (log2), P~
+    converted to e4m3 with saturation (cvt satfinite: 448 where larger), l summed from P~ before
+    the conversion. saturated: whether the saturation moved out by more than e4m3's half-ulp
+    (2^-4) of its largest entry, P~'s own rounding (the saturated share of the sums, P~ - 448
+    where larger, times v)."""
     x = scores * math.log2(math.e)
     m = torch.full(x.shape[:-1], -math.inf)
     l, acc = torch.zeros(x.shape[:-1]), torch.zeros(x.shape[:-1] + v.shape[-1:])
