@@ -24,8 +24,8 @@ from .engines.tiled import tiled_backward, tiled_forward
 from .gate import gate_backward, gate_forward
 from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .rope import rope_backward, rope_qk
-from .option_checks import FULLY_MASKED_POLICIES, check_head_vector
-from .options import HEAD_ROWS, attention_options, with_options
+from .option_checks import FULLY_MASKED_POLICIES
+from .options import attention_options, head_vectors, with_options
 from .textbook import textbook_backward, textbook_forward
 
 BACKWARD_METHODS = ("vjp", "jacobian", "flash")
@@ -99,8 +99,7 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
                              "topk_indices (each sequence's keys are its cache_seqlens rows), nor a gate")
         q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
         paged = check_pages(q, k, v, page_table, cache_seqlens)
-        per_head = {row.name: check_head_vector(q.shape, row.name, options.get(row.name), row.batched, q.shape[0])
-                    for row in HEAD_ROWS}                           # against the caller's q
+        per_head = head_vectors(q.shape, options, q.shape[0])      # against the caller's q
         q, k, v = pack(q, k, v, paged)
         cu_q, cu_k = cu_seqlens(paged)
         options = {**options, **per_head, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}

@@ -173,7 +173,8 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
                             scores.Saved(cache.softcap_tanh, cache.score_mod_input), None, None)
     P_row = with_sink_weight(cache.weights, cache.lse, o)
     P_dot_row = softmax_row_tangent(cache.weights, cache.lse, S_dot, o)[0]
-    pad = lambda x: np.concatenate([x, np.zeros(x.shape[:-1] + (P_row.shape[-1] - n_k,), x.dtype)], -1)   # sink's 0
+    pad = lambda x: x if P_row.shape[-1] == n_k else np.concatenate(                     # the sink's
+        [x, np.zeros(x.shape[:-1] + (P_row.shape[-1] - n_k,), x.dtype)], -1)               # column: 0
     dP, dP_dot = (pad(grouped_matmul(dout, _t(x)) * drop) for x in (v, dot["v_dot"]))     # 7.
     dv = grouped_sum_matmul(cache.weights * drop, dout, h_kv)
     dv_dot = grouped_sum_matmul(P_dot_row[..., :n_k] * drop, dout, h_kv)

@@ -135,6 +135,13 @@ GRADIENTS = tuple(row.gradient for row in OPTIONS if row.gradient)           # A
 NEGINF = tuple(row.name for row in OPTIONS if row.neginf)               # may hold -inf
 HEAD_ROWS = tuple(row for row in OPTIONS if row.shape == "heads")                   # [H], [..., H] vectors
 HEAD_GRADIENTS = tuple(row.gradient for row in HEAD_ROWS if row.gradient)
+
+
+def head_vectors(q_shape, given, sequences=None):
+    """{name: array or None} of the per-head vectors (HEAD_ROWS) among `given` ({name: value}),
+    each checked against q's shape and its B = `sequences` packed sequences (check_head_vector)."""
+    return {row.name: check_head_vector(q_shape, row.name, given.get(row.name), row.batched, sequences)
+            for row in HEAD_ROWS}
 _DEFAULTS = {row.name: row.default for row in OPTIONS}
 
 
@@ -244,8 +251,7 @@ def options_record(q, k, v, **given):
     drop = dropout_scale(a["dropout_mask"], dropout_p, score_shape, legend)
     packed = check_packed_sequences(q, k, a["cu_seqlens_q"], a["cu_seqlens_k"], a["seqused_k"])
     sequences = None if packed[0] is None else packed[0].size - 1
-    per_head = {row.name: check_head_vector(q.shape, row.name, a[row.name], row.batched, sequences)
-                for row in HEAD_ROWS}
+    per_head = head_vectors(q.shape, a, sequences)
     sinks, alibi_slopes = per_head["sinks"], per_head["alibi_slopes"]
     if sinks is not None and fully_masked != "zero":             # a row with no key: out 0, lse = sink
         raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "

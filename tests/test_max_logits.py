@@ -238,6 +238,10 @@ def test_a_single_heads_max_logits_is_judged_per_row():
     assert na.crosscheck(q=q, k=k, v=v, out=out, max_logits=cache.max_logits)
     assert na.crosscheck(q=q, k=k, v=v, out=out, max_logits=cache.max_logits.max(keepdims=True))
     assert not na.crosscheck(q=q, k=k, v=v, out=out, max_logits=cache.max_logits[::-1].copy())
+    lse = cache.lse.copy()
+    lse[3] *= 2                                                        # one row's, not a head's
+    report = na.crosscheck(q=q, k=k, v=v, out=out, lse=lse)
+    assert not report and not any("head" in line for line in report.diagnosis), report
 
 
 def test_one_heads_wrong_max_logits_is_named_by_its_head():

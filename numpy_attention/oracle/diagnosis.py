@@ -236,7 +236,8 @@ def _factor(cand, ref, case, name, judge):
         err = rel_l2(cand, factor * ref)
         if judge.explains(err, name):
             return known[factor], err
-    axis = -3 if name not in ROWS else -2 if ref.ndim > 1 else -1        # the heads' axis ([H]: per head)
+    per_head = name == "max_logits" and ref.ndim == 1 and case.inputs["q"].ndim >= 3   # [H]: max_logits'
+    axis = -1 if per_head else -2 if name in ROWS else -3                # the heads' axis
     if ref.ndim < -axis or ref.shape[axis] < 2:
         return None
     others = tuple(a for a in range(ref.ndim) if a != ref.ndim + axis)

@@ -81,10 +81,11 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
     scale_factor: the scale times this (the rule's scale check reruns the oracle so).
     scheduler: a Dask Client for the tiled engine's slices (stages False), or None.
     Returns:
-        dict with out [..., H, N_q, d_v], lse and max_logits [..., H, N_q], and with gradients and dout
-        dq, dk, dv (dbias with a bias); with stages also the scores S (-inf where masked),
-        the weights P and P~ (after dropout) [..., H, N_q, N_k], and with gradients the
-        stages dP, dS [..., H, N_q, N_k] and D [..., H, N_q].
+        dict with out [..., H, N_q, d_v] (times sigmoid(gate) with a gate), lse and max_logits
+        [..., H, N_q], and with gradients and dout dq, dk, dv (dbias, dgate with their
+        options); with stages also the scores S (-inf where masked), the weights P and P~
+        (after dropout) [..., H, N_q, N_k], and with gradients the stages dP, dS
+        [..., H, N_q, N_k] and D [..., H, N_q].
     """
     engine = {"implementation": "blocked"} if stages else {"implementation": "tiled", "block_size": ORACLE_TILE,
                                                            "scheduler": scheduler}
@@ -113,9 +114,10 @@ def reference(inputs, options, dtype, gradients=True, forward_of=None, stages=Tr
 
 
 def _from_candidate_forward(cache, forward_of, dtype):
-    """The oracle's cache with the candidate's out (over sigmoid(gate) with a gate) and lse (a +inf lse, FlashAttention's fully
-    masked row, is -inf), for a flash backward: the tiled engine's recomputes P from them;
-    for the others P = exp(S - lse) here, and the textbook's flash backward."""
+    """The oracle's cache with the candidate's out (over sigmoid(gate) with a gate: P V) and lse
+    (a +inf lse, FlashAttention's fully masked row, is -inf), for a flash backward: the tiled
+    engine's recomputes P from them; for the others P = exp(S - lse) here, and the textbook's
+    flash backward."""
     out = np.asarray(forward_of["out"]).astype(dtype)
     if cache.options.gate is not None:                  # the attention's O, before the gate
         out = out / sigmoid(cache.options.gate)
@@ -313,8 +315,9 @@ def reads_kernel_out(case, gradients):
     """Whether the case's baselines end with the flash backward that reads the candidate's out
     for D = rowsum(dout * out), as a FlashAttention backward reads its forward's: in a 16- or
     8-bit precision, for a case with gradients and an out (not on a paged cache, whose out is
-    laid out otherwise, nor with a gate, whose out is not the attention's). The gradients are held to it only when that out passes: a wrong out
-    must not excuse the gradients it would make wrong."""
+    laid out otherwise, nor with a gate, whose out is not the attention's). The gradients are
+    held to it only when that out passes: a wrong out must not excuse the gradients it would
+    make wrong."""
     return (case.precision.recipe and gradients and "dout" in case.inputs and "out" in case.candidates
             and case.paged is None and "gate" not in case.options)
 
