@@ -26,6 +26,9 @@ shipped past kernel test suites; each breaks one property and passes the others.
                           where a sequence sits elsewhere in the pack (declared batch_invariant)
     partial_block_of_320  keys past the last multiple of its declared block of 320 dropped: found
                           only at the lengths its declaration adds (321, 639, 641; beyond 256)
+    lse_rows_by_keys      lse kept in a buffer of N_k rows: with more queries than keys, the rows
+                          past N_k hold the last one's (out right): only the split trial's parts,
+                          of fewer keys than queries, show it
     rows_rotated          each row's out is the next row's: the output's norm exactly right
                           (flash-attention PR 2553), every row wrong
     zeros_in_low_precision, one_row_repeated   zeros, or row 0's out in every row, in a 16-bit dtype
@@ -192,6 +195,14 @@ def page_size_16(q, k, v, page_table=None, cache_seqlens=None, **options):
     keep = (at[None, :] < cache_seqlens[:, None])[:, None, None, :]
     used = lambda x: np.where(np.swapaxes(keep, -1, -2), gather(x), 0).astype(x.dtype)   # (no row past the end)
     return numpy_float32(q, used(k), used(v), mask=keep, **options)
+
+
+@declare(kind="numpy", supports=SUPPORTS)
+def lse_rows_by_keys(q, k, v, dout=None, **options):
+    """An lse written into rows bounded by the keys' count: query rows past N_k repeat row N_k - 1's."""
+    results = numpy_float32(q, k, v, dout=dout, **options)
+    rows = np.minimum(np.arange(q.shape[-2]), k.shape[-2] - 1)
+    return {**results, "lse": results["lse"][..., rows]}
 
 
 @declare(kind="numpy", supports=("gqa", "varlen", "lse", "gradients", "batch_invariant"))

@@ -3,6 +3,7 @@
     report = check(kernel, case)            # a CrosscheckReport; what the kernel raises propagates
     result, arrays = evaluate(kernel, case) # a CaseResult: PASS, FAIL, ERROR (the kernel raised,
                                             # exited or died), TIMEOUT (it was stopped)
+    other_bits(first, second, where)        # '' where two calls' results hold the same bits
 
 The judged arrays are the case's (grid.draw) with the kernel's results: crosscheck's keyword
 arguments, what save_case writes and `numpy-attention crosscheck FILE.npz` re-judges.
@@ -10,6 +11,8 @@ arguments, what save_case writes and `numpy-attention crosscheck FILE.npz` re-ju
 import math
 import time
 from typing import NamedTuple
+
+import numpy as np
 
 from ..oracle import CaseError, crosscheck
 from .grid import ConformCase
@@ -83,3 +86,29 @@ def error_result(case, exc, start):
     status = "TIMEOUT" if isinstance(exc, KernelTimeout) else "ERROR"
     error = str(exc) if status == "TIMEOUT" else describe(exc)
     return CaseResult(case, status, None, error, time.perf_counter() - start)
+
+
+def differing(a, b):
+    """'' where a and b hold the same bits (any NaN where a NaN: its payload aside), else what
+    differs: the dtype, the shape, or how many entries and the first (-0.0 is not +0.0)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype} {a.shape} and {b.dtype} {b.shape}"
+    bits = lambda x: x.view(f"u{x.dtype.itemsize}") if x.dtype.kind not in "biu" else x
+    nan = lambda x: np.isnan(x.astype(np.float64)) if x.dtype.kind not in "biu" else np.zeros(x.shape, bool)
+    same = (bits(a) == bits(b)) | (nan(a) & nan(b))
+    if same.all():
+        return ""
+    first = tuple(int(i) for i in np.argwhere(~same)[0])
+    return f"{int((~same).sum())} of {a.size} entries differ, the first at {first}"
+
+
+def other_bits(first, second, where):
+    """'' where two calls' results hold the same names and bits, else what differs, `where`."""
+    if set(first) != set(second):
+        return f"results {sorted(first)} and {sorted(second)} {where}"
+    for name in first:
+        differ = differing(first[name], second[name])
+        if differ:
+            return f"{name}: {differ} {where}"
+    return ""

@@ -31,7 +31,10 @@ reference (docs/conform.md names the threads each comes from):
     layout            the same sequences laid out otherwise: packed in reverse order, a paged
                       cache's pages renumbered and of twice the size; each layout's results
                       judged, and where the kernel declares 'batch_invariant' each sequence's
-                      the same bits in every layout but the page size
+                      the same bits in every layout but the page size. For a kernel that
+                      returns lse, the keys split across three calls (split-KV decoding, ring
+                      attention): each part's results judged, and their merge by lse judged
+                      against all the keys' oracle (oracle/split_keys.py)
     nan_keys          a NaN in a key every row attends to must reach every row's out (a kernel
                       that swallows NaN hides its inputs' faults); NaN in the keys no sequence
                       may read (a paged cache's unused page and the rows past cache_seqlens)
@@ -54,8 +57,9 @@ import numpy as np
 from .._checks import require_positive_int
 from ..oracle import CaseError, crosscheck
 from ..oracle.precision import PRECISIONS
+from ..oracle.split_keys import crosscheck_merged, key_parts
 from .grid import make_case
-from .judge import error_result, share_of_bound
+from .judge import error_result, other_bits, share_of_bound
 from .layouts import emptied, renumbered, repaged, reversed_sequences, sequence_alone, unread_rows
 from .kernels import as_kernel
 from .supports import EXCLUSIVE, ZERO_ONLY, check_block_sizes, check_dtypes, check_fully_masked, check_supports
@@ -64,14 +68,15 @@ PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", 
 EMPTYING = ("mask", "bottom_right", "varlen", "paged")   # empty_rows: the options that leave rows without keys
 COMPANIONS = ("sinks", "bias")                           # and those its trials hold beside them (_with_empty)
 NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen, paged",   # a property that needs a support
-         "layout": "one of the options varlen, paged"}
+         "layout": "one of the options varlen, paged or the output lse"}
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first
 LENGTHS = tuple(n for m in MULTIPLES for n in (m, m - 1, m + 1))     # every multiple of 16 to 256, +-1
 DECLARED_SQUARE = 2048      # lengths: N_q = N_k trials at a declared block size up to this N (above: N_q = 1)
 WIDTH = 64                                                           # d of the trials' cases
 EMPTY_SHAPES = {"mask": (2, 21, 40), "bottom_right": (2, 41, 23), "varlen": (3, 25, 37),   # (B, N_q, N_k)
                 "paged": (3, 11, 39)}   # of each way's empty_rows trial, and of each layout trial:
-LAYOUT_SHAPES = {"varlen": (3, 29, 43), "paged": (2, 13, 53)}   # (no trial shares another's shapes)
+LAYOUT_SHAPES = {"varlen": (3, 29, 43), "paged": (2, 13, 53),   # (no trial shares another's shapes)
+                 "split": (1, 19, 96)}   # keys split where split_at cuts: more queries than some parts' keys
 SATURATING = 8.0            # range: q times this (the grid's q spreads each row's scores by about 4)
 RANGE_V = 2.0 ** 12         # range: v times this (float16's largest is 65504)
 
@@ -83,7 +88,8 @@ class PropertyTrial(NamedTuple):
     case: object            # grid.ConformCase: the case it runs (batch_invariance: the batch)
 
     def __str__(self):
-        role = f"-{self.case.role.replace(' ', '_')}" if self.property in ("range", "nan_keys") else ""
+        named = self.property in ("range", "nan_keys") or self.case.role == "split"
+        role = f"-{self.case.role.replace(' ', '_')}" if named else ""
         return f"{self.property}{role}-{self.case.id}"
 
 
@@ -125,7 +131,7 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
     fully_masked = check_fully_masked(fully_masked)
     seed = require_positive_int(seed, "seed", minimum=0)
     groups = 2 if "gqa" in options else 1
-    case = lambda dtype, cell, role, batch, n_q, n_k, extra=(): make_case(
+    case = lambda dtype, cell, role, batch, n_q, n_k, extra=(), outputs=outputs: make_case(
         dtype, cell, role, tuple(o for o in options if o in extra or o == "gqa"), outputs, batch, 2, groups, n_q,
         n_k, WIDTH, fully_masked, seed)
     queues = []
@@ -142,9 +148,10 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
             elif name == "empty_rows":
                 cases = [case(dtype, name, way, *EMPTY_SHAPES[way], extra=(way,) + _with_empty(way, options, fully_masked))
                          for way in EMPTYING if way in options]
-            elif name == "layout":
+            elif name == "layout":                  # (the parts' forward: out and lse)
                 cases = [case(dtype, name, way, *LAYOUT_SHAPES[way], extra=(way,)) for way in LAYOUT_SHAPES
-                         if way in options]
+                         if way in options] + \
+                    ([case(dtype, name, "split", *LAYOUT_SHAPES["split"], outputs=("lse",))] if "lse" in outputs else [])
             elif name == "nan_keys":
                 cases = [case(dtype, name, "visible", 2, 23, 44)] + \
                     ([case(dtype, name, "unread", 2, 27, 45, extra=("paged",))] if "paged" in options else [])
@@ -171,9 +178,10 @@ def fits(trial):
         return None
     needs = {"batch_invariance": 2, "layout": 2 if way == "varlen" else 1,
              "empty_rows": 2 if way in ("varlen", "paged") else 1}.get(name, 1)
+    keys = len(split_at(3)) + 1 if way == "split" else 1             # a key in each part
     kept = {"empty_rows": (way,), "layout": (way,), "nan_keys": ("paged",) if way == "unread" else (),
             "batch_invariance": ("varlen",) if way == "packed" else ()}.get(name, ())
-    return lambda case: (case.batch >= needs and all(o in case.options for o in kept)
+    return lambda case: (case.batch >= needs and case.n_k >= keys and all(o in case.options for o in kept)
                          and (way != "bottom_right" or case.n_q > case.n_k) and (way != "mask" or case.n_q >= 2))
 
 
@@ -247,7 +255,7 @@ def _determinism(kernel, case, promises):
     arrays = case.arrays()
     results = [_call(kernel, case, arrays) for _ in range(2)]
     if "deterministic" in promises:
-        differ = _other_bits(results[0], results[1], "between two calls on the same inputs")
+        differ = other_bits(results[0], results[1], "between two calls on the same inputs")
         return ("FAIL", differ, None) if differ else ("PASS", "", None)
     for second, result in enumerate(results):
         status, failed, judged = _judged(case, arrays, result)
@@ -265,7 +273,7 @@ def _batch_invariance(kernel, case, promises):
                            ({name: x[b:b + 1] if name in ("q", "k", "v", "dout") else x for name, x in arrays.items()},
                             {name: x[b:b + 1] for name, x in whole.items()}))
         if "batch_invariant" in promises and b in (0, case.batch - 1):    # the first and last: bit for bit
-            differ = _other_bits(in_batch, _call(kernel, case._replace(batch=1), alone), "in the batch and alone")
+            differ = other_bits(in_batch, _call(kernel, case._replace(batch=1), alone), "in the batch and alone")
             if differ:
                 return "FAIL", f"sequence {b} of {case.batch}, {differ}", None
         status, failed, judged, worst = _judged(case, alone, in_batch, worst=True)   # each judged alone
@@ -303,7 +311,35 @@ def _empty_rows(kernel, case, promises):
     return status, failed and f"{made}{' with ' + ' and '.join(extra) if extra else ''}: {failed}", judged
 
 
+def split_at(n_k):
+    """Where the layout property's split trial cuts N_k >= 3 keys: three parts of other sizes (a
+    kernel that caches by shape is honesty's concern), at whole blocks of 16 for N_k = 96 (16, 32
+    and 48 keys: a partial block is the lengths')."""
+    return max(1, n_k // 6), max(2, n_k // 2)
+
+
+def _split(kernel, case):
+    arrays, at = case.arrays(), split_at(case.n_k)
+    parts = key_parts(arrays, at)
+    results = [_call(kernel, case, part) for part in parts]
+    edges = (0,) + at + (case.n_k,)
+    for part, result, first, end in zip(parts, results, edges, edges[1:]):
+        status, failed, judged = _judged(case, part, result)
+        if status != "PASS":
+            return status, f"keys {first} to {end - 1} alone (of {case.n_k}): {failed}", judged
+    try:
+        report = crosscheck_merged(arrays, at, results)
+    except CaseError as exc:                  # results that cannot be merged: the kernel's
+        raise _CallFailed(error_result(case, exc, time.perf_counter())) from None
+    if report:
+        return "PASS", "", None
+    failed = "; ".join(f"{row.name}: {', '.join(row.failed)}" for row in report.rows if not row.passed)
+    return "FAIL", f"keys cut at {', '.join(map(str, at))}, three calls merged by lse: {failed}", None
+
+
 def _layout(kernel, case, promises):
+    if case.role == "split":
+        return _split(kernel, case)
     arrays = case.arrays()
     first = _call(kernel, case, arrays)
     status, failed, judged = _judged(case, arrays, first)
@@ -320,7 +356,7 @@ def _layout(kernel, case, promises):
         if status != "PASS":
             return status, f"{said}: {failed}", judged
         if same_bits and "batch_invariant" in promises:
-            differ = _other_bits(first, back(results), f"as drawn and {said}")
+            differ = other_bits(first, back(results), f"as drawn and {said}")
             if differ:
                 return "FAIL", differ, None
     return "PASS", "", None
@@ -346,32 +382,6 @@ def _nan_keys(kernel, case, promises):
     status, failed, judged = _judged(case, arrays, _call(kernel, case, poisoned))
     return status, failed and (f"NaN in the {int(unread.sum())} cache rows no sequence reads (an unused page, "
                                f"the rows past cache_seqlens) reached the results: {failed}"), judged
-
-
-def _differing(a, b):
-    """'' where a and b hold the same bits (any NaN where a NaN: its payload aside), else what
-    differs: the dtype, the shape, or how many entries and the first (-0.0 is not +0.0)."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"{a.dtype} {a.shape} and {b.dtype} {b.shape}"
-    bits = lambda x: x.view(f"u{x.dtype.itemsize}") if x.dtype.kind not in "biu" else x
-    nan = lambda x: np.isnan(x.astype(np.float64)) if x.dtype.kind not in "biu" else np.zeros(x.shape, bool)
-    same = (bits(a) == bits(b)) | (nan(a) & nan(b))
-    if same.all():
-        return ""
-    first = tuple(int(i) for i in np.argwhere(~same)[0])
-    return f"{int((~same).sum())} of {a.size} entries differ, the first at {first}"
-
-
-def _other_bits(first, second, where):
-    """'' where two calls' results hold the same names and bits, else what differs, `where`."""
-    if set(first) != set(second):
-        return f"results {sorted(first)} and {sorted(second)} {where}"
-    for name in first:
-        differ = _differing(first[name], second[name])
-        if differ:
-            return f"{name}: {differ} {where}"
-    return ""
 
 
 _CHECKS = {"honesty": _honesty, "lengths": _lengths, "determinism": _determinism,

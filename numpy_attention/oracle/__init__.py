@@ -16,17 +16,19 @@
     tangents.py   forward mode: a candidate's out_dot, lse_dot along q_dot, k_dot, v_dot
     runs.py       the oracle, the baselines and the term magnitudes of a case: whole, in slices, on threads
     verdicts.py   crosscheck(**arrays): oracle + baseline + rule -> CrosscheckReport
+    split_keys.py crosscheck_merged: calls on parts of the keys, merged by lse, against all the keys
     errormap.py   error_maps, plot_error_maps: each entry's |err| / bound by head and row, a PNG
     importers.py  torch modules (the seed's class, nn.MultiheadAttention) -> our modules
     (the command `numpy-attention crosscheck CASE.npz [--json]` is numpy_attention/commands/crosscheck.py)
 """
 from .case import load_case, save_case, split_case, write_example_case
 from .verdicts import crosscheck
+from .split_keys import crosscheck_merged
 from .importers import TorchMultiheadAttention, from_torch
 from .rule import CrosscheckReport, TensorVerdict, judge
 from .runs import baseline, baselines, reference
 from .schema import CaseError
 
-__all__ = ["crosscheck", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge",
+__all__ = ["crosscheck", "crosscheck_merged", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge",
            "CrosscheckReport", "TensorVerdict", "CaseError", "load_case", "save_case", "split_case",
            "write_example_case"]
