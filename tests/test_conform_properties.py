@@ -219,6 +219,20 @@ def test_the_properties_budget_runs_each_property_once_at_least(clock):
         {"property": "layout", "needs": "one of the options varlen, paged or the output lse"}]
 
 
+def test_the_split_trial_shrinks_to_a_few_keys_and_names_the_part_that_failed(tmp_path):
+    """lse_rows_by_keys' split trial (19 queries, 96 keys in calls of 16, 32 and 48) shrinks while
+    a part still has fewer keys than the queries; a part judged alone is saved for crosscheck."""
+    report = na.conform(property_bugs.lse_rows_by_keys, dtypes=("float32",), properties=("layout",),
+                        out_dir=tmp_path, isolate=False, progress=False)
+    (first, found, runs), = report.shrunk_trials
+    assert str(first.trial).startswith("layout-split-float32") and first.detail.startswith("keys 0 to 15 alone (of 96): lse:")
+    case = found.trial.case
+    assert found.status == "FAIL" and case.n_q * case.n_k <= 8 and case.n_q > 1, case
+    assert found.detail.startswith(f"keys 0 to 0 alone (of {case.n_k}): lse:")
+    with np.load(dict(report.saved)[str(found.trial)]) as saved:
+        assert not na.crosscheck(**dict(saved)) and saved["k"].shape[-2] == 1
+
+
 def test_unknown_properties_are_refused_by_name(capsys):
     with pytest.raises(ValueError, match="properties has the unknown name 'honest' .*honesty"):
         na.conform(examples.numpy_float32, properties=("honest",))

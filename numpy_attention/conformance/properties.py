@@ -179,7 +179,7 @@ def fits(trial):
     needs = {"batch_invariance": 2, "layout": 2 if way == "varlen" else 1,
              "empty_rows": 2 if way in ("varlen", "paged") else 1}.get(name, 1)
     keys = len(split_at(3)) + 1 if way == "split" else 1             # a key in each part
-    kept = {"empty_rows": (way,), "layout": (way,), "nan_keys": ("paged",) if way == "unread" else (),
+    kept = {"empty_rows": (way,), "layout": (way,) if way != "split" else (), "nan_keys": ("paged",) if way == "unread" else (),
             "batch_invariance": ("varlen",) if way == "packed" else ()}.get(name, ())
     return lambda case: (case.batch >= needs and case.n_k >= keys and all(o in case.options for o in kept)
                          and (way != "bottom_right" or case.n_q > case.n_k) and (way != "mask" or case.n_q >= 2))
