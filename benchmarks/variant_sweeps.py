@@ -2,7 +2,7 @@
 and per planted bug the cases, how many failed (the catch rate), how many of those the
 diagnosis named, and how many it did not try (a case too large to rerun the oracle).
 
-    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8|mxfp8|topk|maxlogits|gate [--cases 200] [--seed 0]
+    python3 benchmarks/variant_sweeps.py --variant rope|mla|fp8|mxfp8|nvfp4|topk|maxlogits|gate [--cases 200] [--seed 0]
 
 rope (tests/rope_kernels.py): float32 and bfloat16 torch candidates, Hugging Face's turn or
 FlashAttention's, then SDPA and autograd's backward (out, dq, dk, dv); 1-2 batches, 1-2 kv
@@ -31,6 +31,13 @@ mxfp8 (tests/fp8_kernels.py, mx_sweep): fp8's cases with MXFP8's scales in place
 ones, an e8m0 power of two for each 32 elements of a row, products accumulated in float32. The
 bugs: fp8's, and a tensor's e8m0 scales read with a bias of 128 (halved), or one block over
 along d.
+
+nvfp4 (tests/nvfp4_kernels.py): forward (out, lse; bfloat16 out) of q and k in e2m1 with an
+e4m3 scale a block of 16 elements of a row and a float32 scale a tensor (NVIDIA's NVFP4 recipe),
+v in bfloat16 (P rounded to bfloat16) or in e4m3 with a per-tensor descale (P rounded to e4m3),
+as FlashAttention's block-scaled forward's two NVFP4 modes: the products in float32, the softmax
+in float32; fp8's shapes, d of 32, 64 or 128. The bugs, in q's or k's scales: dropped; read in
+blocks of 32 (MXFP8's); one block over along d; read transposed ([N, d / 16] as [d / 16, N]).
 
 topk (tests/topk_kernels.py): sparse top-k attention in float32 and bfloat16, each query's keys
 gathered and attended in float32 (FlashMLA's reference order), autograd's backward
@@ -65,13 +72,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("rope", "mla", "fp8", "mxfp8", "topk", "maxlogits", "gate"), required=True,
+    parser.add_argument("--variant", choices=("rope", "mla", "fp8", "mxfp8", "nvfp4", "topk", "maxlogits",
+                                                    "gate"), required=True,
                         help="the variant's candidates")
     parser.add_argument("--cases", type=int, default=200, help="cases per dtype, each honest and with each "
                                                                  "bug (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (default 0)")
     parser.add_argument("--peers", action="store_true", help="also count the cases the peers' own tests fail "
-                                                             "(fp8, mxfp8: cosine >= 0.99; atol 0.5, RMSE 0.15)")
+                                                             "(fp8, mxfp8, nvfp4: cosine >= 0.99; atol 0.5, "
+                                                             "RMSE 0.15)")
     args = parser.parse_args()
     import importlib
     from variant_sweeps import PEER_RULES

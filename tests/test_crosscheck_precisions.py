@@ -161,14 +161,15 @@ def test_float8_forward_with_descales():
     assert not crosscheck(precision="float8_e4m3fn", **undescaled)   # descales forgotten: caught
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"dq": np.zeros((1, 2, 6, 8), BF16)}, "is checked forward only"),
-    ({"q_descale": np.ones((1, 2), np.float32)}, "q_descale belongs to a float8 precision"),
+@pytest.mark.parametrize("change, precision, message", [
+    ({"dq": np.zeros((1, 2, 6, 8), BF16)}, "float8_e4m3fn", "is checked forward only"),
+    ({"q_descale": np.ones((1, 2), np.float32)}, "float32", "q_descale belongs to a 16- or 8-bit precision"),
+    ({"q_descale": np.ones((1, 2), np.float32), "dout": np.ones((1, 2, 6, 8), BF16)}, None,
+     r"a case with q_descale is judged forward only \(out, lse\); it has dout"),
 ])
-def test_float8_and_descale_misuse_is_refused(change, message):
+def test_float8_and_descale_misuse_is_refused(change, precision, message):
     arrays = {**bf16_case(gradients=False), **change}
-    precision = "float8_e4m3fn" if "dq" in change else None
-    if precision:
+    if precision == "float8_e4m3fn":
         arrays = {n: (x.astype(np.float32).astype(E4M3) if n in "qkv" else x) for n, x in arrays.items()}
     with pytest.raises(CaseError, match=message):
         crosscheck(precision=precision, **arrays)

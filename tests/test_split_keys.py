@@ -65,15 +65,17 @@ def test_a_wrong_part_fails_its_merge():
         assert not report and name in [row.name for row in report.rows if not row.passed]
 
 
-def test_the_split_trial_of_an_example_kernel_passes_and_names_its_cuts():
-    trial, = [t for t in na.conform.properties(names=("layout",), dtypes=("bfloat16",), supports=("gqa", "lse"))]
+@pytest.mark.parametrize("policy", ["zero", "uniform"])         # (JAX's and MLX's 'uniform': no row needs it)
+def test_the_split_trial_of_an_example_kernel_passes_and_names_its_cuts(policy):
+    trial, = na.conform.properties(names=("layout",), dtypes=("bfloat16",), supports=("gqa", "lse"),
+                                   fully_masked=policy)
     assert str(trial).startswith("layout-split-bfloat16") and (trial.case.n_q, trial.case.n_k) == (19, 96)
     result = na.conform.check_property(examples.numpy_float32, trial)
     assert result.status == "PASS", result.detail
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda a: {**a, "causal": True}, "a split case holds q, k, v, scale, precision; it has causal"),
+    (lambda a: {**a, "causal": True}, "a split case holds q, k, v, scale, precision, fully_masked; it has causal"),
     (lambda a: {**a, "at": (0, 5)}, r"at must cut N_k = 120 keys at increasing indices in \(0, 120\), got \(0, 5\)"),
     (lambda a: {**a, "at": (50, 50)}, r"got \(50, 50\)"),
     (lambda a: {**a, "at": (120,)}, r"got \(120,\)"),

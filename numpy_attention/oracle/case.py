@@ -214,8 +214,15 @@ def load_case(path):
 
 
 def save_case(path, **arrays):
-    """Write a case (keys as in schema.py's docstring); Python values become 0-d arrays."""
-    split_case({name: np.asarray(x) for name, x in arrays.items()})     # refuse to write a bad case
+    """Write a case (keys as in schema.py's docstring); Python values become 0-d arrays.
+    Arrays of a 1-byte format (float8, float4_e2m1fn, e8m0), whose raw bytes a file cannot tell
+    apart, are written as their float32 values (exactly theirs), with the case's precision."""
+    arrays = {name: np.asarray(x) for name, x in arrays.items()}
+    case = split_case(arrays)                                           # refuse to write a bad case
+    widened = {name: x.astype(np.float32) for name, x in arrays.items()
+               if is_float_dtype(x.dtype) and x.dtype.itemsize == 1}
+    if widened:
+        arrays = {**arrays, **widened, "precision": np.array(case.precision.name)}
     with replacing(path, "wb") as f:             # exactly `path` (np.savez(path) would append .npz),
         np.savez(f, **arrays)                    # replaced only once written whole
 

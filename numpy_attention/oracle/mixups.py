@@ -160,17 +160,16 @@ def _causal_keep(n_q, n_k, align, shift):
 
 
 def _descale_mixups(scales):
-    """float8's mix-ups, each a rerun on inputs dequantized otherwise: one scale a tensor (the
-    first head's, where the case's vary) for all of them, or for one; each descale dropped,
-    applied twice; with blocks along d (MXFP8's e8m0 scales), each halved or doubled (its
-    exponent read one off) and each row's block scales one block over."""
+    """The descales' mix-ups, each a rerun on inputs dequantized otherwise: one scale a tensor
+    (the first head's, where the case's vary) for all of them, or for one; each descale dropped,
+    applied twice; with blocks along d (MXFP8's, NVFP4's), _block_mixups."""
     varying = {name: (stored, descale) for name, (stored, descale, _) in scales.items() if np.ptp(descale) > 0}
     if varying:
         yield Mixup("the first head's descale of each tensor for every head and batch entry (one scale a "
                     "tensor)", "the case's descales vary", {},
                     inputs={name: stored * np.ravel(descale)[0] for name, (stored, descale) in varying.items()})
     for name, (stored, descale, along_d) in scales.items():
-        said = f"the case's values of {name} are its float8 values times {name}_descale"
+        said = f"the case's values of {name} are its stored values times {name}_descale"
         yield Mixup(f"{name}_descale dropped", said, {}, inputs={name: stored})
         yield Mixup(f"{name}_descale applied twice", said, {}, inputs={name: stored * descale * descale})
         if along_d is not None:
@@ -182,16 +181,27 @@ def _descale_mixups(scales):
 
 
 def _block_mixups(name, stored, descale, along_d, said):
-    """MXFP8's mix-ups of a descale in blocks of `along_d` along d (e8m0: powers of two): the
-    scales halved or doubled (the exponent read one off), and one block over."""
-    for factor, how, bias in ((0.5, "halved", 128), (2.0, "doubled", 126)):
-        yield Mixup(f"{name}_descale {how} (an exponent one off: e8m0's bias 127 read as {bias})", said, {},
-                    inputs={name: stored * descale * factor})
-    if stored.shape[-1] > along_d:                                   # block b's scale on block b + 1
-        blocks = np.roll(descale[..., ::along_d], 1, axis=-1)
-        shifted = np.repeat(blocks, along_d, axis=-1)[..., :stored.shape[-1]]
+    """The mix-ups of a descale [..., N, d] in blocks of `along_d` along d: MXFP8's (32, e8m0:
+    powers of two) halved or doubled (the exponent read one off); NVFP4's (16) read in MXFP8's
+    blocks of 32; either's one block over, and its [N, d / along_d] scales read as laid out
+    [d / along_d, N] (transposed)."""
+    d = stored.shape[-1]
+    blocks = descale[..., ::along_d]                                 # [..., N, ceil(d / along_d)]
+    spread = lambda scales, width=along_d: np.repeat(scales, width, axis=-1)[..., :d]
+    if along_d == 32:
+        for factor, how, bias in ((0.5, "halved", 128), (2.0, "doubled", 126)):
+            yield Mixup(f"{name}_descale {how} (an exponent one off: e8m0's bias 127 read as {bias})", said, {},
+                        inputs={name: stored * descale * factor})
+    elif d > along_d:                                                # scale j on elements 32 j to 32 j + 31
+        yield Mixup(f"{name}_descale's blocks of 16 read as blocks of 32 (MXFP8's)", said, {},
+                    inputs={name: stored * spread(blocks, 32)})
+    if d > along_d:                                                  # block b's scale on block b + 1
         yield Mixup(f"{name}_descale's blocks one over along d (block b's scale on block b + 1)", said, {},
-                    inputs={name: stored * shifted})
+                    inputs={name: stored * spread(np.roll(blocks, 1, axis=-1))})
+        if stored.shape[-2] > 1:
+            read = np.swapaxes(blocks, -1, -2).reshape(blocks.shape)   # its bytes in the other order
+            yield Mixup(f"{name}_descale's [N, d / {along_d}] scales read transposed (as laid out "
+                        f"[d / {along_d}, N])", said, {}, inputs={name: stored * spread(read)})
 
 
 def _rope_mixups(rope, o, n_q, n_k, d_k):

@@ -15,8 +15,9 @@ gives. Each baseline is split the same way instead: its parts' out and lse store
 dtypes of the candidate's, merged by the same formula and rounded alike, and the rule
 (rule.py) holds the merged candidate to the merged baselines.
 
-A split case holds q, k, v and the scale (and its precision): options along the keys (a mask,
-a bias, a diagonal) or with a row of their own (sinks) would be split or counted once per part.
+A split case holds q, k, v and the scale (its precision, and a fully_masked policy that no row
+of it needs): options along the keys (a mask, a bias, a diagonal) or with a row of their own
+(sinks) would have to be cut with the keys, or be counted once per part.
 """
 import numpy as np
 
@@ -27,7 +28,7 @@ from .runs import baselines, case_ways
 from .schema import CaseError
 from .verdicts import crosscheck
 
-SPLITTABLE = ("q", "k", "v", "scale", "precision")
+SPLITTABLE = ("q", "k", "v", "scale", "precision", "fully_masked")   # (no row without keys to apply it)
 MERGED = ("out", "lse")
 
 

@@ -4,6 +4,8 @@ A tensor of a case may be stored as
     a NumPy float array           float16, float32, float64
     an ml_dtypes array            bfloat16, float8_e4m3fn, float8_e5m2 (JAX's dtypes in NumPy);
                                   np.savez writes these as raw bytes (void dtypes V2 / V1)
+    an ml_dtypes float4_e2m1fn    q, k or v of NVFP4's elements (their values lie in every
+                                  16- or 8-bit format: read as the precision's storage)
     raw bit patterns              uint16 / uint8 (or V2 / V1) with the precision named
     float values                  float32 / float64 holding values that are exactly
                                   representable in a 16- or 8-bit precision (checked); for
@@ -16,11 +18,13 @@ The precision (precision.py) is the one the case names (`precision` key or keywo
 unnamed, it is q's own if q is stored in a 16- or 8-bit format, else that of the
 narrowest candidate tensor (a float16 out with a float32 lse computed in float16).
 """
+import ml_dtypes
 import numpy as np
 
 from .precision import PRECISIONS, precision_of
 
 _BITS = {2: "bfloat16", 1: None}            # bytes of a raw pattern -> the precision it implies
+FLOAT4 = np.dtype(ml_dtypes.float4_e2m1fn)  # NVFP4's elements: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
 
 
 class StorageError(ValueError):
@@ -30,7 +34,7 @@ class StorageError(ValueError):
 def is_raw(x):
     """Raw bit patterns: unsigned integers or void bytes of 1 or 2 bytes (an ml_dtypes array,
     whose kind NumPy reports as 'V' too, is typed, not raw)."""
-    return x.dtype.kind in "uV" and x.dtype.itemsize in (1, 2) and precision_of(x.dtype) is None
+    return (x.dtype.kind == "u" or x.dtype.type is np.void) and x.dtype.itemsize in (1, 2)
 
 
 def _check_typed(name, x, precision):
@@ -73,6 +77,11 @@ def decode(name, x, precision, role):
     # a 16- or 8-bit precision's inputs must hold exactly the values the kernel read
     wanted = {"input": precision.storage, "gradient input": precision.compute}.get(role) \
         if precision.recipe else None
+    if x.dtype == FLOAT4:
+        if role != "input":
+            raise StorageError(f"{name} is a float4_e2m1fn array; only q, k and v may be stored in it (NVFP4's "
+                               f"elements), not a {role}")
+        x = x.astype(np.float32)                         # (exact: e2m1's values lie in every format)
     if is_raw(x):
         widths = {d.itemsize: d for d in (precision.output, precision.compute, precision.storage)}
         if x.dtype.itemsize not in widths:

@@ -3,7 +3,7 @@ the tensors the case stores.
 
     float8      fp8_settings (P's dtype, the accumulator, the descales' block), dequantized: q, k, v
                 times their descales, broadcast by descale_of from each of the shapes a descale takes
-                (per tensor, head, token, block of tokens, or MXFP8's block of 32 along d)
+                (per tensor, head, token, block of tokens, or a block along d: MXFP8's 32, NVFP4's 16)
     MLA         latent_kv: the keys kv [..., 1, N_k, r + p], the values kv[..., :r]; latent_sum: a
                 result's dkv = dk + [dv ; 0]
     max logits  per_head: a result's max_logits [..., H, N_q] as the [H] a candidate may give
@@ -59,8 +59,12 @@ def dequantized(tensors, precision, block):
     [..., H, N, d], its block along d or None)}): float8 inputs times their descales
     (descale_of), the stored values and descales kept for the diagnosis's reruns."""
     given = [name for name in DESCALES if name in tensors]
-    if given and not precision.forward_only:
-        raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
+    if given and not precision.recipe:
+        raise CaseError(f"{given[0]} belongs to a 16- or 8-bit precision (float8's, NVFP4's q and k beside a "
+                        f"bfloat16 or float16 v); this case's is {precision.name!r}")
+    gradient = next((name for name in ("dout", "q_dot", "k_dot", "v_dot") if name in tensors), None)
+    if given and gradient:
+        raise CaseError(f"a case with {given[0]} is judged forward only (out, lse); it has {gradient}")
     if block is not None and not given:
         raise CaseError("descale_block is given but no descale is")
     inputs = {name: tensors[name].astype(np.float64) for name in INPUTS if name in tensors}
@@ -101,7 +105,8 @@ def descale_of(descale, shape, k_shape, block, name):
         [..., H, N]             per token of a head (vLLM's per-token-head scales)
         [..., H, ceil(N / B)]   per block of B = descale_block tokens of a head
         [..., H, N, ceil(d / 32)]  per block of 32 elements of a row (MXFP8: e8m0 scales)
-        [..., H, N, ceil(d / 16)]  per block of 16 elements of a row (NVFP4's block scales)
+        [..., H, N, ceil(d / 16)]  per block of 16 elements of a row (NVFP4: its e4m3 scales
+                                   times the tensor's float32 scale)
     CaseError naming the shapes it takes otherwise."""
     heads, n = shape[:-2], shape[-2]
     if descale.ndim == 0:
@@ -123,7 +128,8 @@ def descale_of(descale, shape, k_shape, block, name):
                     f"takes: () per tensor, k's [..., H_kv] = {tuple(k_shape[:-2])} per (batch, kv head), "
                     f"[..., H] = {tuple(heads)} per head, [..., H, N] = {tuple(shape[:-1])} per token{blocks}, "
                     f"[..., H, N, ceil(d / 32)] = {tuple(shape[:-1]) + (-(-shape[-1] // 32),)} per 32 elements "
-                    f"of a row (MXFP8)")
+                    f"of a row (MXFP8), [..., H, N, ceil(d / 16)] = {tuple(shape[:-1]) + (-(-shape[-1] // 16),)} "
+                    f"per 16 (NVFP4)")
 
 
 def latent_kv(arrays, tensors):
