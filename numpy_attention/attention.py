@@ -93,8 +93,8 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
     """
     paged = None
     if page_table is not None or cache_seqlens is not None:          # gather the pages: packed sequences
-        if any(options.get(name) is not None for name in ("mask", "bias", "cu_seqlens_q", "seqused_k",
-                                                            "topk_indices", "gate")):
+        if any(options.get(name) is not None for name in ("mask", "bias", "cu_seqlens_q", "cu_seqlens_k",
+                                                            "seqused_k", "topk_indices", "gate")):
             raise ValueError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens, seqused_k or "
                              "topk_indices (each sequence's keys are its cache_seqlens rows), nor a gate")
         q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))

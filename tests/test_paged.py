@@ -46,6 +46,8 @@ def test_paged_equals_complex_step():
     ({"page_table": TABLE, "cache_seqlens": np.array([9, 4, 13])}, "cache_seqlens must be in \\[0, P \\* page\\]"),
     ({"page_table": TABLE + 5, "cache_seqlens": LENGTHS}, "must index k_cache's 7 pages"),
     ({"page_table": TABLE, "cache_seqlens": LENGTHS, "mask": np.ones(3, bool)}, "takes no mask"),
+    ({"page_table": TABLE, "cache_seqlens": LENGTHS, "cu_seqlens_k": np.array([0, 9, 13, 20])},   # (not replaced
+     "takes no mask, bias, cu_seqlens"),                                                     # by the pages')
 ])
 def test_bad_paged_arguments_are_refused(kwargs, message):
     q, k_cache, v_cache, _ = paged_inputs()
