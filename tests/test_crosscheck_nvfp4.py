@@ -132,3 +132,20 @@ def test_a_saved_case_of_e2m1_inputs_or_e8m0_scales_reads_back_as_the_same_value
     for name in "qkv":
         np.testing.assert_array_equal(before.inputs[name], after.inputs[name])
     assert bool(na.crosscheck(**arrays)) and bool(na.crosscheck(**loaded))
+
+
+def test_flashinfers_nvfp4_kv_cache_q_in_bfloat16_and_k_v_in_e2m1_is_a_case():
+    """q bfloat16 and k, v in NVFP4 (FlashInfer's NVFP4 KV cache): out of the dequantized values,
+    rounded to bfloat16, passes; with v's scales dropped it fails, and the diagnosis says so."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 2, 5, 32)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    (k4, k_descale), (v4, v_descale) = (nvfp4_kernels.quantize(rng.standard_normal((1, 2, 40, 32)).astype(np.float32))
+                                        for _ in range(2))
+    used = lambda x4, descale: x4 * np.repeat(descale, 16, axis=-1)
+    out, cache = na.attention_forward(q.astype(np.float64), used(k4, k_descale), used(v4, v_descale))
+    case = dict(q=q, k=k4.astype(ml_dtypes.float4_e2m1fn), v=v4.astype(ml_dtypes.float4_e2m1fn), k_descale=k_descale,
+                v_descale=v_descale, out=out.astype(ml_dtypes.bfloat16), lse=cache.lse.astype(np.float32))
+    assert na.crosscheck(**case)
+    dropped = na.attention_forward(q.astype(np.float64), used(k4, k_descale), v4)[0]
+    report = na.crosscheck(**{**case, "out": dropped.astype(ml_dtypes.bfloat16)})
+    assert not report and any("v_descale dropped" in line for line in report.diagnosis), report.diagnosis
