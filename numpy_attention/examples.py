@@ -6,6 +6,8 @@ mode as (forward, jvp, inputs, names) for jvpcheck; and the identities between d
 
 Inputs are float64 draws from the given numpy Generator; names label the table's rows.
 """
+from functools import partial
+
 import numpy as np
 
 from .attention import attention_backward, attention_forward
@@ -13,6 +15,7 @@ from .forward_mode import attention_hvp, attention_jvp
 from .heads import merge_heads, split_heads
 from .linear import linear_backward, linear_forward, linear_jvp
 from .multihead import MultiHeadAttention, multihead_backward, multihead_forward
+from .options import OPTIONS, Sizes
 from .softmax import softmax_backward, softmax_forward, softmax_jvp
 
 MHA_INPUTS = ("query", "key", "value")
@@ -85,21 +88,45 @@ def _attention_cases(rng, mask, dead):
         "causal top_left": attention_case(rng, causal="top_left"),
         "causal bottom_right": attention_case(rng, causal="bottom_right"),
         "GQA 4q/2kv heads": attention_case(rng, shape_q=(1, 4, 3, 4), shape_kv=(1, 2, 5, 4)),
-        "window (1, 1)": attention_case(rng, window=(1, 1)),
-        "softcap 1.5": attention_case(rng, softcap=1.5),
-        "dropout": attention_case(rng, dropout_mask=rng.random((2, 2, 3, 5)) < 0.8, dropout_p=0.2),
         "unscaled d_k=256": attention_case(rng, (1, 1, 3, 256), (1, 1, 4, 256), scale=1.0),
         "fully masked rows, zero": attention_case(rng, mask=dead),
         "fully masked rows, uniform": attention_case(rng, mask=dead, fully_masked="uniform"),
         "one head, [N, d] arrays": attention_case(rng, (3, 4), (5, 4)),
         "tiled, causal, bias, GQA": attention_case(rng, shape_q=(1, 4, 5, 4), shape_kv=(1, 2, 7, 4),
                                                    bias=(4, 5, 7), causal="bottom_right", block_size=3),
-        "sinks, ALiBi": attention_case(rng, sinks=rng.standard_normal(2), alibi_slopes=rng.random(2)),
         "packed sequences, causal": attention_case(rng, (2, 6, 4), (1, 7, 4), cu_seqlens_q=[0, 2, 6],
                                                    cu_seqlens_k=[0, 3, 7], causal="bottom_right"),
         "paged KV cache": attention_case(rng, (2, 2, 2, 4), (3, 1, 4, 4), page_table=[[0, 2], [1, 0]],
                                          cache_seqlens=[6, 3], causal="bottom_right"),
     }
+
+
+def _option_cases(rng):
+    """name -> case of each option the table draws (options.OPTIONS' draw), by its conform name:
+    q [2, 2, 3, 4], k, v [2, 2, 5, 4], the option's value checked too where it has a gradient."""
+    sizes = Sizes(batch=2, heads=2, n_q=3, n_k=5, d=4, q_shape=(2, 2, 3, 4))
+    cases = {}
+    for row in (row for row in OPTIONS if row.draw is not None):
+        fixed = row.draw(rng, sizes)
+        qkv = [rng.standard_normal(shape) for shape in ((2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4))]
+        wrt = ("q", "k", "v") + ((row.name,) if row.gradient else ())
+        inputs = qkv + ([fixed.pop(row.name)] if row.gradient else [])
+        grads = ("dq", "dk", "dv") + ((row.gradient,) if row.gradient else ())
+        names = ["q", "k", "v"] + ([row.conform] if row.gradient else [])   # (short: the report's column)
+        cases[row.conform] = (partial(_forward_of, wrt, fixed), partial(_gradients_of, grads), inputs, names)
+    return cases
+
+
+def _forward_of(wrt, fixed, *inputs):
+    """attention_forward of the inputs named `wrt` (q, k, v first) and the options `fixed`."""
+    named = dict(zip(wrt, inputs))
+    return attention_forward(named.pop("q"), named.pop("k"), named.pop("v"), **named, **fixed)
+
+
+def _gradients_of(grads, dout, cache):
+    """attention_backward's gradients named `grads`, in their order."""
+    g = attention_backward(dout, cache)
+    return [getattr(g, name) for name in grads]
 
 
 def _multihead_case(rng):
@@ -113,6 +140,7 @@ def _multihead_case(rng):
 def jvp_cases(rng):
     """name -> (forward, jvp, inputs, names) for jvpcheck: jvp(inputs, tangents) -> out_dot."""
     q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 1, 5, 4)), rng.standard_normal((2, 1, 5, 3))
+    sizes = Sizes(batch=2, heads=2, n_q=3, n_k=5, d=3, q_shape=(2, 2, 3, 3))     # (d: v's, for a gate)
 
     def attention(**options):
         forward = lambda q, k, v: (attention_forward(q, k, v, **options)[0], None)
@@ -124,17 +152,21 @@ def jvp_cases(rng):
         "softmax": (lambda z: (softmax_forward(z)[0], None), lambda zs, ts: softmax_jvp(zs[0], ts[0])[1],
                     [3 * rng.standard_normal((3, 6))], ["z"]),
         "attention, GQA": attention(),
-        "attention, causal bottom_right, softcap": attention(causal="bottom_right", softcap=1.5),
-        "attention, sinks, ALiBi": attention(sinks=rng.standard_normal(2), alibi_slopes=rng.random(2)),
+        "attention, causal bottom_right": attention(causal="bottom_right"),
+        **{f"attention, {row.conform}": attention(**row.draw(rng, sizes)) for row in OPTIONS if row.draw is not None},
     }
 
 
 def identity_gaps(rng):
-    """name -> relative gap of an identity between derivatives, for a causal, softcapped GQA case:
-    the JVP is the adjoint of the VJP, <u, J v> = <J^T u, v>, and the Hessian of <dout, out>
-    is symmetric, <a, H b> = <b, H a>. Both are 0 up to rounding."""
+    """name -> relative gap of an identity between derivatives, for a causal GQA case with each
+    score step the table draws (its rows that act on the scores): the JVP is the adjoint of the
+    VJP, <u, J v> = <J^T u, v>, and the Hessian of <dout, out> is symmetric, <a, H b> = <b, H a>.
+    Both are 0 up to rounding."""
     q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 1, 5, 4)), rng.standard_normal((2, 1, 5, 3))
-    options = {"causal": True, "softcap": 2.0}
+    options = {"causal": True}
+    for row in OPTIONS:
+        if row.acts == "score" and row.draw is not None:
+            options.update(row.draw(rng, Sizes(batch=2, heads=2, n_q=3, n_k=5, d=4, q_shape=q.shape)))
     a, b = ([rng.standard_normal(x.shape) for x in (q, k, v)] for _ in range(2))
     u = rng.standard_normal((2, 2, 3, 3))
     inner = lambda xs, ys: sum(float(np.sum(x * y)) for x, y in zip(xs, ys))
@@ -149,4 +181,5 @@ def identity_gaps(rng):
 def cases(rng):
     """name -> (forward, backward, inputs, names), every op and attention variant."""
     mask, dead = _masks(rng)                             # drawn first: the cases' numbers stay put
-    return {**_op_cases(rng), **_attention_cases(rng, mask, dead), "multihead": _multihead_case(rng)}
+    return {**_op_cases(rng), **_attention_cases(rng, mask, dead), **_option_cases(rng),
+            "multihead": _multihead_case(rng)}

@@ -19,7 +19,7 @@ The score steps that these options describe are scores.py's, the row's softmax_r
 """
 import inspect
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -53,6 +53,42 @@ class Option(NamedTuple):
                                     # packed sequences, [B, H] (check_head_vector); its gradient likewise
     conform: Optional[str] = None   # its name among conform's options (conformance/supports.py), whose
                                     # cases draw it (conformance/grid.py); in that order
+    every_score: bool = False       # its step reads every score of a row, a masked one too (a saved
+                                    # stage kept whole; one more logit in every row): no column skipped
+    draw: Optional[Callable] = None  # draw(rng, sizes) -> {keyword: value}: a random value for a case of
+                                    # these Sizes (conform's grid draws its options' so, the gradcheck
+                                    # examples theirs); float arrays in float64, numbers float32's
+
+
+class Sizes(NamedTuple):
+    """A drawn case's sizes, for the options' draws."""
+    batch: int
+    heads: int                      # H, the query heads
+    n_q: int
+    n_k: int
+    d: int
+    q_shape: tuple                  # q's ([B, H, N_q, d], or packed sequences' [H, total_q, d])
+
+
+def _draw_window(rng, sizes):
+    """(left, right): each side up to about a quarter of N_k, or -1 (unbounded), not both."""
+    side = lambda: int(rng.integers(0, max(1, sizes.n_k // 4) + 1)) if rng.random() < 0.75 else -1
+    left, right = side(), side()
+    return {"window": (left, right if (left, right) != (-1, -1) else 0)}
+
+
+def _draw_mask(rng, sizes):
+    """[B, 1, N_q, N_k], some 30 to 100% of the keys kept, and one fully masked row a sequence."""
+    b, n_q = sizes.batch, sizes.n_q
+    keep = rng.random((b, 1, n_q, sizes.n_k)) < rng.uniform(0.3, 1.0)
+    if n_q > 1:
+        keep[np.arange(b), 0, rng.integers(0, n_q, b)] = False
+    return {"mask": keep}
+
+
+def _draw_dropout(rng, sizes):
+    p = float(np.float32(rng.uniform(0.1, 0.3)))
+    return {"dropout_p": p, "dropout_mask": rng.random((sizes.batch, sizes.heads, sizes.n_q, sizes.n_k)) >= p}
 
 
 OPTIONS = (
@@ -61,20 +97,23 @@ OPTIONS = (
     Option("align", None, "keep", "diagonal alignment for causal=True and for window: 'top_left' "
            "(default) or 'bottom_right'.", case="align"),
     Option("scale", None, "score", "multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled "
-           "experiment.", case="positive", conform="scale"),
+           "experiment.", case="positive", conform="scale",
+           draw=lambda rng, n: {"scale": float(np.float32(rng.uniform(0.3, 2.0) / math.sqrt(n.d)))}),
     Option("window", None, "keep", "(left, right) sliding window around the diagonal, -1 = unbounded "
            "(FlashAttention's window_size; FlashAttention aligns it bottom-right, so pass "
-           "align='bottom_right' to match it when N_q != N_k).", case="pair", conform="window"),
+           "align='bottom_right' to match it when N_q != N_k).", case="pair", conform="window", draw=_draw_window),
     Option("softcap", None, "score", "S <- softcap * tanh(S / softcap), after scaling and before bias and "
-           "masks.", case="positive", tiled=False, conform="softcap"),
+           "masks.", case="positive", tiled=False, conform="softcap", every_score=True,
+           draw=lambda rng, n: {"softcap": float(np.float32(rng.uniform(2.0, 10.0)))}),
     Option("bias", None, "score", "additive float scores broadcastable to [..., H, N_q, N_k]; gets a "
            "gradient, grads.dbias. An additive mask (0 / -inf) belongs here.", case="float", shape="scores",
-           gradient="dbias", neginf=True, conform="bias"),
+           gradient="dbias", neginf=True, conform="bias",
+           draw=lambda rng, n: {"bias": rng.standard_normal((n.heads, n.n_q, n.n_k))}),
     Option("mask", None, "keep", "keep-mask broadcastable to [..., H, N_q, N_k]; True/nonzero = attend.",
-           case="mask", shape="scores", conform="mask"),
+           case="mask", shape="scores", conform="mask", draw=_draw_mask),
     Option("dropout_mask", None, "output", "explicit keep-mask broadcastable to the weights: "
            "P <- P * dropout_mask / (1 - dropout_p). No RNG inside.", case="array", shape="scores",
-           tiled=False, conform="dropout"),
+           tiled=False, conform="dropout", draw=_draw_dropout),
     Option("dropout_p", 0.0, "output", "the drop probability of dropout_mask.", case="probability"),
     Option("fully_masked", "zero", "row", "a row with every score -inf gives 'zero' output 0 and gradient 0 "
            "(torch 2.5+ SDPA, FlashAttention, ONNX); 'uniform' the mean of v's rows (the seed's -1e9 "
@@ -89,16 +128,19 @@ OPTIONS = (
            "|i - j|); gets a gradient, grads.dalibi_slopes. With packed sequences or a paged KV "
            "cache: [H], or [B, H] with one row per sequence (as FlashAttention's varlen and kvcache "
            "functions take them), whose gradient's row b sums over sequence b's rows only.",
-           case="float", shape="heads", gradient="dalibi_slopes", batched=True, conform="alibi"),
+           case="float", shape="heads", gradient="dalibi_slopes", batched=True, conform="alibi",
+           draw=lambda rng, n: {"alibi_slopes": 2.0 ** (-8 * np.arange(1, n.heads + 1) / n.heads)}),   # FlashAttention's
     Option("sinks", None, "row", "[H]: one more logit per query head in every row's softmax, with no "
            "value (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the sink's "
            "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
            "and lse = sink (fully_masked must be 'zero'); the gradient is grads.dsinks.",
-           case="float", shape="heads", gradient="dsinks", neginf=True, conform="sinks"),
+           case="float", shape="heads", gradient="dsinks", neginf=True, conform="sinks", every_score=True,
+           draw=lambda rng, n: {"sinks": rng.standard_normal(n.heads)}),
     Option("gate", None, "output", "[..., H, N_q, 1] (headwise) or [..., H, N_q, d_v] (elementwise), "
            "broadcastable to out: Qwen3-Next's output gate, out <- (P V) * sigmoid(gate) (gate.py; lse and "
            "cache.out are the attention's, before it); gets a gradient, grads.dgate.", case="float",
-           shape="output", gradient="dgate", conform="gate"),
+           shape="output", gradient="dgate", conform="gate",     # headwise or elementwise
+           draw=lambda rng, n: {"gate": 2 * rng.standard_normal(n.q_shape[:-1] + (int(rng.choice([1, n.d])),))}),
     Option("cu_seqlens_q", None, "keep", "[B + 1] int, with cu_seqlens_k: FlashAttention's varlen, B "
            "sequences packed along the length axes, q [H, total_q, d_k], k, v [H_kv, total_k, d]; no "
            "row attends across a sequence boundary, and causal, window and ALiBi align on each "
@@ -133,6 +175,7 @@ OPTIONS = (
 KEYWORDS = tuple(row.name for row in OPTIONS)
 GRADIENTS = tuple(row.gradient for row in OPTIONS if row.gradient)           # AttentionGrads' of the options
 NEGINF = tuple(row.name for row in OPTIONS if row.neginf)               # may hold -inf
+EVERY_SCORE = frozenset(row.name for row in OPTIONS if row.every_score)  # no column skipped where given
 HEAD_ROWS = tuple(row for row in OPTIONS if row.shape == "heads")                   # [H], [..., H] vectors
 HEAD_GRADIENTS = tuple(row.gradient for row in HEAD_ROWS if row.gradient)
 

@@ -266,6 +266,14 @@ class Saved(NamedTuple):
         """The block S[index] of a whole forward's Saved."""
         return Saved(*(None if x is None else x[index] for x in self))
 
+    @staticmethod
+    def whole(options, score_shape, dtype):
+        """Zeros of the scores' shape for each stage the options' steps save (a blocked forward's
+        blocks write theirs in)."""
+        o = options
+        return Saved(*(np.zeros(score_shape, dtype) if on else None
+                       for on in (o.softcap is not None, o.score_mod is not None)))
+
 
 def forward(s, options, score_shape=None, index=WHOLE, keep=UNKNOWN, rounding=NONE):
     """Steps 2-4 on a block: S[index] from s = (scale q k^T)[index], which they overwrite

@@ -44,7 +44,7 @@ def test_every_backward_against_complex_step(name):
     assert worst <= 1e-12, report
 
 
-@pytest.mark.parametrize("name", ["attention", "attention bias", "GQA 4q/2kv heads", "softcap 1.5"])
+@pytest.mark.parametrize("name", ["attention", "attention bias", "GQA 4q/2kv heads", "softcap"])
 def test_central_differences_agree_to_their_accuracy(name):
     forward, backward, inputs, names = cases(np.random.default_rng(8))[name]
     report = na.gradcheck(forward, backward, inputs, method="central", names=names)

@@ -20,12 +20,17 @@ Taylor test; the forward-mode derivatives (JVPs) the same way; and the adjoint
 identity <u, J v> = <J^T u, v> and the Hessian's symmetry to 1e-12.
 Exit codes: 0 every check passed, 1 a check failed, 2 bad arguments."""
 IDENTITY_RTOL = 1e-12
-# The cases whose functions take no stack of inputs along a new leading axis: W [d_in, d_out],
-# packed sequences [H, total, d] and pages [num_pages, H_kv, page, d] by their contract, the
-# module's [B, N, D], and a bias [H, N_q, N_k] of fewer axes than q (a stack axis in front lands
-# on q's batch axis). gradcheck takes them one entry at a time from the start (batched=False);
-# every other case, stacked.
-ONE_AT_A_TIME = ("linear", "tiled, causal, bias, GQA", "packed sequences, causal", "paged KV cache", "multihead")
+# The cases whose functions take no stack of inputs along a new leading axis: packed sequences
+# [H, total, d] and pages [num_pages, H_kv, page, d] by their contract, and any case with an
+# input of fewer axes than its first (W [d_in, d_out] beside x, a bias [H, N_q, N_k] or a per-head
+# vector beside q, the module's parameters: a stack axis in front lands on another axis).
+# gradcheck takes them one entry at a time from the start (batched=False); every other case, stacked.
+ONE_AT_A_TIME = ("packed sequences, causal", "paged KV cache")
+
+
+def one_at_a_time(name, inputs):
+    """Whether gradcheck takes the case `name` one entry at a time (ONE_AT_A_TIME's comment)."""
+    return name in ONE_AT_A_TIME or any(np.ndim(x) < np.ndim(inputs[0]) for x in inputs[1:])
 
 
 def add_arguments(parser):
@@ -39,7 +44,7 @@ def run(args):
     passed = True
     for name, (forward, backward, inputs, names) in cases(np.random.default_rng(args.seed)).items():
         report = gradcheck(forward, backward, inputs, method=args.method, names=names,
-                           batched=False if name in ONE_AT_A_TIME else None)
+                           batched=False if one_at_a_time(name, inputs) else None)
         taylor = taylor_test(forward, backward, inputs)
         print(f"== {name}   (taylor remainder order {taylor.order:.2f})\n{report}\n")
         passed &= bool(report) and bool(taylor)

@@ -30,13 +30,13 @@ the seed and the case's id, rounded to its dtype, and stored as crosscheck's cas
 (oracle/schema.py): q, k, v, dout as float32 arrays holding the dtype's values, with the
 `precision` key.
 """
-import math
 import zlib
 from typing import NamedTuple
 
 import numpy as np
 
 from .._checks import require_positive_int
+from ..options import OPTIONS, Sizes
 from ..oracle.precision import PRECISIONS
 from .supports import (DEFAULT_SUPPORTS, DTYPES, EXCLUSIVE, PLAIN, check_dtypes, check_fully_masked,
                        check_supports)
@@ -201,29 +201,11 @@ def draw(case):
         arrays["causal"] = np.array(True)
     if "bottom_right" in o:
         arrays["causal"] = np.array("bottom_right")
-    if "scale" in o:
-        arrays["scale"] = np.array(float(np.float32(rng.uniform(0.3, 2.0) / math.sqrt(d))))
-    if "window" in o:
-        arrays["window"] = _window(rng, n_k)
-    if "softcap" in o:
-        arrays["softcap"] = np.array(float(np.float32(rng.uniform(2.0, 10.0))))
-    if "bias" in o:
-        arrays["bias"] = normal(heads, n_q, n_k)
-    if "mask" in o:
-        keep = rng.random((b, 1, n_q, n_k)) < rng.uniform(0.3, 1.0)
-        if n_q > 1:
-            keep[np.arange(b), 0, rng.integers(0, n_q, b)] = False      # one fully masked row each
-        arrays["mask"] = keep
-    if "dropout" in o:
-        p = float(np.float32(rng.uniform(0.1, 0.3)))
-        arrays["dropout_p"] = np.array(p)
-        arrays["dropout_mask"] = rng.random((b, heads, n_q, n_k)) >= p
-    if "alibi" in o:                                      # FlashAttention's slopes 2^(-8 (h + 1) / H)
-        arrays["alibi_slopes"] = rounded(2.0 ** (-8 * np.arange(1, heads + 1) / heads))
-    if "sinks" in o:
-        arrays["sinks"] = normal(heads)
-    if "gate" in o:                                       # headwise or elementwise, q's rows
-        arrays["gate"] = rounded(2 * rng.standard_normal(q_shape[:-1] + (int(rng.choice([1, d])),)))
+    sizes = Sizes(b, heads, n_q, n_k, d, q_shape)
+    for row in OPTIONS:                                   # the options' own draws, in the table's order
+        if row.conform in o and row.draw is not None:
+            drawn = {name: np.asarray(x) for name, x in row.draw(rng, sizes).items()}
+            arrays.update({name: rounded(x) if x.ndim and x.dtype.kind == "f" else x for name, x in drawn.items()})
     if case.fully_masked != "zero":
         arrays["fully_masked"] = np.array(case.fully_masked)
     arrays["precision"] = np.array(case.dtype)
@@ -239,10 +221,3 @@ def _lengths(rng, b, longest, empty=False):
     if empty and b > 1 and rng.random() < 0.5:
         lengths[(top + 1) % b] = 0
     return lengths
-
-
-def _window(rng, n_k):
-    """(left, right): each side up to about a quarter of N_k, or -1 (unbounded), not both."""
-    side = lambda: int(rng.integers(0, max(1, n_k // 4) + 1)) if rng.random() < 0.75 else -1
-    left, right = side(), side()
-    return np.array([left, right if (left, right) != (-1, -1) else 0])

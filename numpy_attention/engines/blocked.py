@@ -37,6 +37,7 @@ import numpy as np
 
 from .._layout import grouped_matmul, grouped_sum_matmul, kv_index, scaled, with_head_axis
 from ..caches import AttentionCache, AttentionGrads, AttentionStages
+from ..options import EVERY_SCORE
 from .. import scores
 from ..score_grads import ScoreGrads
 from ..scores import keep_mask
@@ -103,11 +104,10 @@ def _kept_columns(options, score_shape, block, skip=True):
 
 
 def _every_score_counts(options):
-    """Whether a removed score still counts, so no column is skipped: sinks and softcap (their
-    cached stages cover every score), the 'uniform' and 'nan' policies (a fully masked row's
+    """Whether a removed score still counts, so no column is skipped: an option whose step reads
+    every score (options.EVERY_SCORE), the 'uniform' and 'nan' policies (a fully masked row's
     weights are not 0)."""
-    o = options
-    return o.sinks is not None or o.softcap is not None or o.fully_masked != "zero"
+    return bool(options.given & EVERY_SCORE) or options.fully_masked != "zero"
 
 
 def _diagonal(options):
@@ -133,8 +133,7 @@ def blocked_forward(q, k, v, options, plan):
     score_shape = q3.shape[:-1] + (k3.shape[-2],)                    # [..., H, N_q, N_k]
     group = q3.shape[-3] // k3.shape[-3]
     p = (np.zeros if o.masked else np.empty)(score_shape, q.dtype)   # skipped columns weigh 0
-    saved = scores.Saved(*(np.zeros(score_shape, q.dtype) if on else None   # the steps' saved
-                           for on in (o.softcap is not None, o.score_mod is not None)))   # stages, whole
+    saved = scores.Saved.whole(o, score_shape, q.dtype)              # the steps' saved stages
     lse = np.empty(score_shape[:-1], q.dtype)                        # [..., H, N_q]
     top = np.empty(score_shape[:-1] + (1,), np.intp)
     max_logits = np.empty(score_shape[:-1], q.real.dtype)           # [..., H, N_q]
@@ -144,7 +143,7 @@ def blocked_forward(q, k, v, options, plan):
         cols, keep = _kept_columns(o, score_shape, block)            # the columns computed; the
         p_block, index = p[block], block + (cols,)                   # rest keep P's zeros
         s, saved_block = _block_scores(q3, k3, o, score_shape, block, group, cols, keep,   # 1-4. S in
-                                       out=p_block[..., cols] if o.sinks is None else None)   # P's place
+                                       out=p_block[..., cols])                   # P's place
         for whole, part in zip(saved, saved_block):
             if part is not None:
                 whole[index] = part
