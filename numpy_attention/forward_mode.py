@@ -129,7 +129,8 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
     if cache is None:                                  # the tiled or sparse engine: O(N) memory
         jvp = tiled_jvp if plan.implementation == "tiled" else sparse_jvp
         out, out_dot, lse, lse_dot = jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"],
-                                         dot["bias_dot"], dot["alibi_slopes_dot"], dot["sinks_dot"])
+                                         bias_dot=dot["bias_dot"], alibi_slopes_dot=dot["alibi_slopes_dot"],
+                                         sinks_dot=dot["sinks_dot"])
     else:
         out, out_dot, lse, lse_dot = _textbook_jvp(q, k, v, o, cache, dot)
     if o.gate is not None:                             # 8. out = O * sigmoid(gate)

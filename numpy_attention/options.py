@@ -55,6 +55,7 @@ class Option(NamedTuple):
                                     # cases draw it (conformance/grid.py); in that order
     every_score: bool = False       # its step reads every score of a row, a masked one too (a saved
                                     # stage kept whole; one more logit in every row): no column skipped
+    policies: Optional[tuple] = None  # the fully_masked policies it takes, where not all of them
     draw: Optional[Callable] = None  # draw(rng, sizes) -> {keyword: value}: a random value for a case of
                                     # these Sizes (conform's grid draws its options' so, the gradcheck
                                     # examples theirs); float arrays in float64, numbers float32's
@@ -135,6 +136,7 @@ OPTIONS = (
            "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
            "and lse = sink (fully_masked must be 'zero'); the gradient is grads.dsinks.",
            case="float", shape="heads", gradient="dsinks", neginf=True, conform="sinks", every_score=True,
+           policies=("zero",),
            draw=lambda rng, n: {"sinks": rng.standard_normal(n.heads)}),
     Option("gate", None, "output", "[..., H, N_q, 1] (headwise) or [..., H, N_q, d_v] (elementwise), "
            "broadcastable to out: Qwen3-Next's output gate, out <- (P V) * sigmoid(gate) (gate.py; lse and "
@@ -296,9 +298,10 @@ def options_record(q, k, v, **given):
     sequences = None if packed[0] is None else packed[0].size - 1
     per_head = head_vectors(q.shape, a, sequences)
     sinks, alibi_slopes = per_head["sinks"], per_head["alibi_slopes"]
-    if sinks is not None and fully_masked != "zero":             # a row with no key: out 0, lse = sink
-        raise ValueError(f"sinks take a fully masked row's weight (out = 0, lse = sink): "
-                         f"fully_masked={fully_masked!r} does not apply; use 'zero'")
+    for row in OPTIONS:                                          # (a sink weighs a row with no key)
+        if row.policies is not None and a[row.name] is not None and fully_masked not in row.policies:
+            raise ValueError(f"{row.name} takes fully_masked in {row.policies}, a row with no key as its doc "
+                             f"says: fully_masked={fully_masked!r} does not apply; use {row.policies[0]!r}")
     if require_bool(a["check_finite"], "check_finite"):
         for name, x in {"q": q, "k": k, "v": v, "bias": bias, **per_head, "gate": gate}.items():
             if x is not None:

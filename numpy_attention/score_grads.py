@@ -32,6 +32,15 @@ def _bounds(indices, shape):
     return tuple(slice(min(r[a].start for r in ranges), max(r[a].stop for r in ranges)) for a in range(len(shape)))
 
 
+def sums_over_keys(options, n_k):
+    """Whether a parameter's gradient is a NumPy sum over a row's N_k keys (ALiBi's slopes, a bias
+    broadcast along the keys, score_mod_params): a block of keys left out would group its sum
+    otherwise, and change its bits."""
+    o = options
+    bias_over_keys = o.bias is not None and n_k > 1 and (np.ndim(o.bias) == 0 or np.shape(o.bias)[-1] == 1)
+    return o.alibi_slopes is not None or o.score_mod_params is not None or bias_over_keys
+
+
 class ScoreGrads:
     """The gradients of the score steps' parameters (bias, ALiBi slopes), summed block by
     block over a region of the scores: an index, as a block's, or the list of the blocks to
@@ -64,9 +73,10 @@ class ScoreGrads:
         """The slices of the bias (padded to the scores' axes) that scores at `ranges` read."""
         return tuple(slice(0, 1) if n == 1 else part for part, n in zip(ranges, self.bias_shape))
 
-    def add(self, ds, index):
+    def add(self, ds, index, rounded=None):
         """Add the block S[index]'s parameter gradients; ds [..., heads, rows, cols]: dS_3 there
-        (a gathered block's [..., heads, rows, K], scattered back to its columns)."""
+        (a gathered block's [..., heads, rows, K], scattered back to its columns). rounded: what
+        rounds ALiBi's products (alibi_row_gradient), or None."""
         ranges = block_ranges(index, self.score_shape)
         if self.dbias is not None:
             part = self.dbias[_within(self._bias_part(ranges), self.bias_at)]
@@ -81,7 +91,7 @@ class ScoreGrads:
                 np.add.at(part, tuple(np.broadcast_to(i, ds.shape) for i in where), ds)
         if self.rows is not None:
             self.rows[_within(ranges[:-1], self.region[:-1])] += alibi_row_gradient(
-                ds, self.options, self.score_shape, index)
+                ds, self.options, self.score_shape, index, rounded)
 
     def add_sink(self, dsink, index):
         """Add the block S[index]'s sink gradient, dsink [..., heads]: its sink column of dS summed

@@ -55,6 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_positive_int
+from ..options import OPTIONS as OPTION_ROWS
 from ..oracle import CaseError, crosscheck
 from ..oracle.precision import PRECISIONS
 from ..oracle.split_keys import crosscheck_merged, key_parts
@@ -66,7 +67,8 @@ from .supports import EXCLUSIVE, ZERO_ONLY, check_block_sizes, check_dtypes, che
 
 PROPERTIES = ("honesty", "lengths", "determinism", "batch_invariance", "range", "empty_rows", "layout", "nan_keys")
 EMPTYING = ("mask", "bottom_right", "varlen", "paged")   # empty_rows: the options that leave rows without keys
-COMPANIONS = ("sinks", "bias")                           # and those its trials hold beside them (_with_empty)
+COMPANIONS = tuple(row.conform for row in OPTION_ROWS if row.neginf)   # and those its trials hold beside
+                                                         # them (_with_empty): those a row with no key meets
 NEEDS = {"empty_rows": "one of the options mask, bottom_right, varlen, paged",   # a property that needs a support
          "layout": "one of the options varlen, paged or the output lse"}
 MULTIPLES = (128, 256, 64, 192, 32, 96, 160, 224, 16, 48, 80, 112, 144, 176, 208, 240)   # halvings first

@@ -52,8 +52,9 @@ KINDS = ("torch", "jax", "numpy", "command")
 EXCLUSIVE = frozenset(frozenset(pair) for pair in (
     ("causal", "bottom_right"), ("varlen", "paged"), ("varlen", "mask"), ("varlen", "bias"),
     ("varlen", "dropout"), ("paged", "mask"), ("paged", "bias"), ("paged", "dropout"), ("paged", "gate")))
-# options that take fully_masked='zero' only (attention_forward's rule)
-ZERO_ONLY = {"varlen": ("zero", "nan"), "paged": ("zero", "nan"), "sinks": ("zero",)}
+# options that take some fully_masked policies only (attention_forward's rules)
+ZERO_ONLY = {"varlen": ("zero", "nan"), "paged": ("zero", "nan"),
+             **{row.conform: row.policies for row in OPTION_ROWS if row.policies}}
 # other names for an option or a dtype: what to write instead
 NEAR_MISSES = {
     "top_left": "top-left causal is 'causal'", "is_causal": "'causal' (top-left)",

@@ -146,8 +146,7 @@ class Tangents(NamedTuple):
     q: np.ndarray                   # [..., H, b_q, d_k] the tile's q_dot, scaled like q
     k: np.ndarray                   # [..., H_kv, N_k, d_k]
     v: np.ndarray                   # [..., H_kv, N_k, d_v]
-    bias: object                    # bias_dot (bias's shape) or None
-    alibi_slopes: object            # alibi_slopes_dot or None
+    scores: dict                    # the score steps' parameters' tangents (scores.tangent's bias_dot, ...)
     sinks: object                   # sinks_dot or None
 
 
@@ -156,12 +155,10 @@ def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols, keep, sa
     score_mod, 0 where not kept (q_i, q_dot_i scaled; keep, saved: the tile's, tile_scores)."""
     s_dot = grouped_matmul(tangents.q, np.swapaxes(k_j, -1, -2)) \
         + grouped_matmul(q_i, np.swapaxes(tangents.k[..., cols, :], -1, -2))           # 1.
-    return scores.tangent(s_dot, o, score_shape, (Ellipsis, rows, cols), saved, keep,   # 2-4.
-                          bias_dot=tangents.bias, alibi_slopes_dot=tangents.alibi_slopes)
+    return scores.tangent(s_dot, o, score_shape, (Ellipsis, rows, cols), saved, keep, **tangents.scores)   # 2-4.
 
 
-def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes_dot=None,
-              sinks_dot=None):
+def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, sinks_dot=None, **score_dots):
     """(out, out_dot, lse, lse_dot) by the online softmax carrying its tangents, O(N) memory.
 
     With e_j = exp(S_j - m) over a row's kept keys j (and the sink):
@@ -169,7 +166,8 @@ def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, bias_dot=None, alibi_
         lse_dot = sum_j e_j S_dot_j / sum_j e_j
     both sums rescaled with the running max exactly as out's (module docstring).
     q, k, v, options as `attention_options` returns them, the plan as tiled_forward's;
-    tangents of their primals' shapes.
+    tangents of their primals' shapes; score_dots: the score steps' parameters' (scores.tangent's
+    bias_dot, ...; None: 0).
     """
     o = options
     q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
@@ -180,7 +178,7 @@ def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, bias_dot=None, alibi_
     row_tiles = tiles(score_shape[-2], plan.block_size)
     items = [(scaled(q3[..., rows, :], o.scale), rows, scaled(q_dot3[..., rows, :], o.scale)) for rows in row_tiles]
     shared = _shared(o, plan, k3=k3, v3=v3, score_shape=score_shape, k_dot=k_dot3, v_dot=v_dot3,
-                     bias_dot=bias_dot, alibi_slopes_dot=alibi_slopes_dot, sinks_dot=sinks_dot)
+                     score_dots=score_dots, sinks_dot=sinks_dot)
     for rows, result in zip(row_tiles, run_tasks(_jvp_rows, items, plan.workers, shared, plan.scheduler)):
         out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = result
     shape = q.shape[:-1]
@@ -188,10 +186,9 @@ def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, bias_dot=None, alibi_
             lse_dot.reshape(shape))
 
 
-def _jvp_rows(q_i, rows, q_dot_i, *, k_dot, v_dot, bias_dot, alibi_slopes_dot, sinks_dot, **forward):
+def _jvp_rows(q_i, rows, q_dot_i, *, k_dot, v_dot, score_dots, sinks_dot, **forward):
     """One task of tiled_jvp: _forward_rows of the tile, carrying its tangents."""
-    tangents = Tangents(q=q_dot_i, k=k_dot, v=v_dot, bias=bias_dot, alibi_slopes=alibi_slopes_dot,
-                        sinks=sinks_dot)
+    tangents = Tangents(q=q_dot_i, k=k_dot, v=v_dot, scores=score_dots, sinks=sinks_dot)
     return _forward_rows(q_i, rows, tangents, **forward)
 
 

@@ -60,7 +60,7 @@ import numpy as np
 
 from .. import scores
 from .._layout import with_head_axis
-from ..score_grads import ScoreGrads
+from ..score_grads import ScoreGrads, sums_over_keys
 from ..scores import keep_mask
 from ..softmax_row import masked_row_weight, with_sink
 from .row_blocks import block_of, row_slices
@@ -233,12 +233,9 @@ def kept_runs(options, score_shape, index):
 def _skips_chunks(options, n_k):
     """Whether a chunk of removed scores may be skipped: its weights are 0 (the fully_masked
     policy 'zero'; 'uniform' and 'nan' weigh a fully masked row's every key) and no parameter's
-    gradient is a NumPy sum over a row's keys (ALiBi's slopes, a bias broadcast along the keys,
-    score_mod_params), which its zeros would group otherwise."""
-    o = options
-    bias_over_keys = o.bias is not None and n_k > 1 and (np.ndim(o.bias) == 0 or np.shape(o.bias)[-1] == 1)
-    return (o.fully_masked == "zero" and o.alibi_slopes is None and o.score_mod_params is None
-            and not bias_over_keys)
+    gradient is a NumPy sum over a row's keys (score_grads.sums_over_keys), which its zeros would
+    group otherwise."""
+    return options.fully_masked == "zero" and not sums_over_keys(options, n_k)
 
 
 def _side_by_side(runs):

@@ -40,9 +40,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._layout import bias_block, grouped_matmul, grouped_sum_matmul, unbroadcast, with_head_axis
+from .._layout import grouped_matmul, grouped_sum_matmul, with_head_axis
 from .. import scores
-from ..scores import alibi_row_gradient, alibi_slopes_gradient, head_gradient, keep_mask
+from ..options import GRADIENTS
+from ..score_grads import ScoreGrads
+from ..scores import keep_mask
 from ..softmax_row import masked_row_weight, with_sink
 from .row_blocks import block_of, row_slices
 from .precision import round_to
@@ -153,15 +155,13 @@ def recipe_backwards(q, k, v, options, precision, dout=None, backwards=(("eager"
 def _backward_run(rnd, backward, saved_out, q3, k3, v3, o, score_shape, mlx):
     """A backward's state over the blocks of rows (_backward_rows continues it): its step
     (_eager_rows or _flash_rows), the out it reads for D (rounded; None: the forward's), dq by
-    rows and the float32 sums over rows (dk, dv; dbias, the sinks' and the ALiBi rows' terms)."""
+    rows and the float32 sums over rows (dk, dv; the parameters' gradients, in a ScoreGrads)."""
     return {"backward": backward,
             "step": _flash_rows if backward == "flash" else partial(_eager_rows, mlx=mlx),
             "saved": None if saved_out is None else rnd(with_head_axis(saved_out)),
             "dq": np.empty(q3.shape, np.float32),
             "sums": {"dk": np.zeros(k3.shape, np.float32), "dv": np.zeros(v3.shape, np.float32)},
-            "dsinks": None if o.sinks is None else np.zeros(score_shape[:-2], np.float32),     # [..., H]
-            "dslope_rows": None if o.alibi_slopes is None else np.empty(score_shape[:-1], np.float32),  # [.., H, N_q]
-            "dbias": None if o.bias is None else np.zeros(o.bias.shape, np.float32)}
+            "params": ScoreGrads(o, score_shape, np.float32)}
 
 
 def _backward_rows(rnd, run, dout, o, f, rows, stages):
@@ -172,30 +172,21 @@ def _backward_rows(rnd, run, dout, o, f, rows, stages):
         f = f._replace(out=run["saved"][..., rows, :])
     step = partial(run["step"], stages=stages) if run["backward"] == "flash" else run["step"]
     run["dq"][..., rows, :], ds, run["sums"] = step(rnd, dout, o, f, run["sums"])
-    if run["dbias"] is not None:                                                 # dbias += dS, a tile at a time
-        for r in range(0, ds.shape[-2], TILE_ROWS):
-            tile = slice(rows.start + r, rows.start + r + TILE_ROWS)
-            block = bias_block(run["dbias"], (Ellipsis, tile, slice(None)))
-            block += unbroadcast(ds[..., r:r + TILE_ROWS, :], block.shape)
-    if run["dsinks"] is not None:                                                # -sum P_sink D
-        run["dsinks"] -= np.sum(f.p_sink[..., 0] * np.sum(dout * f.out, axis=-1), axis=-1)
-    if run["dslope_rows"] is not None:                                           # each row's -sum dS |..|
-        run["dslope_rows"][..., rows] = alibi_row_gradient(
-            ds, o, f.score_shape, f.index, rounded=rnd if run["backward"] == "eager" else None)
+    rounded = rnd if run["backward"] == "eager" else None                        # (autograd's products)
+    for r in range(0, ds.shape[-2], TILE_ROWS):                                  # dS's sums, a tile at a time
+        tile = slice(rows.start + r, rows.start + min(r + TILE_ROWS, ds.shape[-2]))
+        run["params"].add(ds[..., r:r + TILE_ROWS, :], (Ellipsis, tile, slice(None)), rounded)
+    if f.p_sink.shape[-1]:                                                       # a sink: -sum P_sink D
+        run["params"].add_sink(-np.sum(f.p_sink[..., 0] * np.sum(dout * f.out, axis=-1), axis=-1), f.index)
 
 
 def _gradients(rnd, run, o, reorder, q_shape, k_shape, v_shape):
     """The gradients of a finished backward run (_backward_run): dq, dk, dv (of q's, k's, v's
-    shapes) and dbias, dsinks, dalibi_slopes where the options have them, rounded to T."""
+    shapes) and the options' gradients where the options have them, rounded to T."""
     sums = run["sums"] if run["backward"] == "flash" else _eager_sums_rounded(rnd, run["sums"], o, reorder)
     result = {"dq": run["dq"].reshape(q_shape), "dk": sums["dk"].reshape(k_shape), "dv": sums["dv"].reshape(v_shape)}
-    if run["dbias"] is not None:
-        result["dbias"] = rnd(run["dbias"])
-    if run["dsinks"] is not None:
-        result["dsinks"] = rnd(head_gradient(run["dsinks"], o.sinks))
-    if run["dslope_rows"] is not None:
-        result["dalibi_slopes"] = rnd(alibi_slopes_gradient(run["dslope_rows"], o))
-    return result
+    params = ScoreGrads.total([run["params"]], o, run["params"].score_shape, np.float32)
+    return {**result, **{name: rnd(g) for name, g in params.items() if name in GRADIENTS and g is not None}}
 
 
 class _Used(NamedTuple):
