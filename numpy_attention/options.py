@@ -5,10 +5,11 @@ every engine and crosscheck share, checked once.
 
 Each option is one row of OPTIONS: its keyword, default and meaning (attention_forward's
 signature and docstring are made from the rows), where it acts in the textbook's steps,
-how a .npz case holds it, its gradient and whether that gradient sums per head, and whether
-the tiled engine computes it. The keyword arguments of attention_forward and
-attention_options, the case reader's keys (oracle/schema.py), the oracle's slices and
-conform's gradients take their lists from here. `attention_options` runs every check
+how a .npz case holds it, its gradient and whether that gradient sums per head, whether
+the tiled engine computes it, its name in conform, and how to draw a value of it for a random
+case. The keyword arguments of attention_forward and attention_options, the case reader's
+keys (oracle/schema.py), the oracle's slices, conform's options, gradients and grid draws, and
+the gradcheck examples (examples.py) take their lists from here. `attention_options` runs every check
 (option_checks.py), so an engine only computes; where and how (the engine, its tiles,
 threads, a cluster) is the plan's (engines/plan.py). Shape legend as in textbook.py:
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
