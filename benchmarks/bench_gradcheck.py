@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import OtherLoad, machine_line, median_time, median_times_apart, run_child, table  # noqa: E402
 from numpy_attention import MultiHeadAttention, attention_backward, attention_forward, gradcheck  # noqa: E402
-from numpy_attention.examples import mha_functions  # noqa: E402
+from numpy_attention.gradcheck_cases import mha_functions  # noqa: E402
 from numpy_attention.finite_differences.batching import vectorized_gradients, vectorized_outputs  # noqa: E402
 from numpy_attention.finite_differences.differences import DEFAULTS  # noqa: E402
 

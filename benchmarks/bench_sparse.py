@@ -20,7 +20,7 @@ import time
 import tracemalloc
 import numpy as np
 import numpy_attention as na
-import numpy_attention.sparse                      # the library's imports (numpy, scipy) before the base
+import numpy_attention.sparse_attention          # the library's imports (numpy, scipy) before the base
 rss = lambda: [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')][0] / 1024
 base = rss()
 rng = np.random.default_rng(0)

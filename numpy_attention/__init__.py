@@ -37,7 +37,7 @@ modules import each other freely (tests/test_layers.py walks every import):
     scores       score_mods scores softmax_row score_grads option_checks options caches
     textbook     textbook
     engines      engines engines.sparse engines.plan engines.projections engines.blocked engines.tiled
-    attention    attention forward_mode sparse mla multihead_threads multihead examples
+    attention    attention forward_mode sparse_attention mla multihead_threads multihead gradcheck_cases
     tools        finite_differences experiments exercises oracle conformance commands __main__
 """
 import importlib
@@ -58,8 +58,8 @@ _EXPORTS = {                                           # module of this package 
     "mla": ("mla_forward", "mla_backward", "mla_jvp", "mla_absorb", "mla_unabsorbed_forward",
             "mla_unabsorbed_backward", "MlaCache", "MlaGrads", "MlaUnabsorbedCache", "MlaUnabsorbedGrads"),
     "multihead": ("MultiHeadAttention", "multihead_forward", "multihead_backward"),
-    "sparse": ("sparse_attention_forward", "sparse_attention_backward", "sparse_attention_jvp", "SparseCache",
-               "SparseGrads"),
+    "sparse_attention": ("sparse_attention_forward", "sparse_attention_backward", "sparse_attention_jvp",
+                         "SparseCache", "SparseGrads"),
     "topk": ("block_indices",),
     "forward_mode": ("attention_jvp", "attention_hvp"),
     "finite_differences": ("gradcheck", "jvpcheck", "taylor_test", "directional_derivative",

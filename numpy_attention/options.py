@@ -9,7 +9,7 @@ how a .npz case holds it, its gradient and whether that gradient sums per head, 
 the tiled engine computes it, its name in conform, and how to draw a value of it for a random
 case. The keyword arguments of attention_forward and attention_options, the case reader's
 keys (oracle/schema.py), the oracle's slices, conform's options, gradients and grid draws, and
-the gradcheck examples (examples.py) take their lists from here. `attention_options` runs every check
+the gradcheck examples (gradcheck_cases.py) take their lists from here. `attention_options` runs every check
 (option_checks.py), so an engine only computes; where and how (the engine, its tiles,
 threads, a cluster) is the plan's (engines/plan.py). Shape legend as in textbook.py:
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
@@ -272,7 +272,7 @@ def attention_options(q, k, v, **given):
 def options_record(q, k, v, **given):
     """attention_options for q, k, v that check_qkv checked and that share the computation's
     dtype: they come back as they are (cast, so copied, only where a float64 bias or complex
-    per-head vectors widen it). For a caller that keeps its own arrays (sparse.py's, which holds
+    per-head vectors widen it). For a caller that keeps its own arrays (sparse_attention.py's, which holds
     a frozen caller's arrays uncopied)."""
     a, keep_steps = option_keywords(given)
     causal, align = resolve_alignment(a["causal"], a["align"])

@@ -8,7 +8,7 @@ Shape legend as in textbook.py; K the length of each query's list, R the lists' 
     topk_length  [..., N_q] int, optional: only a row's first topk_length entries count
     blocks       block_indices turns key blocks [..., K] into their tokens (NSA, MoBA)
 
-Attention over the listed keys (sparse.py gathers them) is dense attention over these scores,
+Attention over the listed keys (the sparse engine gathers them) is dense attention over these scores,
 with c_ij the times row i lists key j:
 
     S_ij + log c_ij   where c_ij >= 1   (a key listed twice counts twice: exp(S + log 2) = 2 exp(S),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.examples import attention_case, cases
+from numpy_attention.gradcheck_cases import attention_case, cases
 
 
 def naive_attention(q, k, v, keep=None, scale=None):

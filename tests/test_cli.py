@@ -49,7 +49,7 @@ def test_the_package_checks_its_own_functions_without_a_note(argv, capsys):
 
 def test_the_cases_gradcheck_takes_one_at_a_time_are_cases():
     from numpy_attention.commands.gradcheck import ONE_AT_A_TIME
-    from numpy_attention.examples import cases
+    from numpy_attention.gradcheck_cases import cases
     assert set(ONE_AT_A_TIME) <= set(cases(np.random.default_rng(0)))
 
 

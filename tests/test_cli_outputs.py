@@ -182,7 +182,7 @@ MOMENTS = [
     pytest.param("numpy.version", id="numpy importing"),
     pytest.param("numpy", id="numpy imported"),
     pytest.param("ml_dtypes", id="ml_dtypes imported"),
-    pytest.param("numpy_attention.examples", id="the commands imported"),
+    pytest.param("numpy_attention.gradcheck_cases", id="the commands imported"),
     pytest.param(None, id="the command running")]
 
 
@@ -191,7 +191,7 @@ MOMENTS = [
 @pytest.mark.parametrize("command", ["demo", "gradcheck"])
 def test_ctrl_c_at_any_moment_is_one_line_130(command, imported):
     """One line, exit 130, for SIGINT during the heavy imports (numpy, then ml_dtypes' extension:
-    most of a second), once numpy_attention.examples is imported (scipy takes a good part of a
+    most of a second), once numpy_attention.gradcheck_cases is imported (scipy takes a good part of a
     second more), or once the command has printed its first line. All of these are inside main:
     `import numpy_attention` imports none of them, so main runs almost at once."""
     assert interrupt(command, imported) == (130, [f"{cli.PROG}: interrupted"])

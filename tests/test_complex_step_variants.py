@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from numpy_attention import gradcheck
-from numpy_attention.examples import cases
+from numpy_attention.gradcheck_cases import cases
 
 RTOL = 1e-12
 

@@ -150,7 +150,7 @@ def test_the_hvp_runs_on_the_textbook_only():
 @pytest.mark.slow
 def test_the_gradcheck_command_checks_forward_mode_and_the_identities(capsys):
     from numpy_attention.commands.cli import main
-    from numpy_attention.examples import identity_gaps, jvp_cases
+    from numpy_attention.gradcheck_cases import identity_gaps, jvp_cases
     assert all(gap <= 1e-12 for gap in identity_gaps(np.random.default_rng(0)).values())
     for forward, jvp, inputs, names in jvp_cases(np.random.default_rng(0)).values():
         assert na.jvpcheck(forward, jvp, inputs, names=names)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.examples import attention_case, cases
+from numpy_attention.gradcheck_cases import attention_case, cases
 from numpy_attention.finite_differences.jacobians import full_jacobians
 
 FELL_BACK = ": it takes no stack along a new leading axis (batched=True shows why); the same numbers, only slower"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import numpy_attention as na
-from numpy_attention.examples import cases
+from numpy_attention.gradcheck_cases import cases
 
 WIDTH = 100
 

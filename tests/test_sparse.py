@@ -1,4 +1,4 @@
-"""Sparse top-k attention (sparse.py): against an independent torch float64 implementation of
+"""Sparse top-k attention (sparse_attention.py): against an independent torch float64 implementation of
 FlashMLA's reference (ref_sparse_attn_fwd: gather the listed keys, -1 and out-of-range indices
 masked, topk_length, a repeated index gathered twice) with autograd's backward; the blocked
 form and threads equal to the textbook's; forward mode against torch.func.jvp; complex step; NSA's blocks;

@@ -164,7 +164,7 @@ def test_cli_sizes_beyond_an_array_axis_are_refused(argv, message, capsys):
 
 
 def test_cli_sizes_too_large_for_memory_are_one_line_exit_2(monkeypatch, capsys):
-    from numpy_attention.experiments import vanishing
+    from numpy_attention.experiments import measurements as vanishing
 
     def huge(*args, **kwargs):
         raise MemoryError("Unable to allocate 59.6 GiB for an array with shape (1, 8, 1000000000)")
@@ -253,7 +253,7 @@ def test_cli_training_prints_curves_and_plots(tmp_path, capsys):
 
 
 def test_library_sweeps_refuse_a_negative_seed():
-    from numpy_attention.experiments.vanishing import scale_sweep, sweep
+    from numpy_attention.experiments.measurements import scale_sweep, sweep
     with pytest.raises(ValueError, match="seed"):
         sweep(d_ks=(4,), n_keys=(8,), trials=2, seed=-1)
     with pytest.raises(ValueError, match="seed"):

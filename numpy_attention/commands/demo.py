@@ -10,7 +10,7 @@ the gradient of every input and parameter by complex step:
 """
 import numpy as np
 
-from ..examples import MHA_INPUTS, mha_functions
+from ..gradcheck_cases import MHA_INPUTS, mha_functions
 from ..finite_differences import block_functions, gradcheck
 from ..multihead import MultiHeadAttention
 from .cli import integer

@@ -1,20 +1,20 @@
 """`numpy-attention gradcheck`: check every op's hand-written backward.
 
 Runs `gradcheck` in full mode (the whole Jacobian, by --method) and `taylor_test` on every
-case of numpy_attention.examples (each op and attention variant, small random float64
+case of numpy_attention.gradcheck_cases (each op and attention variant, small random float64
 inputs) and prints one table per case; then `jvpcheck` on the forward-mode cases, and the
 identities between derivatives (the JVP is the VJP's adjoint; the Hessian is symmetric).
 """
 import numpy as np
 
-from ..examples import cases, identity_gaps, jvp_cases
+from ..gradcheck_cases import cases, identity_gaps, jvp_cases
 from ..finite_differences import METHODS, gradcheck, jvpcheck, taylor_test
 from .cli import integer
 
 HELP = "check every op's backward against finite differences"
 DESCRIPTION = """\
 Check the backward of every op and attention variant on small random inputs
-(numpy_attention.examples): the whole Jacobian against finite differences
+(numpy_attention.gradcheck_cases): the whole Jacobian against finite differences
 (--method: complex step by default, central or richardson differences), and a
 Taylor test; the forward-mode derivatives (JVPs) the same way; and the adjoint
 identity <u, J v> = <J^T u, v> and the Hessian's symmetry to 1e-12.

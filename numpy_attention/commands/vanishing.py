@@ -19,14 +19,14 @@ import time
 
 import numpy as np
 
-from ..experiments import plot, tables, training, vanishing
+from ..experiments import measurements, plot, tables, training
 from .cli import UsageError, integer
 
 SIZE_MAX = 2 ** 31 - 1                   # d_k, n_keys, trials: sizes of array axes
 PROGRESS_AFTER, PROGRESS_EVERY = 1.0, 5.0     # seconds: the first progress line, then at most one per
 # each mode's options and their defaults (the parser's default is None: "not given")
-SWEEP_OPTIONS = {"d_k": vanishing.DEFAULT_D_K, "n_keys": vanishing.DEFAULT_N_KEYS,
-                 "trials": vanishing.DEFAULT_TRIALS, "alpha_d_k": 256, "json": None, "csv": None}
+SWEEP_OPTIONS = {"d_k": measurements.DEFAULT_D_K, "n_keys": measurements.DEFAULT_N_KEYS,
+                 "trials": measurements.DEFAULT_TRIALS, "alpha_d_k": 256, "json": None, "csv": None}
 TRAINING_OPTIONS = {"optimizer": "sgd", "steps": 300, "lr": training.LEARNING_RATES}
 HELP = "the 1/sqrt(d_k) vanishing-gradient study"
 DESCRIPTION = """\
@@ -111,7 +111,7 @@ def _save(function, data, path, option):
 
 def _require_memory(n_keys, trials):
     """UsageError before the work when the sweep would need more than half this machine's memory."""
-    need = max(vanishing.peak_bytes(n, trials) for n in n_keys)
+    need = max(measurements.peak_bytes(n, trials) for n in n_keys)
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):      # not a POSIX system: no bound to check
@@ -124,8 +124,8 @@ def _require_memory(n_keys, trials):
 
 def run_sweep(args):
     _require_memory(args.n_keys, args.trials)
-    records = vanishing.sweep(args.d_k, args.n_keys, args.trials, args.seed, _progress("sweep"))
-    alphas = vanishing.scale_sweep(args.alpha_d_k, args.n_keys, trials=args.trials, seed=args.seed)
+    records = measurements.sweep(args.d_k, args.n_keys, args.trials, args.seed, _progress("sweep"))
+    alphas = measurements.scale_sweep(args.alpha_d_k, args.n_keys, trials=args.trials, seed=args.seed)
     if "-" not in (args.json, args.csv):
         print(f"float64, {args.trials} trials per cell, seed {args.seed}; medians over trials, "
               f"Var S pooled, err = max over trials")

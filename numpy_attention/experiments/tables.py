@@ -1,6 +1,6 @@
 """The study's records as text tables, JSON and CSV; the training curves as text tables.
 
-A record is a flat dict of numbers and bools (see vanishing.py); every writer takes a
+A record is a flat dict of numbers and bools (see measurements.py); every writer takes a
 path or '-' for stdout, and the JSON / CSV columns are the records' keys, in order. The
 text tables fit in WIDTH columns: a column that follows from others (the theory's Var S,
 log N_k) is said above the table, and a training curve shows at most CURVE_POINTS of its
