@@ -149,3 +149,36 @@ def test_flashinfers_nvfp4_kv_cache_q_in_bfloat16_and_k_v_in_e2m1_is_a_case():
     dropped = na.attention_forward(q.astype(np.float64), used(k4, k_descale), v4)[0]
     report = na.crosscheck(**{**case, "out": dropped.astype(ml_dtypes.bfloat16)})
     assert not report and any("v_descale dropped" in line for line in report.diagnosis), report.diagnosis
+
+
+def test_a_saved_1_byte_result_reads_back_in_its_format_and_keeps_its_verdict(tmp_path):
+    """An out stored in e4m3 is written as raw bytes beside the precision: the reloaded case is
+    judged as the original, bound for bound."""
+    e4m3 = ml_dtypes.float8_e4m3fn
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, n, 32)).astype(e4m3) for n in (6, 50, 50))
+    out = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)))[0]
+    for wrong in (1.0, 1.05):
+        arrays = dict(q=q, k=k, v=v, out=(out * wrong).astype(e4m3))
+        na.oracle.save_case(tmp_path / "case.npz", **arrays)
+        before, after = na.crosscheck(**arrays), na.crosscheck(**na.oracle.load_case(tmp_path / "case.npz"))
+        assert bool(before) == bool(after) == (wrong == 1.0)
+        assert [(r.dtype, r.bound) for r in before.rows] == [(r.dtype, r.bound) for r in after.rows]
+
+
+def test_descales_per_block_of_tokens_go_with_a_16_bit_precision_too():
+    """A bfloat16 kernel reading k and v dequantized by blocks of 16 tokens (descale_block): the
+    case's values are the stored ones times their block's descale."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 2, 4, 16)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 2, 40, 16)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    k_descale = np.exp2(rng.integers(-2, 3, (1, 2, 3))).astype(np.float32)          # [B, H, ceil(40 / 16)]
+    used = k.astype(np.float64) * np.repeat(k_descale, 16, axis=-1)[..., :40, None]
+    out, cache = na.attention_forward(q.astype(np.float64), used, v.astype(np.float64))
+    case = dict(q=q, k=k, v=v, k_descale=k_descale, descale_block=16, out=out.astype(ml_dtypes.bfloat16),
+                lse=cache.lse.astype(np.float32))
+    assert na.crosscheck(**case)
+    plain = na.attention_forward(*(x.astype(np.float64) for x in (q, k, v)))[0]        # the descale dropped
+    assert not na.crosscheck(**{**case, "out": plain.astype(ml_dtypes.bfloat16)})
+    with pytest.raises(CaseError, match=r"k_descale of shape \(1, 2, 3\) is none of the shapes"):
+        na.crosscheck(**{**case, "descale_block": 8})                               # 5 blocks of 8, not 3

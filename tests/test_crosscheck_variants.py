@@ -120,6 +120,8 @@ def test_a_paged_kv_cache_case():
         grads = na.attention_backward(f32(dout), cache)             # the mix-ups rerun on the pages
         report = na.crosscheck(**{**case, "out": out, "dq": grads.dq, "dk": grads.dk, "dv": grads.dv})
         assert not report and words in report.diagnosis[0], report
+    with pytest.raises(CaseError, match="a paged KV cache .* takes no mask, bias, cu_seqlens"):   # (not replaced
+        na.crosscheck(**case, cu_seqlens_k=np.array([0, 1, 2]))                              # by the pages')
 
 
 def test_float64_per_head_vectors_do_not_widen_a_float32_baseline():

@@ -4,6 +4,7 @@ parts merged the same way; what a split case cannot hold is refused."""
 import ml_dtypes
 import numpy as np
 import pytest
+from optional import TORCH_REASON
 
 import numpy_attention as na
 from numpy_attention.conformance import examples
@@ -74,14 +75,44 @@ def test_the_split_trial_of_an_example_kernel_passes_and_names_its_cuts(policy):
     assert result.status == "PASS", result.detail
 
 
+def _kernel_parts(arrays, at):
+    """numpy_float32's out and lse on each part of the keys (bfloat16 values in float32 arrays)."""
+    return [examples.numpy_float32(p["q"].astype(BF16), p["k"].astype(BF16), p["v"].astype(BF16))
+            for p in key_parts(arrays, at)]
+
+
+def test_the_settings_are_crosschecks_a_base_2_lse_fa_s_layout_a_named_precision_torch_tensors():
+    """An honest merge passes in every way crosscheck takes a case: lse in base 2, FlashAttention's
+    [B, N, H, d] layout, the precision named for bfloat16 values stored as float32, torch tensors;
+    one at given as an int."""
+    arrays = {name: x.astype(BF16).astype(np.float32) for name, x in inputs(3, np.float32, n_k=50).items()}
+    parts = _kernel_parts(arrays, (20,))
+    assert crosscheck_merged(arrays, 20, parts, precision="bfloat16")
+    base2 = [{"out": p["out"], "lse": p["lse"] / np.float32(np.log(2))} for p in parts]
+    assert crosscheck_merged(arrays, (20,), base2, precision="bfloat16", lse_base="2")
+    assert not crosscheck_merged(arrays, (20,), base2, precision="bfloat16")       # read as base e: wrong
+    laid = lambda x: np.swapaxes(x, -2, -3)
+    bnhd = {name: laid(x) for name, x in arrays.items()}
+    assert crosscheck_merged({**bnhd, "layout": "bnhd"}, (20,), [{"out": laid(p["out"]), "lse": p["lse"]} for p in parts],
+                             precision="bfloat16")
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    as_torch = lambda x: torch.tensor(np.asarray(x, np.float32)).to(torch.bfloat16 if x.dtype == BF16 else torch.float32)
+    assert crosscheck_merged({name: as_torch(x) for name, x in arrays.items()}, (20,),
+                             [{name: as_torch(x) for name, x in p.items() if name in ("out", "lse")} for p in parts],
+                             precision="bfloat16")
+
+
 @pytest.mark.parametrize("change, message", [
-    (lambda a: {**a, "causal": True}, "a split case holds q, k, v, scale, precision, fully_masked; it has causal"),
+    (lambda a: {**a, "causal": True}, "a split case holds q, k, v, scale, precision, fully_masked, layout, lse_base; it has causal"),
     (lambda a: {**a, "at": (0, 5)}, r"at must cut N_k = 120 keys at increasing indices in \(0, 120\), got \(0, 5\)"),
     (lambda a: {**a, "at": (50, 50)}, r"got \(50, 50\)"),
     (lambda a: {**a, "at": (120,)}, r"got \(120,\)"),
     (lambda a: {**a, "at": ()}, r"got \(\)"),
     (lambda a: {**a, "results": a["results"][:1]}, r"results has 1 parts for the 2 that at = \(60,\) cuts"),
     (lambda a: {**a, "results": [{"out": r["out"]} for r in a["results"]]}, r"results\[0\] has no lse"),
+    (lambda a: {**a, "results": [a["results"][0], {**a["results"][1], "lse": np.full(a["results"][1]["lse"].shape, np.nan)}]},
+     r"results\[1\]'s lse holds NaN or \+inf, which no merge can weigh"),
+    (lambda a: {**a, "at": "middle"}, r"at must be key indices \(ints\), got 'middle'"),
 ])
 def test_what_a_split_case_cannot_hold_is_refused_by_name(change, message):
     arrays = inputs(2, np.float32)

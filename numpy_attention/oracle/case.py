@@ -215,14 +215,16 @@ def load_case(path):
 
 def save_case(path, **arrays):
     """Write a case (keys as in schema.py's docstring); Python values become 0-d arrays.
-    Arrays of a 1-byte format (float8, float4_e2m1fn, e8m0), whose raw bytes a file cannot tell
-    apart, are written as their float32 values (exactly theirs), with the case's precision."""
+    A file's raw bytes cannot tell the 1-byte formats (float8, float4_e2m1fn, e8m0) apart, so
+    the case's precision is written with them: an input, a descale or an option as its float32
+    values (exactly theirs), a candidate's result as raw bytes, which read back in the
+    precision's 1-byte format (the only one split_case lets a result take: judged as it was)."""
     arrays = {name: np.asarray(x) for name, x in arrays.items()}
     case = split_case(arrays)                                           # refuse to write a bad case
-    widened = {name: x.astype(np.float32) for name, x in arrays.items()
-               if is_float_dtype(x.dtype) and x.dtype.itemsize == 1}
-    if widened:
-        arrays = {**arrays, **widened, "precision": np.array(case.precision.name)}
+    narrow = {name: x for name, x in arrays.items() if is_float_dtype(x.dtype) and x.dtype.itemsize == 1}
+    if narrow:
+        arrays = {**arrays, "precision": np.array(case.precision.name),
+                  **{name: x.view(np.uint8) if name in CANDIDATES else x.astype(np.float32) for name, x in narrow.items()}}
     with replacing(path, "wb") as f:             # exactly `path` (np.savez(path) would append .npz),
         np.savez(f, **arrays)                    # replaced only once written whole
 

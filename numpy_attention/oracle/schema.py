@@ -97,7 +97,7 @@ class Case(NamedTuple):
     lse_base: str           # 'e' or '2': the base of the candidate's lse
     paged: object = None    # paged.PagedLayout: inputs packed from a paged KV cache (page_table)
     latent: object = None   # MLA's head_dim_v r: k is the case's kv, v = kv[..., :r], dkv judged
-    scales: object = None   # float8: {'q' / 'k' / 'v': (stored values, descale [..., H, N, 1])}
+    scales: object = None   # descales: {'q' / 'k' / 'v': (stored values, descale [..., H, N, 1 or d], block along d)}
     topk: object = None     # sparse top-k: (token indices [..., H_kv or H, N_q, K], topk_length or None,
                             # (block indices, block size) or None); options has the first two
 

@@ -25,9 +25,10 @@ WIDTH_BLOCKS = (32, 16)     # a descale's blocks along d: MXFP8's, NVFP4's (widt
 
 def fp8_settings(arrays, precision):
     """(the precision with P's dtype the case's intermediate_dtype and its products' accumulator
-    accumulator_bits wide, descale_block or None). accumulator_bits applies to any 16- or 8-bit
-    precision (the recipe's forward products), the other two to float8's."""
-    given = [name for name in FP8 if name in arrays and name != "accumulator_bits"]
+    accumulator_bits wide, descale_block or None). accumulator_bits and descale_block apply to
+    any 16- or 8-bit precision (the recipe's forward products; the descales' blocks of tokens),
+    intermediate_dtype to float8's."""
+    given = [name for name in FP8 if name in arrays and name not in ("accumulator_bits", "descale_block")]
     if given and not precision.forward_only:
         raise CaseError(f"{given[0]} belongs to a float8 precision; this case's is {precision.name!r}")
     if "accumulator_bits" in arrays and not precision.recipe:
@@ -56,8 +57,8 @@ def fp8_settings(arrays, precision):
 
 def dequantized(tensors, precision, block):
     """(q, k, v (dout) as float64 values, {name: (stored values, descale [..., H, N, 1] or
-    [..., H, N, d], its block along d or None)}): float8 inputs times their descales
-    (descale_of), the stored values and descales kept for the diagnosis's reruns."""
+    [..., H, N, d], its block along d or None)}): the inputs times their descales (descale_of;
+    float8's, NVFP4's), the stored values and descales kept for the diagnosis's reruns."""
     given = [name for name in DESCALES if name in tensors]
     if given and not precision.recipe:
         raise CaseError(f"{given[0]} belongs to a 16- or 8-bit precision (float8's, NVFP4's q and k beside a "
@@ -239,7 +240,7 @@ def packed_if_paged(arrays, inputs, options):
     cu_seqlens among the options. The candidates stay in the caller's layout."""
     if "page_table" not in arrays and "cache_seqlens" not in arrays:
         return inputs, options, None
-    if {"mask", "bias", "cu_seqlens_q", "seqused_k", "gate"} & set(options):
+    if {"mask", "bias", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "gate"} & set(options):
         raise CaseError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens, seqused_k or gate")
     try:
         paged = check_pages(inputs["q"], inputs["k"], inputs["v"], arrays.get("page_table"),

@@ -112,8 +112,8 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
     Args:
         arrays: q, k, v, dout, the options and the candidate's out, lse, dq, dk, dv, dbias
             (numpy or ml_dtypes arrays, torch tensors, or anything np.asarray takes; None
-            is the same as absent); for float8 q_descale, k_descale, v_descale (descale_block,
-            intermediate_dtype, accumulator_bits); rotary embeddings' rope_* keys; MLA's kv,
+            is the same as absent); in a 16- or 8-bit precision q_descale, k_descale,
+            v_descale (descale_block; float8's intermediate_dtype), accumulator_bits; rotary embeddings' rope_* keys; MLA's kv,
             head_dim_v and dkv; sparse top-k's topk_indices, topk_length, topk_block_size
             (schema.py lists them).
         precision: what the candidate computed in: 'float64', 'float32', 'float16',
