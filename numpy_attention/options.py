@@ -9,9 +9,9 @@ how a .npz case holds it, its gradient and whether that gradient sums per head, 
 the tiled engine computes it, its name in conform, and how to draw a value of it for a random
 case. The keyword arguments of attention_forward and attention_options, the case reader's
 keys (oracle/schema.py), the oracle's slices, conform's options, gradients and grid draws, and
-the gradcheck examples (gradcheck_cases.py) take their lists from here. `attention_options` runs every check
-(option_checks.py), so an engine only computes; where and how (the engine, its tiles,
-threads, a cluster) is the plan's (engines/plan.py). Shape legend as in textbook.py:
+the gradcheck examples (gradcheck_cases.py) take their lists from here. `attention_options`
+runs every check (option_checks.py), so an engine only computes; where and how (the engine,
+its tiles, threads, a cluster) is the plan's (engines/plan.py). Shape legend as in textbook.py:
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
     N_q, N_k lengths;  d_k, d_v widths;  the scores S are [..., H, N_q, N_k]
 
@@ -131,7 +131,7 @@ OPTIONS = (
            "cache: [H], or [B, H] with one row per sequence (as FlashAttention's varlen and kvcache "
            "functions take them), whose gradient's row b sums over sequence b's rows only.",
            case="float", shape="heads", gradient="dalibi_slopes", batched=True, conform="alibi",
-           draw=lambda rng, n: {"alibi_slopes": 2.0 ** (-8 * np.arange(1, n.heads + 1) / n.heads)}),   # FlashAttention's
+           draw=lambda rng, n: {"alibi_slopes": 2.0 ** (-8 * np.arange(1, n.heads + 1) / n.heads)}),   # FA's slopes
     Option("sinks", None, "row", "[H]: one more logit per query head in every row's softmax, with no "
            "value (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the sink's "
            "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
@@ -272,8 +272,8 @@ def attention_options(q, k, v, **given):
 def options_record(q, k, v, **given):
     """attention_options for q, k, v that check_qkv checked and that share the computation's
     dtype: they come back as they are (cast, so copied, only where a float64 bias or complex
-    per-head vectors widen it). For a caller that keeps its own arrays (sparse_attention.py's, which holds
-    a frozen caller's arrays uncopied)."""
+    per-head vectors widen it). For a caller that keeps its own arrays (sparse_attention.py's,
+    which holds a frozen caller's arrays uncopied)."""
     a, keep_steps = option_keywords(given)
     causal, align = resolve_alignment(a["causal"], a["align"])
     window = check_window(a["window"])

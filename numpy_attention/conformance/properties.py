@@ -152,8 +152,9 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
                          for way in EMPTYING if way in options]
             elif name == "layout":                  # (the parts' forward: out and lse)
                 cases = [case(dtype, name, way, *LAYOUT_SHAPES[way], extra=(way,)) for way in LAYOUT_SHAPES
-                         if way in options] + \
-                    ([case(dtype, name, "split", *LAYOUT_SHAPES["split"], outputs=("lse",))] if "lse" in outputs else [])
+                         if way in options]
+                if "lse" in outputs:
+                    cases.append(case(dtype, name, "split", *LAYOUT_SHAPES["split"], outputs=("lse",)))
             elif name == "nan_keys":
                 cases = [case(dtype, name, "visible", 2, 23, 44)] + \
                     ([case(dtype, name, "unread", 2, 27, 45, extra=("paged",))] if "paged" in options else [])
@@ -181,7 +182,8 @@ def fits(trial):
     needs = {"batch_invariance": 2, "layout": 2 if way == "varlen" else 1,
              "empty_rows": 2 if way in ("varlen", "paged") else 1}.get(name, 1)
     keys = len(split_at(3)) + 1 if way == "split" else 1             # a key in each part
-    kept = {"empty_rows": (way,), "layout": (way,) if way != "split" else (), "nan_keys": ("paged",) if way == "unread" else (),
+    kept = {"empty_rows": (way,), "layout": (way,) if way != "split" else (),
+            "nan_keys": ("paged",) if way == "unread" else (),
             "batch_invariance": ("varlen",) if way == "packed" else ()}.get(name, ())
     return lambda case: (case.batch >= needs and case.n_k >= keys and all(o in case.options for o in kept)
                          and (way != "bottom_right" or case.n_q > case.n_k) and (way != "mask" or case.n_q >= 2))

@@ -29,6 +29,7 @@ from .rule import CrosscheckReport, TensorVerdict, judge
 from .runs import baseline, baselines, reference
 from .schema import CaseError
 
-__all__ = ["crosscheck", "crosscheck_merged", "reference", "baseline", "baselines", "from_torch", "TorchMultiheadAttention", "judge",
+__all__ = ["crosscheck", "crosscheck_merged", "reference", "baseline", "baselines", "from_torch",
+           "TorchMultiheadAttention", "judge",
            "CrosscheckReport", "TensorVerdict", "CaseError", "load_case", "save_case", "split_case",
            "write_example_case"]

@@ -223,8 +223,8 @@ def save_case(path, **arrays):
     case = split_case(arrays)                                           # refuse to write a bad case
     narrow = {name: x for name, x in arrays.items() if is_float_dtype(x.dtype) and x.dtype.itemsize == 1}
     if narrow:
-        arrays = {**arrays, "precision": np.array(case.precision.name),
-                  **{name: x.view(np.uint8) if name in CANDIDATES else x.astype(np.float32) for name, x in narrow.items()}}
+        written = {name: x.view(np.uint8) if name in CANDIDATES else x.astype(np.float32) for name, x in narrow.items()}
+        arrays = {**arrays, "precision": np.array(case.precision.name), **written}
     with replacing(path, "wb") as f:             # exactly `path` (np.savez(path) would append .npz),
         np.savez(f, **arrays)                    # replaced only once written whole
 

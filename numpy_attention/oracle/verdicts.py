@@ -113,9 +113,9 @@ def crosscheck(*, precision=None, layout=None, lse_base=None, own_forward=False,
         arrays: q, k, v, dout, the options and the candidate's out, lse, dq, dk, dv, dbias
             (numpy or ml_dtypes arrays, torch tensors, or anything np.asarray takes; None
             is the same as absent); in a 16- or 8-bit precision q_descale, k_descale,
-            v_descale (descale_block; float8's intermediate_dtype), accumulator_bits; rotary embeddings' rope_* keys; MLA's kv,
-            head_dim_v and dkv; sparse top-k's topk_indices, topk_length, topk_block_size
-            (schema.py lists them).
+            v_descale (descale_block; float8's intermediate_dtype), accumulator_bits; rotary
+            embeddings' rope_* keys; MLA's kv, head_dim_v and dkv; sparse top-k's
+            topk_indices, topk_length, topk_block_size (schema.py lists them).
         precision: what the candidate computed in: 'float64', 'float32', 'float16',
             'bfloat16', 'float8_e4m3fn', 'float8_e5m2' (precision.py); default the case's
             `precision` key, else inferred from the tensors' dtypes (storage.py).
