@@ -113,6 +113,8 @@ def test_the_settings_are_crosschecks_a_base_2_lse_fa_s_layout_a_named_precision
     (lambda a: {**a, "results": [a["results"][0], {**a["results"][1], "lse": np.full(a["results"][1]["lse"].shape, np.nan)}]},
      r"results\[1\]'s lse holds NaN or \+inf, which no merge can weigh"),
     (lambda a: {**a, "at": "middle"}, r"at must be key indices \(ints\), got 'middle'"),
+    (lambda a: {**a, "at": (20.5,)}, r"at must be key indices \(ints\), got \(20.5,\)"),
+    (lambda a: {**a, "arrays": {n: x for n, x in a["arrays"].items() if n != "k"}}, "missing key 'k'"),
 ])
 def test_what_a_split_case_cannot_hold_is_refused_by_name(change, message):
     arrays = inputs(2, np.float32)

@@ -40,15 +40,18 @@ def key_parts(arrays, at, layout="bhnd"):
     other = sorted(set(arrays) - set(SPLITTABLE))
     if other:
         raise CaseError(f"a split case holds {', '.join(SPLITTABLE)}; it has {', '.join(other)}")
+    missing = [name for name in ("q", "k", "v") if name not in arrays]
+    if missing:
+        raise CaseError(f"missing key {missing[0]!r}")
     axis = -3 if layout == "bnhd" else -2
     k, v = np.asarray(arrays["k"]), np.asarray(arrays["v"])
     if k.ndim < -axis or v.ndim < -axis:
         raise CaseError(f"k and v must have a key axis ({layout}), got k {k.shape}, v {v.shape}")
     n_k = k.shape[axis]
-    try:
-        at = tuple(int(i) for i in np.atleast_1d(at))
-    except (TypeError, ValueError):
-        raise CaseError(f"at must be key indices (ints), got {at!r}") from None
+    cuts = np.atleast_1d(np.asarray(at, dtype=object))
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in cuts.ravel()):
+        raise CaseError(f"at must be key indices (ints), got {at!r}")
+    at = tuple(int(i) for i in cuts.ravel())
     if not at or any(a >= b for a, b in zip((0,) + at, at + (n_k,))):
         raise CaseError(f"at must cut N_k = {n_k} keys at increasing indices in (0, {n_k}), got {at}")
     edges = (0,) + at + (n_k,)
