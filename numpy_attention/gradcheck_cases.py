@@ -19,6 +19,7 @@ from .options import OPTIONS, Sizes
 from .softmax import softmax_backward, softmax_forward, softmax_jvp
 
 MHA_INPUTS = ("query", "key", "value")
+GRADIENT_OF = {row.name: row.gradient for row in OPTIONS if row.gradient}   # an option -> its gradient
 
 
 def mha_functions(mha, **attention_options):
@@ -44,15 +45,19 @@ def attention_case(rng, shape_q=(2, 2, 3, 4), shape_kv=(2, 2, 5, 4), d_v=3, **op
 
     A `bias` option given as a shape becomes a random bias input that is checked too.
     """
-    q = rng.standard_normal(shape_q)
-    k = rng.standard_normal(shape_kv)
-    v = rng.standard_normal(shape_kv[:-1] + (d_v,))
+    qkv = [rng.standard_normal(shape) for shape in (shape_q, shape_kv, shape_kv[:-1] + (d_v,))]
     bias_shape = options.pop("bias", None)
-    if bias_shape is None:
-        forward = lambda q, k, v: attention_forward(q, k, v, **options)
-        return forward, attention_backward, [q, k, v], ["q", "k", "v"]
-    forward = lambda q, k, v, bias: attention_forward(q, k, v, bias=bias, **options)
-    return forward, attention_backward, [q, k, v, rng.standard_normal(bias_shape)], ["q", "k", "v", "bias"]
+    return _checked_case(qkv, options, {} if bias_shape is None else {"bias": rng.standard_normal(bias_shape)})
+
+
+def _checked_case(qkv, fixed, checked, names=None):
+    """(forward, backward, inputs, names) of attention on q, k, v = qkv with the options `fixed`
+    and `checked` ({keyword: value}: inputs too, their gradients checked beside dq, dk, dv);
+    names default to the inputs' keywords."""
+    wrt = ("q", "k", "v") + tuple(checked)
+    grads = ("dq", "dk", "dv") + tuple(GRADIENT_OF[name] for name in checked)
+    return (partial(_forward_of, wrt, fixed), partial(_gradients_of, grads), list(qkv) + list(checked.values()),
+            list(wrt) if names is None else names)
 
 
 def _op_cases(rng):
@@ -104,16 +109,15 @@ def _attention_cases(rng, mask, dead):
 def _option_cases(rng):
     """name -> case of each option the table draws (options.OPTIONS' draw), by its conform name:
     q [2, 2, 3, 4], k, v [2, 2, 5, 4], the option's value checked too where it has a gradient."""
-    sizes = Sizes(batch=2, heads=2, n_q=3, n_k=5, d=4, q_shape=(2, 2, 3, 4))
+    shapes = ((2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4))
+    sizes = Sizes(batch=2, heads=2, n_q=3, n_k=5, d=4, q_shape=shapes[0])
     cases = {}
     for row in (row for row in OPTIONS if row.draw is not None):
         fixed = row.draw(rng, sizes)
-        qkv = [rng.standard_normal(shape) for shape in ((2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4))]
-        wrt = ("q", "k", "v") + ((row.name,) if row.gradient else ())
-        inputs = qkv + ([fixed.pop(row.name)] if row.gradient else [])
-        grads = ("dq", "dk", "dv") + ((row.gradient,) if row.gradient else ())
-        names = ["q", "k", "v"] + ([row.conform] if row.gradient else [])   # (short: the report's column)
-        cases[row.conform] = (partial(_forward_of, wrt, fixed), partial(_gradients_of, grads), inputs, names)
+        qkv = [rng.standard_normal(shape) for shape in shapes]
+        checked = {row.name: fixed.pop(row.name)} if row.gradient else {}
+        names = ["q", "k", "v"] + [row.conform] * len(checked)          # (short: the report's column)
+        cases[row.conform] = _checked_case(qkv, fixed, checked, names)
     return cases
 
 
@@ -163,10 +167,10 @@ def identity_gaps(rng):
     VJP, <u, J v> = <J^T u, v>, and the Hessian of <dout, out> is symmetric, <a, H b> = <b, H a>.
     Both are 0 up to rounding."""
     q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 1, 5, 4)), rng.standard_normal((2, 1, 5, 3))
-    options = {"causal": True}
+    options, sizes = {"causal": True}, Sizes(batch=2, heads=2, n_q=3, n_k=5, d=4, q_shape=q.shape)
     for row in OPTIONS:
         if row.acts == "score" and row.draw is not None:
-            options.update(row.draw(rng, Sizes(batch=2, heads=2, n_q=3, n_k=5, d=4, q_shape=q.shape)))
+            options.update(row.draw(rng, sizes))
     a, b = ([rng.standard_normal(x.shape) for x in (q, k, v)] for _ in range(2))
     u = rng.standard_normal((2, 2, 3, 3))
     inner = lambda xs, ys: sum(float(np.sum(x * y)) for x, y in zip(xs, ys))

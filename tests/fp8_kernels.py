@@ -203,6 +203,18 @@ def lazy_softmax_pv(scores, v, offset=8.0, threshold=4.0, tile=128):
     return out.to(torch.bfloat16), saturated
 
 
+def torch_float64_out(inputs, causal):
+    """torch's float64 SDPA of a case's inputs q, k, v (grouped-query heads), bottom-right causal
+    where `causal`: an independent reference for the oracle's out."""
+    t = {n: torch.tensor(inputs[n]) for n in "qkv"}
+    mask = None
+    if causal:
+        n_q, n_k = t["q"].shape[-2], t["k"].shape[-2]
+        mask = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q
+    return torch.nn.functional.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask,
+                                                            enable_gqa=True).numpy()
+
+
 def narrow_matmul(a, b, bits):
     """a @ b (float32) with its sums in an accumulator of `bits` bits: 32 products at a time,
     then the accumulator's low 32 - bits bits cleared (float32's bits as int32)."""
