@@ -22,7 +22,7 @@ from .engines.plan import attention_plan
 from .engines.sparse import sparse_backward, sparse_forward
 from .engines.tiled import tiled_backward, tiled_forward
 from .gate import gate_backward, gate_forward
-from .paged import check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
+from .paged import NOT_WITH_PAGES, check_pages, cu_seqlens, pack, pack_rows, scatter_keys, unpack_rows
 from .rope import rope_backward, rope_qk
 from .option_checks import FULLY_MASKED_POLICIES
 from .options import attention_options, head_vectors, with_options
@@ -93,8 +93,7 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
     """
     paged = None
     if page_table is not None or cache_seqlens is not None:          # gather the pages: packed sequences
-        if any(options.get(name) is not None for name in ("mask", "bias", "cu_seqlens_q", "cu_seqlens_k",
-                                                            "seqused_k", "topk_indices", "gate")):
+        if any(options.get(name) is not None for name in NOT_WITH_PAGES + ("topk_indices",)):
             raise ValueError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens, seqused_k or "
                              "topk_indices (each sequence's keys are its cache_seqlens rows), nor a gate")
         q, k, v = (as_float_array(x, name) for name, x in (("q", q), ("k", k), ("v", v)))

@@ -21,6 +21,10 @@ import numpy as np
 
 from ._checks import offenders, read_only_copy
 
+# the options a paged KV cache takes none of: each sequence's keys are its cache_seqlens rows,
+# packed here (no caller's cu_seqlens or seqused_k, no mask or bias laid over them); no output gate
+NOT_WITH_PAGES = ("mask", "bias", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "gate")
+
 
 class PagedLayout(NamedTuple):
     page_table: np.ndarray          # [B, P] int (a read-only copy)

@@ -15,7 +15,7 @@ Each raises CaseError naming the key (schema.py).
 """
 import numpy as np
 
-from ..paged import check_pages, cu_seqlens, pack, pack_rows
+from ..paged import NOT_WITH_PAGES, check_pages, cu_seqlens, pack, pack_rows
 from ..topk import block_indices, check_lists, listed
 from .precision import ACCUMULATOR_BITS, PRECISIONS, round_to
 from .schema import DESCALES, FP8, INPUTS, INTERMEDIATE, TOPK, CaseError, integer, word
@@ -240,7 +240,7 @@ def packed_if_paged(arrays, inputs, options):
     cu_seqlens among the options. The candidates stay in the caller's layout."""
     if "page_table" not in arrays and "cache_seqlens" not in arrays:
         return inputs, options, None
-    if {"mask", "bias", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "gate"} & set(options):
+    if set(NOT_WITH_PAGES) & set(options):
         raise CaseError("a paged KV cache (page_table) takes no mask, bias, cu_seqlens, seqused_k or gate")
     try:
         paged = check_pages(inputs["q"], inputs["k"], inputs["v"], arrays.get("page_table"),
