@@ -110,11 +110,7 @@ def fp8_case(rng, dtype, bug=None, mx=False):
         return None                                      # FlashAttention-3's order, float32 sums
     if bug == "next_block" and s["d"] <= MX_BLOCK:
         return None                                      # one block a row: no next one
-    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
-    b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
-    spread = lambda heads: torch.exp(torch.randn(b, heads, 1, 1, generator=gen) / 2)   # heads' magnitudes differ
-    q = torch.randn(b, h, n_q, d, generator=gen) * spread(h)
-    k, v = (torch.randn(b, h_kv, n_k, d, generator=gen) * spread(h_kv) for _ in range(2))
+    q, k, v = draw_inputs(rng, s)
     stored = {name: quantize(x, s["group"], s["block"], s["fmt"]) for name, x in (("q", q), ("k", k), ("v", v))}
     used = {name: expand(descale, x8.shape, s["group"], s["block"]) for name, (x8, descale) in stored.items()}
     if bug == "descale_dropped":
@@ -146,6 +142,18 @@ def fp8_case(rng, dtype, bug=None, mx=False):
     if s["causal"]:
         arrays["causal"] = np.array("bottom_right")
     return arrays
+
+
+def draw_inputs(rng, s):
+    """(q [B, H, N_q, d], k, v [B, H_kv, N_k, d]): float32 torch tensors of a draw's settings s,
+    standard normal times a factor a head (heads' magnitudes differ), by a generator seeded
+    from rng."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
+    spread = lambda heads: torch.exp(torch.randn(b, heads, 1, 1, generator=gen) / 2)
+    q = torch.randn(b, h, n_q, d, generator=gen) * spread(h)
+    k, v = (torch.randn(b, h_kv, n_k, d, generator=gen) * spread(h_kv) for _ in range(2))
+    return q, k, v
 
 
 def attend(stored, used, s, lazy=False):

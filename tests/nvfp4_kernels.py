@@ -73,15 +73,11 @@ def nvfp4_case(rng, mode, bug=None):
     None where the bug changes nothing (one block a row, or one row)."""
     s = draw(rng)
     s["intermediate"] = "bfloat16" if mode == "nvfp4_bf16" else "float8_e4m3fn"
-    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
-    b, h_kv, h, n_q, n_k, d = s["batch"], s["h_kv"], s["h_kv"] * s["groups"], s["n_q"], s["n_k"], s["d"]
-    spread = lambda heads: torch.exp(torch.randn(b, heads, 1, 1, generator=gen) / 2)   # heads' magnitudes differ
-    q = torch.randn(b, h, n_q, d, generator=gen) * spread(h)
-    k, v = (torch.randn(b, h_kv, n_k, d, generator=gen) * spread(h_kv) for _ in range(2))
+    q, k, v = fp8_kernels.draw_inputs(rng, s)
     stored, used, descales = {}, {}, {}
     for name, x in (("q", q), ("k", k)):
         x4, descales[name] = quantize(x.numpy())
-        read = used_scales(descales[name], bug if name == s["culprit"] else None, d)
+        read = used_scales(descales[name], bug if name == s["culprit"] else None, s["d"])
         if read is None:
             return None
         stored[name], used[name] = (torch.from_numpy(x4), None), torch.from_numpy(read).float()
