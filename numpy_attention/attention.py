@@ -53,7 +53,7 @@ def attention_forward(q, k, v, *, implementation=None, block_size=None, workers=
         q: [..., H, N_q, d_k]; k: [..., H_kv, N_k, d_k]; v: [..., H_kv, N_k, d_v].
         options: the math's keywords, one row each of options.OPTIONS:
 {options}
-        keep_steps: the steps that drop keys by position beyond causal and window, each a
+        keep_steps: the steps that drop keys by position beyond the keep options above, each a
             keyword of its name (scores.py's KEEP_STEPS; docs/variants.md lists them). Any
             other name is a TypeError.
         rope: rotary position embeddings applied to q and k inside, as fused kernels do: a
@@ -138,8 +138,8 @@ def attention_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fa
         return_stages: also return AttentionStages(dP, dS, D) for per-stage comparison
             (not with the tiled and sparse engines, which never form them).
     Returns:
-        AttentionGrads(dq, dk, dv, dbias, stages, dsinks, dalibi_slopes, dscore_mod_params,
-        dgate); dq, dk, dv are contiguous arrays; the others None without their option.
+        AttentionGrads: dq, dk, dv (contiguous arrays), each option's gradient (options.GRADIENTS:
+        dbias, ...), dscore_mod_params and stages; each None without its option.
     """
     require_cache(cache, AttentionCache, "attention_backward",      # (a TiledAttentionCache is one)
                   arrays=("q", "k", "v", "out", "lse") + (() if isinstance(cache, TiledAttentionCache)

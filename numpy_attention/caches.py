@@ -4,13 +4,14 @@ Shape legend as in textbook.py. A cache is the options record (options.py) plus 
 tensors the backward needs, all filled in by the forward that builds it; MultiHeadCache
 (multihead.py) holds its steps' caches.
 """
+from collections import namedtuple
 from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .options import AttentionOptions
+from .options import GRADIENTS, AttentionOptions
 from .paged import PagedLayout
-from .scores import attention_scores
+from .scores import Saved, attention_scores
 
 
 class AttentionPlan(NamedTuple):
@@ -37,8 +38,8 @@ class AttentionCache(NamedTuple):
                                              # before dropout (None: tiled)
     top: Optional[np.ndarray] = None         # [..., H, N_q] index of each row's largest S, so of its
                                              # largest P (None: tiled)
-    softcap_tanh: Optional[np.ndarray] = None   # [..., H, N_q, N_k] tanh(scale q k^T / softcap), or None
-    score_mod_input: Optional[np.ndarray] = None   # [..., H, N_q, N_k] score_mod's input, or None
+    saved: Saved = Saved()                   # the score steps' stages [..., H, N_q, N_k] that their
+                                             # backward reuses (scores.Saved; none: tiled)
     plan: AttentionPlan = TEXTBOOK   # the engine that made it, and computes its backward
     paged: Optional[PagedLayout] = None      # q, k, v were packed from a paged KV cache (paged.py)
     rope: Optional[tuple] = None             # (RopeCache of q, of k): q and k were turned (rope.py)
@@ -66,16 +67,14 @@ class AttentionStages(NamedTuple):
     D: np.ndarray                   # [..., H, N_q] rowsum(dout * out) = rowsum(P * dP)
 
 
-class AttentionGrads(NamedTuple):
-    dq: np.ndarray                  # [..., H, N_q, d_k]
-    dk: np.ndarray                  # [..., H_kv, N_k, d_k]
-    dv: np.ndarray                  # [..., H_kv, N_k, d_v]
-    dbias: Optional[np.ndarray]     # bias's shape, or None without a bias
-    stages: Optional[AttentionStages] = None   # with return_stages=True
-    dsinks: Optional[np.ndarray] = None        # sinks' shape, with sinks
-    dalibi_slopes: Optional[np.ndarray] = None   # alibi_slopes' shape, with ALiBi
-    dscore_mod_params: Optional[dict] = None     # {name: gradient} of score_mod_params, with them
-    dgate: Optional[np.ndarray] = None           # gate's shape, with an output gate
+AttentionGrads = namedtuple("AttentionGrads", ("dq", "dk", "dv") + GRADIENTS + ("dscore_mod_params", "stages"),
+                            defaults=(None,) * (len(GRADIENTS) + 2))
+AttentionGrads.__doc__ = """What attention's backward returns:
+    dq [..., H, N_q, d_k],  dk [..., H_kv, N_k, d_k],  dv [..., H_kv, N_k, d_v]
+    one gradient per option that has one (options.GRADIENTS: dbias, ...), its option's shape
+    dscore_mod_params    {name: gradient} of score_mod_params
+    stages               AttentionStages, with return_stages=True
+each None without its option."""
 
 
 class MultiHeadCache(NamedTuple):

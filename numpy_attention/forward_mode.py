@@ -3,15 +3,16 @@
 Shape legend as in textbook.py; a dot marks a tangent (a direction of the inputs), of its
 primal's shape: q_dot [..., H, N_q, d_k], k_dot, v_dot like k, v.
 
-attention_jvp: the directional derivative of (out, lse) along (q_dot, k_dot, v_dot) (and
-bias_dot, sinks_dot, alibi_slopes_dot, gate_dot), the forward's steps differentiated in order:
+attention_jvp: the directional derivative of (out, lse) along (q_dot, k_dot, v_dot) (and the
+tangents of the options with a gradient, OPTION_TANGENTS: bias_dot, ...), the forward's steps
+differentiated in order:
 
     1. S_dot = scale (q_dot k^T + q k_dot^T)
-    2. S_dot = (1 - tanh^2(S / softcap)) S_dot                     softcap
+    2. S_dot = (1 - tanh^2(S / c)) S_dot                           a soft cap c
     3. S_dot = S_dot + bias_dot - slope_dot |i + N_k - N_q - j|    bias, ALiBi
     4. S_dot = 0 where masked
     5. P_dot = P * (S_dot - <P, S_dot>),  lse_dot = <P, S_dot>     rows with the sink's column
-    6. P~_dot = P_dot * dropout_mask / (1 - p)
+    6. P~_dot = P_dot * keep / (1 - p)                             dropout's keep-mask
     7. out_dot = P~_dot v + P~ v_dot
     8. out_dot = out_dot sigmoid(g) + out sigmoid'(g) g_dot          an output gate (gate.py)
 With rope, q and k are turned first (rope.py) and so are their tangents, rope being linear:
@@ -25,7 +26,7 @@ products of <dout, out> (torch's double backward, JAX's jvp of grad):
     5. dS = P (dP - D), D = rowsum(P dP):
        dS_dot = P_dot (dP - D) + P (dP_dot - D_dot),  D_dot = rowsum(P_dot dP + P dP_dot)
     4. 0 where masked
-    2. dS0 = dS (1 - t^2):  dS0_dot = dS_dot (1 - t^2) - 2 dS t t_dot,  t_dot = (1 - t^2) S0_dot / softcap
+    2. dS0 = dS (1 - t^2):  dS0_dot = dS_dot (1 - t^2) - 2 dS t t_dot,  t_dot = (1 - t^2) S0_dot / c
     1. dq_dot = scale (dS0_dot k + dS0 k_dot),  dk_dot = scale (dS0_dot^T q + dS0^T q_dot)
     (rope: the turned q, k and tangents above; dq, dq_dot turned back by R_q^T, dk, dk_dot by R_k^T)
 
@@ -61,10 +62,20 @@ def _tangent(x, like, name, dtype):
     return x.astype(np.result_type(dtype, x.dtype), copy=False)
 
 
-def _scores_tangent(q, k, o, q_dot, k_dot, saved, bias_dot, alibi_slopes_dot):
-    """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k] (saved: the forward's scores.Saved)."""
+# attention_jvp's tangent of each option with a gradient (bias_dot, ...) -> the step it acts in
+OPTION_TANGENTS = {f"{row.name}_dot": row.acts for row in OPTIONS if row.gradient}
+
+
+def _at_step(dot, acts):
+    """The tangents in `dot` of the options that act in `acts` ('score', 'row' or 'output')."""
+    return {name: dot[name] for name, where in OPTION_TANGENTS.items() if where == acts}
+
+
+def _scores_tangent(q, k, o, q_dot, k_dot, saved, score_dots):
+    """Steps 1-4 in forward mode: S_dot [..., H, N_q, N_k] (saved: the forward's scores.Saved;
+    score_dots: the score steps' option tangents, scores.tangent's)."""
     S_dot = scaled(grouped_matmul(q_dot, _t(k)) + grouped_matmul(q, _t(k_dot)), o.scale)   # 1.
-    return scores.tangent(S_dot, o, saved=saved, bias_dot=bias_dot, alibi_slopes_dot=alibi_slopes_dot)   # 2-4.
+    return scores.tangent(S_dot, o, saved=saved, **score_dots)   # 2-4.
 
 
 def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
@@ -112,25 +123,24 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
     return q, k, v, o, plan, cache, checked, turned
 
 
-def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None, sinks_dot=None,
-                  alibi_slopes_dot=None, gate_dot=None, **options):
+def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, **options):
     """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
 
     options: attention_forward's (options.OPTIONS, rope, the keep steps); computed by the
     textbook, or with implementation='tiled' (or a block_size) by the tiled engine's online
     softmax carrying the tangents (engines/tiled.py, tiled_jvp: O(N) memory), or with
     topk_indices by the sparse engine (engines/sparse.py, sparse_jvp; implementation='textbook'
-    computes it densely). A tangent left None is 0. With a gate, out and out_dot are the gated
-    ones (gate.py), lse and lse_dot the attention's.
+    computes it densely). An option with a gradient takes a tangent of its shape under its name
+    and '_dot' (OPTION_TANGENTS: bias_dot, ...). A tangent left None is 0. With a gate, out and
+    out_dot are the gated ones (gate.py), lse and lse_dot the attention's.
     """
+    dots = {name: options.pop(name, None) for name in OPTION_TANGENTS}
     q, k, v, o, plan, cache, dot, _ = _primal_and_tangents(q, k, v, dict(
-        q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, bias_dot=bias_dot, sinks_dot=sinks_dot,
-        alibi_slopes_dot=alibi_slopes_dot, gate_dot=gate_dot), options, engines=("textbook", "tiled", "sparse"))
+        q_dot=q_dot, k_dot=k_dot, v_dot=v_dot, **dots), options, engines=("textbook", "tiled", "sparse"))
     if cache is None:                                  # the tiled or sparse engine: O(N) memory
         jvp = tiled_jvp if plan.implementation == "tiled" else sparse_jvp
         out, out_dot, lse, lse_dot = jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"],
-                                         bias_dot=dot["bias_dot"], alibi_slopes_dot=dot["alibi_slopes_dot"],
-                                         sinks_dot=dot["sinks_dot"])
+                                         *_at_step(dot, "row").values(), **_at_step(dot, "score"))
     else:
         out, out_dot, lse, lse_dot = _textbook_jvp(q, k, v, o, cache, dot)
     if o.gate is not None:                             # 8. out = O * sigmoid(gate)
@@ -140,10 +150,8 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, *, bias_dot=None,
 
 def _textbook_jvp(q, k, v, o, cache, dot):
     """(O, O_dot, lse, lse_dot) on the textbook's cache: steps 1-7 carrying the tangents."""
-    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)
-    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], saved, dot["bias_dot"],      # 1-4.
-                            dot["alibi_slopes_dot"])
-    P_dot, lse_dot = softmax_row_tangent(cache.weights, cache.lse, S_dot, o, dot["sinks_dot"])   # 5.
+    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.saved, _at_step(dot, "score"))   # 1-4.
+    P_dot, lse_dot = softmax_row_tangent(cache.weights, cache.lse, S_dot, o, *_at_step(dot, "row").values())   # 5.
     P_dot = P_dot[..., :S_dot.shape[-1]]              # (the sink's column multiplies no value)
     drop = 1 if o.dropout_scale is None else o.dropout_scale
     out_dot = grouped_matmul(P_dot * drop, v) + grouped_matmul(cache.weights * drop, dot["v_dot"])   # 6-7.
@@ -155,8 +163,8 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     tangents along (q_dot, k_dot, v_dot): AttentionGrads of dq_dot, dk_dot, dv_dot, the
     Hessian of <dout, out> times the tangent (forward over reverse; module docstring).
 
-    options as attention_jvp's (bias, sinks and ALiBi slopes are constants here), but no
-    score_mod (its second derivative would be needed) and no gate.
+    options as attention_jvp's (the options' own values are constants here), but no score_mod
+    (its second derivative would be needed) and no gate.
     """
     if options.get("score_mod") is not None:
         raise ValueError("attention_hvp takes no score_mod: the Hessian needs its second derivative, which "
@@ -171,7 +179,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     h_kv, n_k = with_head_axis(k).shape[-3], cache.weights.shape[-1]
     drop = 1 if o.dropout_scale is None else o.dropout_scale
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"],
-                            scores.Saved(cache.softcap_tanh, cache.score_mod_input), None, None)
+                            cache.saved, {})
     P_row = with_sink_weight(cache.weights, cache.lse, o)
     P_dot_row = softmax_row_tangent(cache.weights, cache.lse, S_dot, o)[0]
     pad = lambda x: x if P_row.shape[-1] == n_k else np.concatenate(                     # the sink's
@@ -183,7 +191,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     D_dot = np.sum(P_dot_row * dP + P_row * dP_dot, axis=-1, keepdims=True)
     dS = (P_row * (dP - D))[..., :n_k]
     dS_dot = (P_dot_row * (dP - D) + P_row * (dP_dot - D_dot))[..., :n_k]
-    dS, dS_dot = scores.backward_tangent(dS, dS_dot, S_dot, o, scores.Saved(cache.softcap_tanh))   # 4-2.
+    dS, dS_dot = scores.backward_tangent(dS, dS_dot, S_dot, o, cache.saved)   # 4-2.
     q_dot, k_dot = dot["q_dot"], dot["k_dot"]
     grads = AttentionGrads(dq=scaled(grouped_matmul(dS, k), o.scale), dk=scaled(grouped_sum_matmul(dS, q, h_kv), o.scale),
                            dv=dv, dbias=None)

@@ -33,13 +33,15 @@ cos and sin unscaled (docs/variants.md, "DeepSeek's scale with YaRN").
 Rope: the last p columns of q and kv (q_pe, k_pe) are the rotary part; rope={...} turns them
 (rope.py's options; rotary_dim is p and part 'last'), the latent part never turns.
 """
-from typing import NamedTuple, Optional
+from collections import namedtuple
+from typing import NamedTuple
 
 import numpy as np
 
 from ._checks import as_float_array, brief, kept, require_cache
 from .attention import AttentionCache, attention_backward, attention_forward
 from .forward_mode import attention_jvp
+from .options import GRADIENTS
 from .rope import rope_settings
 
 
@@ -48,12 +50,9 @@ class MlaCache(NamedTuple):
     latent: int                 # r: the values' width
 
 
-class MlaGrads(NamedTuple):
-    dq: np.ndarray                      # [..., H, N_q, r + p]
-    dkv: np.ndarray                     # kv's shape: the keys' and the values' gradients summed
-    dbias: Optional[np.ndarray] = None  # as attention_backward's, with their options
-    dsinks: Optional[np.ndarray] = None
-    dalibi_slopes: Optional[np.ndarray] = None
+MlaGrads = namedtuple("MlaGrads", ("dq", "dkv") + GRADIENTS, defaults=(None,) * len(GRADIENTS))
+MlaGrads.__doc__ = """mla_backward's: dq [..., H, N_q, r + p], dkv (kv's shape: the keys' and the values'
+gradients summed), and the options' gradients (options.GRADIENTS) as attention_backward's."""
 
 
 class MlaUnabsorbedCache(NamedTuple):
@@ -125,7 +124,7 @@ def mla_backward(dout, cache, dlse=None):
     g = attention_backward(dout, cache.attention, dlse)
     dkv = g.dk.copy()
     dkv[..., :cache.latent] += g.dv
-    return MlaGrads(dq=g.dq, dkv=dkv, dbias=g.dbias, dsinks=g.dsinks, dalibi_slopes=g.dalibi_slopes)
+    return MlaGrads(dq=g.dq, dkv=dkv, **{name: getattr(g, name) for name in GRADIENTS})
 
 
 def mla_jvp(q, kv, q_dot=None, kv_dot=None, *, rope_dim=64, **options):

@@ -17,10 +17,10 @@ row i the score S[.., i, cols[.., i, t]] (`block_of`).
                                            where it is over 1: a constant that weighs the key c
                                            times, so after score_mod (without one, with the bias);
                                            a gathered block gathers the key c times instead
-    4. S = -inf where not kept             keep = mask & causal & window & packed sequences
+    4. S = -inf where not kept             keep = mask & causal & sliding band & packed sequences
                                            & KEEP_STEPS (attention_chunk) & mask_mod & (bias != -inf)
                                            & listed (top-k lists: c > 0) (True = attend; positions.py)
-    5. [S, sink]                           sinks: one more logit per row, with no value
+    5. [S, sink]                           a sink: one more logit per row, with no value
 
 Each step, on any block:
     forward    `forward`: steps 2-4 on the block's scale q k^T
@@ -91,7 +91,7 @@ def _attention_chunk(chunk, at):
     return at.cols // chunk == at.diagonal // chunk
 
 
-# name -> KeepStep: the steps that drop keys by position, beside causal and window
+# name -> KeepStep: the steps that drop keys by position, beside causal and the sliding band (positions.py)
 KEEP_STEPS = {"attention_chunk": KeepStep(require_positive_int, _attention_chunk)}
 
 
@@ -107,7 +107,7 @@ def check_keep_steps(steps, known=()):
 
 
 def keep_mask(options, score_shape, index=WHOLE):
-    """Which scores of S[index] are kept: mask & causal & window & packed & KEEP_STEPS
+    """Which scores of S[index] are kept: mask & causal & sliding band & packed & KEEP_STEPS
     & mask_mod & (bias != -inf) & listed (top-k lists).
 
     score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two
@@ -264,7 +264,11 @@ class Saved(NamedTuple):
 
     def at(self, index):
         """The block S[index] of a whole forward's Saved."""
-        return Saved(*(None if x is None else x[index] for x in self))
+        return self.map(lambda x: x[index])
+
+    def map(self, f):
+        """Saved of f(x) for each stage x saved."""
+        return Saved(*(None if x is None else f(x) for x in self))
 
     @staticmethod
     def whole(options, score_shape, dtype):

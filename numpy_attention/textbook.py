@@ -128,8 +128,7 @@ def textbook_forward(q, k, v, options, plan=TEXTBOOK):
     P_drop = P if o.dropout_scale is None else P * o.dropout_scale   # 6. dropout
     out = grouped_matmul(P_drop, v)                 # 7. out = P~ v           [..., H, N_q, d_v]
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=out.copy(), weights=P, lse=lse,
-                               top=top[..., 0], softcap_tanh=saved.softcap_tanh,
-                               score_mod_input=saved.mod_input, plan=plan, max_logits=max_logits)
+                               top=top[..., 0], saved=saved, plan=plan, max_logits=max_logits)
 
 
 def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -152,8 +151,7 @@ def textbook_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fal
     params = ScoreGrads(o, P.shape, dS.dtype)       #    the parameters' gradients (the sink's, then
     if dsink is not None:                           #    4-2. score_mod's, the bias's, ALiBi's)
         params.add_sink(np.sum(dsink, axis=-1), WHOLE)
-    saved = scores.Saved(cache.softcap_tanh, cache.score_mod_input)   # 4-2. 0 where masked; softcap
-    dS_softcap, dS = scores.backward(dS, o, saved=saved, grads=params, stage=True)
+    dS_softcap, dS = scores.backward(dS, o, saved=cache.saved, grads=params, stage=True)   # 4-2.
     dq = scaled(grouped_matmul(dS_softcap, k), o.scale)   # 1. S = scale q k^T:  dq = scale dS k
     dk = scaled(grouped_sum_matmul(dS_softcap, q, h_kv), o.scale)   #    dk = scale dS^T q
     stages = AttentionStages(dP=dP, dS=dS, D=D) if return_stages else None

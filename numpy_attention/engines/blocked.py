@@ -11,10 +11,10 @@ nothing but the order of dk's and dv's sums (and the columns skipped, below). Th
 are never stored (cache.scores recomputes them): each block's scores are computed straight
 into its rows of P, and the softmax runs there in place.
 
-Key columns that masking removes from every row of a block (causal masking, the window,
-packed sequences, the mask, a -inf bias: `_kept_columns`) are skipped: their weights are
-set to 0 and nothing else is computed there, forward or backward, which saves about half
-of a long causal attention's work. The sums then run over fewer (exactly zero) terms, so
+Key columns that masking removes from every row of a block (the keep steps of
+scores.keep_mask, a -inf bias: `_kept_columns`) are skipped: their weights are set to 0
+and nothing else is computed there, forward or backward, which saves about half of a long
+causal attention's work. The sums then run over fewer (exactly zero) terms, so
 results agree with the textbook to rounding, not bit for bit.
 
 A block is an index tuple (one slice per leading axis, heads, rows) into [..., H, N_q]:
@@ -54,9 +54,9 @@ def row_blocks(score_shape, group, itemsize, diagonal=False):
     """The blocks of rows of the scores [..., H, N_q, N_k], each about BLOCK_BYTES, or a
     SHARES-th of the scores where that is less (but not below MIN_BLOCK_BYTES): scores of
     8 MiB come in 4 blocks that threads can share, where BLOCK_BYTES would leave one.
-    diagonal: the kept columns move with the rows (causal masking, a window, packed
-    sequences), so a block of fewer rows skips more columns: blocks of at most a SHARES-th
-    of N_q's rows too (not below MIN_BLOCK_BYTES). Causal, a quarter of the rows skips
+    diagonal: the kept columns move with the rows (the banded keep steps of positions.py), so
+    a block of fewer rows skips more columns: blocks of at most a SHARES-th of N_q's rows too
+    (not below MIN_BLOCK_BYTES). Causal, a quarter of the rows skips
     about 3/8 of the scores where a whole head skips none.
 
     Returns index tuples (one slice per leading axis, heads, rows): every axis kept, so a
@@ -85,8 +85,8 @@ def row_blocks(score_shape, group, itemsize, diagonal=False):
 def _kept_columns(options, score_shape, block, skip=True):
     """(cols, keep): the block's columns computed and its keep mask on them.
 
-    cols [c0, c1), a slice, holds every kept score of the block's rows: outside it causal
-    masking, the window, packed sequences, the mask or a -inf bias remove the whole column
+    cols [c0, c1), a slice, holds every kept score of the block's rows: outside it the keep
+    steps (scores.keep_mask) or a -inf bias remove the whole column
     from all of the block's rows, so its weights are 0 and so are its gradients. All N_k
     columns with skip=False, and where a removed score still counts (_every_score_counts).
     keep: broadcastable to the block's scores on cols, None where every score is kept.
@@ -111,8 +111,8 @@ def _every_score_counts(options):
 
 
 def _diagonal(options):
-    """Whether the columns a block skips (_kept_columns) move with its rows: causal masking, a
-    window, packed sequences or a step of scores.KEEP_STEPS, where columns are skipped at all."""
+    """Whether the columns a block skips (_kept_columns) move with its rows: a banded keep step
+    (positions.banded) or one of scores.KEEP_STEPS, where columns are skipped at all."""
     o = options
     return (banded(o) or bool(o.keep_steps)) and not _every_score_counts(o)
 
@@ -163,8 +163,7 @@ def blocked_forward(q, k, v, options, plan):
     shape = lambda x: None if x is None else x.reshape(q.shape[:-1] + x.shape[-1:])
     return out, AttentionCache(options=o, q=q, k=k, v=v, out=shape(saved_out), weights=shape(p),
                                lse=lse.reshape(q.shape[:-1]), top=top.reshape(q.shape[:-1]),
-                               softcap_tanh=shape(saved.softcap_tanh), score_mod_input=shape(saved.mod_input),
-                               plan=plan, max_logits=max_logits.reshape(q.shape[:-1]))
+                               saved=saved.map(shape), plan=plan, max_logits=max_logits.reshape(q.shape[:-1]))
 
 
 def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=False):
@@ -175,8 +174,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
     score_shape = p.shape
     group = q3.shape[-3] // k3.shape[-3]
     dropout_scale = None if o.dropout_scale is None else np.broadcast_to(o.dropout_scale, score_shape)
-    saved = scores.Saved(*(None if x is None else with_head_axis(x) for x in (cache.softcap_tanh,
-                                                                               cache.score_mod_input)))
+    saved = cache.saved.map(with_head_axis)
     out3 = with_head_axis(cache.out)
     lse, top = cache.lse.reshape(score_shape[:-1]), cache.top.reshape(score_shape[:-1] + (1,))
     dlse3 = None if dlse is None else dlse.reshape(score_shape[:-1])
@@ -206,7 +204,7 @@ def blocked_backward(dout, cache, dlse=None, *, method="vjp", return_stages=Fals
                                          _top_in(top[block], cols, score_shape[-1]),
                                          None if dlse is None else dlse3[block], o, score_shape, index,
                                          scores=recompute, overwrite_dp=True)
-        if dsink is not None:                                        #    the sink's column: dsinks
+        if dsink is not None:                                        #    the sink's column
             params.add_sink(dsink.sum(axis=-1), index)
         ds = scores.backward(ds, o, score_shape, index, saved.at(index), keep, params,   # 4-2.
                              stage=dS is not None)

@@ -11,15 +11,14 @@ For the G query heads of one kv head and a block of rows, each row's listed keys
 k_L [G, b, K, d_k] and v_L [G, b, K, d_v], and the block of scores is a gathered block of the
 score pipeline (scores.py): its entry t in row i is the score S[.., i, L_t].
     1.   s_t = scale q_i . k_{L_t}
-    2-4. scores.forward: softcap; bias and mask read at (i, L_t); ALiBi, causal, the window and
-         packed sequences at (i, L_t); score_mod and mask_mod with kv_idx = L_t; -inf where an
-         entry pads
+    2-4. scores.forward: the score and keep steps, each read at (i, L_t) (score_mod and mask_mod
+         with kv_idx = L_t); -inf where an entry pads
     5.   softmax_row: P, lse (and the sink)
     6-7. out_i = sum_t P~_t v_{L_t}   (P~ = P times the dropout scale read at (i, L_t))
 A key listed c times is gathered c times: c times its weight, as dense attention's S + log c.
 Backward, the flash form (P recomputed from lse, as FlashAttention's):
     dP_t = dout_i . v_{L_t},  softmax_row_backward,  scores.backward (dbias scattered back to
-    (i, L_t), the slopes', sinks' and score_mod parameters' gradients: ScoreGrads)
+    (i, L_t), the other parameters' gradients: ScoreGrads)
     dq_i = scale sum_t dS_t k_{L_t},  dk_{L_t} += scale dS_t q_i,  dv_{L_t} += P~_t dout_i
     (scatter-adds: every use of a key sums, by several rows or twice by one)
 Forward mode: scores.tangent and softmax_row_tangent on the block,
@@ -67,12 +66,11 @@ def sparse_forward(q, k, v, options, plan):
                                     plan=plan)
 
 
-def sparse_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, bias_dot=None, alibi_slopes_dot=None,
-               sinks_dot=None):
-    """(out, out_dot, lse, lse_dot) along the tangents (of their primals' shapes; the options'
-    None: 0), the blocks as sparse_forward's."""
-    tangents = {"q_dot": q_dot, "k_dot": k_dot, "v_dot": v_dot, "bias_dot": bias_dot,
-                "alibi_slopes_dot": alibi_slopes_dot, "sinks_dot": sinks_dot}
+def sparse_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, sink_dot=None, **score_dots):
+    """(out, out_dot, lse, lse_dot) along the tangents (of their primals' shapes; sink_dot the
+    sink logits' and score_dots the score steps' options' (scores.tangent's bias_dot, ...), None:
+    0), the blocks as sparse_forward's."""
+    tangents = {"q_dot": q_dot, "k_dot": k_dot, "v_dot": v_dot, "sink_dot": sink_dot, "score_dots": score_dots}
     out, lse, _, out_dot, lse_dot = _run_spans(q, k, v, options, plan, tangents)
     return out, out_dot, lse, lse_dot
 
@@ -198,8 +196,8 @@ def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, k_dot=None, v_dot
     return results
 
 
-def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None, vd_h=None, bias_dot=None,
-                   alibi_slopes_dot=None, sinks_dot=None):
+def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None, vd_h=None, sink_dot=None,
+                   score_dots=None):
     """(out [G, b, d_v], lse, max_logits [G, b][, out_dot, lse_dot]) of one block (a function of
     its own, so that its gathered keys and values are gone before the next block gathers)."""
     heads, b = at[-1].stop - at[-1].start, rows.stop - rows.start
@@ -216,9 +214,8 @@ def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None
         return out, lse.reshape(heads, b), top
     qd_rows = q_dot[at + (rows,)].reshape(q_rows.shape)                # forward mode
     s_dot = (_dots(qd_rows, k_h[cols]) + _dots(q_rows, kd_h[cols])) * o.scale   # 1.
-    s_dot = scores.tangent(s_dot.reshape(s.shape), o, score_shape, index, saved, keep, bias_dot,
-                           alibi_slopes_dot)                           # 2-4.
-    P_dot, lse_dot = softmax_row_tangent(P, lse, s_dot, _row_options(o), sinks_dot, score_shape, index)   # 5.
+    s_dot = scores.tangent(s_dot.reshape(s.shape), o, score_shape, index, saved, keep, **score_dots)   # 2-4.
+    P_dot, lse_dot = softmax_row_tangent(P, lse, s_dot, _row_options(o), sink_dot, score_shape, index)   # 5.
     P_dot = P_dot[..., :s.shape[-1]]                                   # (the sink's multiplies no value)
     out_dot = _mix(_dropped(P_dot, o, score_shape, index), v_listed) + \
         _mix(_dropped(P, o, score_shape, index), vd_h[cols])          # 6-7.
