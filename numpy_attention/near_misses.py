@@ -27,6 +27,9 @@ NEAR_MISSES = {
     "rope_theta": "Hugging Face's rope_theta is rope_base= in a case, rope={'base': ...} in a call",
 }
 
+# another library's name for an option of the table (options.OPTIONS) -> the option's
+OTHER_NAMES = {"softmax_scale": "scale", "window_size": "window", "local_window_size": "window"}
+
 
 def near_miss(name, known=()):
     """How to pass `name` here: NEAR_MISSES' advice, or 'did you mean X=?' for the closest of the

@@ -57,6 +57,8 @@ class Option(NamedTuple):
     every_score: bool = False       # its step reads every score of a row, a masked one too (a saved
                                     # stage kept whole; one more logit in every row): no column skipped
     policies: Optional[tuple] = None  # the fully_masked policies it takes, where not all of them
+    check: Optional[Callable] = None  # check(value, name) -> the value checked, for a value one check
+                                    # decides (attention_options and a case's reader call it)
     draw: Optional[Callable] = None  # draw(rng, sizes) -> {keyword: value}: a random value for a case of
                                     # these Sizes (conform's grid draws its options' so, the gradcheck
                                     # examples theirs); float arrays in float64, numbers float32's
@@ -99,13 +101,14 @@ OPTIONS = (
     Option("align", None, "keep", "diagonal alignment for causal=True and for window: 'top_left' "
            "(default) or 'bottom_right'.", case="align"),
     Option("scale", None, "score", "multiplies q k^T; default 1/sqrt(d_k); 1.0 for the unscaled "
-           "experiment.", case="positive", conform="scale",
+           "experiment.", case="positive", conform="scale", check=require_positive_real,
            draw=lambda rng, n: {"scale": float(np.float32(rng.uniform(0.3, 2.0) / math.sqrt(n.d)))}),
     Option("window", None, "keep", "(left, right) sliding window around the diagonal, -1 = unbounded "
            "(FlashAttention's window_size; FlashAttention aligns it bottom-right, so pass "
-           "align='bottom_right' to match it when N_q != N_k).", case="pair", conform="window", draw=_draw_window),
+           "align='bottom_right' to match it when N_q != N_k).", case="pair", conform="window", check=check_window,
+           draw=_draw_window),
     Option("softcap", None, "score", "S <- softcap * tanh(S / softcap), after scaling and before bias and "
-           "masks.", case="positive", tiled=False, conform="softcap", every_score=True,
+           "masks.", case="positive", tiled=False, conform="softcap", every_score=True, check=require_positive_real,
            draw=lambda rng, n: {"softcap": float(np.float32(rng.uniform(2.0, 10.0)))}),
     Option("bias", None, "score", "additive float scores broadcastable to [..., H, N_q, N_k]; gets a "
            "gradient, grads.dbias. An additive mask (0 / -inf) belongs here.", case="float", shape="scores",
@@ -116,7 +119,8 @@ OPTIONS = (
     Option("dropout_mask", None, "output", "explicit keep-mask broadcastable to the weights: "
            "P <- P * dropout_mask / (1 - dropout_p). No RNG inside.", case="array", shape="scores",
            tiled=False, conform="dropout", draw=_draw_dropout),
-    Option("dropout_p", 0.0, "output", "the drop probability of dropout_mask.", case="probability"),
+    Option("dropout_p", 0.0, "output", "the drop probability of dropout_mask.", case="probability",
+           check=require_probability),
     Option("fully_masked", "zero", "row", "a row with every score -inf gives 'zero' output 0 and gradient 0 "
            "(torch 2.5+ SDPA, FlashAttention, ONNX); 'uniform' the mean of v's rows (the seed's -1e9 "
            "fill, JAX), gradient 0 to q, k; 'nan' NaN output (the SDPA formula written out). The tiled "
@@ -275,10 +279,10 @@ def options_record(q, k, v, **given):
     per-head vectors widen it). For a caller that keeps its own arrays (sparse_attention.py's,
     which holds a frozen caller's arrays uncopied)."""
     a, keep_steps = option_keywords(given)
+    a.update({row.name: row.check(a[row.name], row.name) for row in OPTIONS       # None: no value, where that
+              if row.check and (a[row.name] is not None or row.default is not None)})   # is the default
     causal, align = resolve_alignment(a["causal"], a["align"])
-    window = check_window(a["window"])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if a["scale"] is None else require_positive_real(a["scale"], "scale")
-    softcap = None if a["softcap"] is None else require_positive_real(a["softcap"], "softcap")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if a["scale"] is None else a["scale"]
     fully_masked = a["fully_masked"]
     check_fully_masked(fully_masked, k, v)
     score_shape = q.shape[:-1] + (k.shape[-2],)                  # [..., H, N_q, N_k]
@@ -293,8 +297,7 @@ def options_record(q, k, v, **given):
         broadcast_shape_to(gate, "gate", q.shape[:-1] + v.shape[-1:], "the output [..., H, N_q, d_v]",
                            "a gate per head and query row is [..., H, N_q, 1]")
     keep = None if a["mask"] is None else as_mask(a["mask"], "mask", score_shape, legend)
-    dropout_p = require_probability(a["dropout_p"], "dropout_p")
-    drop = dropout_scale(a["dropout_mask"], dropout_p, score_shape, legend)
+    drop = dropout_scale(a["dropout_mask"], a["dropout_p"], score_shape, legend)
     packed = check_packed_sequences(q, k, a["cu_seqlens_q"], a["cu_seqlens_k"], a["seqused_k"])
     sequences = None if packed[0] is None else packed[0].size - 1
     per_head = head_vectors(q.shape, a, sequences)
@@ -321,13 +324,13 @@ def options_record(q, k, v, **given):
     score_mod_vjps = check_vjps(a["score_mod_vjps"], score_mod_params)
     keep_steps = check_keep_steps(keep_steps, KEYWORDS)          # scores.KEEP_STEPS, by name
     topk = check_topk(a["topk_indices"], a["topk_length"], q.shape, k.shape)
-    masked = (keep is not None or causal or window is not None or packed[0] is not None or bool(keep_steps)
+    masked = (keep is not None or causal or a["window"] is not None or packed[0] is not None or bool(keep_steps)
               or mask_mod is not None or (bias is not None and bool(np.isneginf(bias.real).any()))
               or topk is not None)
     return q, k, v, AttentionOptions(
-        scale=scale, softcap=softcap, bias=read_only_copy(bias), mask=read_only_copy(keep),
-        causal=causal, align=align, window=window, dropout_scale=read_only_copy(drop),
-        dropout_p=dropout_p, gate=read_only_copy(gate),
+        scale=scale, softcap=a["softcap"], bias=read_only_copy(bias), mask=read_only_copy(keep),
+        causal=causal, align=align, window=a["window"], dropout_scale=read_only_copy(drop),
+        dropout_p=a["dropout_p"], gate=read_only_copy(gate),
         fully_masked=fully_masked, sinks=read_only_copy(sinks), alibi_slopes=read_only_copy(alibi_slopes),
         cu_seqlens_q=read_only_copy(packed[0]), cu_seqlens_k=read_only_copy(packed[1]),
         seqused_k=read_only_copy(packed[2]),

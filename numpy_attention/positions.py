@@ -20,7 +20,7 @@ sequence, and aligns on that sequence's own lengths:
     causal keeps   j' <= diagonal
     window keeps   diagonal - left <= j' <= diagonal + right   (-1: unbounded on that side)
     ALiBi          distance = |i' + N_k' - N_q' - j'|           (the bottom-right diagonal)
-                   slope = alibi_slopes[b, h] with [B, H] slopes, one row per sequence
+                   slope = slopes[b, h] with [B, H] slopes, one row per sequence
 """
 from typing import NamedTuple, Optional
 
@@ -46,15 +46,16 @@ def resolve_alignment(causal, align):
     return bool(causal), align or "top_left"
 
 
-def check_window(window):
-    """window as (left, right) ints >= -1 (-1 = unbounded), or None; ValueError otherwise."""
+def check_window(window, name="window"):
+    """window as (left, right) ints >= -1 (-1 = unbounded), or None; ValueError naming `name`
+    otherwise."""
     if window is None:
         return None
     ok = (isinstance(window, (tuple, list)) and len(window) == 2
           and all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
                   and w >= -1 for w in window))
     if not ok:
-        raise ValueError(f"window must be a pair (left, right) of integers >= -1 "
+        raise ValueError(f"{name} must be a pair (left, right) of integers >= -1 "
                          f"(-1 = unbounded), got {brief(window)}")
     # a side wider than any sequence is unbounded; clamped, positions + right cannot overflow int64
     return tuple(min(int(w), WINDOW_MAX) for w in window)

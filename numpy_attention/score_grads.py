@@ -18,7 +18,7 @@ order (total), so that the bits do not depend on how the blocks were cut or wher
 import numpy as np
 
 from ._layout import block_ranges, gathered_cols, index_ranges, is_gathered, unbroadcast
-from .scores import WHOLE, alibi_row_gradient, alibi_slopes_gradient, head_gradient
+from .scores import WHOLE, alibi_row_gradient, head_gradient, slopes_sum
 
 
 def _within(parts, region):
@@ -124,6 +124,7 @@ class ScoreGrads:
             if whole.mod is not None:
                 whole.add_mod(part.mod)
         return {"dbias": None if o.bias is None else whole.dbias.reshape(o.bias.shape),
-                "dalibi_slopes": None if o.alibi_slopes is None else alibi_slopes_gradient(whole.rows, o),
+                "dalibi_slopes": None if o.alibi_slopes is None else slopes_sum(whole.rows, o.alibi_slopes,
+                                                                                o.cu_seqlens_q),
                 "dscore_mod_params": whole.mod,
                 "dsinks": None if o.sinks is None else head_gradient(whole.sinks, o.sinks)}

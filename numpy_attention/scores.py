@@ -203,19 +203,13 @@ def alibi_bias(options, score_shape, index=WHOLE, slopes=None, rounded=None):
 def alibi_row_gradient(dS, options, score_shape, index=WHOLE, rounded=None):
     """The gradient of each row's slope from the block dS = dS[index] [..., heads, rows, cols]
     (the gradient of S where ALiBi adds to it): -sum_j dS_ij |i + N_k - N_q - j|, [..., heads,
-    rows]. A block of columns gives its part of the sum; alibi_slopes_gradient sums the rows.
+    rows]. A block of columns gives its part of the sum; slopes_sum sums the rows.
     rounded: applied to the distances and to each product before the sum (a 16-bit autograd
     rounds them), or None."""
     distance = alibi_distance(options, score_shape, index).astype(dS.dtype)
     if rounded is None:
         return -np.sum(dS * distance, axis=-1)
     return -np.sum(rounded(dS * rounded(distance)), axis=-1)
-
-
-def alibi_slopes_gradient(row_gradient, options):
-    """dalibi_slopes, of alibi_slopes' shape, from every row's gradient [..., H, N_q]
-    (alibi_row_gradient): summed over each slope's rows (slopes_sum)."""
-    return slopes_sum(row_gradient, options.alibi_slopes, options.cu_seqlens_q)
 
 
 def slopes_sum(x, slopes, cu_seqlens_q=None):

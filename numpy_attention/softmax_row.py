@@ -24,7 +24,8 @@ largest weight (softmax.py: exact for saturated rows); 'jacobian' J dP with J = 
 'flash' P recomputed as exp(S - lse) and D = rowsum(dout * out) for rowsum(P * dP), as
 FlashAttention's backward. The tiled engine's online softmax is its own form of this step
 (engines/tiled.py, tested equal); the oracle's baselines compute it with a kernel's rounding
-(oracle/naive.py, oracle/recipe.py) and take the policy's weight from here.
+(oracle/naive.py, oracle/recipe.py) by row_weights, its arithmetic written out with their
+exp, log and sums.
 """
 import numpy as np
 
@@ -36,6 +37,22 @@ def masked_row_weight(policy, n_k):
     """Each weight of a row whose keys are all masked, by the fully_masked policy: 'zero' 0,
     'uniform' 1 / N_k (the mean of v), 'nan' NaN."""
     return {"zero": 0.0, "uniform": 1.0 / max(n_k, 1), "nan": np.nan}[policy]
+
+
+def row_weights(S_row, fill, exp=np.exp, log=np.log, total=lambda e: np.sum(e, axis=-1, keepdims=True)):
+    """Step 5's arithmetic written out, for a baseline that rounds it as a kernel does: (P_row,
+    lse) of S_row [..., rows, cols] (with_sink's), in S_row's dtype:
+        m = max_j S_ij,  e = exp(S - m),  t = total(e),  lse = m + log(t),  P_row = e / t
+    a row of all -inf: P_row = fill (masked_row_weight's), lse = -inf. exp, log and total (the
+    row sums [..., rows, 1]) are the kernel's own: in a wider type, in chunks of keys."""
+    m = np.max(S_row, axis=-1, keepdims=True, initial=-np.inf)
+    dead = np.isneginf(m)
+    m = np.where(dead, 0, m).astype(S_row.dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):     # log 0 = -inf; +inf - inf: NaN, as it should
+        e = exp(S_row - m)
+        t = total(e)
+        lse = (m + log(t))[..., 0]
+        return np.where(dead, fill, e / t).astype(S_row.dtype), lse.astype(S_row.dtype)
 
 
 def with_sink(S, options, score_shape=None, index=WHOLE, sinks=None):

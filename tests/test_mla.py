@@ -108,6 +108,18 @@ def test_the_two_forms_give_the_same_out_and_gradients():
         np.testing.assert_allclose(getattr(grads, name), value, rtol=0, atol=1e-12, err_msg=name)
 
 
+def test_the_options_gradients_come_back_as_attentions():
+    """mla_backward returns every option's gradient attention_backward gives on k = kv,
+    v = kv[..., :r] (a gate's too)."""
+    q, kv, dout = absorbed_inputs()
+    options = dict(bias=RNG.standard_normal((H, 3, 9)), sinks=RNG.standard_normal(H),
+                   alibi_slopes=RNG.random(H), gate=RNG.standard_normal((2, H, 3, 1)))
+    g = na.mla_backward(dout, na.mla_forward(q, kv, rope_dim=P, **options)[1])
+    want = na.attention_backward(dout, na.attention_forward(q, kv, kv[..., :R], **options)[1])
+    for name in ("dbias", "dsinks", "dalibi_slopes", "dgate"):
+        np.testing.assert_array_equal(getattr(g, name), getattr(want, name), err_msg=name)
+
+
 @pytest.mark.parametrize("engine", [{"implementation": "blocked", "workers": 2},
                                     {"implementation": "tiled", "block_size": 4, "workers": 2}],
                          ids=["blocked", "tiled"])

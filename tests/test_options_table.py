@@ -2,6 +2,8 @@
 record's `given`, the case reader's keys, the oracle's slices, conform's gradients and the tiled
 engine's refusals all follow its rows."""
 import inspect
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import numpy_attention as na
 from numpy_attention.caches import AttentionGrads
 from numpy_attention.conformance import supports
 from numpy_attention.conformance.kernels import GRADIENT_OF
+from numpy_attention.forward_mode import OPTION_TANGENTS
 from numpy_attention.options import OPTIONS, attention_options, untiled
 from numpy_attention.oracle import schema, slices
 
@@ -108,3 +111,47 @@ def test_a_per_head_vector_takes_a_batch_axis_where_the_row_says_so(row):
     else:
         with pytest.raises(ValueError, match=rf"{row.name} must have shape \(2,\) \(\[H\] for q \(3, 2, 4, 4\)\)"):
             na.attention_forward(q, q, q, **{row.name: np.zeros((3, 2))})
+
+
+BAD = {"pair": (-2, 0), "positive": -1.0, "probability": 1.5}
+
+
+def test_an_option_of_one_value_has_its_rows_check():
+    for row in OPTIONS:
+        assert (row.check is not None) == (row.case in BAD), row
+
+
+@pytest.mark.parametrize("row", [row for row in OPTIONS if row.check], ids=lambda row: row.name)
+def test_a_call_and_a_case_refuse_a_bad_value_by_the_rows_check(row):
+    q = np.ones((2, 3, 4))
+    with pytest.raises(ValueError, match=f"^{row.name} must be"):
+        attention_options(q, q, q, **{row.name: BAD[row.case]})
+    with pytest.raises(schema.CaseError, match=f"^{row.name} must be"):
+        schema.decode_options({row.name: np.array(BAD[row.case])})
+
+
+def test_the_gradient_records_and_the_forward_mode_tangents_come_from_the_rows():
+    gradients = tuple(row.gradient for row in OPTIONS if row.gradient)
+    assert AttentionGrads._fields == ("dq", "dk", "dv") + gradients + ("dscore_mod_params", "stages")
+    assert na.MlaGrads._fields == ("dq", "dkv") + gradients
+    assert list(OPTION_TANGENTS) == [f"{row.name}_dot" for row in OPTIONS if row.gradient]
+    q = np.ones((2, 3, 4))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bias_dott'"):
+        na.attention_jvp(q, q, q, bias_dott=np.ones((3, 3)))
+
+
+def test_the_case_formats_and_conforms_docstrings_list_the_rows():
+    for row in OPTIONS:
+        assert (f"\n                {row.name} " in schema.__doc__) == (row.case is not None), row.name
+        if row.conform:
+            assert re.search(rf"\n +{row.conform} +{row.name}=\n", supports.__doc__), row.name
+    assert "{options}" not in schema.__doc__ and "{table}" not in supports.__doc__
+
+
+def test_each_option_is_spelled_in_a_handful_of_library_files():
+    """A new option's name goes in its row, its step, the diagnosis of its mix-up and the
+    adapters to other libraries' names; the rest of the package reads the table."""
+    package = pathlib.Path(na.__file__).parent
+    for name in ("softcap", "window", "alibi_slopes", "sinks", "dropout_mask"):
+        files = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if name in p.read_text())
+        assert len(files) <= 6, (name, files)

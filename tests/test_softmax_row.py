@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from numpy_attention.options import attention_options
-from numpy_attention.softmax_row import softmax_row, softmax_row_backward, softmax_row_tangent, with_sink
+from numpy_attention.softmax_row import (masked_row_weight, row_weights, softmax_row, softmax_row_backward,
+                                           softmax_row_tangent, with_sink)
 
 RNG = np.random.default_rng(8)
 H, N_Q, N_K = 2, 3, 5
@@ -104,3 +105,29 @@ def test_the_backward_leaves_dp_alone_unless_allowed():
     kept = dP.copy()
     softmax_row_backward("vjp", dP, np.sum(P * dP, -1), P, lse, top, None, o)
     assert np.array_equal(dP, kept)
+
+
+@pytest.mark.parametrize("policy", ["zero", "uniform", "nan"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_row_weights_written_out_are_softmax_row(policy, sinks):
+    """The baselines' form (row_weights: max, exp, sum, log with their own hooks) gives
+    softmax_row's weights and lse, the sink's column and a fully masked row's fill included;
+    a total summed in other ways (pairs, float64) changes only the rounding."""
+    o = options(sinks=RNG.standard_normal(H) if sinks else None, fully_masked=policy if not sinks else "zero")
+    S = scores()
+    P, lse, _ = softmax_row(S.copy(), o)
+    fill = masked_row_weight(o.fully_masked, N_K)
+    for total in (None, lambda e: e[..., ::2].sum(-1, keepdims=True) + e[..., 1::2].sum(-1, keepdims=True)):
+        P_row, lse_row = row_weights(with_sink(S, o), fill, **({} if total is None else {"total": total}))
+        np.testing.assert_allclose(P_row[..., :N_K], P, rtol=1e-15, atol=1e-16)
+        np.testing.assert_allclose(lse_row, lse, rtol=1e-15, atol=1e-16)
+        assert P_row.shape[-1] == N_K + sinks
+    assert np.isneginf(lse[0, 1]) == (not sinks)
+
+
+def test_row_weights_keep_the_dtype_and_take_the_kernels_exp():
+    S = scores().astype(np.float16)
+    P_row, lse = row_weights(S, 0.0, exp=lambda x: np.exp(x.astype(np.float64)).astype(x.dtype))
+    assert P_row.dtype == lse.dtype == np.float16
+    np.testing.assert_allclose(P_row, softmax_row(S.astype(np.float64), options())[0], atol=2e-3)
+    assert not P_row[0, 1].any() and np.isneginf(lse[0, 1])

@@ -19,7 +19,8 @@ with it (the shrinker then finds which one a failure needs). Batch and heads shr
 case has at most MAX_SCORES scores B H N_q N_k (one head of 2048 x 2048 stays, two with
 grouped-query heads).
 Fully masked rows come where the options make them: a mask masks one row of each sequence,
-a bottom-right diagonal with N_q > N_k, a narrow window, a packed sequence with no key.
+a bottom-right diagonal with N_q > N_k, a narrow sliding band of keys, a packed sequence with
+no key.
 
 The sweep's order (cases()) is round-robin: round r holds role r of every cell, smallest
 first, so that a short budget still meets every cell; after the roles' first cases (j = 0)
@@ -171,7 +172,8 @@ def draw(case):
     q [B, H, N_q, d], k, v [B, H_kv, N_k, d], dout [B, H, N_q, d] (with 'gradients'): float32
     arrays holding values of case.dtype; with varlen q [H, total_q, d], k, v [H_kv, total_k, d];
     with paged k, v [pages, H_kv, PAGE, d]. Options as 0-d or small arrays (schema.py), the
-    float ones (bias, sinks, alibi_slopes, gate) rounded to the dtype; precision names the dtype.
+    float ones (schema.FLOAT_OPTIONS: bias, gate and the per-head vectors of options.HEAD_ROWS)
+    rounded to the dtype; precision names the dtype.
     """
     rng = np.random.default_rng([case.seed, zlib.crc32(case.id.encode())])
     storage = PRECISIONS[case.dtype].storage

@@ -16,14 +16,14 @@
              case .npz at {in}, writes its results .npz at {out}
 
 The options are crosscheck's case keys (oracle/schema.py), as Python values where they are
-scalars (causal True or 'bottom_right', the scale, a probability), a window as a tuple
-(left, right), and arrays or tensors otherwise: keep-masks bool, the float options
-(schema.FLOAT_OPTIONS) in the dtype (with gradients, torch tensors that require grad: their
-.grad is judged too, by GRADIENT_OF's names), the sequences' offsets and a page table
-int32. A command's input file is the case itself: q, k, v, dout as float32
+scalars (causal True or 'bottom_right', the scale, a probability), a pair (PAIRS: the sliding
+band's sides) as a tuple (left, right), and arrays or tensors otherwise: keep-masks bool, the
+float options (schema.FLOAT_OPTIONS) in the dtype (with gradients, torch tensors that require
+grad: their .grad is judged too, by GRADIENT_OF's names), the sequences' offsets and a page
+table int32. A command's input file is the case itself: q, k, v, dout as float32
 arrays holding values of the dtype that its `precision` key names (float32, bfloat16,
-float16); its output file holds out and any of lse, max_logits, dq, dk, dv, dbias, dsinks, dalibi_slopes,
-in any float dtype crosscheck reads (storage.py).
+float16); its output file holds out and any of lse, max_logits, dq, dk, dv and the options'
+gradients (options.GRADIENTS), in any float dtype crosscheck reads (storage.py).
 
 The kernel cannot change the case it is judged on. Every array it is given is a copy (NumPy
 arrays read-only ones, torch tensors and JAX arrays made from copies), held against the
@@ -182,7 +182,7 @@ def command_args(line):
 
 def _arguments(arrays, gradients):
     """(q, k, v, options, dout): the case's arrays as a kernel takes them, still NumPy: the
-    float inputs in the case's dtype, 0-d options as Python values, a pair (window) a tuple; each
+    float inputs in the case's dtype, 0-d options as Python values, a pair (PAIRS) a tuple; each
     array a read-only copy."""
     storage = PRECISIONS[str(arrays["precision"])].storage
 

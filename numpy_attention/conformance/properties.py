@@ -24,10 +24,10 @@ reference (docs/conform.md names the threads each comes from):
     empty_rows        query rows that keep no key, made by each way the kernel supports (a mask's
                       rows all False, a bottom-right diagonal with N_q > N_k, a packed batch with
                       a sequence of no queries and one of no keys, a paged cache's sequence of
-                      cache_seqlens 0), with sinks and a bias where
-                      it takes them: judged under its fully_masked policy (with sinks: out 0, lse
-                      the sink's logit), so a padded row that leaks into dsinks, dbias, dk or dv
-                      fails
+                      cache_seqlens 0), with a sink logit per head and a bias where it takes
+                      them (COMPANIONS): judged under its fully_masked policy (with a sink: out
+                      0, lse the sink's logit), so a padded row that leaks into the sink's
+                      gradient, dbias, dk or dv fails
     layout            the same sequences laid out otherwise: packed in reverse order, a paged
                       cache's pages renumbered and of twice the size; each layout's results
                       judged, and where the kernel declares 'batch_invariant' each sequence's
@@ -165,8 +165,9 @@ def properties(*, names=None, dtypes=("float32", "bfloat16", "float16"), support
 
 
 def _with_empty(way, options, fully_masked):
-    """The options an empty_rows trial made `way` holds beside it: sinks (with the 'zero' policy)
-    and a bias, where the kernel takes them and the case format allows them together."""
+    """The options an empty_rows trial made `way` holds beside it, COMPANIONS: a sink logit per
+    head (with the 'zero' policy) and a bias, where the kernel takes them and the case format
+    allows them together."""
     return tuple(o for o in COMPANIONS if o in options and frozenset((way, o)) not in EXCLUSIVE
                  and fully_masked in ZERO_ONLY.get(o, (fully_masked,)))
 

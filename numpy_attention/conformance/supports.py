@@ -1,19 +1,14 @@
 """What a kernel supports: the dtypes and options a conformance run sweeps, checked by name.
 
     dtypes    float32, bfloat16, float16: what the kernel computes in (its tensors' dtype)
-    options   the variants of a case, one row of the table each (besides 'plain'):
+    options   the variants of a case, one row of the table each (besides 'plain'); those of
+              options.OPTIONS pass the kernel its keyword, drawn by the row's draw (the values:
+              docs/conform.md):
                 causal        causal=True, top-left (torch's is_causal)
-                bottom_right  causal='bottom_right' (FlashAttention 2.1+); a window shares it
+                bottom_right  causal='bottom_right' (FlashAttention 2.1+), the diagonal of every
+                              banded option too
                 gqa           grouped-query heads: k, v with H_kv < H heads
-                scale         a custom scale=
-                window        window=(left, right), -1 unbounded
-                softcap       softcap=
-                bias          bias [H, N_q, N_k], an additive float
-                mask          mask [B, 1, N_q, N_k] bool, True = attend (with a fully masked row)
-                dropout       dropout_mask [B, H, N_q, N_k] bool with its dropout_p
-                alibi         alibi_slopes [H]
-                sinks         sinks [H]
-                gate          gate [B, H, N_q, 1] or [B, H, N_q, d]: out = (P V) sigmoid(gate)
+{table}
                 varlen        packed sequences: q [H, total_q, d], cu_seqlens_q, cu_seqlens_k
                 paged         a paged KV cache: k, v [pages, H_kv, page, d], page_table, cache_seqlens
     outputs   what the kernel returns besides out, on every case:
@@ -36,8 +31,13 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import require_choice
+from ..near_misses import OTHER_NAMES
 from ..options import OPTIONS as OPTION_ROWS
 
+_CONFORM = {row.name: row.conform for row in OPTION_ROWS if row.conform}   # a table's option -> its name here
+if __doc__:                                 # the table's rows, each as a kernel is called with it
+    __doc__ = __doc__.replace("{table}", "\n".join(f"{'':16}{name:<14}{option}="
+                                                   for option, name in _CONFORM.items()))
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIONS = (("causal", "bottom_right", "gqa") + tuple(row.conform for row in OPTION_ROWS if row.conform)
            + ("varlen", "paged"))          # attention_forward's options by the table's conform names
@@ -59,12 +59,12 @@ ZERO_ONLY = {"varlen": ("zero", "nan"), "paged": ("zero", "nan"),
 NEAR_MISSES = {
     "top_left": "top-left causal is 'causal'", "is_causal": "'causal' (top-left)",
     "causal_lower_right": "'bottom_right'", "enable_gqa": "'gqa'", "mqa": "'gqa' (H_kv = 1 included)",
-    "softmax_scale": "'scale'", "window_size": "'window'", "local_window_size": "'window'",
     "attn_mask": "'mask' (bool) or 'bias' (float)", "cu_seqlens": "'varlen'", "page_table": "'paged'",
     "kv_cache": "'paged'", "logsumexp": "'lse'", "grad": "'gradients'", "grads": "'gradients'",
     "backward": "'gradients'", "bf16": "'bfloat16'", "fp16": "'float16'", "half": "'float16'",
     "fp32": "'float32'", "float": "'float32'", "float64": "'float32' (float64 is the oracle's)",
     **{row.name: f"'{row.conform}'" for row in OPTION_ROWS if row.conform not in (None, row.name)},
+    **{other: f"'{_CONFORM[option]}'" for other, option in OTHER_NAMES.items()},
 }
 
 

@@ -25,10 +25,10 @@ Backward, per query block i and key block j (P recomputed from lse, never stored
     dq_i += scale * dS_ij k_j,   dk_j += scale * dS_ij^T q_i,   dbias_ij = dS_ij (unbroadcast)
     dslope_i += -rowsum(dS_ij * |i + N_k - N_q - j|)              each row's; summed per slope at the end
 
-Blocks that causal masking, the window, the mask or a -inf bias mask entirely are
-skipped in both passes. Grouped-query heads meet their kv heads as in the textbook
-(`grouped_matmul`: the G query heads of a kv head stacked as rows), so dk and dv sum over
-each group inside the matmul.
+Blocks in which the keep-mask (scores.keep_mask: causal masking, a sliding band of keys, the
+mask, a -inf bias, ...) keeps no score are skipped in both passes. Grouped-query heads meet
+their kv heads as in the textbook (`grouped_matmul`: the G query heads of a kv head stacked as
+rows), so dk and dv sum over each group inside the matmul.
 
 Tasks (engines/parallel.py: threads with `workers`, a Dask cluster with `scheduler`): the
 forward's query tiles i, each reading all of k and v; the backward's slices, one per (batch

@@ -46,7 +46,7 @@ def _read_tensors(arrays, precision, layout):
         if name in arrays:
             role = roles.get(name, "result" if name in CANDIDATES else None)
             x = np.asarray(arrays[name])
-            if role is None:                                    # bias, sinks, slopes, descales: floats
+            if role is None:                                    # FLOAT_OPTIONS, descales: floats
                 if not is_float_dtype(x.dtype):
                     raise StorageError(f"{name} must be a float array (float16/32/64, bfloat16 or "
                                        f"float8), got dtype {x.dtype} with shape {x.shape}")

@@ -26,7 +26,7 @@ map[h, i] = max over b, c of r[b, h, i, c], the worst entry of row i of head h i
                                                                 [pages, H_kv, page, d]: a page's slots)
     dbias              [..., H_b, N_q, N_k]    -> [H_b, N_q]    (H_b = 1 for a bias [N_q, N_k])
     lse, lse_dot       [..., H, N_q]           -> [H, N_q]      (the rule's row: a head's N_q entries)
-    dsinks, dalibi_slopes  [..., H]            -> [H, 1]        one column
+    d(head vector)     [..., H]                -> [H, 1]        one column (options.HEAD_GRADIENTS)
 
 What each pattern looks like: one head wrong (grouped heads mixed up, one head's dk negated)
 is a line across the heads x rows panel; one row wrong (a mask) a line down it; a causal

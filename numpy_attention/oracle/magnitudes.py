@@ -8,7 +8,7 @@ too, bounded by Cauchy-Schwarz with the rows' lengths:
     dq   the terms of entry (i, c): scale * sum_j P_ij (|dP_ij| + |D_i| + ||dout_i|| (||v_j||
          + ||out_i||)) |k_jc|, the last two the terms of dP_ij = dout_i . v_j and of
          D_i = dout_i . out_i (one key: dP - D cancels to exactly 0, and rounds at their size);
-         dk likewise down the columns, and dbias, dalibi_slopes from the same terms
+         dk likewise down the columns, and dbias and the slopes' from the same terms
     lse  the largest |S|, plus the terms of a score, scale sum_c |q_ic k_jc| <= scale
          ||q_i|| ||k_j|| (the longest rows: decoding's one key nearly orthogonal to q gives
          lse = S = 0.001, rounded at the size of q and k), plus log N_k
@@ -22,14 +22,15 @@ large (ALiBi's -slope |i - j| near -1000) and a row sees one key: the baseline's
 S exactly and its P exactly 1, while a kernel's lse, computed in base 2 or from a scale
 rounded apart, is off by eps |S|, and so is every weight it recomputes from it.
 
-A per-head vector's gradient (dsinks, dalibi_slopes) sums over every row of its head, and
-over the batch where the vector is broadcast along it (sinks [H]), or for ALiBi slopes [B, H]
-of packed sequences over the rows of its sequence alone; so do its terms.
+A per-head vector's gradient (options.HEAD_ROWS) sums over every row of its head, and over
+the batch where the vector is broadcast along it ([H]), or for a [B, H] one of packed
+sequences over the rows of its sequence alone; so do its terms: a score step's (ALiBi's
+slopes) dS times a distance below N_q + N_k, a row step's (a sink's) P_sink D.
 """
 import numpy as np
 
 from .._layout import bias_block, unbroadcast, with_head_axis
-from ..options import GRADIENTS
+from ..options import GRADIENTS, HEAD_ROWS
 from ..scores import slopes_sum
 from .rule import ATOL_ULPS
 
@@ -72,8 +73,9 @@ def term_sums(stage_blocks, inputs, options):
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
     dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
-    head_sums = {"dsinks": 0.0}                        # [..., H] sums over rows
-    slope_rows = np.zeros(with_head_axis(inputs["q"]).shape[:-1])   # [..., H, N_q] each row's ALiBi terms
+    head_rows = {acts: np.zeros(with_head_axis(inputs["q"]).shape[:-1]) for acts in ("score", "row")}
+                                                        # [..., H, N_q] each row's terms of a per-head
+                                                        # vector's gradient, by the step it acts in
     reach = inputs["q"].shape[-2] + inputs["k"].shape[-2]         # ALiBi's distances are below N_q + N_k
     c = EXPONENT_ULPS / ATOL_ULPS
     for index, stages in stage_blocks:
@@ -90,7 +92,7 @@ def term_sums(stage_blocks, inputs, options):
         p, p_rows = (p_drop, p_drop_rows) if stages["P~"] is stages["P"] else _without_nan(stages["P"])
         pa = pa_drop if p is p_drop else p * a
         D = np.abs(stages["D"])
-        head_sums = {"dsinks": head_sums["dsinks"] + np.sum(np.clip(1 - p_rows, 0, None) * D, -1)}  # the sink's
+        head_rows["row"][index[:-1]] = np.clip(1 - p_rows, 0, None) * D   # P_sink D = (1 - rowsum(P)) D
         if np.isnan(D).any():                                          # NaN rows (out NaN): no term
             dead = np.isnan(D)
             p, pa = (np.where(dead[..., None], 0, x) for x in (p, pa))
@@ -113,17 +115,14 @@ def term_sums(stage_blocks, inputs, options):
         dk_cols += c * y.sum(-2)
         row_max["dq"] = max(row_max["dq"], dq_rows.max(initial=0))
         col_sum = {"dv": col_sum["dv"] + dv_cols, "dk": col_sum["dk"] + dk_cols}
-        slope_rows[index[:-1]] = reach * dq_rows
+        head_rows["score"][index[:-1]] = reach * dq_rows
     sums = {**row_max, "dv": _kv_column_max(col_sum["dv"], h_kv), "dk": _kv_column_max(col_sum["dk"], h_kv)}
     if dbias is not None:
         sums["dbias"] = float(dbias.max(initial=0))
-    for name, total in head_sums.items():          # [..., H]: summed where the option broadcasts
-        if name[1:] in options:                     # (sinks [H] over the batch), like its gradient
-            total = unbroadcast(total, np.shape(options[name[1:]])) if np.ndim(total) else total
-            sums[name] = float(np.max(total, initial=0))
-    if "alibi_slopes" in options:                   # each slope's rows: its head's, or its sequence's
-        slope_sums = slopes_sum(slope_rows, options["alibi_slopes"], options.get("cu_seqlens_q"))
-        sums["dalibi_slopes"] = float(np.max(slope_sums, initial=0))
+    for row in HEAD_ROWS:                           # each entry's rows: its head's, or its sequence's
+        if row.gradient and row.name in options:
+            total = slopes_sum(head_rows[row.acts], options[row.name], options.get("cu_seqlens_q"))
+            sums[row.gradient] = float(np.max(total, initial=0))
     return sums
 
 

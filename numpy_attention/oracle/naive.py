@@ -14,7 +14,7 @@ weight; with sharp rows (|S| ~ 100) that dominates the error of a flash kernel
 (PyTorch's CPU flash kernel measured 30 times our stored-P error on dv).
 
 Shapes as in textbook.py; the steps are textbook.py's:
-    S = scale q k^T -> softcap -> + bias -> masks -> P = softmax(S), lse -> P~ = P * dropout
+    S = scale q k^T -> the score steps -> masks -> P = softmax(S), lse -> P~ = P * dropout
     -> out = P~ v;   backward: P = exp(S - lse),  dv = P~^T dout,  dP = (dout v^T) * dropout,
     D = rowsum(dout * out),  dS = P (dP - D),  dbias = dS summed to bias's shape,
     dq = scale dS k,  dk = scale dS^T q
@@ -49,12 +49,13 @@ one tile of rows, of the same shapes wherever they are: the results do not depen
 case is cut (crosscheck's slices, oracle/slices.py), and a tile's arrays are O(CHUNK N_k) per
 kv head.
 
-Chunks of keys that the keep-mask (scores.keep_mask: causal, a window, the mask, a -inf
-bias, ...) removes from every row of a tile are skipped: no score, product or sum of them is
+Chunks of keys that the keep-mask (scores.keep_mask: the keep steps, a -inf bias, ...)
+removes from every row of a tile are skipped: no score, product or sum of them is
 computed (a causal case costs about half). Their sums would be exact zeros, which leave a
 sum begun at +0 as it is: the results are bitwise those of computing them.
 """
 import math
+from functools import partial
 
 import numpy as np
 
@@ -62,7 +63,7 @@ from .. import scores
 from .._layout import with_head_axis
 from ..score_grads import ScoreGrads, sums_over_keys
 from ..scores import keep_mask
-from ..softmax_row import masked_row_weight, with_sink
+from ..softmax_row import masked_row_weight, row_weights, with_sink
 from .row_blocks import block_of, row_slices
 
 
@@ -195,7 +196,7 @@ def naive_attention(q, k, v, options, dout=None):
             for run, cols in _side_by_side(runs):                       # dk, dv += the tile's sums
                 dk[..., run, :] += dk_t[..., cols, :]
                 dv[..., run, :] += dv_t[..., cols, :]
-            if o.sinks is not None:
+            if f["p_sink"].shape[-1]:                                   # a sink's column
                 params.add_sink(f["dsink"], index + (slice(None),))
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1]),
               "max_logits": max_logits.reshape(q.shape[:-1])}
@@ -276,25 +277,24 @@ def _forward_tile(q, keys, o, score_shape, index, runs, keep):
     w = s.shape[-1]
     max_logits = np.max([scores.row_max(s[..., cols], o, score_shape, index + (run,))   # each row's
                          for run, cols in _side_by_side(runs)], axis=0, initial=-np.inf)  # largest score
-    s_row = with_sink(s, o, score_shape, index + (slice(None),))     # sinks: one more logit, no value
-    m = np.max(s_row, axis=-1, keepdims=True, initial=-np.inf)       # -inf: no key (N_k = 0) or all masked
-    m = np.where(np.isneginf(m), 0, m)
-    e = _in_float64(np.exp, s_row - m)
-    total = key_chunks_sum(e[..., :w], np.ones((1, CHUNK, 1)))       # over the keys in chunks,
-    if o.sinks is not None:                                         # then the sink's term
-        total = total + e[..., w:]
-    dead = total == 0                                               # a fully masked row
-    fill = masked_row_weight(o.fully_masked, score_shape[-1])        # (no key: 'zero' only)
-    p_row = np.where(dead, fill, e / np.where(dead, 1, total)).astype(s.dtype)
+    s_row = with_sink(s, o, score_shape, index + (slice(None),))     # a sink: one more logit, no value
+    p_row, lse = row_weights(s_row, masked_row_weight(o.fully_masked, score_shape[-1]),   # 5. exp, log in
+                             exp=partial(_in_float64, np.exp), log=partial(_in_float64, np.log),   # float64,
+                             total=lambda e: _row_total(e, w))                              # sums in chunks
     p = p_row[..., :w]
-    with np.errstate(divide="ignore"):
-        lse = (m + _in_float64(np.log, total))[..., 0]
     drop = block_of(o.dropout_scale, score_shape, index + (slice(None),))
     drop = None if drop is None else _on_runs(drop, runs, -1)
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
     return {"out": key_chunks_sum(p_drop, keys["v_chunks"]), "lse": lse, "max_logits": max_logits, "s": s,
-            "p": p, "dead": dead,
+            "p": p, "dead": np.isneginf(lse)[..., None],               # a row with no key
             "drop": drop, "saved": saved, "p_sink": p_row[..., w:], "keys": keys}
+
+
+def _row_total(e, w):
+    """The row sums [..., r, 1] of e [..., r, W (+ 1 with a sink)]: over the W keys in chunks
+    (key_chunks_sum), then the sink's term."""
+    total = key_chunks_sum(e[..., :w], np.ones((1, CHUNK, 1)))
+    return total if e.shape[-1] == w else total + e[..., w:]
 
 
 def _backward_tile(dout, q, f, o, score_shape, index, runs, keep, params):

@@ -16,7 +16,7 @@ rounded to T, every element-wise step computed in float32 and rounded to T:
                    (MLX's: dS = round(round(P dP) - round(P round(rowsum(round(P dP))))))
               softcap: dS = round(round(round(dS * softcap) * (1 - t^2)) / softcap)
               dq = round(dS k'),  dk = round(round(dS^T q) * scale)
-              dalibi_slopes = round(-sum of dS |i + N_k - N_q - j|), each product rounded (eager)
+              dslope = round(-sum of dS |i + N_k - N_q - j|), each product rounded (eager)
     (ALiBi's distances rounded to T where the scale is on S, as torch's int * bfloat16 does:
     beyond 256 in bfloat16, 2048 in float16)
 
@@ -45,7 +45,7 @@ from .. import scores
 from ..options import GRADIENTS
 from ..score_grads import ScoreGrads
 from ..scores import keep_mask
-from ..softmax_row import masked_row_weight, with_sink
+from ..softmax_row import masked_row_weight, row_weights, with_sink
 from .row_blocks import block_of, row_slices
 from .precision import round_to
 
@@ -233,8 +233,8 @@ def _forward_rows(rnd, q, k, v, used, o, precision, score_shape, index, reorder,
     s, saved = scores.forward(s, o, score_shape, index, keep, rounding)          # 2-4. (scores.py), rounded
     if mode == "fused":                                                          # S rounded once
         s = rnd(s)
-    p32, lse = _softmax32(with_sink(s, o, score_shape, index),                   # sinks: one more logit
-                          masked_row_weight(o.fully_masked, s.shape[-1]))
+    p32, lse = (x.astype(np.float32) for x in row_weights(                       # a sink: one more logit
+        with_sink(s, o, score_shape, index), masked_row_weight(o.fully_masked, s.shape[-1])))
     p, p_sink = rnd(p32[..., :s.shape[-1]]), p32[..., s.shape[-1]:]
     drop = _drop(block_of(o.dropout_scale, score_shape, index))
     if reorder:                                                                  # P~ = P mask, v' = v / (1 - p)
@@ -275,19 +275,6 @@ def _narrow_matmul(x, y, bits):
         bits_of = acc.view(np.uint32)
         bits_of &= ~low
     return acc
-
-
-def _softmax32(s, fill):
-    """(P, lse) of the scores in float32; a row of all -inf: P = fill (the fully_masked
-    policy's weight, softmax_row.masked_row_weight), lse = -inf. A row with a score of +inf (one that
-    overflowed T) is NaN: the precision cannot compute it, and no weight stands in for it."""
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    dead = np.isneginf(m)
-    with np.errstate(divide="ignore", invalid="ignore"):              # inf - inf: NaN, as it should
-        e = np.exp(s - np.where(dead, 0, m))
-        total = np.sum(e, axis=-1, keepdims=True)
-        lse = (np.where(dead, 0, m) + np.log(total))[..., 0]
-        return np.where(dead, fill, e / total).astype(np.float32), lse.astype(np.float32)
 
 
 def _eager_rows(rnd, dout, o, f, sums, mlx=False):

@@ -5,16 +5,9 @@ NPZ.jl) can produce a case. Keys (shape legend of textbook.py):
 
     inputs      q [..., H, N_q, d_k]  k [..., H_kv, N_k, d_k]  v [..., H_kv, N_k, d_v]
                 dout [..., H, N_q, d_v]            (needed when a gradient is given)
-    options     mask          keep-mask broadcastable to [..., H, N_q, N_k], True/nonzero = attend
-                              (a float one holds 0 / 1; torch's 0 / -inf float mask is a bias)
-                bias          additive float scores, broadcastable like mask
-                causal        0-d bool, or the alignment name 'top_left' / 'bottom_right'
-                align         0-d 'top_left' / 'bottom_right': the diagonal of causal and window
-                scale         0-d float > 0, finite (default 1 / sqrt(d_k))
-                window        int [2]: (left, right), -1 = unbounded
-                softcap       0-d float > 0, finite
-                dropout_mask  keep-mask broadcastable like mask;  dropout_p  0-d float in [0, 1)
-                fully_masked  0-d 'zero' / 'uniform' / 'nan' (default 'zero')
+    options     attention_forward's keywords, one row each of options.OPTIONS (its doc says the
+                value's meaning), stored by the row's `case` kind:
+{options}
                 rope_layout   0-d 'half' / 'interleaved': q and k are turned inside (rope.py; q, k,
                               dq, dk are the unturned ones); with it, optionally
                               rope_rotary_dim (0-d int), rope_part (0-d 'first' / 'last': which
@@ -24,7 +17,6 @@ NPZ.jl) can produce a case. Keys (shape legend of textbook.py):
                               rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow,
                               rope_truncate (0-d bool), rope_mscale, rope_mscale_all_dim,
                               rope_attention_factor (Hugging Face's YaRN keys)
-                gate          float broadcastable to out: out = (P V) * sigmoid(gate) (gate.py)
                 kv            MLA's latent keys [..., 1, N_k, r + p] in place of k and v, with
                               head_dim_v (0-d int r): the values are kv[..., :r] (mla.py)
     candidate   out [..., H, N_q, d_v]   (required)
@@ -36,8 +28,8 @@ NPZ.jl) can produce a case. Keys (shape legend of textbook.py):
 
 The candidate's dtype is that of its tensors (float16, float32 or float64; each
 tensor is judged in its own, so a float32 lse may come with a float16 out);
-the order of operations is textbook.py's: scale -> softcap -> bias -> masks
--> softmax -> dropout -> @ v.
+the order of operations is textbook.py's steps 1-7 (the scale, the score steps, the masks,
+the softmax, dropout, @ v).
 
 Here: the key lists (KEYS: all of them), Case (a case read, split_case's result) and CaseError,
 check_keys (a name that is no key refused, with a close match), and the decoding of the options'
@@ -49,8 +41,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._checks import require_choice, require_keep_mask, require_positive_real, require_probability
-from ..positions import ALIGNMENTS, check_window, resolve_alignment
+from .._checks import require_choice, require_keep_mask, require_positive_real
+from ..positions import ALIGNMENTS, resolve_alignment
 from ..option_checks import FULLY_MASKED_POLICIES
 from ..options import OPTIONS as OPTION_ROWS
 from ..near_misses import near_miss
@@ -64,6 +56,22 @@ ROPE = ("rope_layout", "rope_rotary_dim", "rope_part", "rope_base", "rope_positi
         "rope_scaling", "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow",
         "rope_truncate", "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor")
 _KIND = {row.name: row.case for row in OPTION_ROWS if row.case is not None}   # the table's options a case holds
+_CHECK = {row.name: row.check for row in OPTION_ROWS if row.check}
+# how a case stores each kind of option (before and after its shape), for the docstring's key list
+_STORED = {"array": ("array", " (as attention_forward takes it)"),
+           "float": ("float", ", rounded to the candidate's dtype"),
+           "mask": ("keep-mask", ", True/nonzero = attend\n" + " " * 30
+                    + "(a float one holds 0 / 1; torch's 0 / -inf float mask is a bias)"),
+           "causal": ("0-d bool, or the alignment name 'top_left' / 'bottom_right'", ""),
+           "align": ("0-d 'top_left' / 'bottom_right'", ""), "pair": ("int [2]", ""),
+           "positive": ("0-d float > 0, finite", ""), "probability": ("0-d float in [0, 1)", ""),
+           "policy": ("0-d 'zero' / 'uniform' / 'nan'", "")}
+_SHAPE = {"scores": " broadcastable to [..., H, N_q, N_k]", "heads": " [H] (or [..., H], [B, H])",
+          "output": " broadcastable to out", None: ""}
+if __doc__:                                                   # (python -OO drops docstrings)
+    __doc__ = __doc__.replace("{options}", "\n".join(
+        f"{'':16}{row.name:<14}{_STORED[row.case][0]}{_SHAPE[row.shape]}{_STORED[row.case][1]}"
+        for row in OPTION_ROWS if row.case))
 OPTIONS = tuple(_KIND) + PAGED + tuple(KEEP_STEPS) + ROPE   # + scores.py's steps, by name; rope gathered
                                                             # into attention_forward's rope={...}
 FLOAT_OPTIONS = tuple(name for name, kind in _KIND.items() if kind == "float")   # rounded to the candidate's dtype
@@ -144,7 +152,12 @@ def _pair(arrays, name):
     if x.shape != (2,) or x.dtype.kind not in "iu":
         raise CaseError(f"{name} must be an integer array of shape (2,), got dtype {x.dtype} "
                         f"with shape {x.shape}")
-    return check_window((int(x[0]), int(x[1])))
+    return _CHECK[name]((int(x[0]), int(x[1])), name)
+
+
+def _number(arrays, name):
+    """A 0-d real option, checked by its row's check."""
+    return _CHECK[name](_scalar(arrays, name, "float"), name)
 
 
 def _mask(arrays, name):
@@ -163,7 +176,7 @@ def _real(check):
 # an option's kind (options.OPTIONS' case) -> decode(arrays, name): its Python value, checked by
 # attention_forward's rules ('array' and 'float' options: as given)
 _DECODE = {"mask": _mask, "causal": _causal, "pair": _pair, "align": word(ALIGNMENTS),
-           "positive": _real(require_positive_real), "probability": _real(require_probability),
+           "positive": _number, "probability": _number,
            "policy": word(FULLY_MASKED_POLICIES)}
 
 

@@ -5,10 +5,11 @@ query heads meet only its k and v, and dk, dv sum over those heads' rows alone. 
 a case of its own, with q, dout [1, .., G, N_q, d] and k, v [1, .., 1, N_k, d] of one batch
 index and kv head and its options cut to match (an axis an option broadcasts along stays
 whole; top-k lists [..., H_kv or H, N_q, K] to its kv head's or its query heads'): its results
-are the whole case's there, bitwise, and put back together they are the whole case's. A
-bias, sinks or ALiBi slopes broadcast along the batch or the heads have a gradient summed
-over them: a case with gradients and such an option stays whole, one slice (without
-gradients it is cut like any other).
+are the whole case's there, bitwise, and put back together they are the whole case's. An
+option with a gradient (SUMMED: a bias, a gate, the per-head vectors of options.HEAD_ROWS)
+broadcast along the batch or the heads has its gradient summed over them: a case with
+gradients and such an option stays whole, one slice (without gradients it is cut like any
+other).
 
     slices = case_slices(case)                       # [(at, case of the slice)]
     whole = put_together(case, [at for at, _ in slices], [results of each slice])
@@ -72,15 +73,16 @@ def put_together(case, ats, results):
                 whole[name][kv_index(at, group)] = result[name]
             elif name in ("out", "lse", "max_logits", "dq"):
                 whole[name][at] = result[name]
-            else:                                    # dbias [.. scores], dgate [.. out], dsinks, dalibi_slopes [.., H]
+            else:                                    # dbias [.. scores], dgate [.. out], a head vector's [.., H]
                 cut(whole[name], at, q.ndim if name in WHOLE_AXES else heads)[...] = result[name]
     return whole
 
 
 def _cut_option(name, x, at, ndim):
     """The case's option `name` for the slice at (scores of ndim axes): mask, bias, dropout
-    cut along the scores' axes, a gate along out's, ALiBi slopes along [..., H], sinks [H] to the slice's heads,
-    topk_length [..., N_q] to its leading indices."""
+    cut along the scores' axes, a gate along out's, the per-head vectors (options.HEAD_ROWS) along
+    [..., H] (one that is [H] alone, as a sink logit per head, to the slice's heads), topk_length
+    [..., N_q] to its leading indices."""
     if x is None or at == (Ellipsis,):
         return x
     if name in BY_HEAD and not BY_HEAD[name]:        # [H] alone: the slice's heads

@@ -16,8 +16,9 @@ dtypes of the candidate's, merged by the same formula and rounded alike, and the
 (rule.py) holds the merged candidate to the merged baselines.
 
 A split case holds q, k, v and the scale (its precision, layout, lse base, and a fully_masked
-policy that no row of it needs): options along the keys (a mask, a bias, a diagonal) or with a row of their own
-(sinks) would have to be cut with the keys, or be counted once per part.
+policy that no row of it needs): options along the keys (a mask, a bias, a diagonal) or with
+a logit of their own in every row (a sink) would have to be cut with the keys, or be counted
+once per part.
 """
 import numpy as np
 
