@@ -32,6 +32,8 @@ products of <dout, out> (torch's double backward, JAX's jvp of grad):
 
 Derivations: docs/derivations.md, "Forward mode and second order".
 """
+import inspect
+
 import numpy as np
 
 from ._checks import as_float_array
@@ -123,6 +125,15 @@ def _primal_and_tangents(q, k, v, tangents, options, engines=("textbook",)):
     return q, k, v, o, plan, cache, checked, turned
 
 
+def _with_tangents(function):
+    """function, taking the option tangents in its **options, with a __signature__ that names them."""
+    params = list(inspect.signature(function).parameters.values())
+    tangents = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in OPTION_TANGENTS]
+    function.__signature__ = inspect.Signature(params[:-1] + tangents + params[-1:])
+    return function
+
+
+@_with_tangents
 def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, **options):
     """(out, out_dot, lse, lse_dot): attention and its tangent along the inputs' tangents.
 
@@ -140,7 +151,7 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, **options):
     if cache is None:                                  # the tiled or sparse engine: O(N) memory
         jvp = tiled_jvp if plan.implementation == "tiled" else sparse_jvp
         out, out_dot, lse, lse_dot = jvp(q, k, v, o, plan, dot["q_dot"], dot["k_dot"], dot["v_dot"],
-                                         *_at_step(dot, "row").values(), **_at_step(dot, "score"))
+                                         _at_step(dot, "score"), _at_step(dot, "row"))
     else:
         out, out_dot, lse, lse_dot = _textbook_jvp(q, k, v, o, cache, dot)
     if o.gate is not None:                             # 8. out = O * sigmoid(gate)
@@ -151,7 +162,7 @@ def attention_jvp(q, k, v, q_dot=None, k_dot=None, v_dot=None, **options):
 def _textbook_jvp(q, k, v, o, cache, dot):
     """(O, O_dot, lse, lse_dot) on the textbook's cache: steps 1-7 carrying the tangents."""
     S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.saved, _at_step(dot, "score"))   # 1-4.
-    P_dot, lse_dot = softmax_row_tangent(cache.weights, cache.lse, S_dot, o, *_at_step(dot, "row").values())   # 5.
+    P_dot, lse_dot = softmax_row_tangent(cache.weights, cache.lse, S_dot, o, **_at_step(dot, "row"))   # 5.
     P_dot = P_dot[..., :S_dot.shape[-1]]              # (the sink's column multiplies no value)
     drop = 1 if o.dropout_scale is None else o.dropout_scale
     out_dot = grouped_matmul(P_dot * drop, v) + grouped_matmul(cache.weights * drop, dot["v_dot"])   # 6-7.

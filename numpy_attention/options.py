@@ -5,11 +5,14 @@ every engine and crosscheck share, checked once.
 
 Each option is one row of OPTIONS: its keyword, default and meaning (attention_forward's
 signature and docstring are made from the rows), where it acts in the textbook's steps,
-how a .npz case holds it, its gradient and whether that gradient sums per head, whether
-the tiled engine computes it, its name in conform, and how to draw a value of it for a random
-case. The keyword arguments of attention_forward and attention_options, the case reader's
-keys (oracle/schema.py), the oracle's slices, conform's options, gradients and grid draws, and
-the gradcheck examples (gradcheck_cases.py) take their lists from here. `attention_options`
+how a .npz case holds it, its gradient and whether that gradient sums per head (and how the
+oracle bounds a per-head gradient's terms), whether the tiled engine computes it, its name in
+conform, the check of a one-value option, and how to draw a value of it for a random case. The
+keyword arguments of attention_forward and attention_options, the gradient records
+(caches.AttentionGrads, mla.MlaGrads), attention_jvp's tangents, the case reader's keys and
+their docs (oracle/schema.py), the oracle's slices and term magnitudes, conform's options,
+gradients and grid draws, and the gradcheck examples (gradcheck_cases.py) take their lists from
+here. `attention_options`
 runs every check (option_checks.py), so an engine only computes; where and how (the engine,
 its tiles, threads, a cluster) is the plan's (engines/plan.py). Shape legend as in textbook.py:
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
@@ -57,6 +60,9 @@ class Option(NamedTuple):
     every_score: bool = False       # its step reads every score of a row, a masked one too (a saved
                                     # stage kept whole; one more logit in every row): no column skipped
     policies: Optional[tuple] = None  # the fully_masked policies it takes, where not all of them
+    term: Optional[str] = None      # a per-head vector's: how the oracle bounds the terms of its gradient
+                                    # (oracle/magnitudes.py, TERMS): 'distance' dS times a distance
+                                    # below N_q + N_k; 'weight' its logit's weight times D
     check: Optional[Callable] = None  # check(value, name) -> the value checked, for a value one check
                                     # decides (attention_options and a case's reader call it)
     draw: Optional[Callable] = None  # draw(rng, sizes) -> {keyword: value}: a random value for a case of
@@ -134,13 +140,14 @@ OPTIONS = (
            "|i - j|); gets a gradient, grads.dalibi_slopes. With packed sequences or a paged KV "
            "cache: [H], or [B, H] with one row per sequence (as FlashAttention's varlen and kvcache "
            "functions take them), whose gradient's row b sums over sequence b's rows only.",
-           case="float", shape="heads", gradient="dalibi_slopes", batched=True, conform="alibi",
+           case="float", shape="heads", gradient="dalibi_slopes", batched=True, conform="alibi", term="distance",
            draw=lambda rng, n: {"alibi_slopes": 2.0 ** (-8 * np.arange(1, n.heads + 1) / n.heads)}),   # FA's slopes
     Option("sinks", None, "row", "[H]: one more logit per query head in every row's softmax, with no "
            "value (gpt-oss's attention sink): lse = log(sum_j exp S_ij + exp sink_h), and the sink's "
            "weight exp(sink_h - lse) multiplies nothing. A row whose keys are all masked gives out 0 "
            "and lse = sink (fully_masked must be 'zero'); the gradient is grads.dsinks.",
            case="float", shape="heads", gradient="dsinks", neginf=True, conform="sinks", every_score=True,
+           term="weight",
            policies=("zero",),
            draw=lambda rng, n: {"sinks": rng.standard_normal(n.heads)}),
     Option("gate", None, "output", "[..., H, N_q, 1] (headwise) or [..., H, N_q, d_v] (elementwise), "

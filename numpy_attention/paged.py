@@ -9,8 +9,8 @@ sequence (page_table's width),  page the page size,  L_b = cache_seqlens[b] cach
 Sequence b's keys are its pages' rows in order: key t (t < L_b) is row t % page of page
 page_table[b, t // page]. Attention over them is attention over packed sequences
 (positions.py): q packed as [H, B N_q, d_k], the keys gathered as [H_kv, sum_b L_b, d_k],
-with cu_seqlens from N_q and cache_seqlens, so causal masking and a sliding band of keys align
-on each sequence's own L_b (causal='bottom_right' puts the new queries at the end of the
+with cu_seqlens from N_q and cache_seqlens, so the steps by position align on each
+sequence's own L_b (causal='bottom_right' puts the new queries at the end of the
 cache, as FlashAttention's kvcache does), and ALiBi slopes [B, H] give sequence b its row
 (with [H], every sequence the same). The backward scatters each key's gradient back into its page
 row (summed, where pages are shared).

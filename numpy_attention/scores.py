@@ -17,7 +17,7 @@ row i the score S[.., i, cols[.., i, t]] (`block_of`).
                                            where it is over 1: a constant that weighs the key c
                                            times, so after score_mod (without one, with the bias);
                                            a gathered block gathers the key c times instead
-    4. S = -inf where not kept             keep = mask & causal & sliding band & packed sequences
+    4. S = -inf where not kept             keep = mask & the steps by position (positions.band_keep)
                                            & KEEP_STEPS (attention_chunk) & mask_mod & (bias != -inf)
                                            & listed (top-k lists: c > 0) (True = attend; positions.py)
     5. [S, sink]                           a sink: one more logit per row, with no value
@@ -91,7 +91,7 @@ def _attention_chunk(chunk, at):
     return at.cols // chunk == at.diagonal // chunk
 
 
-# name -> KeepStep: the steps that drop keys by position, beside causal and the sliding band (positions.py)
+# name -> KeepStep: the steps that drop keys by position, beside positions.band_keep's
 KEEP_STEPS = {"attention_chunk": KeepStep(require_positive_int, _attention_chunk)}
 
 
@@ -107,7 +107,7 @@ def check_keep_steps(steps, known=()):
 
 
 def keep_mask(options, score_shape, index=WHOLE):
-    """Which scores of S[index] are kept: mask & causal & sliding band & packed & KEEP_STEPS
+    """Which scores of S[index] are kept: mask & positions.band_keep & KEEP_STEPS
     & mask_mod & (bias != -inf) & listed (top-k lists).
 
     score_shape: [..., H, N_q, N_k]; index: a tuple into the scores whose last two

@@ -15,6 +15,7 @@ from numpy_attention.conformance.kernels import GRADIENT_OF
 from numpy_attention.forward_mode import OPTION_TANGENTS
 from numpy_attention.options import OPTIONS, attention_options, untiled
 from numpy_attention.oracle import schema, slices
+from numpy_attention.oracle.magnitudes import TERMS
 
 NAMES = [row.name for row in OPTIONS]
 OWN = ["implementation", "block_size", "workers", "scheduler", "page_table", "cache_seqlens", "rope"]
@@ -135,6 +136,10 @@ def test_the_gradient_records_and_the_forward_mode_tangents_come_from_the_rows()
     assert AttentionGrads._fields == ("dq", "dk", "dv") + gradients + ("dscore_mod_params", "stages")
     assert na.MlaGrads._fields == ("dq", "dkv") + gradients
     assert list(OPTION_TANGENTS) == [f"{row.name}_dot" for row in OPTIONS if row.gradient]
+    params = inspect.signature(na.attention_jvp).parameters
+    assert list(params) == ["q", "k", "v", "q_dot", "k_dot", "v_dot"] + list(OPTION_TANGENTS) + ["options"]
+    for row in OPTIONS:                        # a per-head vector's gradient has a bound of its terms
+        assert (row.term in TERMS) == (row.shape == "heads" and row.gradient is not None), row.name
     q = np.ones((2, 3, 4))
     with pytest.raises(TypeError, match="unexpected keyword argument 'bias_dott'"):
         na.attention_jvp(q, q, q, bias_dott=np.ones((3, 3)))

@@ -19,8 +19,8 @@ with it (the shrinker then finds which one a failure needs). Batch and heads shr
 case has at most MAX_SCORES scores B H N_q N_k (one head of 2048 x 2048 stays, two with
 grouped-query heads).
 Fully masked rows come where the options make them: a mask masks one row of each sequence,
-a bottom-right diagonal with N_q > N_k, a narrow sliding band of keys, a packed sequence with
-no key.
+a bottom-right diagonal with N_q > N_k, the keys a narrow pair option keeps (kernels.PAIRS),
+a packed sequence with no key.
 
 The sweep's order (cases()) is round-robin: round r holds role r of every cell, smallest
 first, so that a short budget still meets every cell; after the roles' first cases (j = 0)

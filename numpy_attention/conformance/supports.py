@@ -2,11 +2,11 @@
 
     dtypes    float32, bfloat16, float16: what the kernel computes in (its tensors' dtype)
     options   the variants of a case, one row of the table each (besides 'plain'); those of
-              options.OPTIONS pass the kernel its keyword, drawn by the row's draw (the values:
-              docs/conform.md):
+              options.OPTIONS pass the kernel its keyword, drawn by the row's draw with any
+              companion it needs, dropout_p beside its mask (the values: docs/conform.md):
                 causal        causal=True, top-left (torch's is_causal)
-                bottom_right  causal='bottom_right' (FlashAttention 2.1+), the diagonal of every
-                              banded option too
+                bottom_right  causal='bottom_right' (FlashAttention 2.1+); a case of the table's pair
+                              options (kernels.PAIRS) aligns them there too
                 gqa           grouped-query heads: k, v with H_kv < H heads
 {table}
                 varlen        packed sequences: q [H, total_q, d], cu_seqlens_q, cu_seqlens_k

@@ -66,11 +66,11 @@ def sparse_forward(q, k, v, options, plan):
                                     plan=plan)
 
 
-def sparse_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, sink_dot=None, **score_dots):
-    """(out, out_dot, lse, lse_dot) along the tangents (of their primals' shapes; sink_dot the
-    sink logits' and score_dots the score steps' options' (scores.tangent's bias_dot, ...), None:
-    0), the blocks as sparse_forward's."""
-    tangents = {"q_dot": q_dot, "k_dot": k_dot, "v_dot": v_dot, "sink_dot": sink_dot, "score_dots": score_dots}
+def sparse_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, score_dots, row_dots):
+    """(out, out_dot, lse, lse_dot) along the tangents (of their primals' shapes; score_dots and
+    row_dots: the tangents of the options that act in the score steps and in the row's, by their
+    keywords in scores.tangent and softmax_row_tangent; None: 0), the blocks as sparse_forward's."""
+    tangents = {"q_dot": q_dot, "k_dot": k_dot, "v_dot": v_dot, "score_dots": score_dots, "row_dots": row_dots}
     out, lse, _, out_dot, lse_dot = _run_spans(q, k, v, options, plan, tangents)
     return out, out_dot, lse, lse_dot
 
@@ -196,8 +196,8 @@ def _span(at, span, *, o, score_shape, block_rows, q3, k3, v3, k_dot=None, v_dot
     return results
 
 
-def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None, vd_h=None, sink_dot=None,
-                   score_dots=None):
+def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None, vd_h=None, score_dots=None,
+                   row_dots=None):
     """(out [G, b, d_v], lse, max_logits [G, b][, out_dot, lse_dot]) of one block (a function of
     its own, so that its gathered keys and values are gone before the next block gathers)."""
     heads, b = at[-1].stop - at[-1].start, rows.stop - rows.start
@@ -215,7 +215,8 @@ def _forward_block(o, score_shape, at, rows, q3, k_h, v_h, q_dot=None, kd_h=None
     qd_rows = q_dot[at + (rows,)].reshape(q_rows.shape)                # forward mode
     s_dot = (_dots(qd_rows, k_h[cols]) + _dots(q_rows, kd_h[cols])) * o.scale   # 1.
     s_dot = scores.tangent(s_dot.reshape(s.shape), o, score_shape, index, saved, keep, **score_dots)   # 2-4.
-    P_dot, lse_dot = softmax_row_tangent(P, lse, s_dot, _row_options(o), sink_dot, score_shape, index)   # 5.
+    P_dot, lse_dot = softmax_row_tangent(P, lse, s_dot, _row_options(o), score_shape=score_shape, index=index,
+                                         **row_dots)                   # 5.
     P_dot = P_dot[..., :s.shape[-1]]                                   # (the sink's multiplies no value)
     out_dot = _mix(_dropped(P_dot, o, score_shape, index), v_listed) + \
         _mix(_dropped(P, o, score_shape, index), vd_h[cols])          # 6-7.

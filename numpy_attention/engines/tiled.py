@@ -25,10 +25,9 @@ Backward, per query block i and key block j (P recomputed from lse, never stored
     dq_i += scale * dS_ij k_j,   dk_j += scale * dS_ij^T q_i,   dbias_ij = dS_ij (unbroadcast)
     dslope_i += -rowsum(dS_ij * |i + N_k - N_q - j|)              each row's; summed per slope at the end
 
-Blocks in which the keep-mask (scores.keep_mask: causal masking, a sliding band of keys, the
-mask, a -inf bias, ...) keeps no score are skipped in both passes. Grouped-query heads meet
-their kv heads as in the textbook (`grouped_matmul`: the G query heads of a kv head stacked as
-rows), so dk and dv sum over each group inside the matmul.
+Blocks in which the keep-mask (scores.keep_mask) keeps no score are skipped in both passes.
+Grouped-query heads meet their kv heads as in the textbook (`grouped_matmul`: the G query heads
+of a kv head stacked as rows), so dk and dv sum over each group inside the matmul.
 
 Tasks (engines/parallel.py: threads with `workers`, a Dask cluster with `scheduler`): the
 forward's query tiles i, each reading all of k and v; the backward's slices, one per (batch
@@ -158,7 +157,7 @@ def tile_scores_tangent(o, q_i, k_j, tangents, score_shape, rows, cols, keep, sa
     return scores.tangent(s_dot, o, score_shape, (Ellipsis, rows, cols), saved, keep, **tangents.scores)   # 2-4.
 
 
-def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, sinks_dot=None, **score_dots):
+def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, score_dots, row_dots):
     """(out, out_dot, lse, lse_dot) by the online softmax carrying its tangents, O(N) memory.
 
     With e_j = exp(S_j - m) over a row's kept keys j (and the sink):
@@ -166,8 +165,8 @@ def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, sinks_dot=None, **sco
         lse_dot = sum_j e_j S_dot_j / sum_j e_j
     both sums rescaled with the running max exactly as out's (module docstring).
     q, k, v, options as `attention_options` returns them, the plan as tiled_forward's;
-    tangents of their primals' shapes; score_dots: the score steps' parameters' (scores.tangent's
-    bias_dot, ...; None: 0).
+    tangents of their primals' shapes; score_dots and row_dots: the tangents of the options that
+    act in the score steps (scores.tangent's bias_dot, ...) and in the row's (sinks_dot); None: 0.
     """
     o = options
     q3, k3, v3 = with_head_axis(q), with_head_axis(k), with_head_axis(v)
@@ -178,7 +177,7 @@ def tiled_jvp(q, k, v, options, plan, q_dot, k_dot, v_dot, sinks_dot=None, **sco
     row_tiles = tiles(score_shape[-2], plan.block_size)
     items = [(scaled(q3[..., rows, :], o.scale), rows, scaled(q_dot3[..., rows, :], o.scale)) for rows in row_tiles]
     shared = _shared(o, plan, k3=k3, v3=v3, score_shape=score_shape, k_dot=k_dot3, v_dot=v_dot3,
-                     score_dots=score_dots, sinks_dot=sinks_dot)
+                     score_dots=score_dots, sinks_dot=row_dots.get("sinks_dot"))
     for rows, result in zip(row_tiles, run_tasks(_jvp_rows, items, plan.workers, shared, plan.scheduler)):
         out[..., rows, :], lse[..., rows], out_dot[..., rows, :], lse_dot[..., rows] = result
     shape = q.shape[:-1]

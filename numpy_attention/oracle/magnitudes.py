@@ -24,8 +24,9 @@ rounded apart, is off by eps |S|, and so is every weight it recomputes from it.
 
 A per-head vector's gradient (options.HEAD_ROWS) sums over every row of its head, and over
 the batch where the vector is broadcast along it ([H]), or for a [B, H] one of packed
-sequences over the rows of its sequence alone; so do its terms: a score step's (ALiBi's
-slopes) dS times a distance below N_q + N_k, a row step's (a sink's) P_sink D.
+sequences over the rows of its sequence alone; so do its terms, each row's by its table row's
+`term` (TERMS): 'distance' dS times a distance below N_q + N_k (ALiBi's slopes), 'weight' the
+logit's weight times D, P_sink D = (1 - rowsum(P)) D (a sink).
 """
 import numpy as np
 
@@ -35,6 +36,7 @@ from ..scores import slopes_sum
 from .rule import ATOL_ULPS
 
 EXPONENT_ULPS = 1           # the rounding of a weight's argument S - lse, in ulps of its terms
+TERMS = ("distance", "weight")   # the per-head vectors' bounds (options.Option.term)
 
 
 def term_magnitudes(stage_blocks, inputs, options):
@@ -73,9 +75,9 @@ def term_sums(stage_blocks, inputs, options):
     row_max = {"out": 0.0, "lse": 0.0, "dq": 0.0}       # the largest sum along a row
     col_sum = {"dv": 0.0, "dk": 0.0}                    # [..., H, N_k] sums down the columns
     dbias = np.zeros(np.shape(options["bias"])) if "bias" in options else None
-    head_rows = {acts: np.zeros(with_head_axis(inputs["q"]).shape[:-1]) for acts in ("score", "row")}
+    head_rows = {term: np.zeros(with_head_axis(inputs["q"]).shape[:-1]) for term in TERMS}
                                                         # [..., H, N_q] each row's terms of a per-head
-                                                        # vector's gradient, by the step it acts in
+                                                        # vector's gradient, by its row's term
     reach = inputs["q"].shape[-2] + inputs["k"].shape[-2]         # ALiBi's distances are below N_q + N_k
     c = EXPONENT_ULPS / ATOL_ULPS
     for index, stages in stage_blocks:
@@ -92,7 +94,7 @@ def term_sums(stage_blocks, inputs, options):
         p, p_rows = (p_drop, p_drop_rows) if stages["P~"] is stages["P"] else _without_nan(stages["P"])
         pa = pa_drop if p is p_drop else p * a
         D = np.abs(stages["D"])
-        head_rows["row"][index[:-1]] = np.clip(1 - p_rows, 0, None) * D   # P_sink D = (1 - rowsum(P)) D
+        head_rows["weight"][index[:-1]] = np.clip(1 - p_rows, 0, None) * D   # P_sink D = (1 - rowsum(P)) D
         if np.isnan(D).any():                                          # NaN rows (out NaN): no term
             dead = np.isnan(D)
             p, pa = (np.where(dead[..., None], 0, x) for x in (p, pa))
@@ -115,13 +117,13 @@ def term_sums(stage_blocks, inputs, options):
         dk_cols += c * y.sum(-2)
         row_max["dq"] = max(row_max["dq"], dq_rows.max(initial=0))
         col_sum = {"dv": col_sum["dv"] + dv_cols, "dk": col_sum["dk"] + dk_cols}
-        head_rows["score"][index[:-1]] = reach * dq_rows
+        head_rows["distance"][index[:-1]] = reach * dq_rows
     sums = {**row_max, "dv": _kv_column_max(col_sum["dv"], h_kv), "dk": _kv_column_max(col_sum["dk"], h_kv)}
     if dbias is not None:
         sums["dbias"] = float(dbias.max(initial=0))
     for row in HEAD_ROWS:                           # each entry's rows: its head's, or its sequence's
         if row.gradient and row.name in options:
-            total = slopes_sum(head_rows[row.acts], options[row.name], options.get("cu_seqlens_q"))
+            total = slopes_sum(head_rows[row.term], options[row.name], options.get("cu_seqlens_q"))
             sums[row.gradient] = float(np.max(total, initial=0))
     return sums
 

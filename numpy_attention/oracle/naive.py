@@ -196,7 +196,7 @@ def naive_attention(q, k, v, options, dout=None):
             for run, cols in _side_by_side(runs):                       # dk, dv += the tile's sums
                 dk[..., run, :] += dk_t[..., cols, :]
                 dv[..., run, :] += dv_t[..., cols, :]
-            if f["p_sink"].shape[-1]:                                   # a sink's column
+            if f["dsink"] is not None:                                  # the sink's column
                 params.add_sink(f["dsink"], index + (slice(None),))
     result = {"out": out.reshape(q.shape[:-1] + v.shape[-1:]), "lse": lse.reshape(q.shape[:-1]),
               "max_logits": max_logits.reshape(q.shape[:-1])}
@@ -287,7 +287,8 @@ def _forward_tile(q, keys, o, score_shape, index, runs, keep):
     p_drop = p if drop is None else (p * drop).astype(s.dtype)
     return {"out": key_chunks_sum(p_drop, keys["v_chunks"]), "lse": lse, "max_logits": max_logits, "s": s,
             "p": p, "dead": np.isneginf(lse)[..., None],               # a row with no key
-            "drop": drop, "saved": saved, "p_sink": p_row[..., w:], "keys": keys}
+            "drop": drop, "saved": saved, "keys": keys,
+            "p_sink": p_row[..., w:] if p_row.shape[-1] > w else None}    # the sink's weights, or None
 
 
 def _row_total(e, w):
@@ -311,7 +312,8 @@ def _backward_tile(dout, q, f, o, score_shape, index, runs, keep, params):
     dp = dp if drop is None else (dp * drop).astype(s.dtype)
     D = recursive_rowsum(dout * f["out"])                          # [..., r, 1]
     ds = p * (dp - D)
-    f["dsink"] = -np.sum(f["p_sink"] * D, axis=(-2, -1))          # the sink's column of dS, summed
+    f["dsink"] = None if f["p_sink"] is None else -np.sum(f["p_sink"] * D, axis=(-2, -1))   # the sink's
+                                                                                          # column of dS, summed
     for run, cols in _side_by_side(runs):                          # 4-2. (scores.py)
         ds[..., cols] = scores.backward(ds[..., cols], o, score_shape, index + (run,), f["saved"].at(
             (Ellipsis, cols)), None if keep is None else keep[..., run], grads=params)

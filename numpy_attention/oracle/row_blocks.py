@@ -10,9 +10,8 @@ size N_q x N_k is formed besides the case's own arrays (a mask or bias it gives 
 Softmax is row-wise: out, lse and dq of a block of rows need only that block. dk, dv and
 dbias are sums over rows: the recipe continues its own sums across the blocks, in its own
 order (float32 sums rounded once, or the flash backward's tiles). Masks, bias and the steps
-that depend on positions (causal masking, a sliding band of keys, ALiBi: positions.py) are
-taken at the block's absolute positions, so a block of the scores is exactly those rows of
-the whole.
+that depend on positions (positions.py) are taken at the block's absolute positions, so a
+block of the scores is exactly those rows of the whole.
 
 Shape legend (textbook.py): ... batch axes, H query heads, N_q / N_k lengths, b rows of a
 block. An index into the scores is a tuple (Ellipsis, ..., rows, cols) of slices, as

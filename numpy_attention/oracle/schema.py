@@ -28,8 +28,8 @@ NPZ.jl) can produce a case. Keys (shape legend of textbook.py):
 
 The candidate's dtype is that of its tensors (float16, float32 or float64; each
 tensor is judged in its own, so a float32 lse may come with a float16 out);
-the order of operations is textbook.py's steps 1-7 (the scale, the score steps, the masks,
-the softmax, dropout, @ v).
+the order of operations is textbook.py's: {order} -> masks -> softmax -> dropout
+-> @ v.
 
 Here: the key lists (KEYS: all of them), Case (a case read, split_case's result) and CaseError,
 check_keys (a name that is no key refused, with a close match), and the decoding of the options'
@@ -63,15 +63,23 @@ _STORED = {"array": ("array", " (as attention_forward takes it)"),
            "mask": ("keep-mask", ", True/nonzero = attend\n" + " " * 30
                     + "(a float one holds 0 / 1; torch's 0 / -inf float mask is a bias)"),
            "causal": ("0-d bool, or the alignment name 'top_left' / 'bottom_right'", ""),
-           "align": ("0-d 'top_left' / 'bottom_right'", ""), "pair": ("int [2]", ""),
+           "align": ("0-d 'top_left' / 'bottom_right'", ""), "pair": ("int [2]: (left, right), -1 = unbounded", ""),
            "positive": ("0-d float > 0, finite", ""), "probability": ("0-d float in [0, 1)", ""),
            "policy": ("0-d 'zero' / 'uniform' / 'nan'", "")}
-_SHAPE = {"scores": " broadcastable to [..., H, N_q, N_k]", "heads": " [H] (or [..., H], [B, H])",
-          "output": " broadcastable to out", None: ""}
+_SHAPE = {"scores": " broadcastable to [..., H, N_q, N_k]", "heads": " [H]", "output": " broadcastable to out",
+          None: ""}
+
+
+def _entry(row):
+    """The docstring's line of a row's key: its name, how a case stores it, its default."""
+    shape = " [H] (or [..., H], or [B, H] per packed sequence)" if row.batched else _SHAPE[row.shape]
+    default = "" if row.default in (None, False) else f" (default {row.default!r})"
+    return f"{'':16}{row.name:<14}{_STORED[row.case][0]}{shape}{_STORED[row.case][1]}{default}"
+
+
 if __doc__:                                                   # (python -OO drops docstrings)
-    __doc__ = __doc__.replace("{options}", "\n".join(
-        f"{'':16}{row.name:<14}{_STORED[row.case][0]}{_SHAPE[row.shape]}{_STORED[row.case][1]}"
-        for row in OPTION_ROWS if row.case))
+    __doc__ = __doc__.replace("{options}", "\n".join(_entry(row) for row in OPTION_ROWS if row.case)).replace(
+        "{order}", " -> ".join(row.name for row in OPTION_ROWS if row.acts == "score" and row.case))
 OPTIONS = tuple(_KIND) + PAGED + tuple(KEEP_STEPS) + ROPE   # + scores.py's steps, by name; rope gathered
                                                             # into attention_forward's rope={...}
 FLOAT_OPTIONS = tuple(name for name, kind in _KIND.items() if kind == "float")   # rounded to the candidate's dtype
