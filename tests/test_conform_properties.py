@@ -77,6 +77,7 @@ def test_a_norm_preserving_wrong_forward_fails_every_judged_trial():
     assert set(found) == {(p, "float32") for p in names if p not in ("empty_rows", "nan_keys")}, found
 
 
+@pytest.mark.slow                                   # lengths up to 641: about 18 s
 def test_declared_block_sizes_add_lengths_that_find_a_fault_past_256():
     """partial_block_of_320 passes the lengths of 16 to 256; its declared block adds 319, 320, 321,
     639, 640, 641 (N_q = N_k and N_q = 1), and it fails at 321, 639 and 641 alone."""
