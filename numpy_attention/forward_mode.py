@@ -189,8 +189,7 @@ def attention_hvp(q, k, v, dout, q_dot=None, k_dot=None, v_dot=None, **options):
     dout = _tangent(dout, cache.out, "dout", q.dtype)
     h_kv, n_k = with_head_axis(k).shape[-3], cache.weights.shape[-1]
     drop = 1 if o.dropout_scale is None else o.dropout_scale
-    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"],
-                            cache.saved, {})
+    S_dot = _scores_tangent(q, k, o, dot["q_dot"], dot["k_dot"], cache.saved, {})   # 1-4., no option's tangent
     P_row = with_sink_weight(cache.weights, cache.lse, o)
     P_dot_row = softmax_row_tangent(cache.weights, cache.lse, S_dot, o)[0]
     pad = lambda x: x if P_row.shape[-1] == n_k else np.concatenate(                     # the sink's
