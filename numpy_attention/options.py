@@ -12,9 +12,9 @@ keyword arguments of attention_forward and attention_options, the gradient recor
 (caches.AttentionGrads, mla.MlaGrads), attention_jvp's tangents, the case reader's keys and
 their docs (oracle/schema.py), the oracle's slices and term magnitudes, conform's options,
 gradients and grid draws, and the gradcheck examples (gradcheck_cases.py) take their lists from
-here. `attention_options`
-runs every check (option_checks.py), so an engine only computes; where and how (the engine,
-its tiles, threads, a cluster) is the plan's (engines/plan.py). Shape legend as in textbook.py:
+here. `attention_options` runs every check (option_checks.py), so an engine only computes;
+where and how (the engine, its tiles, threads, a cluster) is the plan's (engines/plan.py).
+Shape legend as in textbook.py:
     ...   leading batch axes;  H query heads,  H_kv key/value heads (H_kv divides H)
     N_q, N_k lengths;  d_k, d_v widths;  the scores S are [..., H, N_q, N_k]
 

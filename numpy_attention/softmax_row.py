@@ -43,8 +43,9 @@ def row_weights(S_row, fill, exp=np.exp, log=np.log, total=lambda e: np.sum(e, a
     """Step 5's arithmetic written out, for a baseline that rounds it as a kernel does: (P_row,
     lse) of S_row [..., rows, cols] (with_sink's), in S_row's dtype:
         m = max_j S_ij,  e = exp(S - m),  t = total(e),  lse = m + log(t),  P_row = e / t
-    a row of all -inf: P_row = fill (masked_row_weight's), lse = -inf. exp, log and total (the
-    row sums [..., rows, 1]) are the kernel's own: in a wider type, in chunks of keys."""
+    a row of all -inf: P_row = fill (masked_row_weight's), lse = -inf; a row with a score of +inf
+    (one that overflowed a narrow dtype): NaN, for no weight stands in for it. exp, log and total
+    (the row sums [..., rows, 1]) are the kernel's own: in a wider type, in chunks of keys."""
     m = np.max(S_row, axis=-1, keepdims=True, initial=-np.inf)
     dead = np.isneginf(m)
     m = np.where(dead, 0, m).astype(S_row.dtype)

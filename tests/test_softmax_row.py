@@ -131,3 +131,6 @@ def test_row_weights_keep_the_dtype_and_take_the_kernels_exp():
     assert P_row.dtype == lse.dtype == np.float16
     np.testing.assert_allclose(P_row, softmax_row(S.astype(np.float64), options())[0], atol=2e-3)
     assert not P_row[0, 1].any() and np.isneginf(lse[0, 1])
+    S[1, 0, 2] = np.inf                                # a score that overflowed float16: NaN, not a weight
+    P_row, lse = row_weights(S, 0.0)
+    assert np.isnan(P_row[1, 0]).all() and np.isnan(lse[1, 0]) and not np.isnan(P_row[1, 1]).any()
